@@ -1,0 +1,30 @@
+# Every target sets itself up: a fresh machine needs only python3 (3.10+) and make.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch is installed first and pinned by constraints.txt, so no other package can pull a
+# different (multi-GB) build. Override on other platforms, e.g. a Jetson's NVIDIA wheels.
+TORCH ?= torch==2.14.1 torchvision==0.29.1
+
+.PHONY: setup test lint proto bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	touch $@
+
+test: setup
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+# Regenerates shared/wire/fedattn_pb2*.py from proto/ (tests/test_proto_current.py fails when stale).
+proto: setup
+	$(PY) scripts/gen_proto.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,3 @@
+"""Code both fedattn daemons use (installed as ``fedattn_shared``)."""
+
+PROTOCOL_VERSION = 1

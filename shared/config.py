@@ -1,0 +1,188 @@
+"""One typed configuration: defaults < TOML file < command-line flags < --set overrides.
+
+The TOML file has a section per concern (``[server]``, ``[train]``) and one per method
+(``[fedprox] mu = 0.01``). ``--set section.key=value`` overrides any single value; the
+value is parsed as a TOML value (``--set fedprox.mu=0.1``, ``--set train.private=["bn"]``).
+The server resolves everything and sends ``[train]`` and the method's section to edges.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 (JetPack 6)
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """Bad configuration: the message names the file, section and key."""
+
+
+@dataclass
+class TrainConfig:
+    model: str = "lenet-bn"
+    num_classes: int = 10
+    class_names: list[str] = field(default_factory=list)
+    in_channels: int = 1
+    image_size: int = 28
+    local_epochs: int = 1
+    batch_size: int = 32
+    optimizer: str = "sgd"
+    lr: float = 0.01
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    seed: int = 0
+    test_fraction: float = 0.2
+    private: list[str] = field(default_factory=list)
+
+    def validate(self) -> None:
+        if self.num_classes < 2:
+            raise ConfigError(f"train.num_classes must be >= 2, got {self.num_classes}")
+        if self.class_names and len(self.class_names) != self.num_classes:
+            raise ConfigError(f"train.class_names has {len(self.class_names)} names for "
+                              f"{self.num_classes} classes")
+        if self.optimizer not in ("sgd", "adam"):
+            raise ConfigError(f"train.optimizer must be 'sgd' or 'adam', got {self.optimizer!r}")
+        for name in ("local_epochs", "batch_size", "in_channels", "image_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ConfigError(f"train.lr must be > 0, got {self.lr}")
+        if not 0 < self.test_fraction < 1:
+            raise ConfigError(f"train.test_fraction must be in (0, 1), got {self.test_fraction}")
+
+    @property
+    def classes(self) -> list[str]:
+        return self.class_names or [str(i) for i in range(self.num_classes)]
+
+
+@dataclass
+class ServerConfig:
+    method: str = "fedavg"
+    rounds: int = 10
+    min_edges: int = 2
+    quorum: int = 0            # results that close a training phase; 0 = every selected edge
+    fraction: float = 1.0      # share of connected edges selected for training each round
+    round_timeout: float = 600.0
+    eval_every: int = 1
+    host: str = "0.0.0.0"
+    port: int = 50051
+    metrics_port: int = -1     # -1: no Prometheus endpoint; 0: any free port
+    checkpoint_dir: str = "./server-state"
+    resume: bool = False
+    insecure: bool = False
+    join_token: str = ""
+    chunk_bytes: int = 1 << 20
+    max_concurrent_uploads: int = 4
+    keep_checkpoints: int = 2
+    poll_timeout: float = 20.0
+
+    def validate(self) -> None:
+        if self.rounds < 1:
+            raise ConfigError(f"server.rounds must be >= 1, got {self.rounds}")
+        if self.min_edges < 1:
+            raise ConfigError(f"server.min_edges must be >= 1, got {self.min_edges}")
+        if self.quorum < 0:
+            raise ConfigError(f"server.quorum must be >= 0, got {self.quorum}")
+        if not 0 < self.fraction <= 1:
+            raise ConfigError(f"server.fraction must be in (0, 1], got {self.fraction}")
+        if not self.round_timeout > 0:
+            raise ConfigError(f"server.round_timeout must be > 0, got {self.round_timeout}")
+        if not 1024 <= self.chunk_bytes <= 3 << 20:
+            raise ConfigError(f"server.chunk_bytes must be in [1024, 3 MiB], got {self.chunk_bytes}")
+        if self.max_concurrent_uploads < 1:
+            raise ConfigError("server.max_concurrent_uploads must be >= 1")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"server.port out of range: {self.port}")
+        if self.eval_every < 0:
+            raise ConfigError(f"server.eval_every must be >= 0, got {self.eval_every}")
+
+
+def _check_type(where: str, value: Any, annotation: Any) -> Any:
+    """Coerce a TOML value to a dataclass field's type, or raise naming the field."""
+    origin = typing.get_origin(annotation)
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if annotation in (int, str, bool, float):
+        if type(value) is not annotation:
+            raise ConfigError(f"{where}: expected {annotation.__name__}, got {value!r}")
+        return value
+    if origin is list:
+        (inner,) = typing.get_args(annotation)
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return [_check_type(f"{where}[{i}]", v, inner) for i, v in enumerate(value)]
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(annotation):
+            try:
+                return _check_type(where, value, option)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{where}: {value!r} does not fit {annotation}")
+    if annotation is type(None) and value is None:
+        return None
+    raise ConfigError(f"{where}: unsupported type {annotation}")
+
+
+def apply_values(obj: Any, section: str, values: dict[str, Any], source: str) -> None:
+    """Set dataclass fields from a mapping, refusing unknown keys and wrong types."""
+    hints = typing.get_type_hints(type(obj))
+    names = {f.name for f in dataclasses.fields(obj)}
+    for key, value in values.items():
+        if key not in names:
+            known = ", ".join(sorted(names)) or "(none)"
+            raise ConfigError(f"{source}: unknown key {section}.{key} (known: {known})")
+        setattr(obj, key, _check_type(f"{source}: {section}.{key}", value, hints[key]))
+
+
+def parse_set(items: list[str]) -> dict[str, dict[str, Any]]:
+    """``["fedprox.mu=0.1", ...]`` -> {"fedprox": {"mu": 0.1}}; values parsed as TOML."""
+    out: dict[str, dict[str, Any]] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        section, dot, name = key.strip().partition(".")
+        if not sep or not dot or not section or not name:
+            raise ConfigError(f"--set {item!r}: expected section.key=value")
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw  # a bare word: take it as a string
+        out.setdefault(section, {})[name] = value
+    return out
+
+
+def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"config file {path}: {err}") from None
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"config file {path}: top-level key {section!r} must be a [section]")
+    return data
+
+
+def merge_sources(*sources: tuple[str, dict[str, dict[str, Any]]]) -> dict[str, tuple[str, dict]]:
+    """Later sources win, key by key. Keeps the name of the source of each section's keys."""
+    merged: dict[str, tuple[str, dict]] = {}
+    for name, data in sources:
+        for section, values in data.items():
+            _, current = merged.get(section, (name, {}))
+            merged[section] = (name, {**current, **values})
+    return merged
+
+
+def to_json(obj: Any) -> str:
+    return json.dumps(dataclasses.asdict(obj), sort_keys=True)

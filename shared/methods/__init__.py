@@ -1,0 +1,17 @@
+"""Federated methods: one module per method, found through the ``fedattn.methods``
+entry-point group so that a third party can add one as a plug-in."""
+
+from .base import (
+    AggregatorKind,
+    EdgeAlgorithm,
+    Method,
+    MethodContext,
+    SectionSpec,
+    TensorSpec,
+)
+from .registry import available_methods, load_method
+
+__all__ = [
+    "AggregatorKind", "EdgeAlgorithm", "Method", "MethodContext", "SectionSpec", "TensorSpec",
+    "available_methods", "load_method",
+]

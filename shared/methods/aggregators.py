@@ -1,0 +1,202 @@
+"""Server-side aggregators, one class per kind.
+
+* ``StreamingMean`` -- streaming weighted sum: each upload is added into a running sum as
+  it arrives (O(model) memory, compatible with secure aggregation); the round's mean
+  replaces the global sections.
+* ``ServerOptimizer`` -- the same streamed mean, then an optimizer step on the server
+  (FedAdam's moments, SCAFFOLD's control variate) whose state lives in the checkpoint.
+* ``CollectThenLearn`` -- keeps every upload of the round and learns from all of them
+  at once (robust statistics, learned aggregators); never combinable with secure
+  aggregation for those sections.
+
+Global state is a dict of sections: (kind, name) -> {tensor name: tensor}. Everything in
+it is broadcast to the edges; ``state_tensors``/``load_state`` cover it plus any
+optimizer state for the checkpoint.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ..wire.codec import Kind, Payload, Section
+from .base import AggregatorKind
+
+if TYPE_CHECKING:
+    from .base import Method
+
+SectionKey = tuple[Kind, str]
+
+
+def _flat_key(section: SectionKey, name: str) -> str:
+    kind, section_name = section
+    return f"{kind.label}:{section_name}:{name}"
+
+
+def _split_key(key: str) -> tuple[SectionKey, str]:
+    kind_label, section_name, name = key.split(":", 2)
+    return (Kind[kind_label.upper()], section_name), name
+
+
+def flatten_sections(sections: dict[SectionKey, dict[str, torch.Tensor]],
+                     prefix: str = "") -> dict[str, torch.Tensor]:
+    return {prefix + _flat_key(sec, name): t for sec, ts in sections.items() for name, t in ts.items()}
+
+
+def unflatten_sections(flat: dict[str, torch.Tensor],
+                       prefix: str = "") -> dict[SectionKey, dict[str, torch.Tensor]]:
+    out: dict[SectionKey, dict[str, torch.Tensor]] = {}
+    for key, tensor in flat.items():
+        if key.startswith(prefix):
+            section, name = _split_key(key[len(prefix):])
+            out.setdefault(section, {})[name] = tensor
+    return out
+
+
+class Aggregator(abc.ABC):
+    kind: AggregatorKind
+
+    def __init__(self, method: Method, models: dict[str, nn.Module]):
+        self.method = method
+        self.specs = method.shared_specs(models)
+        self.state: dict[SectionKey, dict[str, torch.Tensor]] = method.initial_state(models)
+        self.round = 0
+        self.selected: list[str] = []
+        self.known_edges = 0
+
+    # ---- downlink -----------------------------------------------------------------
+    def broadcast(self, phase: str) -> Payload:
+        """The common downlink of a phase: every global section."""
+        return Payload([Section(kind, name, dict(tensors))
+                        for (kind, name), tensors in self.state.items()])
+
+    def personal(self, edge_id: str, phase: str) -> Payload:
+        """Sections for one edge only (none by default)."""
+        return Payload()
+
+    # ---- uplink -------------------------------------------------------------------
+    def begin_round(self, round_number: int, selected: list[str], known_edges: int) -> None:
+        self.round = round_number
+        self.selected = list(selected)
+        self.known_edges = known_edges
+
+    @abc.abstractmethod
+    def accept(self, edge_id: str, upload: Payload, weight: float) -> None:
+        """Take one validated upload into the round's aggregate."""
+
+    @abc.abstractmethod
+    def finish(self) -> dict[str, Any]:
+        """Close the round: update the global state; returns figures for the history."""
+
+    # ---- checkpoint ---------------------------------------------------------------
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return flatten_sections(self.state, "global:")
+
+    def state_meta(self) -> dict[str, Any]:
+        return {"round": self.round}
+
+    def load_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        self.state = unflatten_sections(tensors, "global:")
+        self.round = int(meta.get("round", 0))
+
+
+class StreamingMean(Aggregator):
+    """Weighted mean of every uploaded section, kept as a running sum."""
+
+    kind = AggregatorKind.STREAMING_SUM
+
+    def __init__(self, method: Method, models: dict[str, nn.Module]):
+        super().__init__(method, models)
+        self._sum: dict[SectionKey, dict[str, torch.Tensor]] = {}
+        self._weight = 0.0
+        self._count = 0
+
+    def begin_round(self, round_number: int, selected: list[str], known_edges: int) -> None:
+        super().begin_round(round_number, selected, known_edges)
+        self._sum, self._weight, self._count = {}, 0.0, 0
+
+    def accept(self, edge_id: str, upload: Payload, weight: float) -> None:
+        if not weight > 0:
+            raise ValueError(f"edge {edge_id}: aggregation weight must be > 0, got {weight}")
+        for section in upload.sections:
+            sums = self._sum.setdefault((section.kind, section.name), {})
+            for name, tensor in section.tensors.items():
+                value = tensor.to(torch.float32)
+                if name in sums:
+                    sums[name].add_(value, alpha=weight)
+                else:
+                    sums[name] = value.mul(weight)
+        self._weight += weight
+        self._count += 1
+
+    def means(self) -> dict[SectionKey, dict[str, torch.Tensor]]:
+        return {sec: {name: (s / self._weight) for name, s in sums.items()}
+                for sec, sums in self._sum.items()}
+
+    def apply(self, means: dict[SectionKey, dict[str, torch.Tensor]]) -> None:
+        """Replace each global section by the round's mean (in the stored dtype)."""
+        for section, tensors in means.items():
+            current = self.state.get(section, {})
+            self.state[section] = {
+                name: value.to(current[name].dtype) if name in current else value
+                for name, value in tensors.items()
+            }
+
+    def finish(self) -> dict[str, Any]:
+        figures = {"aggregated": self._count, "total_weight": self._weight}
+        if self._count:
+            self.apply(self.means())
+        self._sum = {}
+        return figures
+
+
+class ServerOptimizer(StreamingMean):
+    """A streamed mean followed by a server-side step implemented in ``apply``."""
+
+    kind = AggregatorKind.SERVER_OPTIMIZER
+
+    def __init__(self, method: Method, models: dict[str, nn.Module]):
+        super().__init__(method, models)
+        self.optimizer_state: dict[str, torch.Tensor] = {}
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        out = super().state_tensors()
+        out.update({f"opt:{k}": v for k, v in self.optimizer_state.items()})
+        return out
+
+    def load_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        super().load_state(tensors, meta)
+        self.optimizer_state = {k[4:]: v for k, v in tensors.items() if k.startswith("opt:")}
+
+
+class CollectThenLearn(Aggregator):
+    """Keeps the round's uploads individually; ``learn`` turns them into new global state."""
+
+    kind = AggregatorKind.COLLECT
+
+    def __init__(self, method: Method, models: dict[str, nn.Module]):
+        super().__init__(method, models)
+        self.uploads: dict[str, tuple[Payload, float]] = {}
+
+    def begin_round(self, round_number: int, selected: list[str], known_edges: int) -> None:
+        super().begin_round(round_number, selected, known_edges)
+        self.uploads = {}
+
+    def accept(self, edge_id: str, upload: Payload, weight: float) -> None:
+        copied = Payload([Section(s.kind, s.name, {k: v.clone() for k, v in s.tensors.items()})
+                          for s in upload.sections])
+        self.uploads[edge_id] = (copied, weight)
+
+    @abc.abstractmethod
+    def learn(self, uploads: dict[str, tuple[Payload, float]]) -> dict[str, Any]:
+        """Update ``self.state`` from all uploads of the round."""
+
+    def finish(self) -> dict[str, Any]:
+        figures: dict[str, Any] = {"aggregated": len(self.uploads)}
+        if self.uploads:
+            figures.update(self.learn(self.uploads))
+        self.uploads = {}
+        return figures

@@ -1,0 +1,269 @@
+"""The Method abstraction: everything a federated method declares, in one place.
+
+A method module declares
+  * its models (named: one for most methods, two for Ditto, ...),
+  * a split rule per model (which tensors are shared, which stay private),
+  * the edge side: hooks into the one generic training loop (``EdgeAlgorithm``),
+  * the server side: an aggregator of one of three kinds (``aggregators.py``),
+  * its payload schema: the sections each phase uploads, checked on the server before
+    any byte of an upload touches the aggregate.
+
+The daemons only ever talk to this interface; none of them branches on a method name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import TrainConfig
+from ..models import build_model, model_spec
+from ..wire.codec import Kind, Payload, Section
+from . import split
+
+if TYPE_CHECKING:
+    from .aggregators import Aggregator
+
+TRAIN = "train"
+EVALUATE = "evaluate"
+
+
+class AggregatorKind(str, enum.Enum):
+    STREAMING_SUM = "streaming_weighted_sum"        # O(model) running sum; SecAgg-compatible
+    SERVER_OPTIMIZER = "server_optimizer"           # an optimizer step over the streamed mean
+    COLLECT = "collect_then_learn"                  # needs the individual uploads
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    is_buffer: bool = False  # float buffers (BN running statistics) are averaged, not stepped
+
+
+@dataclass(frozen=True)
+class SectionSpec:
+    kind: Kind
+    name: str
+    tensors: dict[str, TensorSpec]
+
+
+@dataclass
+class NoParams:
+    """A method without hyperparameters of its own."""
+
+
+@dataclass
+class MethodContext:
+    """What a method instance is built from: the run's training config and its own params."""
+
+    train: TrainConfig
+    params: Any
+
+
+def qualified(model_name: str, key: str) -> str:
+    return f"{model_name}/{key}"
+
+
+def unqualify(name: str) -> tuple[str, str]:
+    model_name, _, key = name.partition("/")
+    return model_name, key
+
+
+class Method:
+    """Base class of every method. Subclasses set the class attributes and override hooks."""
+
+    name: ClassVar[str] = ""
+    Params: ClassVar[type] = NoParams
+    aggregator_kind: ClassVar[AggregatorKind] = AggregatorKind.STREAMING_SUM
+    private_rules: ClassVar[tuple[str, ...]] = ()
+    phases: ClassVar[tuple[str, ...]] = (TRAIN, EVALUATE)
+
+    def __init__(self, context: MethodContext):
+        self.train = context.train
+        self.params = context.params
+        split.check_rules(self.train.private)
+        self.head = model_spec(self.train.model).head
+
+    # ---- declarations -------------------------------------------------------------
+    def model_names(self) -> tuple[str, ...]:
+        return ("model",)
+
+    def build_models(self) -> dict[str, nn.Module]:
+        """Fresh models, identical on every edge and the server for the same seed."""
+        torch.manual_seed(self.train.seed)
+        t = self.train
+        return {name: build_model(t.model, t.num_classes, t.in_channels, t.image_size)
+                for name in self.model_names()}
+
+    def split_rules(self) -> dict[str, tuple[str, ...]]:
+        """Private rules per model: the method's own plus the user's ``train.private``."""
+        rules = tuple(dict.fromkeys(self.private_rules + tuple(self.train.private)))
+        return {name: rules for name in self.model_names()}
+
+    def shared_specs(self, models: dict[str, nn.Module]) -> dict[str, TensorSpec]:
+        specs: dict[str, TensorSpec] = {}
+        rules = self.split_rules()
+        for model_name, model in models.items():
+            params = dict(model.named_parameters())
+            state = model.state_dict()
+            for key in split.shared_names(model, rules[model_name], self.head):
+                tensor = state[key]
+                specs[qualified(model_name, key)] = TensorSpec(
+                    tensor.dtype, tuple(tensor.shape), is_buffer=key not in params)
+        return specs
+
+    def initial_state(self, models: dict[str, nn.Module]) -> dict[tuple[Kind, str], dict[str, torch.Tensor]]:
+        """The server's starting global sections (shared tensors of fresh models)."""
+        shared = self.shared_specs(models)
+        if not shared:
+            return {}
+        tensors = {}
+        for name in shared:
+            model_name, key = unqualify(name)
+            tensors[name] = models[model_name].state_dict()[key].detach().clone()
+        return {(Kind.SHARED_TENSORS, ""): tensors}
+
+    def uplink_schema(self, phase: str, models: dict[str, nn.Module]) -> list[SectionSpec]:
+        """Sections an edge uploads in ``phase``; the server refuses anything else."""
+        if phase != TRAIN:
+            return []
+        shared = self.shared_specs(models)
+        return [SectionSpec(Kind.SHARED_TENSORS, "", shared)] if shared else []
+
+    def aggregation_weight(self, num_examples: int) -> float:
+        return float(num_examples)
+
+    def fingerprint(self, models: dict[str, nn.Module]) -> str:
+        """Identifies the method, model and split: stored private state must match it."""
+        description = {
+            "method": self.name,
+            "model": self.train.model,
+            "num_classes": self.train.num_classes,
+            "in_channels": self.train.in_channels,
+            "image_size": self.train.image_size,
+            "split": self.split_rules(),
+            "tensors": [
+                [model_name, key, list(t.shape), str(t.dtype)]
+                for model_name, model in sorted(models.items())
+                for key, t in model.state_dict().items()
+            ],
+        }
+        blob = json.dumps(description, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:32]
+
+    def describe_params(self) -> dict[str, Any]:
+        return dataclasses.asdict(self.params)
+
+    # ---- the two halves -----------------------------------------------------------
+    def edge(self, models: dict[str, nn.Module], device: torch.device) -> EdgeAlgorithm:
+        return EdgeAlgorithm(self, models, device)
+
+    def server(self, models: dict[str, nn.Module]) -> Aggregator:
+        from .aggregators import StreamingMean
+
+        return StreamingMean(self, models)
+
+
+class EdgeAlgorithm:
+    """Edge-side hooks around the generic training loop in ``fl_edge.trainer``.
+
+    The loop calls, per round: ``receive`` (the downlink), then for every batch
+    ``training_step`` -> backward -> ``post_backward`` (parameter-only terms as gradient
+    post-processing, so they also survive DP-SGD's clipping) -> optimizer steps, then
+    ``after_train`` for the upload. ``predict`` is the personalized model used for
+    evaluation and export.
+    """
+
+    def __init__(self, method: Method, models: dict[str, nn.Module], device: torch.device):
+        self.method = method
+        self.models = {name: model.to(device) for name, model in models.items()}
+        self.device = device
+        self.shared_specs = method.shared_specs(self.models)
+        self.global_tensors: dict[str, torch.Tensor] = {}
+        self._optimizers: list[torch.optim.Optimizer] | None = None
+
+    # ---- tensors --------------------------------------------------------------------
+    def state_tensor(self, name: str) -> torch.Tensor:
+        model_name, key = unqualify(name)
+        return self.models[model_name].state_dict(keep_vars=True)[key]
+
+    def load_shared(self, tensors: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for model_name, model in self.models.items():
+                state = model.state_dict(keep_vars=True)
+                for name, value in tensors.items():
+                    owner, key = unqualify(name)
+                    if owner == model_name:
+                        state[key].copy_(value)
+
+    def shared_values(self) -> dict[str, torch.Tensor]:
+        return {name: self.state_tensor(name).detach().clone() for name in self.shared_specs}
+
+    def named_trainable(self, model_name: str) -> Iterable[tuple[str, nn.Parameter]]:
+        return ((qualified(model_name, k), p) for k, p in self.models[model_name].named_parameters()
+                if p.requires_grad)
+
+    # ---- hooks ----------------------------------------------------------------------
+    def receive(self, phase: str, common: Payload, personal: Payload) -> None:
+        shared = common.tensors(Kind.SHARED_TENSORS)
+        self.global_tensors = {k: v.to(self.device).clone() for k, v in shared.items()}
+        self.load_shared(self.global_tensors)
+
+    def parameter_groups(self) -> list[dict]:
+        return [{"params": [p for name in self.models for _, p in self.named_trainable(name)]}]
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        if self._optimizers is None:
+            t = self.method.train
+            groups = self.parameter_groups()
+            if t.optimizer == "adam":
+                opt = torch.optim.Adam(groups, lr=t.lr, weight_decay=t.weight_decay)
+            else:
+                opt = torch.optim.SGD(groups, lr=t.lr, momentum=t.momentum,
+                                      weight_decay=t.weight_decay)
+            self._optimizers = [opt]
+        return self._optimizers
+
+    def train_mode(self) -> None:
+        for model in self.models.values():
+            model.train()
+
+    def eval_mode(self) -> None:
+        for model in self.models.values():
+            model.eval()
+
+    def begin_train(self) -> None:
+        """Called after ``receive`` and before the first batch of a training phase."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.models["model"](x), y)
+
+    def post_backward(self) -> None:
+        """Gradient post-processing for parameter-only terms (proximal pulls, corrections)."""
+
+    def after_train(self, steps: int) -> Payload:
+        """The training upload: by default the shared tensors."""
+        if not self.shared_specs:
+            return Payload()
+        return Payload([Section(Kind.SHARED_TENSORS, "", self.shared_values())])
+
+    def predict(self, x: torch.Tensor) -> torch.Tensor:
+        return self.models["model"](x)
+
+    # ---- private method state (besides model tensors and optimizer state) -------------
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore what ``state_tensors`` returned."""

@@ -1,0 +1,7 @@
+"""FedAvg (McMahan et al., 2017): every shared tensor averaged with weights n_k."""
+
+from .base import Method
+
+
+class FedAvg(Method):
+    name = "fedavg"

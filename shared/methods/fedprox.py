@@ -1,0 +1,36 @@
+"""FedProx (Li et al., 2020): local objective + (mu/2)||w - w_global||^2.
+
+The proximal term depends on parameters only, so it is applied as gradient
+post-processing (grad += mu (w - w_global)) rather than added to the loss; that keeps it
+exact under DP-SGD, whose per-sample clipping would otherwise clip it too.
+"""
+
+from dataclasses import dataclass
+
+from .base import EdgeAlgorithm, Method
+
+
+@dataclass
+class FedProxParams:
+    mu: float = 0.01
+
+
+def add_proximal_gradient(edge: EdgeAlgorithm, reference: dict, mu: float) -> None:
+    """grad += mu * (w - reference[w]) for every trainable tensor that has a reference."""
+    for name, ref in reference.items():
+        param = edge.state_tensor(name)
+        if param.requires_grad and param.grad is not None:
+            param.grad.add_(param.detach() - ref, alpha=mu)
+
+
+class FedProxEdge(EdgeAlgorithm):
+    def post_backward(self) -> None:
+        add_proximal_gradient(self, self.global_tensors, self.method.params.mu)
+
+
+class FedProx(Method):
+    name = "fedprox"
+    Params = FedProxParams
+
+    def edge(self, models, device):
+        return FedProxEdge(self, models, device)

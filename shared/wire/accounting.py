@@ -1,0 +1,77 @@
+"""Byte accounting: every message counted by kind and direction, on both daemons.
+
+Wire bytes are what gRPC carries for a message (its serialized size plus gRPC's 5-byte
+length prefix); raw bytes are the tensor bytes inside it. Data chunks belong to exactly
+one section, so both are attributed to that section's kind; headers, joins, polls and
+replies are counted as kind "meta". Totals go to Prometheus counters (labels kind,
+direction, edge) and to a per-round tally that the server writes into history.json.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+
+from prometheus_client import CollectorRegistry, Counter
+
+GRPC_FRAME_PREFIX = 5
+META = "meta"
+UP = "up"      # edge -> server
+DOWN = "down"  # server -> edge
+
+
+def message_wire_bytes(message) -> int:
+    return message.ByteSize() + GRPC_FRAME_PREFIX
+
+
+class ByteMeter:
+    """Thread-safe tallies of wire and raw bytes, mirrored into Prometheus counters."""
+
+    def __init__(self, registry: CollectorRegistry | None, namespace: str = "fedattn"):
+        self._lock = threading.Lock()
+        self._round: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0])
+        self._total: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0])
+        self._wire = self._raw = self._messages = None
+        if registry is not None:
+            labels = ["kind", "direction", "edge"]
+            self._wire = Counter(f"{namespace}_wire_bytes", "Bytes on the wire (protobuf + gRPC prefix)",
+                                 labels, registry=registry)
+            self._raw = Counter(f"{namespace}_raw_tensor_bytes", "Raw tensor bytes carried",
+                                labels, registry=registry)
+            self._messages = Counter(f"{namespace}_messages", "gRPC messages", labels,
+                                     registry=registry)
+
+    def count(self, direction: str, kind: str, wire: int, raw: int = 0, edge: str = "") -> None:
+        with self._lock:
+            for table in (self._round, self._total):
+                entry = table[(direction, kind)]
+                entry[0] += wire
+                entry[1] += raw
+                entry[2] += 1
+        if self._wire is not None:
+            self._wire.labels(kind, direction, edge).inc(wire)
+            self._messages.labels(kind, direction, edge).inc()
+            if raw:
+                self._raw.labels(kind, direction, edge).inc(raw)
+
+    def count_message(self, direction: str, message, edge: str = "", kind: str = META,
+                      raw: int = 0) -> None:
+        self.count(direction, kind, message_wire_bytes(message), raw, edge)
+
+    @staticmethod
+    def _as_dict(table) -> dict:
+        out: dict = {}
+        for (direction, kind), (wire, raw, messages) in sorted(table.items()):
+            out.setdefault(direction, {})[kind] = {"wire": wire, "raw": raw, "messages": messages}
+        return out
+
+    def take_round(self) -> dict:
+        """The tally since the last call, as {direction: {kind: {wire, raw, messages}}}."""
+        with self._lock:
+            out = self._as_dict(self._round)
+            self._round.clear()
+        return out
+
+    def totals(self) -> dict:
+        with self._lock:
+            return self._as_dict(self._total)

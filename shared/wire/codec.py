@@ -1,0 +1,289 @@
+"""Tensor payloads <-> protobuf manifests plus raw little-endian bytes, in chunks.
+
+A payload is an ordered list of sections; each section has one kind and an ordered set
+of named tensors. On the wire a payload is a manifest (kinds, names, dtypes, shapes,
+total size, CRC-32) followed by the tensors' raw bytes in manifest order, cut into data
+chunks that never span two sections (so every chunk's bytes are attributable to one
+kind). Receiving is bounded: the manifest is checked against a byte cap before any
+buffer is allocated, each chunk against the declared layout, and the CRC at the end.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import sys
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from . import fedattn_pb2 as pb
+
+if sys.byteorder != "little":  # pragma: no cover - every supported edge is little-endian
+    raise ImportError("fedattn's wire codec assumes a little-endian host")
+
+DEFAULT_CHUNK_BYTES = 1 << 20
+MAX_TENSOR_DIMS = 8
+
+
+class WireError(ValueError):
+    """A payload or message that does not match what was declared or expected."""
+
+
+class Kind(enum.IntEnum):
+    SHARED_TENSORS = pb.SHARED_TENSORS
+    STAT_VECTORS = pb.STAT_VECTORS
+    SCALAR_SUMMARY = pb.SCALAR_SUMMARY
+    PROTOTYPES = pb.PROTOTYPES
+    CONTROL = pb.CONTROL
+    SECAGG = pb.SECAGG
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+_TORCH_TO_WIRE = {
+    torch.float32: pb.FLOAT32,
+    torch.float16: pb.FLOAT16,
+    torch.bfloat16: pb.BFLOAT16,
+    torch.float64: pb.FLOAT64,
+    torch.int64: pb.INT64,
+    torch.int32: pb.INT32,
+    torch.uint8: pb.UINT8,
+    torch.int8: pb.INT8,
+    torch.bool: pb.BOOL,
+}
+_WIRE_TO_TORCH = {v: k for k, v in _TORCH_TO_WIRE.items()}
+
+
+def wire_dtype(dtype: torch.dtype) -> int:
+    try:
+        return _TORCH_TO_WIRE[dtype]
+    except KeyError:
+        raise WireError(f"dtype {dtype} cannot travel on the wire") from None
+
+
+def torch_dtype(code: int) -> torch.dtype:
+    try:
+        return _WIRE_TO_TORCH[code]
+    except KeyError:
+        raise WireError(f"unknown wire dtype code {code}") from None
+
+
+def dtype_name(code: int) -> str:
+    return pb.DType.Name(code) if code in pb.DType.values() else f"dtype#{code}"
+
+
+@dataclass
+class Section:
+    kind: Kind
+    name: str = ""
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def raw_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+@dataclass
+class Payload:
+    sections: list[Section] = field(default_factory=list)
+
+    def get(self, kind: Kind, name: str = "") -> Section | None:
+        for section in self.sections:
+            if section.kind == kind and section.name == name:
+                return section
+        return None
+
+    def tensors(self, kind: Kind, name: str = "") -> dict[str, torch.Tensor]:
+        section = self.get(kind, name)
+        return section.tensors if section is not None else {}
+
+    @property
+    def raw_bytes(self) -> int:
+        return sum(s.raw_bytes for s in self.sections)
+
+
+def _tensor_bytes(meta: pb.TensorMeta) -> int:
+    dtype = torch_dtype(meta.dtype)
+    if len(meta.shape) > MAX_TENSOR_DIMS:
+        raise WireError(f"tensor {meta.name!r}: {len(meta.shape)} dims (max {MAX_TENSOR_DIMS})")
+    if any(d < 0 for d in meta.shape):
+        raise WireError(f"tensor {meta.name!r}: negative dimension in shape {list(meta.shape)}")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return math.prod(meta.shape) * itemsize
+
+
+def section_sizes(manifest: pb.PayloadManifest) -> list[int]:
+    """Byte length of each section as the manifest declares it (validated)."""
+    return [sum(_tensor_bytes(t) for t in s.tensors) for s in manifest.sections]
+
+
+@dataclass
+class EncodedPayload:
+    """A payload laid out for sending: its manifest and each section's raw bytes."""
+
+    manifest: pb.PayloadManifest
+    section_kinds: list[Kind]
+    section_views: list[list[memoryview]]
+
+    @property
+    def total_bytes(self) -> int:
+        return self.manifest.total_bytes
+
+    def chunks(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[tuple[Kind, bytes]]:
+        """Data chunks of at most ``chunk_bytes``, each inside one section."""
+        for kind, views in zip(self.section_kinds, self.section_views):
+            pending: list[memoryview] = []
+            size = 0
+            for view in views:
+                offset = 0
+                while offset < len(view):
+                    take = min(chunk_bytes - size, len(view) - offset)
+                    pending.append(view[offset : offset + take])
+                    size += take
+                    offset += take
+                    if size == chunk_bytes:
+                        yield kind, b"".join(pending)
+                        pending, size = [], 0
+            if size:
+                yield kind, b"".join(pending)
+
+
+def _raw_view(tensor: torch.Tensor) -> memoryview:
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def encode(payload: Payload) -> EncodedPayload:
+    manifest = pb.PayloadManifest()
+    crc = 0
+    total = 0
+    kinds: list[Kind] = []
+    views: list[list[memoryview]] = []
+    for section in payload.sections:
+        meta = manifest.sections.add(kind=int(section.kind), name=section.name)
+        section_views = []
+        for name, tensor in section.tensors.items():
+            meta.tensors.add(name=name, dtype=wire_dtype(tensor.dtype), shape=list(tensor.shape))
+            view = _raw_view(tensor)
+            crc = zlib.crc32(view, crc)
+            total += len(view)
+            section_views.append(view)
+        kinds.append(Kind(section.kind))
+        views.append(section_views)
+    manifest.total_bytes = total
+    manifest.crc32 = crc
+    return EncodedPayload(manifest=manifest, section_kinds=kinds, section_views=views)
+
+
+class PayloadAssembler:
+    """Receives one payload chunk by chunk, refusing anything off the declared layout."""
+
+    def __init__(self, manifest: pb.PayloadManifest, max_bytes: int, max_chunk_bytes: int):
+        for section in manifest.sections:
+            if section.kind not in Kind._value2member_map_:
+                raise WireError(f"section {section.name!r}: unknown kind {section.kind}")
+        self.sizes = section_sizes(manifest)
+        declared = sum(self.sizes)
+        if declared != manifest.total_bytes:
+            raise WireError(
+                f"manifest total_bytes {manifest.total_bytes} != {declared} implied by shapes"
+            )
+        if declared > max_bytes:
+            raise WireError(f"payload of {declared} bytes exceeds the cap of {max_bytes}")
+        self.manifest = manifest
+        self.max_chunk_bytes = max_chunk_bytes
+        self.buffer = bytearray(declared)
+        self.received = 0
+        self.crc = 0
+        self._section = 0
+        self._section_end = self.sizes[0] if self.sizes else 0
+        self._skip_empty_sections()
+
+    def _skip_empty_sections(self) -> None:
+        while self._section < len(self.sizes) and self.received == self._section_end:
+            self._section += 1
+            if self._section < len(self.sizes):
+                self._section_end += self.sizes[self._section]
+
+    def current_kind(self) -> Kind:
+        if self._section >= len(self.sizes):
+            raise WireError("data chunk after the declared payload ended")
+        return Kind(self.manifest.sections[self._section].kind)
+
+    def add(self, chunk: bytes) -> Kind:
+        """Append one chunk; returns the kind of the section it belongs to."""
+        kind = self.current_kind()
+        if len(chunk) == 0:
+            raise WireError("empty data chunk")
+        if len(chunk) > self.max_chunk_bytes:
+            raise WireError(f"chunk of {len(chunk)} bytes exceeds {self.max_chunk_bytes}")
+        end = self.received + len(chunk)
+        if end > self._section_end:
+            raise WireError(
+                f"chunk crosses the end of section {self._section} "
+                f"({self.manifest.sections[self._section].name!r})"
+            )
+        self.buffer[self.received : end] = chunk
+        self.crc = zlib.crc32(chunk, self.crc)
+        self.received = end
+        self._skip_empty_sections()
+        return kind
+
+    @property
+    def complete(self) -> bool:
+        return self.received == len(self.buffer)
+
+    def finish(self) -> Payload:
+        if not self.complete:
+            raise WireError(f"payload truncated: {self.received} of {len(self.buffer)} bytes")
+        if self.crc != self.manifest.crc32:
+            raise WireError(f"payload CRC-32 mismatch ({self.crc:#010x} != {self.manifest.crc32:#010x})")
+        return decode(self.manifest, self.buffer)
+
+
+def decode(manifest: pb.PayloadManifest, data: bytes | bytearray) -> Payload:
+    """Tensors view ``data`` without copying when it is a writable buffer."""
+    buffer = data if isinstance(data, bytearray) else bytearray(data)
+    payload = Payload()
+    offset = 0
+    for meta in manifest.sections:
+        section = Section(kind=Kind(meta.kind), name=meta.name)
+        for tmeta in meta.tensors:
+            nbytes = _tensor_bytes(tmeta)
+            if offset + nbytes > len(buffer):
+                raise WireError(f"tensor {tmeta.name!r} runs past the end of the data")
+            if tmeta.name in section.tensors:
+                raise WireError(f"section {meta.name!r}: duplicate tensor {tmeta.name!r}")
+            dtype = torch_dtype(tmeta.dtype)
+            count = math.prod(tmeta.shape)
+            if count:
+                read_as = torch.uint8 if dtype == torch.bool else dtype
+                tensor = torch.frombuffer(buffer, dtype=read_as, count=count, offset=offset)
+                if dtype == torch.bool:
+                    tensor = tensor.to(torch.bool)
+            else:
+                tensor = torch.empty(0, dtype=dtype)
+            section.tensors[tmeta.name] = tensor.reshape(tuple(tmeta.shape))
+            offset += nbytes
+        payload.sections.append(section)
+    if offset != len(buffer):
+        raise WireError(f"{len(buffer) - offset} bytes of data beyond the declared tensors")
+    return payload
+
+
+def nonfinite_tensors(payload: Payload) -> list[str]:
+    """Names (section/tensor) of floating tensors holding NaN or Inf."""
+    bad = []
+    for section in payload.sections:
+        for name, tensor in section.tensors.items():
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                bad.append(f"{section.kind.label}:{section.name}/{name}" if section.name
+                           else f"{section.kind.label}/{name}")
+    return bad
