@@ -163,9 +163,11 @@ def parse_set(items: list[str]) -> dict[str, dict[str, Any]]:
 def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))  # TOML is UTF-8, whatever the locale
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"config file {path}: {err}") from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"config file {path}: {err}") from None
     for section, values in data.items():

@@ -54,7 +54,8 @@ class ScaffoldEdge(EdgeAlgorithm):
         for name in self.control_names:
             if steps > 0:
                 y = self.state_tensor(name).detach()
-                new = self.c_local[name] - self.c_global[name] + (self.global_tensors[name] - y) / (steps * lr)
+                drift = (self.global_tensors[name] - y) / (steps * lr)
+                new = self.c_local[name] - self.c_global[name] + drift
             else:
                 new = self.c_local[name]
             delta_c[name] = new - self.c_local[name]

@@ -136,7 +136,9 @@ class EncodedPayload:
 
     def chunks(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[tuple[Kind, bytes]]:
         """Data chunks of at most ``chunk_bytes``, each inside one section."""
-        for kind, views in zip(self.section_kinds, self.section_views):
+        if chunk_bytes < 1:  # 0 would yield empty chunks forever
+            raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+        for kind, views in zip(self.section_kinds, self.section_views, strict=True):
             pending: list[memoryview] = []
             size = 0
             for view in views:

@@ -1,0 +1,1 @@
+"""The fedattn edge daemon (``fl-edge``)."""

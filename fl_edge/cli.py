@@ -1,0 +1,73 @@
+"""``fl-edge``: run an edge that trains on its own --data-dir for a fl-server."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from fedattn_shared.logs import setup_logging
+
+from .daemon import EdgeDaemon, EdgeExit, EdgeOptions
+
+log = logging.getLogger("fl_edge")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fl-edge",
+        description="fedattn edge daemon: joins a fl-server, trains on local data, keeps "
+                    "private state on local disk. The server chooses the method and model.")
+    parser.add_argument("--server", required=True, help="HOST:PORT of the fl-server")
+    parser.add_argument("--data-dir", required=True, type=Path,
+                        help="this device's data (train.npz/test.npz or data.npz, "
+                             "optional global_test.npz)")
+    parser.add_argument("--state-dir", type=Path, default=None,
+                        help="private state and identity (default: DATA_DIR/../<name>.fedattn-state)")
+    parser.add_argument("--name", default=None,
+                        help="edge id to create on first start (default: a random id)")
+    parser.add_argument("--token", default=os.environ.get("FEDATTN_TOKEN", ""),
+                        help="cluster join token (default: $FEDATTN_TOKEN)")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--metrics-port", type=int, default=-1,
+                        help="Prometheus port (0: any free port; default: off)")
+    parser.add_argument("--insecure", action="store_true",
+                        help="plaintext gRPC (required until TLS is configured)")
+    parser.add_argument("--retry-for", type=float, default=0.0,
+                        help="give up after this many seconds without the server (0: never)")
+    parser.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
+                        help="progress bars (auto: when a terminal is attached)")
+    parser.add_argument("--log-level", default="INFO")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    if not args.insecure:
+        print("fl-edge: error: TLS is not configured yet; pass --insecure for plaintext gRPC",
+              file=sys.stderr)
+        return 2
+    if not args.data_dir.is_dir():
+        print(f"fl-edge: error: --data-dir {args.data_dir} is not a directory", file=sys.stderr)
+        return 2
+    state_dir = args.state_dir or args.data_dir.resolve().parent / (
+        f"{args.data_dir.resolve().name}.fedattn-state")
+    options = EdgeOptions(
+        server=args.server, data_dir=args.data_dir, state_dir=state_dir, join_token=args.token,
+        name=args.name, device=args.device, metrics_port=args.metrics_port,
+        progress={"auto": None, "on": True, "off": False}[args.progress],
+        retry_for=args.retry_for)
+    try:
+        return EdgeDaemon(options).run()
+    except EdgeExit as err:
+        print(f"fl-edge: error: {err}", file=sys.stderr)
+        return err.code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

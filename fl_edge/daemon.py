@@ -1,0 +1,380 @@
+"""The edge's session loop: join, keep presence, long-poll for tasks, train or evaluate,
+stream results back; reconnect with backoff whenever the server is away.
+
+The edge takes no method flag: the server's join reply carries the method, model and
+hyperparameters. The model stays resident across rounds; private state is written
+atomically after every local training, before the upload.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import torch
+from fedattn_shared import PROTOCOL_VERSION
+from fedattn_shared.config import ConfigError, TrainConfig, apply_values
+from fedattn_shared.data import DataError, EdgeData, load_edge_data
+from fedattn_shared.methods import load_method
+from fedattn_shared.methods.base import EVALUATE, TRAIN, EdgeAlgorithm, Method, MethodContext
+from fedattn_shared.state import StateError
+from fedattn_shared.wire import fedattn_pb2 as pb
+from fedattn_shared.wire import fedattn_pb2_grpc as pb_grpc
+from fedattn_shared.wire.accounting import DOWN, META, UP, ByteMeter, message_wire_bytes
+from fedattn_shared.wire.codec import Payload, PayloadAssembler, WireError, encode
+from fedattn_shared.wire.transport import MAX_MESSAGE_BYTES, channel_options
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+from .store import PrivateStore, load_or_create_identity, private_digest
+from .trainer import evaluate, loader_seed, train_local
+
+log = logging.getLogger("fl_edge")
+
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+             grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+             grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED}
+
+
+class EdgeExit(Exception):
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class Rejoin(Exception):
+    """The server no longer knows this session (it restarted): join again at once."""
+
+
+@dataclass
+class EdgeOptions:
+    server: str
+    data_dir: Path
+    state_dir: Path
+    join_token: str = ""
+    name: str | None = None
+    device: str = "auto"
+    metrics_port: int = -1
+    progress: bool | None = None
+    max_backoff: float = 30.0
+    retry_for: float = 0.0  # seconds without reaching the server before giving up; 0: forever
+    eval_batch_size: int = 256
+
+
+@dataclass
+class Received:
+    header: pb.TaskHeader
+    common: Payload
+    personal: Payload
+
+
+class EdgeMetrics:
+    def __init__(self, registry: CollectorRegistry):
+        self.round = Gauge("fedattn_edge_round", "Last round this edge worked on", registry=registry)
+        self.connected = Gauge("fedattn_edge_connected", "1 while joined to the server",
+                               registry=registry)
+        self.train_seconds = Gauge("fedattn_edge_local_train_seconds", "Last local training time",
+                                   registry=registry)
+        self.samples_per_second = Gauge("fedattn_edge_samples_per_second",
+                                        "Last local training throughput", registry=registry)
+        self.accuracy = Gauge("fedattn_edge_accuracy", "Last evaluation accuracy", ["split"],
+                              registry=registry)
+        self.loss = Gauge("fedattn_edge_loss", "Last evaluation mean loss", ["split"],
+                          registry=registry)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise EdgeExit(2, "--device cuda: no CUDA device is available")
+    return torch.device(name)
+
+
+class EdgeDaemon:
+    def __init__(self, options: EdgeOptions):
+        self.opts = options
+        self.device = pick_device(options.device)
+        try:
+            self.identity = load_or_create_identity(options.state_dir, options.name)
+        except (StateError, OSError) as err:
+            raise EdgeExit(2, f"state dir {options.state_dir}: {err}") from None
+        self.store = PrivateStore(options.state_dir)
+        self.registry = CollectorRegistry()
+        self.meter = ByteMeter(self.registry)
+        self.metrics = EdgeMetrics(self.registry)
+        self.config_json: str | None = None
+        self.fingerprint = ""
+        self.method: Method | None = None
+        self.algo: EdgeAlgorithm | None = None
+        self.data: EdgeData | None = None
+        self.train_cfg: TrainConfig | None = None
+        self.chunk_bytes = 1 << 20
+        self.cached_common: tuple[str, Payload] | None = None
+        self.session = ""
+        self.metrics_port: int | None = None
+
+    # ---- lifecycle --------------------------------------------------------------------
+    def run(self) -> int:
+        if self.opts.metrics_port >= 0:
+            server, _ = start_http_server(self.opts.metrics_port, registry=self.registry)
+            self.metrics_port = server.server_port
+            log.info("metrics on :%d", self.metrics_port)
+        backoff = 0.5
+        unreachable_since: float | None = None
+        while True:
+            try:
+                self._session()
+                return 0
+            except Rejoin:
+                log.info("server forgot this session; joining again")
+                continue
+            except grpc.RpcError as err:
+                code = err.code() if hasattr(err, "code") else None
+                if code not in RETRYABLE:
+                    raise EdgeExit(2, f"server refused: {code.name if code else ''} "
+                                      f"{err.details() if hasattr(err, 'details') else err}") from None
+                now = time.monotonic()
+                unreachable_since = unreachable_since or now
+                if self.opts.retry_for and now - unreachable_since > self.opts.retry_for:
+                    raise EdgeExit(1, f"server {self.opts.server} unreachable for "
+                                      f"{now - unreachable_since:.0f}s; giving up") from None
+                delay = backoff * (0.5 + random.random())
+                log.warning("server %s unavailable (%s); retrying in %.1fs", self.opts.server,
+                            code.name if code else err, delay)
+                self.metrics.connected.set(0)
+                time.sleep(delay)
+                backoff = min(backoff * 2, self.opts.max_backoff)
+                continue
+            finally:
+                self.metrics.connected.set(0)
+            backoff, unreachable_since = 0.5, None
+
+    def _session(self) -> None:
+        with grpc.insecure_channel(self.opts.server, options=channel_options()) as channel:
+            stub = pb_grpc.FederatedLearningStub(channel)
+            self._join(stub)
+            stop = threading.Event()
+            presence = threading.Thread(target=self._presence, args=(stub, stop), daemon=True)
+            presence.start()
+            try:
+                while True:
+                    received = self._next_task(stub)
+                    status = received.header.status
+                    if status == pb.TaskHeader.DONE:
+                        log.info("server says the run is over")
+                        self._leave(stub, "run finished")
+                        return
+                    if status == pb.TaskHeader.TASK:
+                        self._handle(stub, received)
+            finally:
+                stop.set()
+                self._presence_call_cancel()
+
+    # ---- join / presence / leave --------------------------------------------------------
+    def _join(self, stub) -> None:
+        request = pb.JoinRequest(
+            protocol_version=PROTOCOL_VERSION, edge_id=self.identity.edge_id,
+            edge_secret=self.identity.secret, join_token=self.opts.join_token,
+            info={"hostname": socket.gethostname(), "device": str(self.device),
+                  "torch": torch.__version__},
+            state_fingerprint=self.fingerprint or (self.store.stored_fingerprint() or ""),
+        )
+        self.meter.count_message(UP, request)
+        try:
+            reply = stub.Join(request, timeout=30)
+        except grpc.RpcError as err:
+            if err.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
+                              grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
+                raise EdgeExit(2, f"join refused by {self.opts.server}: {err.details()}") from None
+            raise
+        self.meter.count_message(DOWN, reply)
+        self.session = reply.session
+        self.chunk_bytes = reply.chunk_bytes or self.chunk_bytes
+        if reply.config_json != self.config_json:
+            self._setup(reply.config_json, reply.fingerprint)
+        self.metrics.connected.set(1)
+        log.info("joined %s as %s (method %s)", self.opts.server, self.identity.edge_id,
+                 self.method.name)
+
+    def _presence(self, stub, stop: threading.Event) -> None:
+        try:
+            self._presence_call = stub.Presence(
+                pb.PresenceRequest(edge_id=self.identity.edge_id, session=self.session))
+            for _ in self._presence_call:
+                if stop.is_set():
+                    break
+        except grpc.RpcError:
+            pass  # the main loop notices a lost server on its own calls
+
+    def _presence_call_cancel(self) -> None:
+        call = getattr(self, "_presence_call", None)
+        if call is not None:
+            call.cancel()
+
+    def _leave(self, stub, reason: str) -> None:
+        try:
+            request = pb.LeaveRequest(edge_id=self.identity.edge_id, session=self.session,
+                                      reason=reason)
+            self.meter.count_message(UP, request)
+            stub.Leave(request, timeout=10)
+        except grpc.RpcError:
+            pass
+
+    # ---- configuration ------------------------------------------------------------------
+    def _setup(self, config_json: str, fingerprint: str) -> None:
+        try:
+            config = json.loads(config_json)
+            train = TrainConfig()
+            apply_values(train, "train", config["train"], "server config")
+            train.validate()
+            method_cls = load_method(config["method"])
+            params = method_cls.Params()
+            apply_values(params, config["method"], config.get("params", {}), "server config")
+        except (ConfigError, ValueError, KeyError) as err:
+            raise EdgeExit(2, f"cannot use the server's configuration: {err}") from None
+        method = method_cls(MethodContext(train, params))
+        models = method.build_models()
+        local_fingerprint = method.fingerprint(models)
+        if local_fingerprint != fingerprint:
+            raise EdgeExit(2, f"this edge builds model fingerprint {local_fingerprint} but the "
+                              f"server's is {fingerprint}: fedattn versions differ")
+        algo = method.edge(models, self.device)
+        try:
+            data = load_edge_data(self.opts.data_dir, train)
+        except DataError as err:
+            raise EdgeExit(2, str(err)) from None
+        if self.store.exists():
+            try:
+                meta = self.store.load(algo, fingerprint)
+            except StateError as err:
+                raise EdgeExit(2, str(err)) from None
+            log.info("resumed private state from %s (round %s, phase %s, digest %s)",
+                     self.store.path, meta.get("round"), meta.get("phase"), private_digest(algo))
+        self.method, self.algo, self.data, self.train_cfg = method, algo, data, train
+        self.config_json, self.fingerprint = config_json, fingerprint
+        self.cached_common = None
+        log.info("data: %d train, %d test, %s global-test samples", len(data.train),
+                 len(data.test), len(data.global_test) if data.global_test else "no")
+
+    # ---- tasks --------------------------------------------------------------------------
+    def _call(self, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.UNAUTHENTICATED:
+                raise Rejoin() from None
+            raise
+
+    def _next_task(self, stub) -> Received:
+        cached_id = self.cached_common[0] if self.cached_common else ""
+        request = pb.TaskRequest(edge_id=self.identity.edge_id, session=self.session,
+                                 cached_common=cached_id)
+        self.meter.count_message(UP, request)
+        stream = self._call(stub.NextTask, request, timeout=120)
+        header = None
+        assemblers: list[PayloadAssembler] = []
+        cap = 1 << 34
+        try:
+            for message in stream:
+                if message.HasField("header"):
+                    header = message.header
+                    self.meter.count_message(DOWN, message)
+                    if header.status != pb.TaskHeader.TASK:
+                        break
+                    if not header.common_cached:
+                        assemblers.append(PayloadAssembler(header.common, cap, MAX_MESSAGE_BYTES))
+                    assemblers.append(PayloadAssembler(header.personal, cap, MAX_MESSAGE_BYTES))
+                    continue
+                target = next((a for a in assemblers if not a.complete), None)
+                if header is None or target is None:
+                    raise WireError("data before the task header or past the payload")
+                kind = target.add(message.data)
+                self.meter.count(DOWN, kind.label, message_wire_bytes(message), len(message.data))
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.UNAUTHENTICATED:
+                raise Rejoin() from None
+            raise
+        if header is None:
+            raise WireError("task stream ended without a header")
+        if header.status != pb.TaskHeader.TASK:
+            return Received(header, Payload(), Payload())
+        if header.common_cached:
+            if not self.cached_common or self.cached_common[0] != header.common_id:
+                raise WireError("server referred to a cached downlink this edge does not hold")
+            common = self.cached_common[1]
+            personal = assemblers[0].finish()
+        else:
+            common = assemblers[0].finish()
+            personal = assemblers[1].finish()
+            self.cached_common = (header.common_id, common)
+        return Received(header, common, personal)
+
+    def _handle(self, stub, received: Received) -> None:
+        header = received.header
+        algo, train, data = self.algo, self.train_cfg, self.data
+        self.metrics.round.set(header.round)
+        algo.receive(header.phase, received.common, received.personal)
+        metrics: dict[str, float] = {}
+        evaluation: list[pb.ConfusionCounts] = []
+        upload = Payload()
+        num_examples = len(data.train)
+        if header.phase == TRAIN:
+            seed = loader_seed(train.seed, header.round, self.identity.edge_id)
+            result = train_local(algo, data.train, train.local_epochs, train.batch_size, seed,
+                                 self.device, self.opts.progress)
+            upload = algo.after_train(result.steps)
+            self.store.save(algo, self.fingerprint, header.round, header.phase)
+            metrics = {"train_loss": result.mean_loss, "last_epoch_loss": result.last_epoch_loss,
+                       "train_seconds": result.seconds, "steps": float(result.steps),
+                       "samples_per_second": result.samples_per_second}
+            self.metrics.train_seconds.set(result.seconds)
+            self.metrics.samples_per_second.set(result.samples_per_second)
+            log.info("round %d: trained %d steps in %.2fs (loss %.4f)", header.round,
+                     result.steps, result.seconds, result.mean_loss)
+        elif header.phase == EVALUATE:
+            splits = [("test", data.test)] + ([("global_test", data.global_test)]
+                                              if data.global_test is not None else [])
+            for split_name, split in splits:
+                counts = evaluate(algo, split, split_name, train.num_classes,
+                                  self.opts.eval_batch_size, self.device)
+                evaluation.append(pb.ConfusionCounts(
+                    split=split_name, num_classes=train.num_classes,
+                    counts=counts.confusion.reshape(-1).tolist(),
+                    loss_sum=counts.loss_sum, brier_sum=counts.brier_sum))
+                self.metrics.accuracy.labels(split_name).set(counts.accuracy)
+                self.metrics.loss.labels(split_name).set(counts.loss_sum / max(counts.total, 1))
+                log.info("round %d: %s accuracy %.4f on %d samples", header.round, split_name,
+                         counts.accuracy, counts.total)
+        else:
+            raise EdgeExit(2, f"server asked for phase {header.phase!r}, which this edge "
+                              f"does not know (fedattn versions differ?)")
+        self._submit(stub, header, upload, num_examples, evaluation, metrics)
+
+    def _submit(self, stub, task: pb.TaskHeader, upload: Payload, num_examples: int,
+                evaluation: list, metrics: dict[str, float]) -> None:
+        encoded = encode(upload)
+        header = pb.SubmitMessage(header=pb.SubmitHeader(
+            protocol_version=PROTOCOL_VERSION, edge_id=self.identity.edge_id,
+            session=self.session, round=task.round, task_id=task.task_id, phase=task.phase,
+            num_examples=num_examples, payload=encoded.manifest, evaluation=evaluation,
+            metrics=metrics))
+
+        def messages():
+            self.meter.count_message(UP, header)
+            yield header
+            for kind, chunk in encoded.chunks(self.chunk_bytes):
+                message = pb.SubmitMessage(data=chunk)
+                self.meter.count(UP, kind.label, message_wire_bytes(message), len(chunk))
+                yield message
+
+        reply = self._call(stub.Submit, messages(), timeout=600)
+        self.meter.count_message(DOWN, reply, kind=META)
+        if not reply.accepted:
+            log.warning("round %d %s result refused: %s", task.round, task.phase, reply.reason)

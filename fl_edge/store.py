@@ -1,0 +1,146 @@
+"""The edge's own disk: its identity and its private state.
+
+``identity.json`` holds a stable edge id and the secret that binds the id to this edge
+(created on first start). ``private.safetensors`` holds every model tensor, optimizer
+state and method state, with a manifest in the file's metadata: format, model/method
+fingerprint, last round and phase. A mismatched fingerprint or corrupt file is refused
+with its path; it is never silently loaded or overwritten.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from fedattn_shared.methods.base import EdgeAlgorithm
+from fedattn_shared.state import (
+    StateError,
+    atomic_write_json,
+    load_tensors,
+    read_json,
+    save_tensors,
+)
+
+STATE_FORMAT = "fedattn-edge-state/1"
+
+
+@dataclass
+class Identity:
+    edge_id: str
+    secret: str
+
+
+def load_or_create_identity(state_dir: Path, name: str | None = None) -> Identity:
+    path = state_dir / "identity.json"
+    if path.exists():
+        data = read_json(path)
+        if not isinstance(data, dict) or not data.get("edge_id") or not data.get("secret"):
+            raise StateError(f"{path}: missing edge_id or secret")
+        if name and data["edge_id"] != name:
+            raise StateError(f"{path}: this state dir belongs to edge {data['edge_id']!r}, "
+                             f"not {name!r}")
+        return Identity(data["edge_id"], data["secret"])
+    state_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(state_dir, 0o700)
+    identity = Identity(name or f"edge-{uuid.uuid4().hex[:12]}", secrets.token_hex(32))
+    atomic_write_json(path, {"edge_id": identity.edge_id, "secret": identity.secret})
+    return identity
+
+
+def _optimizer_tensors(algo: EdgeAlgorithm) -> tuple[dict[str, torch.Tensor], list]:
+    tensors: dict[str, torch.Tensor] = {}
+    described = []
+    for i, opt in enumerate(algo.optimizers()):
+        state = opt.state_dict()
+        for pid, entries in state["state"].items():
+            for key, value in entries.items():
+                if value is None:
+                    continue
+                value = value if torch.is_tensor(value) else torch.tensor(value)
+                tensors[f"opt/{i}/{pid}/{key}"] = value
+        described.append(state["param_groups"])
+    return tensors, described
+
+
+def _load_optimizers(algo: EdgeAlgorithm, tensors: dict[str, torch.Tensor], groups: list) -> None:
+    for i, opt in enumerate(algo.optimizers()):
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        prefix = f"opt/{i}/"
+        for name, value in tensors.items():
+            if name.startswith(prefix):
+                pid, key = name[len(prefix):].split("/", 1)
+                state.setdefault(int(pid), {})[key] = value
+        opt.load_state_dict({"state": state, "param_groups": groups[i]})
+
+
+def private_digest(algo: EdgeAlgorithm) -> str:
+    """SHA-256 over every private (non-shared) model tensor, in name order."""
+    digest = hashlib.sha256()
+    shared = set(algo.shared_specs)
+    for model_name, model in sorted(algo.models.items()):
+        for key, tensor in sorted(model.state_dict().items()):
+            name = f"{model_name}/{key}"
+            if name not in shared:
+                digest.update(name.encode())
+                digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+class PrivateStore:
+    def __init__(self, state_dir: Path):
+        self.path = state_dir / "private.safetensors"
+
+    def exists(self) -> bool:
+        return self.path.exists()
+
+    def stored_fingerprint(self) -> str | None:
+        if not self.path.exists():
+            return None
+        _, meta = load_tensors(self.path)
+        return meta.get("fingerprint")
+
+    def save(self, algo: EdgeAlgorithm, fingerprint: str, round_number: int, phase: str) -> None:
+        tensors: dict[str, torch.Tensor] = {}
+        for model_name, model in algo.models.items():
+            for key, value in model.state_dict().items():
+                tensors[f"model/{model_name}/{key}"] = value
+        opt_tensors, groups = _optimizer_tensors(algo)
+        tensors.update(opt_tensors)
+        tensors.update({f"method/{k}": v for k, v in algo.state_tensors().items()})
+        meta = {
+            "format": STATE_FORMAT,
+            "fingerprint": fingerprint,
+            "round": str(round_number),
+            "phase": phase,
+            "optimizer_groups": json.dumps(groups),
+        }
+        save_tensors(self.path, tensors, meta)
+
+    def load(self, algo: EdgeAlgorithm, fingerprint: str) -> dict[str, str]:
+        tensors, meta = load_tensors(self.path)
+        if meta.get("format") != STATE_FORMAT:
+            raise StateError(f"{self.path}: not a fedattn edge state file "
+                             f"(format {meta.get('format')!r})")
+        if meta.get("fingerprint") != fingerprint:
+            raise StateError(
+                f"{self.path}: stored for a different model/method (fingerprint "
+                f"{meta.get('fingerprint')}, the server's run is {fingerprint}); use a fresh "
+                f"--state-dir or move this one away")
+        try:
+            with torch.no_grad():
+                for model_name, model in algo.models.items():
+                    state = model.state_dict(keep_vars=True)
+                    for key, target in state.items():
+                        target.copy_(tensors[f"model/{model_name}/{key}"])
+            _load_optimizers(algo, tensors, json.loads(meta["optimizer_groups"]))
+            algo.load_state_tensors({k[len("method/"):]: v for k, v in tensors.items()
+                                     if k.startswith("method/")})
+        except (KeyError, RuntimeError, ValueError) as err:
+            raise StateError(f"{self.path}: does not fit the model ({err})") from None
+        return meta

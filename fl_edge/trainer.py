@@ -1,0 +1,116 @@
+"""The one generic local training loop, and evaluation of the personalized model.
+
+Methods never write their own loop: they plug into it through ``EdgeAlgorithm`` hooks.
+Batches come from a DataLoader with no worker processes (gRPC is not fork-safe).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from fedattn_shared.data.npz import Split
+from fedattn_shared.methods.base import EdgeAlgorithm
+from torch.utils.data import DataLoader, TensorDataset
+from tqdm import tqdm
+
+log = logging.getLogger("fl_edge.trainer")
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    examples: int
+    mean_loss: float
+    last_epoch_loss: float
+    seconds: float
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.examples / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class EvalCounts:
+    split: str
+    confusion: np.ndarray  # [true, predicted] counts
+    loss_sum: float
+    brier_sum: float
+
+    @property
+    def total(self) -> int:
+        return int(self.confusion.sum())
+
+    @property
+    def accuracy(self) -> float:
+        return float(np.trace(self.confusion)) / max(self.total, 1)
+
+
+def loader_seed(seed: int, round_number: int, edge_id: str) -> int:
+    return (seed * 1_000_003 + round_number * 7919 + zlib.crc32(edge_id.encode())) % (2**63)
+
+
+def train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, seed: int,
+                device: torch.device, progress: bool | None = None) -> TrainResult:
+    generator = torch.Generator().manual_seed(seed)
+    # A last batch of one sample would break BatchNorm's training-mode statistics.
+    drop_last = len(data) % batch_size == 1 and len(data) > 1
+    loader = DataLoader(TensorDataset(data.x, data.y), batch_size=batch_size, shuffle=True,
+                        generator=generator, num_workers=0, drop_last=drop_last)
+    show = sys.stderr.isatty() if progress is None else progress
+    algo.train_mode()
+    algo.begin_train()
+    optimizers = algo.optimizers()
+    steps = examples = 0
+    total_loss = epoch_loss = 0.0
+    start = time.perf_counter()
+    for epoch in range(epochs):
+        epoch_loss, epoch_batches = 0.0, 0
+        batches = tqdm(loader, desc=f"epoch {epoch + 1}/{epochs}", leave=False, disable=not show)
+        for x, y in batches:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            for opt in optimizers:
+                opt.zero_grad(set_to_none=True)
+            loss = algo.training_step((x, y))
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"training loss became {loss.item()} at step {steps}")
+            loss.backward()
+            algo.post_backward()
+            for opt in optimizers:
+                opt.step()
+            value = float(loss.detach())
+            steps += 1
+            examples += int(y.shape[0])
+            epoch_loss += value
+            epoch_batches += 1
+        epoch_loss /= max(epoch_batches, 1)
+        total_loss += epoch_loss
+        if not show:
+            log.info("epoch %d/%d loss=%.4f", epoch + 1, epochs, epoch_loss)
+    seconds = time.perf_counter() - start
+    return TrainResult(steps, examples, total_loss / max(epochs, 1), epoch_loss, seconds)
+
+
+@torch.no_grad()
+def evaluate(algo: EdgeAlgorithm, data: Split, split: str, num_classes: int, batch_size: int,
+             device: torch.device) -> EvalCounts:
+    algo.eval_mode()
+    confusion = np.zeros((num_classes, num_classes), dtype=np.int64)
+    loss_sum = brier_sum = 0.0
+    for start in range(0, len(data), batch_size):
+        x = data.x[start : start + batch_size].to(device)
+        y = data.y[start : start + batch_size].to(device)
+        logits = algo.predict(x).float()
+        loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
+        probs = logits.softmax(dim=1)
+        onehot = F.one_hot(y, num_classes).float()
+        brier_sum += float((probs - onehot).square().sum())
+        pred = logits.argmax(dim=1)
+        np.add.at(confusion, (y.cpu().numpy(), pred.cpu().numpy()), 1)
+    return EvalCounts(split, confusion, loss_sum, brier_sum)

@@ -1,0 +1,1 @@
+"""The fedattn server daemon (``fl-server``)."""

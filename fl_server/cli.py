@@ -1,0 +1,234 @@
+"""``fl-server``: coordinate federated rounds over gRPC.
+
+Configuration precedence: defaults < ``--config FILE`` (TOML) < flags < ``--set k=v``.
+Bad flags or configuration exit with status 2 and a message naming the offending item.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+import grpc
+from fedattn_shared.config import (
+    ConfigError,
+    ServerConfig,
+    TrainConfig,
+    apply_values,
+    load_toml,
+    merge_sources,
+    parse_set,
+)
+from fedattn_shared.logs import setup_logging
+from fedattn_shared.methods import available_methods, load_method
+from fedattn_shared.methods.base import Method, MethodContext
+from fedattn_shared.models import MODELS
+from fedattn_shared.state import StateError, atomic_write_json
+from fedattn_shared.wire import fedattn_pb2_grpc as pb_grpc
+from fedattn_shared.wire.accounting import ByteMeter
+from fedattn_shared.wire.transport import server_options
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, start_http_server
+
+from .engine import Engine
+from .metrics import ServerMetrics
+from .service import FederatedLearningService
+
+log = logging.getLogger("fl_server")
+
+# flag dest -> (config section, key)
+FLAG_TARGETS = {
+    "method": ("server", "method"), "rounds": ("server", "rounds"),
+    "min_edges": ("server", "min_edges"), "quorum": ("server", "quorum"),
+    "fraction": ("server", "fraction"), "round_timeout": ("server", "round_timeout"),
+    "eval_every": ("server", "eval_every"), "host": ("server", "host"),
+    "port": ("server", "port"), "metrics_port": ("server", "metrics_port"),
+    "checkpoint_dir": ("server", "checkpoint_dir"), "resume": ("server", "resume"),
+    "insecure": ("server", "insecure"), "token": ("server", "join_token"),
+    "chunk_bytes": ("server", "chunk_bytes"), "poll_timeout": ("server", "poll_timeout"),
+    "max_concurrent_uploads": ("server", "max_concurrent_uploads"),
+    "model": ("train", "model"), "num_classes": ("train", "num_classes"),
+    "in_channels": ("train", "in_channels"), "image_size": ("train", "image_size"),
+    "local_epochs": ("train", "local_epochs"), "batch_size": ("train", "batch_size"),
+    "optimizer": ("train", "optimizer"), "lr": ("train", "lr"), "momentum": ("train", "momentum"),
+    "weight_decay": ("train", "weight_decay"), "seed": ("train", "seed"),
+    "private": ("train", "private"),
+}
+
+
+class UsageError(Exception):
+    pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="fl-server",
+        description="fedattn server: runs federated rounds for fl-edge daemons over gRPC.",
+        argument_default=None)
+    run = p.add_argument_group("run")
+    run.add_argument("--config", type=Path, help="TOML file ([server], [train], [<method>])")
+    run.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                     help="override one config value, e.g. --set fedprox.mu=0.1 (repeatable)")
+    run.add_argument("--method", help="federated method (see --list-methods)")
+    run.add_argument("--list-methods", action="store_true", help="list methods and exit")
+    run.add_argument("--rounds", type=int)
+    run.add_argument("--min-edges", type=int, help="connected edges needed before round 1")
+    run.add_argument("--quorum", type=int, help="results that close a training phase (0: all)")
+    run.add_argument("--fraction", type=float, help="share of edges selected per round")
+    run.add_argument("--round-timeout", type=float, help="deadline of each phase, seconds")
+    run.add_argument("--eval-every", type=int, help="evaluate every N rounds (0: never)")
+    run.add_argument("--checkpoint-dir", help="round checkpoints and history.json")
+    run.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    net = p.add_argument_group("network")
+    net.add_argument("--host")
+    net.add_argument("--port", type=int, help="gRPC port (0: any free port)")
+    net.add_argument("--metrics-port", type=int, help="Prometheus port (0: any free port)")
+    net.add_argument("--insecure", action="store_true",
+                     help="plaintext gRPC (required until TLS is configured)")
+    net.add_argument("--token", help="cluster join token edges must present "
+                                     "(default: $FEDATTN_TOKEN)")
+    net.add_argument("--chunk-bytes", type=int, help="data chunk size on the wire")
+    net.add_argument("--poll-timeout", type=float, help="long-poll timeout, seconds")
+    net.add_argument("--max-concurrent-uploads", type=int)
+    net.add_argument("--ready-file", type=Path,
+                     help="write {port, metrics_port} as JSON here once serving")
+    train = p.add_argument_group("training (sent to every edge)")
+    train.add_argument("--model", help=f"one of: {', '.join(sorted(MODELS))}")
+    train.add_argument("--num-classes", type=int)
+    train.add_argument("--in-channels", type=int)
+    train.add_argument("--image-size", type=int)
+    train.add_argument("--local-epochs", type=int)
+    train.add_argument("--batch-size", type=int)
+    train.add_argument("--optimizer", choices=["sgd", "adam"])
+    train.add_argument("--lr", type=float)
+    train.add_argument("--momentum", type=float)
+    train.add_argument("--weight-decay", type=float)
+    train.add_argument("--seed", type=int)
+    train.add_argument("--private", type=lambda s: [r for r in s.split(",") if r],
+                       help="extra private split rules, comma-separated: bn,head,se-e,attention")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def resolve(args: argparse.Namespace) -> tuple[ServerConfig, TrainConfig, Method]:
+    """Defaults < TOML < flags < --set, all validated."""
+    file_values = load_toml(args.config) if args.config else {}
+    flag_values: dict[str, dict] = {}
+    for dest, (section, key) in FLAG_TARGETS.items():
+        value = getattr(args, dest, None)
+        if value is not None and value is not False:
+            flag_values.setdefault(section, {})[key] = value
+    if "join_token" not in flag_values.get("server", {}) and os.environ.get("FEDATTN_TOKEN"):
+        flag_values.setdefault("server", {})["join_token"] = os.environ["FEDATTN_TOKEN"]
+    merged = merge_sources((str(args.config), file_values), ("flags", flag_values),
+                           ("--set", parse_set(args.set)))
+    server, train = ServerConfig(), TrainConfig()
+    for section, obj in (("server", server), ("train", train)):
+        source, values = merged.pop(section, ("defaults", {}))
+        apply_values(obj, section, values, source)
+    server.validate()
+    train.validate()
+    try:
+        method_cls = load_method(server.method)
+    except ValueError as err:
+        raise ConfigError(f"--method: {err}") from None
+    params = method_cls.Params()
+    source, values = merged.pop(method_cls.name or server.method, ("defaults", {}))
+    apply_values(params, method_cls.name or server.method, values, source)
+    if merged:
+        raise ConfigError(f"{', '.join(f'[{s}] ({src})' for s, (src, _) in merged.items())}: "
+                          f"not a section this run uses (server, train, {method_cls.name})")
+    if train.model not in MODELS:
+        raise ConfigError(f"train.model: unknown model {train.model!r} "
+                          f"(known: {', '.join(sorted(MODELS))})")
+    try:
+        method = method_cls(MethodContext(train, params))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    return server, train, method
+
+
+async def serve(server_cfg: ServerConfig, train: TrainConfig, method: Method,
+                ready_file: Path | None) -> int:
+    registry = CollectorRegistry()
+    meter = ByteMeter(registry)
+    metrics = ServerMetrics(registry)
+    engine = Engine(server_cfg, train, method, meter, metrics)
+    checkpoint_dir = Path(server_cfg.checkpoint_dir)
+    if server_cfg.resume:
+        engine.resume()
+    elif engine.store.latest() is not None:
+        raise UsageError(f"{checkpoint_dir} already holds a checkpoint; pass --resume to "
+                         "continue it or choose an empty --checkpoint-dir")
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    grpc_server = grpc.aio.server(options=server_options())
+    service = FederatedLearningService(engine, meter, server_cfg.join_token,
+                                       server_cfg.chunk_bytes, server_cfg.poll_timeout,
+                                       server_cfg.max_concurrent_uploads)
+    pb_grpc.add_FederatedLearningServicer_to_server(service, grpc_server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
+    port = grpc_server.add_insecure_port(f"{server_cfg.host}:{server_cfg.port}")
+    if port == 0:
+        raise UsageError(f"cannot listen on {server_cfg.host}:{server_cfg.port}")
+    await grpc_server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set("fedattn.v1.FederatedLearning",
+                              health_pb2.HealthCheckResponse.SERVING)
+    metrics_port = None
+    if server_cfg.metrics_port >= 0:
+        http_server, _ = start_http_server(server_cfg.metrics_port, registry=registry)
+        metrics_port = http_server.server_port
+    log.info("serving %s on %s:%d (metrics %s), method %s, model %s, fingerprint %s",
+             "fedattn", server_cfg.host, port, metrics_port or "off", method.name, train.model,
+             engine.fingerprint)
+    if ready_file:
+        atomic_write_json(ready_file, {"port": port, "metrics_port": metrics_port,
+                                       "pid": os.getpid()}, mode=0o644)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    run_task = asyncio.create_task(engine.run())
+    stop_task = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait({run_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+    if run_task in done:
+        run_task.result()
+        # Let edges poll once more to learn the run is over.
+        await asyncio.sleep(min(2.0, server_cfg.poll_timeout))
+    else:
+        log.info("stopping on signal; the last completed round stays checkpointed")
+        run_task.cancel()
+    await health_servicer.enter_graceful_shutdown()
+    await grpc_server.stop(grace=2)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    setup_logging(args.log_level)
+    if args.list_methods:
+        for name in available_methods():
+            cls = load_method(name)
+            fields = ", ".join(f"{f.name}={f.default}" for f in dataclasses.fields(cls.Params))
+            print(f"{name:12s} {cls.aggregator_kind.value:24s} {fields}")
+        return 0
+    try:
+        server_cfg, train, method = resolve(args)
+        if not server_cfg.insecure:
+            raise ConfigError("TLS is not configured yet; pass --insecure for plaintext gRPC")
+        return asyncio.run(serve(server_cfg, train, method, args.ready_file))
+    except (ConfigError, UsageError, StateError, ValueError) as err:
+        print(f"fl-server: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

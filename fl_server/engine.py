@@ -1,0 +1,410 @@
+"""The round engine: rounds are ordered phases; each phase sends tasks, waits for a
+quorum of results or its deadline, and hands validated results to the aggregator.
+
+Everything runs on one asyncio loop; aggregation and checkpoint writes run in worker
+threads under ``agg_lock`` so the running sum is never touched by two uploads at once
+and never after its phase has closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import math
+import platform
+import random
+import secrets
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from fedattn_shared import PROTOCOL_VERSION
+from fedattn_shared.config import ServerConfig, TrainConfig
+from fedattn_shared.methods.base import EVALUATE, TRAIN, Method, SectionSpec
+from fedattn_shared.state import atomic_write_json, read_json
+from fedattn_shared.wire import fedattn_pb2 as pb
+from fedattn_shared.wire.accounting import ByteMeter
+from fedattn_shared.wire.codec import (
+    EncodedPayload,
+    Kind,
+    Payload,
+    WireError,
+    dtype_name,
+    encode,
+    torch_dtype,
+)
+
+from .checkpoint import CheckpointStore
+from .evaluation import split_figures, summarize
+from .metrics import ServerMetrics
+from .registry import EdgeRegistry
+
+log = logging.getLogger("fl_server")
+
+
+@dataclass
+class Task:
+    task_id: int
+    edge_id: str
+    delivered: bool = False
+
+
+@dataclass
+class Phase:
+    name: str
+    round: int
+    tasks: dict[str, Task]
+    quorum: int
+    common_id: str
+    common: EncodedPayload
+    common_chunks: list[tuple[Kind, bytes]]
+    personal: dict[str, EncodedPayload]
+    spec_json: str
+    started: float = field(default_factory=time.monotonic)
+    received: dict[str, dict] = field(default_factory=dict)
+    dropped: dict[str, str] = field(default_factory=dict)
+    closed: bool = False
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def pending(self) -> list[str]:
+        return [e for e in self.tasks if e not in self.received and e not in self.dropped]
+
+    def maybe_close(self) -> None:
+        if len(self.received) >= self.quorum or not self.pending():
+            self.done.set()
+
+
+class Refused(Exception):
+    """A submission or request refused; ``drop`` says whether it costs the edge its task."""
+
+    def __init__(self, reason: str, drop: bool = False):
+        super().__init__(reason)
+        self.drop = drop
+
+
+def select_edges(connected: list[str], fraction: float, seed: int, round_number: int) -> list[str]:
+    if fraction >= 1.0:
+        return list(connected)
+    count = max(1, math.ceil(fraction * len(connected)))
+    return sorted(random.Random(seed * 100_003 + round_number).sample(connected, count))
+
+
+def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        digest.update(name.encode())
+        digest.update(tensors[name].detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def run_manifest(server: ServerConfig, train: TrainConfig, method: Method) -> dict:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).resolve().parent, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        sha = ""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def v(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return {
+        "fedattn": v("fedattn"), "git_sha": sha or "unknown", "python": sys.version.split()[0],
+        "platform": platform.platform(), "torch": torch.__version__, "grpcio": v("grpcio"),
+        "protocol_version": PROTOCOL_VERSION, "method": method.name,
+        "aggregator": method.aggregator_kind.value, "server": server.__dict__,
+        "train": train.__dict__, "params": method.describe_params(),
+        "seeds": {"train": train.seed},
+    }
+
+
+class Engine:
+    def __init__(self, server: ServerConfig, train: TrainConfig, method: Method,
+                 meter: ByteMeter, metrics: ServerMetrics):
+        self.cfg = server
+        self.train = train
+        self.method = method
+        self.meter = meter
+        self.metrics = metrics
+        self.models = method.build_models()
+        self.fingerprint = method.fingerprint(self.models)
+        self.aggregator = method.server(self.models)
+        self.schemas: dict[str, list[SectionSpec]] = {
+            phase: method.uplink_schema(phase, self.models) for phase in method.phases}
+        self.registry = EdgeRegistry()
+        self.store = CheckpointStore(Path(server.checkpoint_dir), server.keep_checkpoints)
+        self.history_path = Path(server.checkpoint_dir) / "history.json"
+        self.history: dict[str, Any] = {"manifest": run_manifest(server, train, method),
+                                        "rounds": []}
+        self.round = 0
+        self.task_counter = 0
+        self.state_version = 0
+        self.instance = secrets.token_hex(4)
+        self.phase: Phase | None = None
+        self.finished = False
+        self.agg_lock = asyncio.Lock()
+        self.config_json = json.dumps({"method": method.name, "train": train.__dict__,
+                                       "params": method.describe_params()}, sort_keys=True)
+
+    # ---- state ------------------------------------------------------------------------
+    def resume(self) -> None:
+        round_number, tensors, state = self.store.load()
+        if state.get("fingerprint") != self.fingerprint:
+            raise ValueError(f"{self.store.root}: checkpoint is for a different model/method "
+                             f"(fingerprint {state.get('fingerprint')}, this run "
+                             f"{self.fingerprint}); resume with the same configuration")
+        if state.get("config") != json.loads(self.config_json):
+            raise ValueError(f"{self.store.root}: checkpoint was written with a different "
+                             "configuration; resume with the same flags and config file")
+        self.aggregator.load_state(tensors, state["aggregator"])
+        self.registry = EdgeRegistry.from_json(state["registry"])
+        self.round = round_number
+        self.task_counter = int(state["task_counter"])
+        if self.history_path.exists():
+            history = read_json(self.history_path)
+            history["rounds"] = [r for r in history["rounds"] if r["round"] <= round_number]
+            self.history = history
+        self.state_version += 1
+        log.info("resumed from round %d (state digest %s)", round_number,
+                 tensors_digest(self.aggregator.state_tensors()))
+
+    def checkpoint(self) -> None:
+        atomic_write_json(self.history_path, self.history, mode=0o644)
+        state = {
+            "round": self.round, "fingerprint": self.fingerprint,
+            "config": json.loads(self.config_json), "aggregator": self.aggregator.state_meta(),
+            "registry": self.registry.to_json(), "task_counter": self.task_counter,
+        }
+        tensors = self.aggregator.state_tensors()
+        self.store.save(self.round, tensors, state)
+        log.info("checkpoint round %d (state digest %s)", self.round, tensors_digest(tensors))
+
+    # ---- edges ------------------------------------------------------------------------
+    def edge_lost(self, edge_id: str, reason: str) -> None:
+        phase = self.phase
+        if phase is not None and not phase.closed and edge_id in phase.pending():
+            self.drop(phase, edge_id, reason)
+
+    def drop(self, phase: Phase, edge_id: str, reason: str) -> None:
+        phase.dropped[edge_id] = reason
+        self.metrics.dropouts.labels(reason.split(":")[0]).inc()
+        log.warning("round %d %s: dropped %s (%s)", phase.round, phase.name, edge_id, reason)
+        phase.maybe_close()
+
+    def task_for(self, edge_id: str) -> tuple[Phase, Task] | None:
+        phase = self.phase
+        if phase is None or phase.closed or edge_id not in phase.pending():
+            return None
+        return phase, phase.tasks[edge_id]
+
+    # ---- uploads ------------------------------------------------------------------------
+    def check_submission(self, header: pb.SubmitHeader) -> tuple[Phase, list[SectionSpec]]:
+        phase = self.phase
+        edge = header.edge_id
+        if phase is None or phase.closed:
+            raise Refused("no phase is open")
+        task = phase.tasks.get(edge)
+        if task is None:
+            raise Refused(f"edge {edge} has no task in round {phase.round} {phase.name}")
+        if header.round != phase.round or header.task_id != task.task_id or header.phase != phase.name:
+            raise Refused(f"stale or wrong task (round {header.round}, task {header.task_id}, "
+                          f"phase {header.phase!r}; open: round {phase.round}, task "
+                          f"{task.task_id}, phase {phase.name!r})")
+        if edge in phase.received:
+            raise Refused(f"duplicate submission for task {task.task_id}")
+        if edge in phase.dropped:
+            raise Refused(f"task {task.task_id} was already dropped ({phase.dropped[edge]})")
+        schema = self.schemas.get(phase.name, [])
+        self.validate_manifest(header.payload, schema, edge)
+        if phase.name == TRAIN and header.num_examples < 1:
+            raise Refused("num_examples must be >= 1 for a training result", drop=True)
+        if phase.name == EVALUATE:
+            self.validate_evaluation(header)
+        return phase, schema
+
+    def validate_manifest(self, manifest: pb.PayloadManifest, schema: list[SectionSpec],
+                          edge: str) -> None:
+        expected = {(int(s.kind), s.name): s for s in schema}
+        seen = set()
+        for section in manifest.sections:
+            key = (section.kind, section.name)
+            kind_name = (pb.SectionKind.Name(section.kind)
+                         if section.kind in pb.SectionKind.values() else str(section.kind))
+            label = f"{kind_name}:{section.name!r}"
+            if key not in expected:
+                raise Refused(f"section {label} is not in method {self.method.name}'s "
+                              f"upload schema", drop=True)
+            if key in seen:
+                raise Refused(f"section {label} appears twice", drop=True)
+            seen.add(key)
+            specs = expected[key].tensors
+            names = [t.name for t in section.tensors]
+            if set(names) != set(specs) or len(names) != len(specs):
+                missing = sorted(set(specs) - set(names))[:3]
+                extra = sorted(set(names) - set(specs))[:3]
+                raise Refused(f"section {label}: tensor names differ from the schema "
+                              f"(missing {missing}, unexpected {extra})", drop=True)
+            for meta in section.tensors:
+                spec = specs[meta.name]
+                try:
+                    dtype = torch_dtype(meta.dtype)
+                except WireError:
+                    dtype = None
+                if dtype != spec.dtype:
+                    raise Refused(f"section {label} tensor {meta.name}: dtype "
+                                  f"{dtype_name(meta.dtype)}, expected {spec.dtype}", drop=True)
+                if tuple(meta.shape) != spec.shape:
+                    raise Refused(f"section {label} tensor {meta.name}: shape "
+                                  f"{list(meta.shape)}, expected {list(spec.shape)}", drop=True)
+        missing_sections = set(expected) - seen
+        if missing_sections:
+            raise Refused(f"missing sections {sorted(missing_sections)}", drop=True)
+
+    def validate_evaluation(self, header: pb.SubmitHeader) -> None:
+        classes = self.train.num_classes
+        if not header.evaluation:
+            raise Refused("evaluation result without any split", drop=True)
+        for entry in header.evaluation:
+            if entry.split not in ("test", "global_test"):
+                raise Refused(f"evaluation split {entry.split!r} is unknown", drop=True)
+            if entry.num_classes != classes or len(entry.counts) != classes * classes:
+                raise Refused(f"evaluation {entry.split}: expected {classes}x{classes} counts",
+                              drop=True)
+            if any(c < 0 for c in entry.counts):
+                raise Refused(f"evaluation {entry.split}: negative counts", drop=True)
+            if not (math.isfinite(entry.loss_sum) and math.isfinite(entry.brier_sum)):
+                raise Refused(f"evaluation {entry.split}: non-finite loss or Brier sum", drop=True)
+
+    async def accept(self, phase: Phase, header: pb.SubmitHeader, payload: Payload) -> None:
+        edge = header.edge_id
+        async with self.agg_lock:
+            if phase.closed or edge not in phase.pending():
+                raise Refused("the phase closed before the upload completed")
+            if phase.name == TRAIN:
+                weight = self.method.aggregation_weight(int(header.num_examples))
+                await asyncio.to_thread(self.aggregator.accept, edge, payload, weight)
+            phase.received[edge] = {
+                "num_examples": int(header.num_examples),
+                "metrics": dict(header.metrics),
+                "evaluation": {
+                    e.split: split_figures(np.array(e.counts, dtype=np.int64).reshape(
+                        e.num_classes, e.num_classes), e.loss_sum, e.brier_sum)
+                    for e in header.evaluation
+                },
+            }
+            phase.maybe_close()
+
+    # ---- rounds -------------------------------------------------------------------------
+    async def wait_for_edges(self, count: int) -> None:
+        announced = False
+        while len(self.registry.connected_ids()) < count:
+            if not announced:
+                log.info("waiting for %d connected edge(s) (have %d)", count,
+                         len(self.registry.connected_ids()))
+                announced = True
+            await asyncio.sleep(0.1)
+
+    async def run(self) -> None:
+        await self.wait_for_edges(self.cfg.min_edges)
+        while self.round < self.cfg.rounds:
+            await self.wait_for_edges(max(1, min(self.cfg.quorum or 1, self.cfg.min_edges)))
+            await self.run_round(self.round + 1)
+        self.finished = True
+        self.phase = None
+        self.registry.wake_all()
+        log.info("run finished after %d rounds", self.round)
+
+    async def run_round(self, round_number: int) -> None:
+        started = time.monotonic()
+        selected = select_edges(self.registry.connected_ids(), self.cfg.fraction,
+                                self.train.seed, round_number)
+        self.aggregator.begin_round(round_number, selected, len(self.registry.records))
+        quorum = min(self.cfg.quorum or len(selected), len(selected))
+        train = await self.run_phase(TRAIN, round_number, selected, quorum)
+        async with self.agg_lock:
+            figures = await asyncio.to_thread(self.aggregator.finish)
+            if figures.get("aggregated"):
+                self.state_version += 1
+        record: dict[str, Any] = {"round": round_number, "train": self.phase_record(train),
+                                  "aggregate": figures}
+        eval_every = self.cfg.eval_every
+        if eval_every and (round_number % eval_every == 0 or round_number == self.cfg.rounds):
+            edges = self.registry.connected_ids()
+            evaluation = await self.run_phase(EVALUATE, round_number, edges, len(edges))
+            record["evaluate"] = self.phase_record(evaluation)
+            per_edge = {e: r["evaluation"] for e, r in evaluation.received.items()}
+            record["evaluation"] = {"per_edge": per_edge, "summary": summarize(per_edge)}
+            self.publish_evaluation(per_edge, record["evaluation"]["summary"])
+        record["seconds"] = time.monotonic() - started
+        record["bytes"] = self.meter.take_round()
+        self.round = round_number
+        self.history["rounds"].append(record)
+        await asyncio.to_thread(self.checkpoint)
+        self.metrics.round.set(round_number)
+        self.metrics.round_seconds.observe(record["seconds"])
+        summary = record.get("evaluation", {}).get("summary", {}).get("test", {})
+        log.info("round %d done in %.2fs: %d/%d results, mean test accuracy %s", round_number,
+                 record["seconds"], len(train.received), len(selected),
+                 f"{summary['mean_accuracy']:.4f}" if summary else "n/a")
+
+    def phase_record(self, phase: Phase) -> dict:
+        return {
+            "selected": sorted(phase.tasks), "received": sorted(phase.received),
+            "dropped": dict(sorted(phase.dropped.items())), "quorum": phase.quorum,
+            "seconds": time.monotonic() - phase.started,
+            "edge_metrics": {e: r["metrics"] for e, r in sorted(phase.received.items())
+                             if r["metrics"]},
+            "num_examples": {e: r["num_examples"] for e, r in sorted(phase.received.items())},
+        }
+
+    def publish_evaluation(self, per_edge: dict, summary: dict) -> None:
+        for edge, splits in per_edge.items():
+            for split, figures in splits.items():
+                self.metrics.accuracy.labels(edge, split).set(figures["accuracy"])
+                self.metrics.loss.labels(edge, split).set(figures["loss"])
+        for split, figures in summary.items():
+            self.metrics.mean_accuracy.labels(split).set(figures["mean_accuracy"])
+
+    async def run_phase(self, name: str, round_number: int, edges: list[str], quorum: int) -> Phase:
+        common_payload = self.aggregator.broadcast(name)
+        common = await asyncio.to_thread(encode, common_payload)
+        chunks = await asyncio.to_thread(lambda: list(common.chunks(self.cfg.chunk_bytes)))
+        layout = hashlib.sha256(common.manifest.SerializeToString(deterministic=True)).hexdigest()
+        tasks = {}
+        for edge in edges:
+            self.task_counter += 1
+            tasks[edge] = Task(self.task_counter, edge)
+        phase = Phase(
+            name=name, round=round_number, tasks=tasks, quorum=quorum,
+            common_id=f"{self.instance}-v{self.state_version}-{layout[:16]}",
+            common=common, common_chunks=chunks,
+            personal={e: encode(self.aggregator.personal(e, name)) for e in edges},
+            spec_json=json.dumps({"round": round_number, "phase": name}),
+        )
+        self.phase = phase
+        log.info("round %d %s: %d task(s), quorum %d", round_number, name, len(tasks), quorum)
+        for edge in edges:
+            self.registry.records[edge].wakeup.set()
+        phase.maybe_close()
+        try:
+            await asyncio.wait_for(phase.done.wait(), timeout=self.cfg.round_timeout)
+        except asyncio.TimeoutError:
+            for edge in phase.pending():
+                self.drop(phase, edge, "deadline")
+        async with self.agg_lock:
+            phase.closed = True
+        for edge in phase.pending():
+            phase.dropped[edge] = "phase closed at quorum"
+        self.metrics.participants.labels(name).set(len(phase.received))
+        self.metrics.phase_seconds.labels(name).set(time.monotonic() - phase.started)
+        return phase

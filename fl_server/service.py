@@ -1,0 +1,229 @@
+"""The gRPC service: joins, presence, task long-polls and streamed submissions.
+
+Every incoming message is checked (protocol version, identity, session, round and task,
+schema, sizes, checksum, finite values) before it can touch the aggregate; a bad message
+costs the sender its task, never the server its state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+
+import grpc
+from fedattn_shared import PROTOCOL_VERSION
+from fedattn_shared.wire import fedattn_pb2 as pb
+from fedattn_shared.wire import fedattn_pb2_grpc as pb_grpc
+from fedattn_shared.wire.accounting import DOWN, META, UP, ByteMeter, message_wire_bytes
+from fedattn_shared.wire.codec import (
+    PayloadAssembler,
+    WireError,
+    nonfinite_tensors,
+    section_sizes,
+)
+from fedattn_shared.wire.transport import MAX_MESSAGE_BYTES
+
+from .engine import Engine, Refused
+from .registry import AuthError
+
+log = logging.getLogger("fl_server")
+
+PRESENCE_INTERVAL = 10.0
+
+
+class FederatedLearningService(pb_grpc.FederatedLearningServicer):
+    def __init__(self, engine: Engine, meter: ByteMeter, join_token: str, chunk_bytes: int,
+                 poll_timeout: float, max_concurrent_uploads: int):
+        self.engine = engine
+        self.meter = meter
+        self.join_token = join_token
+        self.chunk_bytes = chunk_bytes
+        self.poll_timeout = poll_timeout
+        self.upload_slots = asyncio.Semaphore(max_concurrent_uploads)
+
+    async def _auth(self, edge_id: str, session: str, context) -> None:
+        try:
+            self.engine.registry.check(edge_id, session)
+        except AuthError as err:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(err))
+
+    # ---- Join -------------------------------------------------------------------------
+    async def Join(self, request: pb.JoinRequest, context) -> pb.JoinReply:
+        self.meter.count_message(UP, request, edge=request.edge_id)
+        if request.protocol_version != PROTOCOL_VERSION:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"protocol version {request.protocol_version} is not supported "
+                                f"(server speaks {PROTOCOL_VERSION})")
+        if self.join_token and not hmac.compare_digest(request.join_token, self.join_token):
+            log.warning("join refused for %r: bad join token", request.edge_id)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "bad join token")
+        fingerprint = self.engine.fingerprint
+        if request.state_fingerprint and request.state_fingerprint != fingerprint:
+            log.warning("join refused for %s: stored state fingerprint %s != run %s",
+                        request.edge_id, request.state_fingerprint, fingerprint)
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"edge {request.edge_id}: its private state was made for model/method "
+                f"fingerprint {request.state_fingerprint}, this run is {fingerprint}")
+        try:
+            record = self.engine.registry.join(request.edge_id, request.edge_secret,
+                                               dict(request.info))
+        except AuthError as err:
+            log.warning("join refused: %s", err)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(err))
+        # A new session replaces any older one: its outstanding task is gone with it.
+        self.engine.edge_lost(record.edge_id, "rejoined")
+        log.info("edge %s joined (%s)", record.edge_id,
+                 ", ".join(f"{k}={v}" for k, v in sorted(record.info.items())))
+        reply = pb.JoinReply(protocol_version=PROTOCOL_VERSION, session=record.session,
+                             config_json=self.engine.config_json, fingerprint=fingerprint,
+                             chunk_bytes=self.chunk_bytes)
+        self.meter.count_message(DOWN, reply, edge=record.edge_id)
+        return reply
+
+    # ---- Presence ---------------------------------------------------------------------
+    async def Presence(self, request: pb.PresenceRequest, context):
+        await self._auth(request.edge_id, request.session, context)
+        self.meter.count_message(UP, request, edge=request.edge_id)
+        record = self.engine.registry.records[request.edge_id]
+        record.connected = True
+        self.engine.metrics.connected.set(len(self.engine.registry.connected_ids()))
+        try:
+            while record.session == request.session:
+                event = pb.PresenceEvent(server_time=time.time())
+                self.meter.count_message(DOWN, event, edge=request.edge_id)
+                yield event
+                await asyncio.sleep(PRESENCE_INTERVAL)
+        finally:
+            if record.session == request.session:
+                record.connected = False
+                self.engine.edge_lost(request.edge_id, "disconnected")
+                log.info("edge %s disconnected", request.edge_id)
+            self.engine.metrics.connected.set(len(self.engine.registry.connected_ids()))
+
+    # ---- NextTask ---------------------------------------------------------------------
+    async def NextTask(self, request: pb.TaskRequest, context):
+        await self._auth(request.edge_id, request.session, context)
+        edge = request.edge_id
+        self.meter.count_message(UP, request, edge=edge)
+        record = self.engine.registry.records[edge]
+        deadline = time.monotonic() + self.poll_timeout
+        while True:
+            if self.engine.finished:
+                yield self._meta(edge, pb.TaskMessage(header=pb.TaskHeader(
+                    status=pb.TaskHeader.DONE, round=self.engine.round)))
+                return
+            found = self.engine.task_for(edge)
+            if found is not None:
+                break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                yield self._meta(edge, pb.TaskMessage(header=pb.TaskHeader(
+                    status=pb.TaskHeader.WAIT)))
+                return
+            record.wakeup.clear()
+            try:
+                await asyncio.wait_for(record.wakeup.wait(), timeout=min(remaining, 1.0))
+            except asyncio.TimeoutError:
+                pass
+        phase, task = found
+        personal = phase.personal[edge]
+        cached = bool(request.cached_common) and request.cached_common == phase.common_id
+        header = pb.TaskHeader(
+            status=pb.TaskHeader.TASK, round=phase.round, task_id=task.task_id, phase=phase.name,
+            spec_json=phase.spec_json, common_id=phase.common_id, common_cached=cached,
+            common=phase.common.manifest, personal=personal.manifest)
+        yield self._meta(edge, pb.TaskMessage(header=header))
+        chunks = [] if cached else phase.common_chunks
+        for kind, chunk in [*chunks, *personal.chunks(self.chunk_bytes)]:
+            message = pb.TaskMessage(data=chunk)
+            self.meter.count(DOWN, kind.label, message_wire_bytes(message), len(chunk), edge)
+            yield message
+        task.delivered = True
+
+    def _meta(self, edge: str, message):
+        self.meter.count_message(DOWN, message, edge=edge)
+        return message
+
+    # ---- Submit -----------------------------------------------------------------------
+    async def Submit(self, request_iterator, context) -> pb.SubmitReply:
+        try:
+            first = await context.read()
+        except Exception:  # noqa: BLE001 - a client that vanished mid-call
+            return pb.SubmitReply(accepted=False, reason="no header")
+        if first is grpc.aio.EOF or not first.HasField("header"):
+            return pb.SubmitReply(accepted=False, reason="the first message must be a header")
+        header = first.header
+        edge = header.edge_id
+        self.meter.count_message(UP, first, edge=edge)
+        phase = None
+        try:
+            if header.protocol_version != PROTOCOL_VERSION:
+                raise Refused(f"protocol version {header.protocol_version} unsupported")
+            try:
+                self.engine.registry.check(edge, header.session)
+            except AuthError as err:
+                raise Refused(str(err)) from None
+            try:
+                phase, _ = self.engine.check_submission(header)
+            except Refused as err:
+                if err.drop and self.engine.phase is not None:
+                    phase = self.engine.phase
+                raise
+            payload = await self._receive(header, context, edge)
+            bad = nonfinite_tensors(payload)
+            if bad:
+                raise Refused(f"non-finite values in {bad[:3]}", drop=True)
+            await self.engine.accept(phase, header, payload)
+        except (Refused, WireError) as err:
+            drop = isinstance(err, WireError) or err.drop
+            reason = f"{type(err).__name__ if isinstance(err, WireError) else 'refused'}: {err}"
+            log.warning("submission from %s refused: %s", edge or "?", reason)
+            self.engine.metrics.refused.labels(edge if edge in self.engine.registry.records
+                                               else "unknown").inc()
+            if drop and phase is not None and edge in phase.pending() and not phase.closed:
+                self.engine.drop(phase, edge, f"bad upload: {err}")
+            reply = pb.SubmitReply(accepted=False, reason=reason)
+            self.meter.count_message(DOWN, reply, edge=edge)
+            return reply
+        reply = pb.SubmitReply(accepted=True)
+        self.meter.count_message(DOWN, reply, edge=edge)
+        return reply
+
+    async def _receive(self, header: pb.SubmitHeader, context, edge: str):
+        expected = sum(section_sizes(header.payload))
+        async with self.upload_slots:
+            assembler = PayloadAssembler(header.payload, max_bytes=expected,
+                                         max_chunk_bytes=MAX_MESSAGE_BYTES)
+            while not assembler.complete:
+                message = await context.read()
+                if message is grpc.aio.EOF:
+                    raise WireError(f"upload ended after {assembler.received} of "
+                                    f"{expected} bytes")
+                if not message.HasField("data"):
+                    raise WireError("a second header inside one upload")
+                kind = assembler.add(message.data)
+                self.meter.count(UP, kind.label, message_wire_bytes(message), len(message.data),
+                                 edge)
+            extra = await context.read()
+            if extra is not grpc.aio.EOF:
+                raise WireError("data beyond the declared payload")
+            return await asyncio.to_thread(assembler.finish)
+
+    # ---- Leave ------------------------------------------------------------------------
+    async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveReply:
+        await self._auth(request.edge_id, request.session, context)
+        self.meter.count_message(UP, request, edge=request.edge_id)
+        record = self.engine.registry.records[request.edge_id]
+        record.session = ""
+        record.connected = False
+        self.engine.edge_lost(request.edge_id, "left")
+        log.info("edge %s left (%s)", request.edge_id, request.reason or "no reason given")
+        reply = pb.LeaveReply()
+        self.meter.count_message(DOWN, reply, edge=request.edge_id)
+        return reply
+
+
+__all__ = ["FederatedLearningService", "META"]

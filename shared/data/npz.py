@@ -1,0 +1,132 @@
+"""``.npz`` edge data (arrays ``x`` and ``y``), read without pickle.
+
+Layout of a data dir: ``train.npz`` and ``test.npz``, or a single ``data.npz`` that is
+split into train/test with a seeded stratified split; optionally ``global_test.npz``
+(the same balanced set on every edge). Images are uint8 (N,H,W), (N,H,W,C) or float
+(N,C,H,W); labels are integers in [0, num_classes) of the server's class list.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..config import TrainConfig
+
+
+class DataError(ValueError):
+    """Unusable edge data; the message names the file."""
+
+
+@dataclass
+class Split:
+    x: torch.Tensor  # float32 (N, C, H, W), normalised to [-1, 1] for uint8 input
+    y: torch.Tensor  # int64 (N,)
+
+    def __len__(self) -> int:
+        return int(self.y.shape[0])
+
+
+@dataclass
+class EdgeData:
+    train: Split
+    test: Split
+    global_test: Split | None
+
+
+def _to_images(x: np.ndarray, path: Path, cfg: TrainConfig) -> torch.Tensor:
+    if x.ndim == 3:
+        x = x[:, None, :, :]
+    elif x.ndim == 4 and x.shape[-1] in (1, 3) and x.shape[1] not in (1, 3):
+        x = x.transpose(0, 3, 1, 2)
+    elif x.ndim != 4:
+        raise DataError(f"{path}: x must be (N,H,W), (N,H,W,C) or (N,C,H,W); got shape {x.shape}")
+    if x.dtype == np.uint8:
+        images = torch.from_numpy(np.ascontiguousarray(x)).float().div_(255.0).sub_(0.5).div_(0.5)
+    elif np.issubdtype(x.dtype, np.floating):
+        images = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+        if not bool(torch.isfinite(images).all()):
+            raise DataError(f"{path}: x holds NaN or Inf")
+    else:
+        raise DataError(f"{path}: x must be uint8 or floating point, got {x.dtype}")
+    channels, height, width = images.shape[1:]
+    if channels != cfg.in_channels:
+        if channels == 1 and cfg.in_channels == 3:
+            images = images.expand(-1, 3, -1, -1).contiguous()
+        else:
+            raise DataError(f"{path}: images have {channels} channels, the run expects "
+                            f"{cfg.in_channels}")
+    if (height, width) != (cfg.image_size, cfg.image_size):
+        raise DataError(f"{path}: images are {height}x{width}, the run expects "
+                        f"{cfg.image_size}x{cfg.image_size}")
+    return images
+
+
+def read_npz(path: Path, cfg: TrainConfig) -> Split:
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            missing = {"x", "y"} - set(archive.files)
+            if missing:
+                raise DataError(f"{path}: missing array(s) {sorted(missing)} (has {archive.files})")
+            x, y = archive["x"], archive["y"]
+    except (OSError, zipfile.BadZipFile, ValueError) as err:
+        if isinstance(err, DataError):
+            raise
+        raise DataError(f"{path}: not a readable .npz file ({err})") from None
+    if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
+        raise DataError(f"{path}: y must be a 1-D integer array, got {y.dtype} {y.shape}")
+    if len(x) != len(y):
+        raise DataError(f"{path}: {len(x)} images but {len(y)} labels")
+    if len(y) == 0:
+        raise DataError(f"{path}: no samples")
+    bad = np.flatnonzero((y < 0) | (y >= cfg.num_classes))
+    if bad.size:
+        raise DataError(f"{path}: label {int(y[bad[0]])} at index {int(bad[0])} is outside "
+                        f"[0, {cfg.num_classes})")
+    return Split(_to_images(x, path, cfg), torch.from_numpy(y.astype(np.int64)))
+
+
+def stratified_split(split: Split, test_fraction: float, seed: int) -> tuple[Split, Split]:
+    """Per class, a seeded shuffle puts round(test_fraction * n_c) samples (at least one
+    when the class has two or more) into the test split."""
+    rng = np.random.default_rng(seed)
+    labels = split.y.numpy()
+    train_idx, test_idx = [], []
+    for c in np.unique(labels):
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        n_test = int(round(test_fraction * len(idx)))
+        if len(idx) >= 2:
+            n_test = min(max(n_test, 1), len(idx) - 1)
+        else:
+            n_test = 0
+        test_idx.append(idx[:n_test])
+        train_idx.append(idx[n_test:])
+    tr = torch.from_numpy(np.sort(np.concatenate(train_idx)))
+    te = torch.from_numpy(np.sort(np.concatenate(test_idx)))
+    return Split(split.x[tr], split.y[tr]), Split(split.x[te], split.y[te])
+
+
+def load_edge_data(data_dir: str | Path, cfg: TrainConfig) -> EdgeData:
+    root = Path(data_dir)
+    if not root.is_dir():
+        raise DataError(f"data dir {root} does not exist or is not a directory")
+    if (root / "train.npz").exists():
+        train = read_npz(root / "train.npz", cfg)
+        if (root / "test.npz").exists():
+            test = read_npz(root / "test.npz", cfg)
+        else:
+            train, test = stratified_split(train, cfg.test_fraction, cfg.seed)
+    elif (root / "data.npz").exists():
+        train, test = stratified_split(read_npz(root / "data.npz", cfg), cfg.test_fraction, cfg.seed)
+    else:
+        raise DataError(f"data dir {root}: no train.npz or data.npz found")
+    if len(test) == 0:
+        raise DataError(f"data dir {root}: the test split is empty (too few samples per class)")
+    global_test = None
+    if (root / "global_test.npz").exists():
+        global_test = read_npz(root / "global_test.npz", cfg)
+    return EdgeData(train, test, global_test)

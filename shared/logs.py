@@ -1,0 +1,17 @@
+"""Log lines for daemons: one line per event, UTC timestamps, key=value friendly."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+
+def setup_logging(level: str = "INFO") -> None:
+    handler = logging.StreamHandler()
+    formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s",
+                                  "%Y-%m-%dT%H:%M:%SZ")
+    formatter.converter = time.gmtime
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
