@@ -154,59 +154,92 @@ def resolve(args: argparse.Namespace) -> tuple[ServerConfig, TrainConfig, Method
     return server, train, method
 
 
+class ServerApp:
+    """A running fl-server: gRPC service, health, metrics and the round engine.
+
+    ``fl-server`` runs one until the run ends or a signal arrives; tests hold one
+    in-process to look at the engine while real gRPC edges talk to it.
+    """
+
+    def __init__(self, server_cfg: ServerConfig, train: TrainConfig, method: Method):
+        self.cfg = server_cfg
+        self.registry = CollectorRegistry()
+        self.meter = ByteMeter(self.registry)
+        self.engine = Engine(server_cfg, train, method, self.meter, ServerMetrics(self.registry))
+        self.port = 0
+        self.metrics_port: int | None = None
+        self._grpc: grpc.aio.Server | None = None
+        self._health: health.aio.HealthServicer | None = None
+        self._http = None
+
+    async def start(self) -> int:
+        cfg, engine = self.cfg, self.engine
+        if cfg.resume:
+            engine.resume()
+        elif engine.store.latest() is not None:
+            raise UsageError(f"{cfg.checkpoint_dir} already holds a checkpoint; pass --resume to "
+                             "continue it or choose an empty --checkpoint-dir")
+        Path(cfg.checkpoint_dir).mkdir(parents=True, exist_ok=True)
+        self._grpc = grpc.aio.server(options=server_options())
+        service = FederatedLearningService(engine, self.meter, cfg.join_token, cfg.chunk_bytes,
+                                           cfg.poll_timeout, cfg.max_concurrent_uploads)
+        pb_grpc.add_FederatedLearningServicer_to_server(service, self._grpc)
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
+        self.port = self._grpc.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        if self.port == 0:
+            raise UsageError(f"cannot listen on {cfg.host}:{cfg.port}")
+        await self._grpc.start()
+        for name in ("", "fedattn.v1.FederatedLearning"):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if cfg.metrics_port >= 0:
+            self._http, _ = start_http_server(cfg.metrics_port, registry=self.registry)
+            self.metrics_port = self._http.server_port
+        log.info("serving on %s:%d (metrics %s), method %s, model %s, fingerprint %s",
+                 cfg.host, self.port, self.metrics_port or "off", engine.method.name,
+                 engine.train.model, engine.fingerprint)
+        return self.port
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        """Run rounds until the run ends (or ``stop`` is set), then shut down."""
+        stop = stop or asyncio.Event()
+        run_task = asyncio.create_task(self.engine.run())
+        stop_task = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait({run_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            if run_task in done:
+                run_task.result()
+                # Let polling edges hear that the run is over before the port closes.
+                await asyncio.sleep(min(2.0, self.cfg.poll_timeout))
+            else:
+                log.info("stopping on request; the last completed round stays checkpointed")
+                run_task.cancel()
+        finally:
+            stop_task.cancel()
+            await self.stop()
+
+    async def stop(self) -> None:
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        if self._grpc is not None:
+            await self._grpc.stop(grace=2)
+        if self._http is not None:
+            self._http.shutdown()
+            self._http = None
+
+
 async def serve(server_cfg: ServerConfig, train: TrainConfig, method: Method,
                 ready_file: Path | None) -> int:
-    registry = CollectorRegistry()
-    meter = ByteMeter(registry)
-    metrics = ServerMetrics(registry)
-    engine = Engine(server_cfg, train, method, meter, metrics)
-    checkpoint_dir = Path(server_cfg.checkpoint_dir)
-    if server_cfg.resume:
-        engine.resume()
-    elif engine.store.latest() is not None:
-        raise UsageError(f"{checkpoint_dir} already holds a checkpoint; pass --resume to "
-                         "continue it or choose an empty --checkpoint-dir")
-    checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    grpc_server = grpc.aio.server(options=server_options())
-    service = FederatedLearningService(engine, meter, server_cfg.join_token,
-                                       server_cfg.chunk_bytes, server_cfg.poll_timeout,
-                                       server_cfg.max_concurrent_uploads)
-    pb_grpc.add_FederatedLearningServicer_to_server(service, grpc_server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
-    port = grpc_server.add_insecure_port(f"{server_cfg.host}:{server_cfg.port}")
-    if port == 0:
-        raise UsageError(f"cannot listen on {server_cfg.host}:{server_cfg.port}")
-    await grpc_server.start()
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    await health_servicer.set("fedattn.v1.FederatedLearning",
-                              health_pb2.HealthCheckResponse.SERVING)
-    metrics_port = None
-    if server_cfg.metrics_port >= 0:
-        http_server, _ = start_http_server(server_cfg.metrics_port, registry=registry)
-        metrics_port = http_server.server_port
-    log.info("serving %s on %s:%d (metrics %s), method %s, model %s, fingerprint %s",
-             "fedattn", server_cfg.host, port, metrics_port or "off", method.name, train.model,
-             engine.fingerprint)
+    app = ServerApp(server_cfg, train, method)
+    await app.start()
     if ready_file:
-        atomic_write_json(ready_file, {"port": port, "metrics_port": metrics_port,
+        atomic_write_json(ready_file, {"port": app.port, "metrics_port": app.metrics_port,
                                        "pid": os.getpid()}, mode=0o644)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    run_task = asyncio.create_task(engine.run())
-    stop_task = asyncio.create_task(stop.wait())
-    done, _ = await asyncio.wait({run_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
-    if run_task in done:
-        run_task.result()
-        # Let edges poll once more to learn the run is over.
-        await asyncio.sleep(min(2.0, server_cfg.poll_timeout))
-    else:
-        log.info("stopping on signal; the last completed round stays checkpointed")
-        run_task.cancel()
-    await health_servicer.enter_graceful_shutdown()
-    await grpc_server.stop(grace=2)
+    await app.run(stop)
     return 0
 
 

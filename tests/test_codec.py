@@ -8,8 +8,6 @@ import zlib
 
 import pytest
 import torch
-from prometheus_client import CollectorRegistry
-
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire.accounting import GRPC_FRAME_PREFIX, ByteMeter, message_wire_bytes
 from fedattn_shared.wire.codec import (
@@ -23,6 +21,7 @@ from fedattn_shared.wire.codec import (
     nonfinite_tensors,
     section_sizes,
 )
+from prometheus_client import CollectorRegistry
 
 BIG = 1 << 30
 

@@ -6,7 +6,6 @@ import dataclasses
 import json
 
 import pytest
-
 from fedattn_shared.config import (
     ConfigError,
     ServerConfig,

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-from torchvision.ops.misc import SqueezeExcitation
-
 from fedattn_shared.config import TrainConfig
-from fedattn_shared.methods import MethodContext, load_method
-from fedattn_shared.methods import split
+from fedattn_shared.methods import MethodContext, load_method, split
 from fedattn_shared.methods.base import NoParams
 from fedattn_shared.models import MODELS, build_model, model_spec
+from torch import nn
+from torchvision.ops.misc import SqueezeExcitation
 
 # METHODS.md 3.1: (module name, C_l, squeeze width) of mobilenet_v3_small's 9 SE modules.
 SE_TABLE = [
@@ -90,7 +88,7 @@ def test_mobilenet_v3_small_se_modules(mobilenet):
     se = [(name, m) for name, m in mobilenet.named_modules() if isinstance(m, SqueezeExcitation)]
     assert len(se) == 9
     assert [name for name, _ in se] == [name for name, _, _ in SE_TABLE]
-    for (name, module), (_, channels, squeeze) in zip(se, SE_TABLE):
+    for (name, module), (_, channels, squeeze) in zip(se, SE_TABLE, strict=True):
         assert (module.fc1.in_channels, module.fc1.out_channels) == (channels, squeeze), name
         assert (module.fc2.in_channels, module.fc2.out_channels) == (squeeze, channels), name
         assert module.fc1.bias is not None and module.fc2.bias is not None

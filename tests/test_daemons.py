@@ -1,0 +1,160 @@
+"""End to end over real gRPC: fl-server and fl-edge as separate processes on loopback."""
+
+from __future__ import annotations
+
+import re
+import stat
+import urllib.request
+
+import pytest
+import torch
+
+from conftest import read_history, wait_for, write_edge_dirs
+from fedattn_shared.config import TrainConfig
+from fedattn_shared.methods import MethodContext, load_method
+from fedattn_shared.state import load_tensors
+from fl_edge.store import PrivateStore, private_digest
+from fl_server.engine import tensors_digest
+
+
+def test_fedavg_three_edges_account_every_byte(cluster, tmp_path):
+    dirs = write_edge_dirs(tmp_path, 3, per_edge=200)
+    server = cluster.server("--method", "fedavg", "--rounds", "2", "--min-edges", "3",
+                            "--local-epochs", "4", "--lr", "0.05")
+    edges = [cluster.edge(d, f"cam{i}") for i, d in enumerate(dirs)]
+    assert [e.wait() for e in edges] == [0, 0, 0]
+    assert server.wait() == 0
+
+    history = read_history(tmp_path / "server-state")
+    assert [r["round"] for r in history["rounds"]] == [1, 2]
+    assert history["manifest"]["method"] == "fedavg"
+    assert history["manifest"]["train"]["model"] == "lenet-bn"
+    for record in history["rounds"]:
+        assert record["train"]["received"] == ["cam0", "cam1", "cam2"]
+        per_edge = record["evaluation"]["per_edge"]
+        assert sorted(per_edge) == ["cam0", "cam1", "cam2"]
+        for figures in per_edge.values():
+            confusion = torch.tensor(figures["test"]["confusion"])
+            assert confusion.shape == (10, 10) and confusion.sum() == figures["test"]["n"] > 0
+        up = record["bytes"]["up"]["shared_tensors"]
+        assert up["raw"] > 0 and 1.0 <= up["wire"] / up["raw"] <= 1.01
+    # Round 2 must have learned something on these easy generated classes.
+    assert history["rounds"][-1]["evaluation"]["summary"]["test"]["mean_accuracy"] > 0.5
+
+    # Private state: atomic file, owner-only, and identity kept.
+    for i in range(3):
+        state = tmp_path / f"state-cam{i}"
+        for name in ("private.safetensors", "identity.json"):
+            assert stat.S_IMODE((state / name).stat().st_mode) == 0o600
+    manifest = (tmp_path / "server-state" / "manifest.json").read_text()
+    assert '"round": 2' in manifest
+
+
+def test_prometheus_counts_bytes_by_kind_direction_edge(cluster, tmp_path):
+    dirs = write_edge_dirs(tmp_path, 2)
+    server = cluster.server("--method", "fedavg", "--rounds", "3", "--min-edges", "2",
+                            "--metrics-port", "0")
+    edges = [cluster.edge(d, f"e{i}") for i, d in enumerate(dirs)]
+    server.wait_log("round 2 done")
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read().decode()
+    wire = {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'fedattn_wire_bytes_total\{direction="up",edge="e0",kind="shared_tensors"\}() (\S+)', text)}
+    assert wire and wire[""] > 0
+    assert 'fedattn_raw_tensor_bytes_total{direction="down",edge="e1",kind="shared_tensors"}' in text
+    assert 'fedattn_eval_accuracy_mean{split="test"}' in text
+    assert "round=" not in text  # the round is never a label
+    assert [e.wait() for e in edges] == [0, 0]
+    assert server.wait() == 0
+
+
+@pytest.mark.parametrize("method", ["fedadam", "ditto"])
+def test_server_optimizer_and_two_model_methods(cluster, tmp_path, method):
+    dirs = write_edge_dirs(tmp_path, 2)
+    server = cluster.server("--method", method, "--rounds", "2", "--min-edges", "2")
+    edges = [cluster.edge(d, f"e{i}") for i, d in enumerate(dirs)]
+    assert [e.wait() for e in edges] == [0, 0]
+    assert server.wait() == 0
+    history = read_history(tmp_path / "server-state")
+    assert len(history["rounds"]) == 2
+    assert history["rounds"][-1]["evaluate"]["received"] == ["e0", "e1"]
+    tensors, _ = load_tensors(next((tmp_path / "server-state" / "rounds").glob("*/state.safetensors")))
+    if method == "fedadam":
+        # The Adam moments live in the server checkpoint; they never travel.
+        assert any(k.startswith("opt:m:") for k in tensors)
+        assert "opt" not in str(history["rounds"][-1]["bytes"])
+    else:
+        # Ditto's personal model never leaves the edge.
+        assert not any("personal/" in k for k in tensors)
+        assert all(k.startswith("global:shared_tensors::global/") for k in tensors)
+
+
+def _digest_of_state_file(state_dir, method_name: str) -> str:
+    method = load_method(method_name)(MethodContext(TrainConfig(), load_method(method_name).Params()))
+    models = method.build_models()
+    algo = method.edge(models, torch.device("cpu"))
+    PrivateStore(state_dir).load(algo, method.fingerprint(models))
+    return private_digest(algo)
+
+
+def test_edge_killed_mid_round_rejoins_with_identical_private_state(cluster, tmp_path):
+    dirs = write_edge_dirs(tmp_path, 3, per_edge=1500)
+    server = cluster.server("--method", "fedbn", "--rounds", "4", "--min-edges", "3",
+                            "--quorum", "2", "--round-timeout", "120")
+    edges = [cluster.edge(d, f"e{i}") for i, d in enumerate(dirs)]
+    server.wait_log("round 2 train: 3 task(s)")
+    edges[2].kill()
+    server.wait_log("dropped e2 (disconnected)")
+    server.wait_log("round 2 done")
+    saved = _digest_of_state_file(tmp_path / "state-e2", "fedbn")
+
+    restarted = cluster.edge(dirs[2], "e2")
+    restarted.wait_log("resumed private state")
+    assert f"digest {saved}" in restarted.log()
+    assert [e.wait() for e in (edges[0], edges[1], restarted)] == [0, 0, 0]
+    assert server.wait() == 0
+    history = read_history(tmp_path / "server-state")
+    round2 = history["rounds"][1]
+    assert round2["train"]["dropped"]["e2"] == "disconnected"
+    assert len(round2["train"]["received"]) == 2
+    assert "e2" in history["rounds"][-1]["evaluate"]["received"]
+
+
+def test_server_killed_resumes_bit_identical(cluster, tmp_path):
+    dirs = write_edge_dirs(tmp_path, 2)
+    checkpoint = tmp_path / "server-state"
+    args = ("--method", "fedadam", "--rounds", "4", "--min-edges", "2")
+    server = cluster.server(*args)
+    port = cluster.port
+    edges = [cluster.edge(d, f"e{i}") for i, d in enumerate(dirs)]
+    wait_for(lambda: '"round": 2' in (checkpoint / "manifest.json").read_text()
+             if (checkpoint / "manifest.json").exists() else False, 120, "round 2 checkpoint")
+    server.kill()
+    tensors, _ = load_tensors(checkpoint / "rounds" / "000002" / "state.safetensors")
+    saved = tensors_digest(tensors)
+
+    restarted = cluster.server(*args, "--resume", port=port, name="server2")
+    restarted.wait_log("resumed from round")
+    assert f"resumed from round 2 (state digest {saved})" in restarted.log()
+    assert [e.wait() for e in edges] == [0, 0]
+    assert restarted.wait() == 0
+    history = read_history(checkpoint)
+    assert [r["round"] for r in history["rounds"]] == [1, 2, 3, 4]
+
+
+def test_fresh_run_refuses_existing_checkpoint_and_bad_flags(cluster, tmp_path):
+    dirs = write_edge_dirs(tmp_path, 1)
+    server = cluster.server("--method", "fedavg", "--rounds", "1", "--min-edges", "1")
+    edge = cluster.edge(dirs[0], "solo")
+    assert edge.wait() == 0 and server.wait() == 0
+    import subprocess
+    import sys
+    again = subprocess.run([sys.executable, "-m", "fl_server", "--insecure", "--checkpoint-dir",
+                            str(tmp_path / "server-state"), "--port", "0"],
+                           capture_output=True, text=True, timeout=60)
+    assert again.returncode == 2 and "--resume" in again.stderr
+    bad = subprocess.run([sys.executable, "-m", "fl_server", "--insecure", "--quorum", "-1"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "server.quorum" in bad.stderr
+    no_tls = subprocess.run([sys.executable, "-m", "fl_server"], capture_output=True, text=True,
+                            timeout=60)
+    assert no_tls.returncode == 2 and "--insecure" in no_tls.stderr
