@@ -1,0 +1,57 @@
+"""fl-server's configuration: defaults < TOML < flags < --set, errors name the item."""
+
+from __future__ import annotations
+
+import pytest
+
+from fedattn_shared.config import ConfigError
+from fl_server.cli import build_parser, main, resolve
+
+
+def resolved(*argv: str):
+    return resolve(build_parser().parse_args(list(argv)))
+
+
+def test_precedence_defaults_toml_flags_set(tmp_path):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('[server]\nmethod = "fedprox"\nrounds = 7\nquorum = 3\n'
+                   '[train]\nlr = 0.2\nbatch_size = 16\n[fedprox]\nmu = 0.5\n')
+    server, train, method = resolved("--config", str(cfg))
+    assert (server.method, server.rounds, server.quorum) == ("fedprox", 7, 3)
+    assert (train.lr, train.batch_size, method.params.mu) == (0.2, 16, 0.5)
+    assert server.min_edges == 2  # default untouched
+
+    server, train, method = resolved("--config", str(cfg), "--rounds", "9", "--lr", "0.3")
+    assert (server.rounds, server.quorum, train.lr) == (9, 3, 0.3)
+
+    server, train, method = resolved("--config", str(cfg), "--rounds", "9",
+                                     "--set", "server.rounds=11", "--set", "fedprox.mu=0.01",
+                                     "--set", 'train.private=["bn"]')
+    assert (server.rounds, method.params.mu, train.private) == (11, 0.01, ["bn"])
+    assert "model/features.1.weight" not in method.shared_specs(method.build_models())
+
+
+def test_errors_name_the_source_and_key(tmp_path):
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text("[server]\nrounds = 'many'\n")
+    with pytest.raises(ConfigError, match=r"bad.toml: server.rounds: expected int"):
+        resolved("--config", str(cfg))
+    with pytest.raises(ConfigError, match=r"unknown key fedprox.nu"):
+        resolved("--method", "fedprox", "--set", "fedprox.nu=1")
+    with pytest.raises(ConfigError, match=r"\[fedadam\].*not a section this run uses"):
+        resolved("--method", "fedprox", "--set", "fedadam.tau=1")
+    with pytest.raises(ConfigError, match="unknown split rule 'gn'"):
+        resolved("--private", "gn")
+    with pytest.raises(ConfigError, match="unknown model"):
+        resolved("--model", "vgg")
+    with pytest.raises(ConfigError, match="does not exist"):
+        resolved("--config", str(tmp_path / "missing.toml"))
+
+
+def test_usage_errors_exit_2(capsys):
+    assert main(["--insecure", "--fraction", "1.5"]) == 2
+    assert "server.fraction" in capsys.readouterr().err
+    assert main(["--insecure", "--set", "nodot"]) == 2
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--rounds", "x"])
+    assert exit_info.value.code == 2
