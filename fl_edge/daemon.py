@@ -353,8 +353,11 @@ class EdgeDaemon:
                 log.info("round %d: %s accuracy %.4f on %d samples", header.round, split_name,
                          counts.accuracy, counts.total)
         else:
-            raise EdgeExit(2, f"server asked for phase {header.phase!r}, which this edge "
-                              f"does not know (fedattn versions differ?)")
+            try:
+                upload = algo.phase_upload(header.phase)
+            except ValueError as err:
+                raise EdgeExit(2, f"server asked for phase {header.phase!r}: {err} "
+                                  "(fedattn versions differ?)") from None
         self._submit(stub, header, upload, num_examples, evaluation, metrics)
 
     def _submit(self, stub, task: pb.TaskHeader, upload: Payload, num_examples: int,

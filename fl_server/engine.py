@@ -15,7 +15,6 @@ import logging
 import math
 import platform
 import random
-import secrets
 import subprocess
 import sys
 import time
@@ -104,6 +103,15 @@ def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
+def content_id(manifest: pb.PayloadManifest, chunks: list[tuple[Kind, bytes]]) -> str:
+    """Names a downlink by its content, so an edge's cached copy is reused exactly when
+    the bytes are the same (also across server restarts)."""
+    digest = hashlib.blake2b(manifest.SerializeToString(deterministic=True), digest_size=16)
+    for _, chunk in chunks:
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
 def run_manifest(server: ServerConfig, train: TrainConfig, method: Method) -> dict:
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
@@ -148,12 +156,11 @@ class Engine:
                                         "rounds": []}
         self.round = 0
         self.task_counter = 0
-        self.state_version = 0
-        self.instance = secrets.token_hex(4)
         self.phase: Phase | None = None
         self.finished = False
         self.agg_lock = asyncio.Lock()
-        self.config_json = json.dumps({"method": method.name, "train": train.__dict__,
+        # "method" is what the edge loads: the registered name or a module:Class spec.
+        self.config_json = json.dumps({"method": server.method, "train": train.__dict__,
                                        "params": method.describe_params()}, sort_keys=True)
 
     # ---- state ------------------------------------------------------------------------
@@ -174,7 +181,6 @@ class Engine:
             history = read_json(self.history_path)
             history["rounds"] = [r for r in history["rounds"] if r["round"] <= round_number]
             self.history = history
-        self.state_version += 1
         log.info("resumed from round %d (state digest %s)", round_number,
                  tensors_digest(self.aggregator.state_tensors()))
 
@@ -290,9 +296,10 @@ class Engine:
         async with self.agg_lock:
             if phase.closed or edge not in phase.pending():
                 raise Refused("the phase closed before the upload completed")
-            if phase.name == TRAIN:
+            if phase.name != EVALUATE:
                 weight = self.method.aggregation_weight(int(header.num_examples))
-                await asyncio.to_thread(self.aggregator.accept, edge, payload, weight)
+                await asyncio.to_thread(self.aggregator.accept_phase, phase.name, edge, payload,
+                                        weight)
             phase.received[edge] = {
                 "num_examples": int(header.num_examples),
                 "metrics": dict(header.metrics),
@@ -326,26 +333,35 @@ class Engine:
         log.info("run finished after %d rounds", self.round)
 
     async def run_round(self, round_number: int) -> None:
+        """Runs the method's phases in order. Non-evaluation phases go to the selected
+        edges (minus those an earlier phase of the round lost); evaluation goes to every
+        connected edge, every --eval-every rounds and after the last."""
         started = time.monotonic()
         selected = select_edges(self.registry.connected_ids(), self.cfg.fraction,
                                 self.train.seed, round_number)
         self.aggregator.begin_round(round_number, selected, len(self.registry.records))
-        quorum = min(self.cfg.quorum or len(selected), len(selected))
-        train = await self.run_phase(TRAIN, round_number, selected, quorum)
-        async with self.agg_lock:
-            figures = await asyncio.to_thread(self.aggregator.finish)
-            if figures.get("aggregated"):
-                self.state_version += 1
-        record: dict[str, Any] = {"round": round_number, "train": self.phase_record(train),
-                                  "aggregate": figures}
+        record: dict[str, Any] = {"round": round_number, "aggregate": {}}
+        participants = list(selected)
         eval_every = self.cfg.eval_every
-        if eval_every and (round_number % eval_every == 0 or round_number == self.cfg.rounds):
-            edges = self.registry.connected_ids()
-            evaluation = await self.run_phase(EVALUATE, round_number, edges, len(edges))
-            record["evaluate"] = self.phase_record(evaluation)
-            per_edge = {e: r["evaluation"] for e, r in evaluation.received.items()}
-            record["evaluation"] = {"per_edge": per_edge, "summary": summarize(per_edge)}
-            self.publish_evaluation(per_edge, record["evaluation"]["summary"])
+        eval_due = bool(eval_every) and (round_number % eval_every == 0
+                                         or round_number == self.cfg.rounds)
+        for name in self.method.phases:
+            if name == EVALUATE:
+                if eval_due:
+                    edges = self.registry.connected_ids()
+                    evaluation = await self.run_phase(EVALUATE, round_number, edges, len(edges))
+                    record[EVALUATE] = self.phase_record(evaluation)
+                    per_edge = {e: r["evaluation"] for e, r in evaluation.received.items()}
+                    record["evaluation"] = {"per_edge": per_edge, "summary": summarize(per_edge)}
+                    self.publish_evaluation(per_edge, record["evaluation"]["summary"])
+                continue
+            quorum = min(self.cfg.quorum or len(participants), len(participants))
+            phase = await self.run_phase(name, round_number, participants, quorum)
+            async with self.agg_lock:
+                figures = await asyncio.to_thread(self.aggregator.close_phase, name)
+            record[name] = self.phase_record(phase)
+            record["aggregate"].update(figures)
+            participants = [e for e in participants if e in phase.received]
         record["seconds"] = time.monotonic() - started
         record["bytes"] = self.meter.take_round()
         self.round = round_number
@@ -355,7 +371,7 @@ class Engine:
         self.metrics.round_seconds.observe(record["seconds"])
         summary = record.get("evaluation", {}).get("summary", {}).get("test", {})
         log.info("round %d done in %.2fs: %d/%d results, mean test accuracy %s", round_number,
-                 record["seconds"], len(train.received), len(selected),
+                 record["seconds"], len(participants), len(selected),
                  f"{summary['mean_accuracy']:.4f}" if summary else "n/a")
 
     def phase_record(self, phase: Phase) -> dict:
@@ -380,14 +396,14 @@ class Engine:
         common_payload = self.aggregator.broadcast(name)
         common = await asyncio.to_thread(encode, common_payload)
         chunks = await asyncio.to_thread(lambda: list(common.chunks(self.cfg.chunk_bytes)))
-        layout = hashlib.sha256(common.manifest.SerializeToString(deterministic=True)).hexdigest()
+        common_id = await asyncio.to_thread(content_id, common.manifest, chunks)
         tasks = {}
         for edge in edges:
             self.task_counter += 1
             tasks[edge] = Task(self.task_counter, edge)
         phase = Phase(
             name=name, round=round_number, tasks=tasks, quorum=quorum,
-            common_id=f"{self.instance}-v{self.state_version}-{layout[:16]}",
+            common_id=common_id,
             common=common, common_chunks=chunks,
             personal={e: encode(self.aggregator.personal(e, name)) for e in edges},
             spec_json=json.dumps({"round": round_number, "phase": name}),

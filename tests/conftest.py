@@ -32,12 +32,14 @@ def make_images(n: int, num_classes: int = 10, size: int = 28, channels: int = 1
     return x, y
 
 
-def write_edge_dirs(root: Path, count: int, per_edge: int = 120, **kwargs) -> list[Path]:
+def write_edge_dirs(root: Path, count: int, per_edge: int | list[int] = 120,
+                    **kwargs) -> list[Path]:
+    sizes = per_edge if isinstance(per_edge, list) else [per_edge] * count
     dirs = []
     for i in range(count):
         d = root / f"data-{i}"
         d.mkdir(parents=True, exist_ok=True)
-        x, y = make_images(per_edge, seed=100 + i, **kwargs)
+        x, y = make_images(sizes[i], seed=100 + i, **kwargs)
         np.savez(d / "data.npz", x=x, y=y)
         dirs.append(d)
     return dirs
@@ -89,7 +91,7 @@ class Proc:
         try:
             return self.popen.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"{self.log_path.name} still running:\n{self.log()[-3000:]}")
+            raise AssertionError(f"{self.log_path.name} still running:\n{self.log()[-3000:]}") from None
 
     def close(self) -> None:
         if self.popen.poll() is None:

@@ -9,19 +9,19 @@ import threading
 
 import pytest
 import torch
-from torch.nn.modules.batchnorm import _BatchNorm
-
 from conftest import write_edge_dirs
 from fedattn_shared.config import ServerConfig, TrainConfig
 from fedattn_shared.methods import MethodContext, load_method
 from fedattn_shared.models import build_model
 from fedattn_shared.wire.codec import Kind
+from torch.nn.modules.batchnorm import _BatchNorm
+
 from fl_edge.daemon import EdgeDaemon, EdgeOptions
 from fl_server.cli import ServerApp
 
 
 def run_federation(tmp_path, method_name: str, private: list[str] | None = None,
-                   edges: int = 2, rounds: int = 2):
+                   edges: int = 2, rounds: int = 2, sizes: list[int] | None = None):
     train = TrainConfig(private=private or [], lr=0.05)
     cls = load_method(method_name)
     method = cls(MethodContext(train, cls.Params()))
@@ -50,7 +50,7 @@ def run_federation(tmp_path, method_name: str, private: list[str] | None = None,
         results[f"e{i}"] = EdgeDaemon(options).run()
 
     threads = [threading.Thread(target=edge, args=(i, d))
-               for i, d in enumerate(write_edge_dirs(tmp_path, edges))]
+               for i, d in enumerate(write_edge_dirs(tmp_path, edges, sizes or 120))]
     for t in threads:
         t.start()
     for t in threads:
@@ -118,3 +118,16 @@ def test_scaffold_sends_control_variates(tmp_path):
     control = engine.aggregator.state[(Kind.CONTROL, "")]
     assert any(float(t.abs().sum()) > 0 for t in control.values())
     assert all(torch.isfinite(t).all() for t in control.values())
+
+
+def test_plugin_method_with_its_own_phase_and_per_edge_downlink(tmp_path):
+    """A method loaded as module:Class adds a phase before train and sends each edge its
+    own section; each edge echoes what it got, so the server can check the routing."""
+    _, engine = run_federation(tmp_path, "plugin_methods:CensusAvg", sizes=[50, 150])
+    record = engine.history["rounds"][-1]
+    n = record["census"]["num_examples"]
+    assert 30 < n["e0"] < 50 and 110 < n["e1"] < 130  # the train splits of 50 and 150 samples
+    expected = {e: round(n[e] / (n["e0"] + n["e1"]), 6) for e in n}
+    assert engine.aggregator.echoes == [expected, expected]
+    assert record["census"]["received"] == ["e0", "e1"]
+    assert record["bytes"]["up"]["scalar_summary"]["raw"] == 4 * 4  # census + echo, 2 edges

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..wire.codec import Kind, Payload, Section
-from .base import AggregatorKind
+from .base import TRAIN, AggregatorKind
 
 if TYPE_CHECKING:
     from .base import Method
@@ -90,6 +90,15 @@ class Aggregator(abc.ABC):
     @abc.abstractmethod
     def finish(self) -> dict[str, Any]:
         """Close the round: update the global state; returns figures for the history."""
+
+    # ---- phases beyond train (methods that declare them override these) -----------------
+    def accept_phase(self, phase: str, edge_id: str, upload: Payload, weight: float) -> None:
+        if phase != TRAIN:
+            raise ValueError(f"{type(self).__name__} takes no uploads in phase {phase!r}")
+        self.accept(edge_id, upload, weight)
+
+    def close_phase(self, phase: str) -> dict[str, Any]:
+        return self.finish() if phase == TRAIN else {}
 
     # ---- checkpoint ---------------------------------------------------------------
     def state_tensors(self) -> dict[str, torch.Tensor]:

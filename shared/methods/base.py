@@ -261,6 +261,10 @@ class EdgeAlgorithm:
     def predict(self, x: torch.Tensor) -> torch.Tensor:
         return self.models["model"](x)
 
+    def phase_upload(self, phase: str) -> Payload:
+        """The upload of a phase the method declares besides train and evaluate."""
+        raise ValueError(f"method {self.method.name!r} declares no phase {phase!r}")
+
     # ---- private method state (besides model tensors and optimizer state) -------------
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {}
