@@ -57,6 +57,8 @@ class TrainConfig:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
         if not self.lr > 0:
             raise ConfigError(f"train.lr must be > 0, got {self.lr}")
+        if self.momentum < 0 or self.weight_decay < 0:
+            raise ConfigError("train.momentum and train.weight_decay must be >= 0")
         if not 0 < self.test_fraction < 1:
             raise ConfigError(f"train.test_fraction must be in (0, 1), got {self.test_fraction}")
 
@@ -103,6 +105,12 @@ class ServerConfig:
             raise ConfigError("server.max_concurrent_uploads must be >= 1")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"server.port out of range: {self.port}")
+        if not self.poll_timeout > 0:
+            raise ConfigError(f"server.poll_timeout must be > 0, got {self.poll_timeout}")
+        if self.keep_checkpoints < 1:
+            raise ConfigError(f"server.keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+        if self.metrics_port < -1 or self.metrics_port > 65535:
+            raise ConfigError(f"server.metrics_port out of range: {self.metrics_port}")
         if self.eval_every < 0:
             raise ConfigError(f"server.eval_every must be >= 0, got {self.eval_every}")
 

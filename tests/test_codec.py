@@ -334,10 +334,16 @@ def test_duplicate_tensor_names_refused():
     manifest = _manifest(("w", pb.FLOAT32, [1]), ("w", pb.FLOAT32, [1]), total=8)
     data = struct.pack("<ff", 1.0, 2.0)
     manifest.crc32 = zlib.crc32(data)
-    assembler = PayloadAssembler(manifest, BIG, 8)
-    assembler.add(data)
+    # Refused from the manifest alone, before any data is buffered; decode checks too.
+    with pytest.raises(WireError, match="duplicate tensor names"):
+        PayloadAssembler(manifest, BIG, 8)
     with pytest.raises(WireError, match="duplicate tensor 'w'"):
-        assembler.finish()
+        decode(manifest, data)
+    twice = pb.PayloadManifest(total_bytes=8, crc32=zlib.crc32(data))
+    for _ in range(2):
+        twice.sections.add(kind=pb.SHARED_TENSORS).tensors.add(name="w", dtype=pb.FLOAT32, shape=[1])
+    with pytest.raises(WireError, match="appears twice"):
+        PayloadAssembler(twice, BIG, 8)
     # The same name in two different sections is fine.
     ok = pb.PayloadManifest(total_bytes=8, crc32=zlib.crc32(data))
     for kind in (pb.SHARED_TENSORS, pb.CONTROL):

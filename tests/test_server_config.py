@@ -55,3 +55,12 @@ def test_usage_errors_exit_2(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--rounds", "x"])
     assert exit_info.value.code == 2
+
+
+def test_scaffold_refuses_optimizers_its_update_does_not_fit():
+    with pytest.raises(ConfigError, match="plain SGD"):
+        resolved("--method", "scaffold", "--momentum", "0.9")
+    with pytest.raises(ConfigError, match="plain SGD"):
+        resolved("--method", "scaffold", "--optimizer", "adam")
+    server, _, method = resolved("--method", "scaffold")
+    assert method.name == "scaffold"

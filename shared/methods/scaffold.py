@@ -93,6 +93,14 @@ class Scaffold(Method):
     Params = ScaffoldParams
     aggregator_kind = AggregatorKind.SERVER_OPTIMIZER
 
+    def __init__(self, context):
+        super().__init__(context)
+        t = self.train
+        if t.optimizer != "sgd" or t.momentum or t.weight_decay:
+            # c_i+ = c_i - c + (x - y) / (K lr) is the displacement of plain SGD steps.
+            raise ValueError("scaffold's control-variate update assumes plain SGD: use "
+                             "train.optimizer = 'sgd' with momentum = 0 and weight_decay = 0")
+
     def initial_state(self, models):
         state = super().initial_state(models)
         state[CONTROL] = {k: torch.zeros(s.shape, dtype=s.dtype)

@@ -188,9 +188,16 @@ class PayloadAssembler:
     """Receives one payload chunk by chunk, refusing anything off the declared layout."""
 
     def __init__(self, manifest: pb.PayloadManifest, max_bytes: int, max_chunk_bytes: int):
+        seen_sections = set()
         for section in manifest.sections:
             if section.kind not in Kind._value2member_map_:
                 raise WireError(f"section {section.name!r}: unknown kind {section.kind}")
+            if (section.kind, section.name) in seen_sections:
+                raise WireError(f"section {Kind(section.kind).label}:{section.name!r} appears twice")
+            seen_sections.add((section.kind, section.name))
+            names = [t.name for t in section.tensors]
+            if len(set(names)) != len(names):
+                raise WireError(f"section {section.name!r}: duplicate tensor names")
         self.sizes = section_sizes(manifest)
         declared = sum(self.sizes)
         if declared != manifest.total_bytes:
