@@ -1,0 +1,53 @@
+"""Pieces of the round engine with hand-computed expectations."""
+
+import numpy as np
+
+from fl_server.engine import select_edges
+from fl_server.evaluation import split_figures, summarize
+from fl_server.registry import AuthError, EdgeRegistry
+
+
+def test_selection_is_seeded_and_sized():
+    edges = [f"e{i}" for i in range(10)]
+    assert select_edges(edges, 1.0, 0, 3) == edges
+    picked = select_edges(edges, 0.3, 7, 3)
+    assert len(picked) == 3 and set(picked) <= set(edges)
+    assert picked == select_edges(edges, 0.3, 7, 3)
+    assert any(select_edges(edges, 0.3, 7, r) != picked for r in range(4, 10))
+    assert len(select_edges(edges[:2], 0.1, 0, 1)) == 1  # never zero
+
+
+def test_evaluation_figures_from_confusion_counts():
+    a = split_figures(np.array([[3, 1], [0, 4]]), loss_sum=4.0, brier_sum=2.0)
+    assert (a["n"], a["accuracy"], a["loss"], a["brier"]) == (8, 7 / 8, 0.5, 0.25)
+    b = split_figures(np.array([[1, 1], [0, 0]]), loss_sum=1.0, brier_sum=1.0)
+    summary = summarize({"x": {"test": a}, "y": {"test": b}})["test"]
+    assert summary["mean_accuracy"] == (7 / 8 + 1 / 2) / 2
+    assert summary["pooled_accuracy"] == 8 / 10  # (3 + 4 + 1) / 10
+    assert summary["edges"] == 2
+
+
+def test_registry_binds_id_to_secret_and_sessions_expire():
+    registry = EdgeRegistry()
+    first = registry.join("cam1", "s" * 32, {})
+    session = first.session
+    assert registry.check("cam1", session) is first
+    try:
+        registry.join("cam1", "t" * 32, {})
+        raise AssertionError("another secret was accepted")
+    except AuthError as err:
+        assert err.permanent
+    registry.join("cam1", "s" * 32, {})  # a restart of the same edge: new session
+    try:
+        registry.check("cam1", session)
+        raise AssertionError("an old session was accepted")
+    except AuthError as err:
+        assert not err.permanent
+    restored = EdgeRegistry.from_json(registry.to_json())
+    assert restored.join("cam1", "s" * 32, {}).edge_id == "cam1"
+    for bad in ("", "a b", "x" * 65, "../etc"):
+        try:
+            registry.join(bad, "s" * 32, {})
+            raise AssertionError(f"edge id {bad!r} accepted")
+        except AuthError:
+            pass
