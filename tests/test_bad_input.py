@@ -1,0 +1,586 @@
+"""The wire's bad-input suite: a real fl-server process, driven by a hand-written raw gRPC
+client that joins, keeps a presence stream open, long-polls tasks and submits malformed,
+oversized, mistyped, non-finite, stale, duplicate and unauthenticated uploads.
+
+Every refusal must (1) reach the client as ``accepted == False`` with a reason naming what
+was wrong, (2) be logged by the server with the sender's edge id, and (3) leave the
+server's state and running sum untouched. (3) is checked through the wire alone: the
+global model comes back in the next task's common payload. A refusal that costs the edge
+its task closes the (single-edge) phase with zero results, so the next global is
+bit-identical to the previous one; a refusal that does not is followed by a valid upload
+of ``global + 1`` and the next global must be exactly that upload's weighted mean.
+
+One server process serves the whole module, one scenario per round.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+import pytest
+import torch
+from conftest import Cluster, Proc, wait_for
+from fedattn_shared import PROTOCOL_VERSION
+from fedattn_shared.wire import fedattn_pb2 as pb
+from fedattn_shared.wire import fedattn_pb2_grpc as pb_grpc
+from fedattn_shared.wire.codec import Kind, Payload, PayloadAssembler, Section, encode
+from fedattn_shared.wire.transport import MAX_MESSAGE_BYTES, channel_options
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROUNDS = 200             # more than the suite uses: the run must still be going at the end
+ROUND_TIMEOUT = 15.0
+UPLOAD_CHUNK = 32 << 10  # several data chunks per upload (the model is ~180 KB)
+NUM_EXAMPLES = 5
+NUM_CLASSES = 10
+DOWNLINK_CAP = 1 << 30
+TARGET = "model/classifier.0.weight"  # the tensor the bad uploads tamper with
+
+
+# ---- a raw edge ------------------------------------------------------------------------
+
+
+@dataclass
+class Task:
+    header: pb.TaskHeader
+    globals: dict[str, torch.Tensor]  # the common payload's shared tensors (copies)
+
+
+class RawEdge:
+    """A minimal edge speaking the wire protocol by hand."""
+
+    def __init__(self, port: int, prefix: str = "raw"):
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=channel_options())
+        self.stub = pb_grpc.FederatedLearningStub(self.channel)
+        self.edge_id = f"{prefix}-{secrets.token_hex(4)}"
+        self.secret = secrets.token_hex(32)
+        self.session = ""
+        self.present = threading.Event()
+        self._presence_call = None
+        self._presence_thread: threading.Thread | None = None
+
+    def join(self, **overrides) -> pb.JoinReply:
+        fields = {"protocol_version": PROTOCOL_VERSION, "edge_id": self.edge_id,
+                  "edge_secret": self.secret, "info": {"hostname": "bad-input-suite"}}
+        fields.update(overrides)
+        return self.stub.Join(pb.JoinRequest(**fields), timeout=10)
+
+    def connect(self) -> None:
+        """Join, then hold a presence stream open until ``close`` (the server only selects
+        connected edges); returns once the server has counted this edge as connected."""
+        self.session = self.join().session
+        self._presence_call = self.stub.Presence(
+            pb.PresenceRequest(edge_id=self.edge_id, session=self.session))
+
+        def watch():
+            try:
+                for _ in self._presence_call:
+                    self.present.set()  # the server marks the edge connected before the first event
+            except grpc.RpcError:
+                pass
+
+        self._presence_thread = threading.Thread(target=watch, daemon=True)
+        self._presence_thread.start()
+        wait_for(self.present.is_set, 15, f"presence of {self.edge_id}")
+
+    def next_task(self, timeout: float = 30.0) -> Task:
+        """Long-polls until a task arrives; decodes its common payload (never cached)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            header = None
+            assemblers: list[PayloadAssembler] = []
+            request = pb.TaskRequest(edge_id=self.edge_id, session=self.session, cached_common="")
+            for message in self.stub.NextTask(request, timeout=30):
+                if message.HasField("header"):
+                    assert header is None, "a second task header in one stream"
+                    header = message.header
+                    if header.status == pb.TaskHeader.TASK:
+                        assert not header.common_cached, "nothing was cached, yet no data follows"
+                        assemblers = [PayloadAssembler(header.common, DOWNLINK_CAP, MAX_MESSAGE_BYTES),
+                                      PayloadAssembler(header.personal, DOWNLINK_CAP, MAX_MESSAGE_BYTES)]
+                    continue
+                assert header is not None, "task data before the task header"
+                target = next(a for a in assemblers if not a.complete)
+                target.add(message.data)
+            assert header is not None, "task stream without a header"
+            if header.status == pb.TaskHeader.DONE:
+                raise AssertionError(f"the run ended at round {header.round}; raise ROUNDS")
+            if header.status == pb.TaskHeader.TASK:
+                common, _personal = (a.finish() for a in assemblers)
+                tensors = common.tensors(Kind.SHARED_TENSORS)
+                return Task(header, {name: t.clone() for name, t in tensors.items()})
+        raise AssertionError(f"no task for {self.edge_id} within {timeout}s")
+
+    def submit(self, messages: list[pb.SubmitMessage]) -> pb.SubmitReply:
+        return self.stub.Submit(iter(messages), timeout=30)
+
+    def header(self, task: Task, manifest: pb.PayloadManifest, **overrides) -> pb.SubmitHeader:
+        fields = {"protocol_version": PROTOCOL_VERSION, "edge_id": self.edge_id,
+                  "session": self.session, "round": task.header.round,
+                  "task_id": task.header.task_id, "phase": task.header.phase,
+                  "num_examples": NUM_EXAMPLES, "payload": manifest}
+        fields.update(overrides)
+        return pb.SubmitHeader(**fields)
+
+    def evaluation(self, task: Task) -> list[pb.SubmitMessage]:
+        counts = [9 if i // NUM_CLASSES == i % NUM_CLASSES else 1 for i in range(NUM_CLASSES ** 2)]
+        result = pb.ConfusionCounts(split="test", num_classes=NUM_CLASSES, counts=counts,
+                                    loss_sum=42.5, brier_sum=17.25)
+        header = self.header(task, encode(Payload()).manifest, num_examples=sum(counts),
+                             evaluation=[result])
+        return [pb.SubmitMessage(header=header)]
+
+    def leave(self) -> None:
+        self.stub.Leave(pb.LeaveRequest(edge_id=self.edge_id, session=self.session,
+                                        reason="bad-input suite"), timeout=10)
+
+    def close(self) -> None:
+        if self._presence_call is not None:
+            self._presence_call.cancel()
+        if self._presence_thread is not None:
+            self._presence_thread.join(timeout=10)
+        self.channel.close()
+
+
+# ---- uploads -----------------------------------------------------------------------------
+
+
+def shifted(tensors: dict[str, torch.Tensor], delta: float) -> dict[str, torch.Tensor]:
+    return {name: (t + delta).to(t.dtype) for name, t in tensors.items()}
+
+
+def encoded_train(tensors: dict[str, torch.Tensor], extra: tuple[Section, ...] = ()):
+    return encode(Payload([Section(Kind.SHARED_TENSORS, "", tensors), *extra]))
+
+
+def train_messages(edge: RawEdge, task: Task, tensors: dict[str, torch.Tensor],
+                   **overrides) -> list[pb.SubmitMessage]:
+    encoded = encoded_train(tensors)
+    chunks = [chunk for _, chunk in encoded.chunks(UPLOAD_CHUNK)]
+    return [pb.SubmitMessage(header=edge.header(task, encoded.manifest, **overrides)),
+            *(pb.SubmitMessage(data=c) for c in chunks)]
+
+
+def raw_layout(edge: RawEdge, task: Task, tensors: dict[str, torch.Tensor]):
+    """(header, chunks) of a valid upload, for scenarios that tamper with the stream."""
+    encoded = encoded_train(tensors)
+    return (edge.header(task, encoded.manifest),
+            [chunk for _, chunk in encoded.chunks(UPLOAD_CHUNK)])
+
+
+def stream(header: pb.SubmitHeader | None, chunks: list[bytes]) -> list[pb.SubmitMessage]:
+    head = [pb.SubmitMessage(header=header)] if header is not None else []
+    return [*head, *(pb.SubmitMessage(data=c) for c in chunks)]
+
+
+# ---- checks --------------------------------------------------------------------------------
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def assert_bit_identical(after: dict[str, torch.Tensor], before: dict[str, torch.Tensor]) -> None:
+    assert sorted(after) == sorted(before)
+    for name in before:
+        assert after[name].dtype == before[name].dtype and after[name].shape == before[name].shape
+        assert tensor_bytes(after[name]) == tensor_bytes(before[name]), f"{name} changed"
+
+
+def assert_single_upload_mean(after: dict[str, torch.Tensor], upload: dict[str, torch.Tensor]) -> None:
+    """One accepted upload: the weighted mean is the upload. The server's running sum is
+    float32 (sum = w * x, mean = sum / w), which may round x by one ulp when w = 5 is not a
+    power of two; anything else that leaked into the sum (a refused upload, a duplicate
+    with other values) moves the mean by orders of magnitude more."""
+    assert sorted(after) == sorted(upload)
+    for name in upload:
+        assert after[name].dtype == upload[name].dtype
+        torch.testing.assert_close(after[name], upload[name], rtol=2.5e-7, atol=0,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+class Suite:
+    def __init__(self, cluster: Cluster, server: Proc, edge: RawEdge):
+        self.cluster = cluster
+        self.server = server
+        self.edge = edge
+        self.expected_rounds: dict[int, str] = {}  # round -> "dropped" | "accepted"
+
+    def train_task(self) -> Task:
+        """The next training task; evaluation tasks on the way get a valid result."""
+        for _ in range(10):
+            task = self.edge.next_task()
+            if task.header.phase == "train":
+                return task
+            assert task.header.phase == "evaluate", task.header
+            reply = self.edge.submit(self.edge.evaluation(task))
+            assert reply.accepted, reply.reason
+        raise AssertionError("no training task in 10 tasks")
+
+    def log_mark(self) -> int:
+        return len(self.server.log())
+
+    def logged(self, mark: int, *needles: str) -> str:
+        def line():
+            for text in self.server.log()[mark:].splitlines():
+                if all(n in text for n in needles):
+                    return text
+            return None
+
+        return wait_for(line, 10, f"a server log line with {needles}")
+
+    def expect_refusal(self, reply: pb.SubmitReply, mark: int, edge_id: str, *reason: str) -> None:
+        assert not reply.accepted
+        for needle in reason:
+            assert needle in reply.reason, f"{needle!r} not in {reply.reason!r}"
+        self.logged(mark, f"submission from {edge_id} refused", *reason[:1])
+
+    def expect_dropped(self, task: Task, mark: int, refused_at: float) -> None:
+        """The refusal cost the only participant its task: the training phase closed at
+        once with zero results and the global model is bit-identical."""
+        self.logged(mark, f"round {task.header.round} train: dropped {self.edge.edge_id} (bad upload")
+        after = self.edge.next_task()
+        assert time.monotonic() - refused_at < ROUND_TIMEOUT / 2, "closed by the deadline, not the drop"
+        assert (after.header.round, after.header.phase) == (task.header.round, "evaluate")
+        assert_bit_identical(after.globals, task.globals)
+        assert after.header.common_id == task.header.common_id
+        self.expected_rounds[task.header.round] = "dropped"
+
+    def expect_task_kept(self, task: Task) -> dict[str, torch.Tensor]:
+        """The refusal did not cost the task: a valid upload of global + 1 is accepted and
+        becomes the next global (the refused upload never reached the running sum)."""
+        upload = shifted(task.globals, 1.0)
+        reply = self.edge.submit(train_messages(self.edge, task, upload))
+        assert reply.accepted, reply.reason
+        after = self.edge.next_task()
+        assert (after.header.round, after.header.phase) == (task.header.round, "evaluate")
+        assert_single_upload_mean(after.globals, upload)
+        self.expected_rounds[task.header.round] = "accepted"
+        return after.globals
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    cluster = Cluster(tmp_path_factory.mktemp("bad-input"))
+    edge = None
+    try:
+        server = cluster.server("--method", "fedavg", "--model", "lenet-bn", "--rounds", str(ROUNDS),
+                                "--min-edges", "1", "--quorum", "1",
+                                "--round-timeout", str(ROUND_TIMEOUT))
+        edge = RawEdge(cluster.port)
+        edge.connect()
+        yield Suite(cluster, server, edge)
+    finally:
+        if edge is not None:
+            edge.close()
+        cluster.close()
+
+
+# ---- join ----------------------------------------------------------------------------------
+
+
+def test_join_with_a_known_id_and_another_secret_is_denied(suite):
+    mark = suite.log_mark()
+    with pytest.raises(grpc.RpcError) as err:
+        suite.edge.join(edge_secret=secrets.token_hex(32))
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert suite.edge.edge_id in err.value.details() and "secret" in err.value.details()
+    suite.logged(mark, "join refused", suite.edge.edge_id, "different secret")
+
+
+def test_join_with_another_protocol_version_fails_precondition(suite):
+    with pytest.raises(grpc.RpcError) as err:
+        suite.edge.join(protocol_version=PROTOCOL_VERSION + 1)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "protocol version" in err.value.details()
+
+
+def test_refused_joins_left_the_session_alone(suite):
+    # Neither refused join replaced the session: the edge still polls and uploads with it.
+    task = suite.train_task()
+    suite.expect_task_kept(task)
+
+
+# ---- refusals that cost the edge its task ----------------------------------------------------
+
+# Each builds the submit stream from (edge, task); the reply's reason must name every needle.
+Builder = Callable[[RawEdge, Task], list[pb.SubmitMessage]]
+
+
+def second_header(edge: RawEdge, task: Task) -> list[pb.SubmitMessage]:
+    header, chunks = raw_layout(edge, task, shifted(task.globals, 1.0))
+    return stream(header, chunks[:1]) + stream(header, chunks[1:])
+
+
+def chunk_across_section_end(edge: RawEdge, task: Task) -> list[pb.SubmitMessage]:
+    # fedavg uploads one section, so its end is the payload's: the last chunk runs past it.
+    header, chunks = raw_layout(edge, task, shifted(task.globals, 1.0))
+    return stream(header, [*chunks[:-1], chunks[-1] + b"\x00\x00\x00\x00"])
+
+
+def chunk_after_the_end(edge: RawEdge, task: Task) -> list[pb.SubmitMessage]:
+    header, chunks = raw_layout(edge, task, shifted(task.globals, 1.0))
+    return stream(header, [*chunks, b"\x00\x00\x00\x00"])
+
+
+def corrupted_byte(edge: RawEdge, task: Task) -> list[pb.SubmitMessage]:
+    header, chunks = raw_layout(edge, task, shifted(task.globals, 1.0))
+    middle = bytearray(chunks[len(chunks) // 2])
+    middle[len(middle) // 2] ^= 0x40
+    chunks[len(chunks) // 2] = bytes(middle)
+    return stream(header, chunks)
+
+
+def truncated(edge: RawEdge, task: Task) -> list[pb.SubmitMessage]:
+    header, chunks = raw_layout(edge, task, shifted(task.globals, 1.0))
+    assert len(chunks) > 2
+    return stream(header, chunks[: len(chunks) // 2])  # then the client half-closes
+
+
+def total_bytes_lie(edge: RawEdge, task: Task) -> list[pb.SubmitMessage]:
+    header, chunks = raw_layout(edge, task, shifted(task.globals, 1.0))
+    header.payload.total_bytes = 1 << 40
+    return stream(header, chunks)
+
+
+def oversized_tensor(edge: RawEdge, task: Task) -> list[pb.SubmitMessage]:
+    # A manifest declaring a 4 TiB tensor: refused from the manifest, nothing allocated.
+    header, chunks = raw_layout(edge, task, shifted(task.globals, 1.0))
+    meta = next(t for t in header.payload.sections[0].tensors if t.name == TARGET)
+    old = 4 * 120 * 256
+    del meta.shape[:]
+    meta.shape.extend([1 << 20, 1 << 20])
+    header.payload.total_bytes += 4 * (1 << 40) - old
+    return stream(header, chunks[:1])
+
+
+def wrong_shape(edge: RawEdge, task: Task) -> list[pb.SubmitMessage]:
+    tensors = shifted(task.globals, 1.0)
+    tensors[TARGET] = tensors[TARGET].reshape(256, 120)
+    return train_messages(edge, task, tensors)
+
+
+def wrong_dtype(edge: RawEdge, task: Task) -> list[pb.SubmitMessage]:
+    tensors = shifted(task.globals, 1.0)
+    tensors[TARGET] = tensors[TARGET].to(torch.float64)
+    return train_messages(edge, task, tensors)
+
+
+def nan_value(edge: RawEdge, task: Task) -> list[pb.SubmitMessage]:
+    tensors = shifted(task.globals, 1.0)
+    tensors[TARGET][7, 11] = float("nan")
+    return train_messages(edge, task, tensors)
+
+
+def inf_value(edge: RawEdge, task: Task) -> list[pb.SubmitMessage]:
+    tensors = shifted(task.globals, 1.0)
+    tensors[TARGET][0, 0] = float("-inf")
+    return train_messages(edge, task, tensors)
+
+
+def undeclared_section(edge: RawEdge, task: Task) -> list[pb.SubmitMessage]:
+    # fedavg declares SHARED_TENSORS only; STAT_VECTORS belongs to other methods.
+    extra = Section(Kind.STAT_VECTORS, "", {"gsr": torch.ones(16)})
+    encoded = encoded_train(shifted(task.globals, 1.0), (extra,))
+    return stream(edge.header(task, encoded.manifest),
+                  [chunk for _, chunk in encoded.chunks(UPLOAD_CHUNK)])
+
+
+def missing_tensor(edge: RawEdge, task: Task) -> list[pb.SubmitMessage]:
+    tensors = shifted(task.globals, 1.0)
+    del tensors[TARGET]
+    return train_messages(edge, task, tensors)
+
+
+def zero_examples(edge: RawEdge, task: Task) -> list[pb.SubmitMessage]:
+    return train_messages(edge, task, shifted(task.globals, 1.0), num_examples=0)
+
+
+DROPPING: list[tuple[str, Builder, tuple[str, ...]]] = [
+    ("second-header", second_header, ("second header",)),
+    ("chunk-across-section-end", chunk_across_section_end, ("crosses the end of section",)),
+    ("chunk-after-the-end", chunk_after_the_end, ("beyond the declared payload",)),
+    ("corrupted-byte", corrupted_byte, ("CRC-32 mismatch",)),
+    ("truncated", truncated, ("upload ended after",)),
+    ("total-bytes-lie", total_bytes_lie, ("total_bytes",)),
+    ("oversized-tensor", oversized_tensor, ("shape", TARGET, "[1048576, 1048576]")),
+    ("wrong-shape", wrong_shape, ("shape", TARGET, "[256, 120]")),
+    ("wrong-dtype", wrong_dtype, ("dtype", TARGET, "FLOAT64")),
+    ("nan", nan_value, ("non-finite", TARGET)),
+    ("inf", inf_value, ("non-finite", TARGET)),
+    ("undeclared-section-kind", undeclared_section, ("section", "STAT_VECTORS", "schema")),
+    ("missing-tensor", missing_tensor, ("tensor names", TARGET)),
+    ("zero-examples", zero_examples, ("num_examples",)),
+]
+
+
+@pytest.mark.parametrize("build, reason", [pytest.param(b, r, id=i) for i, b, r in DROPPING])
+def test_refusal_drops_the_task_and_leaves_the_global_bit_identical(suite, build, reason):
+    edge = suite.edge
+    task = suite.train_task()
+    mark = suite.log_mark()
+    reply = edge.submit(build(edge, task))
+    refused_at = time.monotonic()
+    suite.expect_refusal(reply, mark, edge.edge_id, *reason)
+    suite.expect_dropped(task, mark, refused_at)
+
+
+# ---- refusals that keep the task ------------------------------------------------------------
+
+
+def data_before_header(suite: Suite, task: Task) -> list[pb.SubmitMessage]:
+    header, chunks = raw_layout(suite.edge, task, shifted(task.globals, 100.0))
+    return stream(None, chunks[:1]) + stream(header, chunks[1:])
+
+
+def wrong_round(suite: Suite, task: Task) -> list[pb.SubmitMessage]:
+    return train_messages(suite.edge, task, shifted(task.globals, 100.0), round=task.header.round - 1)
+
+
+def future_round(suite: Suite, task: Task) -> list[pb.SubmitMessage]:
+    return train_messages(suite.edge, task, shifted(task.globals, 100.0), round=task.header.round + 1)
+
+
+def wrong_task_id(suite: Suite, task: Task) -> list[pb.SubmitMessage]:
+    return train_messages(suite.edge, task, shifted(task.globals, 100.0),
+                          task_id=task.header.task_id + 1000)
+
+
+def wrong_phase(suite: Suite, task: Task) -> list[pb.SubmitMessage]:
+    return train_messages(suite.edge, task, shifted(task.globals, 100.0), phase="evaluate")
+
+
+def unknown_edge(suite: Suite, task: Task) -> list[pb.SubmitMessage]:
+    return train_messages(suite.edge, task, shifted(task.globals, 100.0), edge_id=GHOST)
+
+
+def bad_session(suite: Suite, task: Task) -> list[pb.SubmitMessage]:
+    return train_messages(suite.edge, task, shifted(task.globals, 100.0), session="0" * 32)
+
+
+def no_session(suite: Suite, task: Task) -> list[pb.SubmitMessage]:
+    return train_messages(suite.edge, task, shifted(task.globals, 100.0), session="")
+
+
+def wrong_protocol(suite: Suite, task: Task) -> list[pb.SubmitMessage]:
+    return train_messages(suite.edge, task, shifted(task.globals, 100.0),
+                          protocol_version=PROTOCOL_VERSION + 1)
+
+
+GHOST = f"ghost-{secrets.token_hex(4)}"
+SELF = object()  # the suite's own edge id
+
+KEEPING: list[tuple[str, Callable, object, tuple[str, ...]]] = [
+    # data before the header: the server cannot know whose upload it is
+    ("data-before-header", data_before_header, None, ("first message must be a header",)),
+    ("stale-round", wrong_round, SELF, ("stale or wrong task", "round")),
+    ("future-round", future_round, SELF, ("stale or wrong task", "round")),
+    ("wrong-task-id", wrong_task_id, SELF, ("stale or wrong task", "task")),
+    ("wrong-phase", wrong_phase, SELF, ("stale or wrong task", "phase 'evaluate'")),
+    ("unknown-edge", unknown_edge, GHOST, ("unknown edge", GHOST)),
+    ("bad-session", bad_session, SELF, ("session",)),
+    ("no-session", no_session, SELF, ("session",)),
+    ("wrong-protocol-version", wrong_protocol, SELF, ("protocol version",)),
+]
+
+
+@pytest.mark.parametrize("build, sender, reason",
+                         [pytest.param(b, s, r, id=i) for i, b, s, r in KEEPING])
+def test_refusal_keeps_the_task_and_never_reaches_the_sum(suite, build, sender, reason):
+    edge = suite.edge
+    task = suite.train_task()
+    mark = suite.log_mark()
+    reply = edge.submit(build(suite, task))
+    if sender is None:
+        assert not reply.accepted and reason[0] in reply.reason, reply.reason
+    else:
+        suite.expect_refusal(reply, mark, edge.edge_id if sender is SELF else sender, *reason)
+        assert f"dropped {edge.edge_id}" not in suite.server.log()[mark:]
+    # The refused upload carried global + 100; the next global is the valid global + 1.
+    suite.expect_task_kept(task)
+
+
+# ---- duplicates ---------------------------------------------------------------------------------
+
+
+def test_duplicate_submissions_are_refused_and_counted_once(suite):
+    edge = suite.edge
+    task = suite.train_task()
+    # A second edge, connected but silent, keeps this round's evaluation open after our
+    # own result, so a duplicate evaluation meets an open phase.
+    other = RawEdge(suite.cluster.port, prefix="quiet")
+    try:
+        other.connect()
+        upload = shifted(task.globals, 1.0)
+        first = train_messages(edge, task, upload)
+        reply = edge.submit(first)
+        assert reply.accepted, reply.reason
+
+        mark = suite.log_mark()
+        reply = edge.submit(first)  # byte for byte the same upload again
+        # With --quorum 1 the phase closes on the first result, so the second one meets a
+        # closed (or already following) phase; any of these refusals keeps the sum intact.
+        suite.expect_refusal(reply, mark, edge.edge_id)
+        assert any(r in reply.reason for r in ("duplicate", "no phase is open", "stale or wrong task"))
+        mark = suite.log_mark()
+        reply = edge.submit(train_messages(edge, task, shifted(task.globals, 50.0)))
+        suite.expect_refusal(reply, mark, edge.edge_id)
+
+        evaluation = edge.next_task()
+        assert (evaluation.header.round, evaluation.header.phase) == (task.header.round, "evaluate")
+        # Counted once: a second copy of global + 1 would leave the mean alone, but the
+        # global + 50 one would have moved it to global + 25.5.
+        assert_single_upload_mean(evaluation.globals, upload)
+        suite.expected_rounds[task.header.round] = "accepted"
+
+        result = edge.evaluation(evaluation)
+        reply = edge.submit(result)
+        assert reply.accepted, reply.reason
+        mark = suite.log_mark()
+        reply = edge.submit(result)
+        suite.expect_refusal(reply, mark, edge.edge_id, "duplicate submission",
+                             f"task {evaluation.header.task_id}")
+
+        other.leave()  # drops the silent edge's evaluation task: the round ends
+        after = suite.train_task()
+        assert after.header.round == task.header.round + 1
+        assert_bit_identical(after.globals, evaluation.globals)
+        history = json.loads((suite.cluster.tmp / "server-state" / "history.json").read_text())
+        record = next(r for r in history["rounds"] if r["round"] == task.header.round)
+        assert record["evaluate"]["received"] == [edge.edge_id]
+        assert other.edge_id in record["evaluate"]["dropped"]
+    finally:
+        other.close()
+
+
+# ---- afterwards ---------------------------------------------------------------------------------
+
+
+def test_history_matches_and_the_server_still_serves(suite):
+    edge = suite.edge
+    suite.train_task()  # completes the last scenario's round: its record is in history.json
+    history = json.loads((suite.cluster.tmp / "server-state" / "history.json").read_text())
+    records = {r["round"]: r for r in history["rounds"]}
+    assert suite.expected_rounds, "no scenario ran"
+    for round_number, outcome in sorted(suite.expected_rounds.items()):
+        record = records[round_number]
+        if outcome == "dropped":
+            assert record["train"]["received"] == [], round_number
+            assert record["train"]["dropped"][edge.edge_id].startswith("bad upload"), round_number
+            assert record["aggregate"]["aggregated"] == 0, round_number
+        else:
+            assert record["train"]["received"] == [edge.edge_id], round_number
+            assert record["aggregate"]["aggregated"] == 1, round_number
+            assert record["aggregate"]["total_weight"] == NUM_EXAMPLES, round_number
+
+    assert suite.server.popen.poll() is None, suite.server.log()[-3000:]
+    health = health_pb2_grpc.HealthStub(edge.channel)
+    status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+    assert status == health_pb2.HealthCheckResponse.SERVING
+    log = suite.server.log()
+    assert "Traceback" not in log and "Unexpected error" not in log, log[-3000:]
