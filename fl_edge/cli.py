@@ -37,6 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="plaintext gRPC (required until TLS is configured)")
     parser.add_argument("--retry-for", type=float, default=0.0,
                         help="give up after this many seconds without the server (0: never)")
+    small = parser.add_argument_group("small devices")
+    small.add_argument("--batch-size", type=int, default=None,
+                       help="local batch size on this device (default: the server's)")
+    small.add_argument("--grad-accum", type=int, default=1,
+                       help="micro-batches per optimizer step (default 1)")
+    small.add_argument("--amp", action="store_true",
+                       help="half-precision forward pass (fp16 on CUDA, bf16 on CPU)")
     parser.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
                         help="progress bars (auto: when a terminal is attached)")
     parser.add_argument("--log-level", default="INFO")
@@ -53,13 +60,17 @@ def main(argv: list[str] | None = None) -> int:
     if not args.data_dir.is_dir():
         print(f"fl-edge: error: --data-dir {args.data_dir} is not a directory", file=sys.stderr)
         return 2
+    if (args.batch_size is not None and args.batch_size < 1) or args.grad_accum < 1:
+        print("fl-edge: error: --batch-size and --grad-accum must be >= 1", file=sys.stderr)
+        return 2
     state_dir = args.state_dir or args.data_dir.resolve().parent / (
         f"{args.data_dir.resolve().name}.fedattn-state")
     options = EdgeOptions(
         server=args.server, data_dir=args.data_dir, state_dir=state_dir, join_token=args.token,
         name=args.name, device=args.device, metrics_port=args.metrics_port,
         progress={"auto": None, "on": True, "off": False}[args.progress],
-        retry_for=args.retry_for)
+        retry_for=args.retry_for, batch_size=args.batch_size, amp=args.amp,
+        grad_accum=args.grad_accum)
     try:
         return EdgeDaemon(options).run()
     except EdgeExit as err:

@@ -65,6 +65,9 @@ class EdgeOptions:
     max_backoff: float = 30.0
     retry_for: float = 0.0  # seconds without reaching the server before giving up; 0: forever
     eval_batch_size: int = 256
+    batch_size: int | None = None  # overrides the server's train.batch_size on this device
+    amp: bool = False
+    grad_accum: int = 1
 
 
 @dataclass
@@ -326,14 +329,18 @@ class EdgeDaemon:
         upload = Payload()
         num_examples = len(data.train)
         if header.phase == TRAIN:
+            spec = json.loads(header.spec_json or "{}")
+            lr = train.lr_at(header.round, int(spec.get("rounds", header.round)))
             seed = loader_seed(train.seed, header.round, self.identity.edge_id)
-            result = train_local(algo, data.train, train.local_epochs, train.batch_size, seed,
-                                 self.device, self.opts.progress)
+            result = train_local(algo, data.train, train.local_epochs,
+                                 self.opts.batch_size or train.batch_size, seed, self.device,
+                                 self.opts.progress, lr=lr, amp=self.opts.amp,
+                                 grad_accum=self.opts.grad_accum)
             upload = algo.after_train(result.steps)
             self.store.save(algo, self.fingerprint, header.round, header.phase)
             metrics = {"train_loss": result.mean_loss, "last_epoch_loss": result.last_epoch_loss,
                        "train_seconds": result.seconds, "steps": float(result.steps),
-                       "samples_per_second": result.samples_per_second}
+                       "samples_per_second": result.samples_per_second, "lr": lr}
             self.metrics.train_seconds.set(result.seconds)
             self.metrics.samples_per_second.set(result.samples_per_second)
             log.info("round %d: trained %d steps in %.2fs (loss %.4f)", header.round,

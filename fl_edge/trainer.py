@@ -57,7 +57,11 @@ def loader_seed(seed: int, round_number: int, edge_id: str) -> int:
 
 
 def train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, seed: int,
-                device: torch.device, progress: bool | None = None) -> TrainResult:
+                device: torch.device, progress: bool | None = None, lr: float | None = None,
+                amp: bool = False, grad_accum: int = 1) -> TrainResult:
+    """E local epochs over shuffled batches. ``grad_accum`` micro-batches make one optimizer
+    step (for small devices); ``amp`` runs the forward pass in half precision (fp16 with a
+    gradient scaler on CUDA, bf16 on CPU). ``steps`` counts optimizer steps."""
     generator = torch.Generator().manual_seed(seed)
     # A last batch of one sample would break BatchNorm's training-mode statistics.
     drop_last = len(data) % batch_size == 1 and len(data) > 1
@@ -67,28 +71,52 @@ def train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, 
     algo.train_mode()
     algo.begin_train()
     optimizers = algo.optimizers()
+    if lr is not None:
+        for opt in optimizers:
+            for group in opt.param_groups:
+                group["lr"] = lr * group.get("lr_scale", 1.0)
+    cuda = device.type == "cuda"
+    scaler = torch.amp.GradScaler("cuda", enabled=amp and cuda)
+    autocast_dtype = torch.float16 if cuda else torch.bfloat16
     steps = examples = 0
     total_loss = epoch_loss = 0.0
     start = time.perf_counter()
+
+    def step() -> None:
+        for opt in optimizers:
+            scaler.unscale_(opt)
+        algo.post_backward()
+        for opt in optimizers:
+            scaler.step(opt)
+        scaler.update()
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+
+    for opt in optimizers:
+        opt.zero_grad(set_to_none=True)
     for epoch in range(epochs):
         epoch_loss, epoch_batches = 0.0, 0
         batches = tqdm(loader, desc=f"epoch {epoch + 1}/{epochs}", leave=False, disable=not show)
+        pending = 0
         for x, y in batches:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            for opt in optimizers:
-                opt.zero_grad(set_to_none=True)
-            loss = algo.training_step((x, y))
+            with torch.autocast(device.type, dtype=autocast_dtype, enabled=amp):
+                loss = algo.training_step((x, y))
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"training loss became {loss.item()} at step {steps}")
-            loss.backward()
-            algo.post_backward()
-            for opt in optimizers:
-                opt.step()
+            scaler.scale(loss / grad_accum).backward()
+            pending += 1
+            if pending == grad_accum:
+                step()
+                steps += 1
+                pending = 0
             value = float(loss.detach())
-            steps += 1
             examples += int(y.shape[0])
             epoch_loss += value
             epoch_batches += 1
+        if pending:
+            step()
+            steps += 1
         epoch_loss /= max(epoch_batches, 1)
         total_loss += epoch_loss
         if not show:

@@ -406,7 +406,7 @@ class Engine:
             common_id=common_id,
             common=common, common_chunks=chunks,
             personal={e: encode(self.aggregator.personal(e, name)) for e in edges},
-            spec_json=json.dumps({"round": round_number, "phase": name}),
+            spec_json=json.dumps({"round": round_number, "rounds": self.cfg.rounds, "phase": name}),
         )
         self.phase = phase
         log.info("round %d %s: %d task(s), quorum %d", round_number, name, len(tasks), quorum)

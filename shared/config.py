@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 import types
 import typing
@@ -38,6 +39,10 @@ class TrainConfig:
     batch_size: int = 32
     optimizer: str = "sgd"
     lr: float = 0.01
+    lr_schedule: str = "constant"   # constant | cosine | step, over rounds
+    lr_min: float = 0.0             # cosine: the last round's learning rate
+    lr_step_rounds: int = 10        # step: decay every this many rounds
+    lr_gamma: float = 0.1           # step: decay factor
     momentum: float = 0.0
     weight_decay: float = 0.0
     seed: int = 0
@@ -57,10 +62,26 @@ class TrainConfig:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
         if not self.lr > 0:
             raise ConfigError(f"train.lr must be > 0, got {self.lr}")
+        if self.lr_schedule not in ("constant", "cosine", "step"):
+            raise ConfigError(f"train.lr_schedule must be constant, cosine or step, got "
+                              f"{self.lr_schedule!r}")
+        if self.lr_step_rounds < 1 or not 0 < self.lr_gamma <= 1 or not 0 <= self.lr_min <= self.lr:
+            raise ConfigError("train.lr_step_rounds must be >= 1, train.lr_gamma in (0, 1], "
+                              "train.lr_min in [0, lr]")
         if self.momentum < 0 or self.weight_decay < 0:
             raise ConfigError("train.momentum and train.weight_decay must be >= 0")
         if not 0 < self.test_fraction < 1:
             raise ConfigError(f"train.test_fraction must be in (0, 1), got {self.test_fraction}")
+
+    def lr_at(self, round_number: int, rounds: int) -> float:
+        """The learning rate of a round (1-based) under the schedule: a pure function of the
+        round, so every edge and a restarted edge agree without shared state."""
+        if self.lr_schedule == "cosine":
+            progress = (round_number - 1) / max(rounds - 1, 1)
+            return self.lr_min + 0.5 * (self.lr - self.lr_min) * (1 + math.cos(math.pi * progress))
+        if self.lr_schedule == "step":
+            return self.lr * self.lr_gamma ** ((round_number - 1) // self.lr_step_rounds)
+        return self.lr
 
     @property
     def classes(self) -> list[str]:

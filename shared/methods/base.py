@@ -220,6 +220,8 @@ class EdgeAlgorithm:
         self.load_shared(self.global_tensors)
 
     def parameter_groups(self) -> list[dict]:
+        """Optimizer parameter groups. A group may carry ``lr_scale``: its learning rate is
+        the round's learning rate times that factor."""
         return [{"params": [p for name in self.models for _, p in self.named_trainable(name)]}]
 
     def optimizers(self) -> list[torch.optim.Optimizer]:

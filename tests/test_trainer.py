@@ -1,0 +1,68 @@
+"""The generic local training loop: schedules, gradient accumulation, mixed precision."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fedattn_shared.config import ConfigError, TrainConfig
+from fedattn_shared.data.npz import Split
+from fedattn_shared.methods import MethodContext, load_method
+from fl_edge.trainer import evaluate, train_local
+
+
+def test_lr_schedules_by_hand():
+    cosine = TrainConfig(lr=0.1, lr_schedule="cosine", lr_min=0.01)
+    assert cosine.lr_at(1, 5) == pytest.approx(0.1)
+    assert cosine.lr_at(3, 5) == pytest.approx(0.01 + 0.5 * 0.09 * (1 + math.cos(math.pi / 2)))
+    assert cosine.lr_at(5, 5) == pytest.approx(0.01)
+    step = TrainConfig(lr=0.1, lr_schedule="step", lr_step_rounds=2, lr_gamma=0.5)
+    assert [step.lr_at(r, 9) for r in (1, 2, 3, 4, 5)] == pytest.approx([0.1, 0.1, 0.05, 0.05, 0.025])
+    assert TrainConfig(lr=0.1).lr_at(7, 9) == 0.1
+    with pytest.raises(ConfigError, match="lr_schedule"):
+        TrainConfig(lr_schedule="linear").validate()
+
+
+def make(method="fedavg", **kwargs):
+    cls = load_method(method)
+    m = cls(MethodContext(TrainConfig(**kwargs), cls.Params()))
+    return m.edge(m.build_models(), torch.device("cpu"))
+
+
+def data(n=40):
+    g = torch.Generator().manual_seed(0)
+    return Split(torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g))
+
+
+def test_round_learning_rate_and_accumulation_steps():
+    algo = make()
+    result = train_local(algo, data(40), epochs=2, batch_size=8, seed=0, device=torch.device("cpu"),
+                         progress=False, lr=0.123, grad_accum=2)
+    # 5 batches per epoch -> 3 optimizer steps per epoch (2 + 2 + 1).
+    assert result.steps == 6 and result.examples == 80
+    assert algo.optimizers()[0].param_groups[0]["lr"] == 0.123
+
+
+def test_accumulated_step_equals_one_big_batch_step():
+    """Without BatchNorm statistics in play (eval-mode BN), 2 x 8 accumulated = 1 x 16."""
+    torch.manual_seed(0)
+    a, b = make(), make()
+    b.models["model"].load_state_dict(a.models["model"].state_dict())
+    d = data(16)
+    for algo in (a, b):
+        algo.train_mode = algo.eval_mode  # freeze BN so both see the same normalisation
+    train_local(a, d, 1, 16, 0, torch.device("cpu"), False, lr=0.1, grad_accum=1)
+    train_local(b, d, 1, 8, 0, torch.device("cpu"), False, lr=0.1, grad_accum=2)
+    for (name, pa), pb in zip(a.models["model"].named_parameters(), b.models["model"].parameters(),
+                              strict=True):
+        assert torch.allclose(pa, pb, atol=1e-6), name
+
+
+def test_amp_on_cpu_trains_and_evaluates():
+    algo = make()
+    result = train_local(algo, data(32), 1, 16, 0, torch.device("cpu"), False, amp=True)
+    assert math.isfinite(result.mean_loss) and result.steps == 2
+    counts = evaluate(algo, data(32), "test", 10, 8, torch.device("cpu"))
+    assert counts.total == 32 and counts.confusion.shape == (10, 10)
