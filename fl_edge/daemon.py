@@ -19,6 +19,8 @@ from pathlib import Path
 
 import grpc
 import torch
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
 from fedattn_shared import PROTOCOL_VERSION
 from fedattn_shared.config import ConfigError, TrainConfig, apply_values
 from fedattn_shared.data import DataError, EdgeData, load_edge_data
@@ -30,7 +32,6 @@ from fedattn_shared.wire import fedattn_pb2_grpc as pb_grpc
 from fedattn_shared.wire.accounting import DOWN, META, UP, ByteMeter, message_wire_bytes
 from fedattn_shared.wire.codec import Payload, PayloadAssembler, WireError, encode
 from fedattn_shared.wire.transport import MAX_MESSAGE_BYTES, channel_options
-from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from .store import PrivateStore, load_or_create_identity, private_digest
 from .trainer import evaluate, loader_seed, train_local
@@ -262,6 +263,7 @@ class EdgeDaemon:
                      self.store.path, meta.get("round"), meta.get("phase"), private_digest(algo))
         self.method, self.algo, self.data, self.train_cfg = method, algo, data, train
         self.config_json, self.fingerprint = config_json, fingerprint
+        self.store.save_run_config(config_json, fingerprint)
         self.cached_common = None
         log.info("data: %d train, %d test, %s global-test samples", len(data.train),
                  len(data.test), len(data.global_test) if data.global_test else "no")
@@ -317,6 +319,7 @@ class EdgeDaemon:
             common = assemblers[0].finish()
             personal = assemblers[1].finish()
             self.cached_common = (header.common_id, common)
+            self.store.save_global(common)
         return Received(header, common, personal)
 
     def _handle(self, stub, received: Received) -> None:

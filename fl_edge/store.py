@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from fedattn_shared.methods.aggregators import flatten_sections, unflatten_sections
 from fedattn_shared.methods.base import EdgeAlgorithm
 from fedattn_shared.state import (
     StateError,
@@ -26,6 +28,7 @@ from fedattn_shared.state import (
     read_json,
     save_tensors,
 )
+from fedattn_shared.wire.codec import Payload, Section
 
 STATE_FORMAT = "fedattn-edge-state/1"
 
@@ -94,7 +97,39 @@ def private_digest(algo: EdgeAlgorithm) -> str:
 
 class PrivateStore:
     def __init__(self, state_dir: Path):
+        self.state_dir = state_dir
         self.path = state_dir / "private.safetensors"
+        self.global_path = state_dir / "global.safetensors"
+        self.config_path = state_dir / "run-config.json"
+
+    def save_run_config(self, config_json: str, fingerprint: str) -> None:
+        """The server's configuration, so the model can be rebuilt offline (export)."""
+        atomic_write_json(self.config_path, {"config": json.loads(config_json),
+                                             "fingerprint": fingerprint})
+
+    def load_run_config(self) -> tuple[str, str]:
+        if not self.config_path.exists():
+            raise StateError(f"{self.config_path}: missing; this edge never joined a run")
+        data = read_json(self.config_path)
+        try:
+            return json.dumps(data["config"], sort_keys=True), data["fingerprint"]
+        except (KeyError, TypeError):
+            raise StateError(f"{self.config_path}: missing config or fingerprint") from None
+
+    def save_global(self, common: Payload) -> None:
+        """The last global downlink: with the private state it is the personalized model."""
+        sections = {(s.kind, s.name): s.tensors for s in common.sections}
+        save_tensors(self.global_path, flatten_sections(sections))
+
+    def load_global(self) -> Payload:
+        if not self.global_path.exists():
+            return Payload()
+        tensors, _ = load_tensors(self.global_path)
+        try:
+            sections = unflatten_sections(tensors)
+        except (KeyError, ValueError):
+            raise StateError(f"{self.global_path}: not a fedattn global downlink") from None
+        return Payload([Section(kind, name, ts) for (kind, name), ts in sections.items()])
 
     def exists(self) -> bool:
         return self.path.exists()

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
-from fedattn_shared.data.npz import Split
-from fedattn_shared.methods.base import EdgeAlgorithm
 from torch.utils.data import DataLoader, TensorDataset
 from tqdm import tqdm
+
+from fedattn_shared.data.npz import Split
+from fedattn_shared.methods.base import EdgeAlgorithm
 
 log = logging.getLogger("fl_edge.trainer")
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from fedattn_shared.state import (
     StateError,
     atomic_write_json,

@@ -16,6 +16,9 @@ import sys
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, start_http_server
+
 from fedattn_shared.config import (
     ConfigError,
     ServerConfig,
@@ -33,8 +36,6 @@ from fedattn_shared.state import StateError, atomic_write_json
 from fedattn_shared.wire import fedattn_pb2_grpc as pb_grpc
 from fedattn_shared.wire.accounting import ByteMeter
 from fedattn_shared.wire.transport import server_options
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import CollectorRegistry, start_http_server
 
 from .engine import Engine
 from .metrics import ServerMetrics

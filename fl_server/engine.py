@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from fedattn_shared import PROTOCOL_VERSION
 from fedattn_shared.config import ServerConfig, TrainConfig
 from fedattn_shared.methods.base import EVALUATE, TRAIN, Method, SectionSpec
@@ -302,7 +303,8 @@ class Engine:
                                         weight)
             phase.received[edge] = {
                 "num_examples": int(header.num_examples),
-                "metrics": dict(header.metrics),
+                # Monitoring figures only; non-finite ones would make history.json invalid JSON.
+                "metrics": {k: v for k, v in header.metrics.items() if math.isfinite(v)},
                 "evaluation": {
                     e.split: split_figures(np.array(e.counts, dtype=np.int64).reshape(
                         e.num_classes, e.num_classes), e.loss_sum, e.brier_sum)

@@ -13,6 +13,7 @@ import logging
 import time
 
 import grpc
+
 from fedattn_shared import PROTOCOL_VERSION
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire import fedattn_pb2_grpc as pb_grpc
@@ -53,6 +54,8 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
     async def Join(self, request: pb.JoinRequest, context) -> pb.JoinReply:
         self.meter.count_message(UP, request, edge=request.edge_id)
         if request.protocol_version != PROTOCOL_VERSION:
+            log.warning("join refused for %r: protocol version %d", request.edge_id,
+                        request.protocol_version)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"protocol version {request.protocol_version} is not supported "
                                 f"(server speaks {PROTOCOL_VERSION})")
@@ -154,6 +157,8 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         except Exception:  # noqa: BLE001 - a client that vanished mid-call
             return pb.SubmitReply(accepted=False, reason="no header")
         if first is grpc.aio.EOF or not first.HasField("header"):
+            log.warning("submission refused: the first message is not a header (peer %s)",
+                        context.peer())
             return pb.SubmitReply(accepted=False, reason="the first message must be a header")
         header = first.header
         edge = header.edge_id

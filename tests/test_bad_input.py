@@ -26,12 +26,13 @@ import grpc
 import pytest
 import torch
 from conftest import Cluster, Proc, wait_for
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from fedattn_shared import PROTOCOL_VERSION
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire import fedattn_pb2_grpc as pb_grpc
 from fedattn_shared.wire.codec import Kind, Payload, PayloadAssembler, Section, encode
 from fedattn_shared.wire.transport import MAX_MESSAGE_BYTES, channel_options
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ROUNDS = 200             # more than the suite uses: the run must still be going at the end
 ROUND_TIMEOUT = 15.0
@@ -210,6 +211,7 @@ class Suite:
         self.server = server
         self.edge = edge
         self.expected_rounds: dict[int, str] = {}  # round -> "dropped" | "accepted"
+        self.expected_evaluations: dict[int, str] = {}  # round -> "dropped"
 
     def train_task(self) -> Task:
         """The next training task; evaluation tasks on the way get a valid result."""
@@ -238,7 +240,7 @@ class Suite:
         assert not reply.accepted
         for needle in reason:
             assert needle in reply.reason, f"{needle!r} not in {reply.reason!r}"
-        self.logged(mark, f"submission from {edge_id} refused", *reason[:1])
+        self.logged(mark, f"submission from {edge_id} refused", *reason)
 
     def expect_dropped(self, task: Task, mark: int, refused_at: float) -> None:
         """The refusal cost the only participant its task: the training phase closed at
@@ -251,9 +253,10 @@ class Suite:
         assert after.header.common_id == task.header.common_id
         self.expected_rounds[task.header.round] = "dropped"
 
-    def expect_task_kept(self, task: Task) -> dict[str, torch.Tensor]:
+    def expect_task_kept(self, task: Task) -> Task:
         """The refusal did not cost the task: a valid upload of global + 1 is accepted and
-        becomes the next global (the refused upload never reached the running sum)."""
+        becomes the next global (the refused upload never reached the running sum).
+        Returns the evaluation task that carries it."""
         upload = shifted(task.globals, 1.0)
         reply = self.edge.submit(train_messages(self.edge, task, upload))
         assert reply.accepted, reply.reason
@@ -261,7 +264,7 @@ class Suite:
         assert (after.header.round, after.header.phase) == (task.header.round, "evaluate")
         assert_single_upload_mean(after.globals, upload)
         self.expected_rounds[task.header.round] = "accepted"
-        return after.globals
+        return after
 
 
 @pytest.fixture(scope="module")
@@ -430,6 +433,75 @@ def test_refusal_drops_the_task_and_leaves_the_global_bit_identical(suite, build
     suite.expect_dropped(task, mark, refused_at)
 
 
+def test_message_over_the_transport_cap_is_refused_and_drops_the_task(suite):
+    # One data message over gRPC's 4 MiB cap, from a channel without a send cap: the
+    # transport refuses it, the service sees the upload end before its first byte.
+    edge = suite.edge
+    task = suite.train_task()
+    header, chunks = raw_layout(edge, task, shifted(task.globals, 1.0))
+    uncapped = grpc.insecure_channel(f"127.0.0.1:{suite.cluster.port}")
+    try:
+        mark = suite.log_mark()
+        with pytest.raises(grpc.RpcError) as err:
+            pb_grpc.FederatedLearningStub(uncapped).Submit(
+                iter(stream(header, [b"".join(chunks) + bytes(MAX_MESSAGE_BYTES)])), timeout=30)
+        refused_at = time.monotonic()
+    finally:
+        uncapped.close()
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    suite.logged(mark, f"submission from {edge.edge_id} refused", "upload ended after 0 of")
+    suite.expect_dropped(task, mark, refused_at)
+
+
+def eval_nan_loss(result: pb.ConfusionCounts) -> None:
+    result.loss_sum = float("nan")
+
+
+def eval_short_counts(result: pb.ConfusionCounts) -> None:
+    del result.counts[-1]
+
+
+def eval_negative_count(result: pb.ConfusionCounts) -> None:
+    result.counts[3] = -1
+
+
+def eval_unknown_split(result: pb.ConfusionCounts) -> None:
+    result.split = "train"
+
+
+BAD_EVALUATIONS = [
+    ("nan-loss", eval_nan_loss, "non-finite loss"),
+    ("99-counts", eval_short_counts, "expected 10x10 counts"),
+    ("negative-count", eval_negative_count, "negative counts"),
+    ("unknown-split", eval_unknown_split, "split 'train'"),
+    ("tensors-in-an-evaluation", None, "is not in method fedavg's upload schema"),
+]
+
+
+@pytest.mark.parametrize("spoil, reason", [pytest.param(f, r, id=i) for i, f, r in BAD_EVALUATIONS])
+def test_bad_evaluation_drops_the_task_and_leaves_the_global_bit_identical(suite, spoil, reason):
+    edge = suite.edge
+    # The round's training result is valid; the evaluation that follows is not.
+    task = suite.expect_task_kept(suite.train_task())
+    messages = edge.evaluation(task)
+    if spoil is None:
+        encoded = encoded_train(task.globals)
+        messages[0].header.payload.CopyFrom(encoded.manifest)
+        messages += stream(None, [chunk for _, chunk in encoded.chunks(UPLOAD_CHUNK)])
+    else:
+        spoil(messages[0].header.evaluation[0])
+    mark = suite.log_mark()
+    reply = edge.submit(messages)
+    refused_at = time.monotonic()
+    suite.expect_refusal(reply, mark, edge.edge_id, reason)
+    suite.logged(mark, f"round {task.header.round} evaluate: dropped {edge.edge_id} (bad upload")
+    after = edge.next_task()
+    assert time.monotonic() - refused_at < ROUND_TIMEOUT / 2, "closed by the deadline, not the drop"
+    assert (after.header.round, after.header.phase) == (task.header.round + 1, "train")
+    assert_bit_identical(after.globals, task.globals)
+    suite.expected_evaluations[task.header.round] = "dropped"
+
+
 # ---- refusals that keep the task ------------------------------------------------------------
 
 
@@ -497,10 +569,11 @@ def test_refusal_keeps_the_task_and_never_reaches_the_sum(suite, build, sender, 
     mark = suite.log_mark()
     reply = edge.submit(build(suite, task))
     if sender is None:
+        # No header, no identity: the reply says why; the server logs nothing it could name.
         assert not reply.accepted and reason[0] in reply.reason, reply.reason
     else:
         suite.expect_refusal(reply, mark, edge.edge_id if sender is SELF else sender, *reason)
-        assert f"dropped {edge.edge_id}" not in suite.server.log()[mark:]
+    assert f"dropped {edge.edge_id}" not in suite.server.log()[mark:]
     # The refused upload carried global + 100; the next global is the valid global + 1.
     suite.expect_task_kept(task)
 
@@ -566,7 +639,6 @@ def test_history_matches_and_the_server_still_serves(suite):
     suite.train_task()  # completes the last scenario's round: its record is in history.json
     history = json.loads((suite.cluster.tmp / "server-state" / "history.json").read_text())
     records = {r["round"]: r for r in history["rounds"]}
-    assert suite.expected_rounds, "no scenario ran"
     for round_number, outcome in sorted(suite.expected_rounds.items()):
         record = records[round_number]
         if outcome == "dropped":
@@ -577,6 +649,10 @@ def test_history_matches_and_the_server_still_serves(suite):
             assert record["train"]["received"] == [edge.edge_id], round_number
             assert record["aggregate"]["aggregated"] == 1, round_number
             assert record["aggregate"]["total_weight"] == NUM_EXAMPLES, round_number
+    for round_number in sorted(suite.expected_evaluations):
+        record = records[round_number]["evaluate"]
+        assert record["received"] == [], round_number
+        assert record["dropped"][edge.edge_id].startswith("bad upload"), round_number
 
     assert suite.server.popen.poll() is None, suite.server.log()[-3000:]
     health = health_pb2_grpc.HealthStub(edge.channel)
