@@ -6,6 +6,7 @@ share back with its model, which the aggregator records."""
 from __future__ import annotations
 
 import torch
+
 from fedattn_shared.methods.aggregators import StreamingMean
 from fedattn_shared.methods.base import EVALUATE, TRAIN, EdgeAlgorithm, Method, SectionSpec, TensorSpec
 from fedattn_shared.wire.codec import Kind, Payload, Section

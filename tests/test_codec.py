@@ -8,6 +8,8 @@ import zlib
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
+
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire.accounting import GRPC_FRAME_PREFIX, ByteMeter, message_wire_bytes
 from fedattn_shared.wire.codec import (
@@ -21,7 +23,6 @@ from fedattn_shared.wire.codec import (
     nonfinite_tensors,
     section_sizes,
 )
-from prometheus_client import CollectorRegistry
 
 BIG = 1 << 30
 

@@ -6,6 +6,7 @@ import dataclasses
 import json
 
 import pytest
+
 from fedattn_shared.config import (
     ConfigError,
     ServerConfig,

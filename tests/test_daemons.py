@@ -9,10 +9,10 @@ import urllib.request
 import pytest
 import torch
 from conftest import read_history, wait_for, write_edge_dirs
+
 from fedattn_shared.config import TrainConfig
 from fedattn_shared.methods import MethodContext, load_method
 from fedattn_shared.state import load_tensors
-
 from fl_edge.store import PrivateStore, private_digest
 from fl_server.engine import tensors_digest
 

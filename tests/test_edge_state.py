@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 from conftest import write_edge_dirs
+
 from fedattn_shared.config import TrainConfig
 from fedattn_shared.data import DataError, load_edge_data
 from fedattn_shared.methods import MethodContext, load_method
 from fedattn_shared.state import StateError, atomic_write, load_tensors, save_tensors
-
 from fl_edge.store import PrivateStore, load_or_create_identity, private_digest
 
 

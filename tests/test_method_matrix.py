@@ -10,12 +10,12 @@ import threading
 import pytest
 import torch
 from conftest import write_edge_dirs
+from torch.nn.modules.batchnorm import _BatchNorm
+
 from fedattn_shared.config import ServerConfig, TrainConfig
 from fedattn_shared.methods import MethodContext, load_method
 from fedattn_shared.models import build_model
 from fedattn_shared.wire.codec import Kind
-from torch.nn.modules.batchnorm import _BatchNorm
-
 from fl_edge.daemon import EdgeDaemon, EdgeOptions
 from fl_server.cli import ServerApp
 

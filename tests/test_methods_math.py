@@ -8,6 +8,8 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from fedattn_shared.config import TrainConfig
 from fedattn_shared.methods import (
     AggregatorKind,
@@ -18,7 +20,6 @@ from fedattn_shared.methods import (
 )
 from fedattn_shared.methods.base import EVALUATE, TRAIN
 from fedattn_shared.wire.codec import Kind, Payload, PayloadAssembler, Section, encode
-from torch import nn
 
 SHARED = (Kind.SHARED_TENSORS, "")
 CONTROL = (Kind.CONTROL, "")

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
+from torchvision.ops.misc import SqueezeExcitation
+
 from fedattn_shared.config import TrainConfig
 from fedattn_shared.methods import MethodContext, load_method, split
 from fedattn_shared.methods.base import NoParams
 from fedattn_shared.models import MODELS, build_model, model_spec
-from torch import nn
-from torchvision.ops.misc import SqueezeExcitation
 
 # METHODS.md 3.1: (module name, C_l, squeeze width) of mobilenet_v3_small's 9 SE modules.
 SE_TABLE = [

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from fedattn_shared.config import ConfigError
 
+from fedattn_shared.config import ConfigError
 from fl_server.cli import build_parser, main, resolve
 
 
