@@ -35,6 +35,7 @@ from fedattn_shared.wire.codec import (
     EncodedPayload,
     Kind,
     Payload,
+    Section,
     WireError,
     dtype_name,
     encode,
@@ -104,6 +105,36 @@ def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
+INIT_SECTION = "init"
+
+
+def load_initial_weights(models: dict, path: Path) -> None:
+    """Copy a safetensors file into the models. Keys are ``model/key`` (qualified) or plain
+    state-dict keys, which then apply to every model of the method; every model tensor
+    must be covered, with the same shape."""
+    from fedattn_shared.state import StateError, load_tensors
+
+    if not path.exists():
+        raise StateError(f"--init-weights {path}: no such file")
+    tensors, _ = load_tensors(path)
+    used = set()
+    with torch.no_grad():
+        for name, model in models.items():
+            for key, target in model.state_dict(keep_vars=True).items():
+                source_key = f"{name}/{key}" if f"{name}/{key}" in tensors else key
+                if source_key not in tensors:
+                    raise StateError(f"--init-weights {path}: no tensor for {name}/{key}")
+                value = tensors[source_key]
+                if tuple(value.shape) != tuple(target.shape):
+                    raise StateError(f"--init-weights {path}: {source_key} has shape "
+                                     f"{list(value.shape)}, the model needs {list(target.shape)}")
+                target.copy_(value)
+                used.add(source_key)
+    unused = sorted(set(tensors) - used)
+    if unused:
+        raise StateError(f"--init-weights {path}: tensors the model does not have: {unused[:5]}")
+
+
 def content_id(manifest: pb.PayloadManifest, chunks: list[tuple[Kind, bytes]]) -> str:
     """Names a downlink by its content, so an edge's cached copy is reused exactly when
     the bytes are the same (also across server restarts)."""
@@ -131,7 +162,8 @@ def run_manifest(server: ServerConfig, train: TrainConfig, method: Method) -> di
         "fedattn": v("fedattn"), "git_sha": sha or "unknown", "python": sys.version.split()[0],
         "platform": platform.platform(), "torch": torch.__version__, "grpcio": v("grpcio"),
         "protocol_version": PROTOCOL_VERSION, "method": method.name,
-        "aggregator": method.aggregator_kind.value, "server": server.__dict__,
+        "aggregator": method.aggregator_kind.value,
+        "server": {**server.__dict__, "join_token": "<redacted>" if server.join_token else ""},
         "train": train.__dict__, "params": method.describe_params(),
         "seeds": {"train": train.seed},
     }
@@ -147,6 +179,14 @@ class Engine:
         self.metrics = metrics
         self.models = method.build_models()
         self.fingerprint = method.fingerprint(self.models)
+        # Pretrained weights: the global starts from them, and edges without private state
+        # get the whole initial models once, so their private parts start there too.
+        self.init_payload: Payload | None = None
+        if server.init_weights:
+            load_initial_weights(self.models, Path(server.init_weights))
+            self.init_payload = Payload([Section(Kind.SHARED_TENSORS, INIT_SECTION, {
+                f"{name}/{key}": t.detach().clone()
+                for name, model in self.models.items() for key, t in model.state_dict().items()})])
         self.aggregator = method.server(self.models)
         self.schemas: dict[str, list[SectionSpec]] = {
             phase: method.uplink_schema(phase, self.models) for phase in method.phases}
@@ -394,6 +434,14 @@ class Engine:
         for split, figures in summary.items():
             self.metrics.mean_accuracy.labels(split).set(figures["mean_accuracy"])
 
+    def personal_downlink(self, edge_id: str, phase: str) -> Payload:
+        payload = self.aggregator.personal(edge_id, phase)
+        record = self.registry.records[edge_id]
+        if record.needs_init and self.init_payload is not None:
+            record.needs_init = False
+            payload = Payload(self.init_payload.sections + payload.sections)
+        return payload
+
     async def run_phase(self, name: str, round_number: int, edges: list[str], quorum: int) -> Phase:
         common_payload = self.aggregator.broadcast(name)
         common = await asyncio.to_thread(encode, common_payload)
@@ -407,7 +455,7 @@ class Engine:
             name=name, round=round_number, tasks=tasks, quorum=quorum,
             common_id=common_id,
             common=common, common_chunks=chunks,
-            personal={e: encode(self.aggregator.personal(e, name)) for e in edges},
+            personal={e: encode(self.personal_downlink(e, name)) for e in edges},
             spec_json=json.dumps({"round": round_number, "rounds": self.cfg.rounds, "phase": name}),
         )
         self.phase = phase

@@ -1,0 +1,582 @@
+"""``fl-report``: figures, tables and plots from one or more fl-server ``history.json`` files.
+
+Usage::
+
+    fl-report RUN_DIR [RUN_DIR ...] [--out DIR] [--split test|global_test]
+
+A RUN_DIR is a server ``--checkpoint-dir`` (the one holding ``history.json``) or the path
+of a ``history.json`` itself. Output in ``--out``: ``summary.md``, ``summary.json``,
+``accuracy.png`` and, per run, ``bytes_<run>.png`` and ``participation_<run>.png``; the
+markdown tables are also printed to stdout. Bad input (a missing directory or history,
+unreadable JSON, a history without any evaluated round for the split) exits with status 2
+and a message that names the path.
+
+Conventions (see also ../shared/METHODS.md, 2.3 "Metrics"):
+
+- Everything is recomputed from the per-edge confusion counts the edges sent
+  (``rounds[i].evaluation.per_edge[edge][split].confusion``, rows = true class, columns =
+  predicted class); the accuracies and summaries the server precomputed are never read.
+  Edges whose confusion holds no sample are left out of a round, as the server does.
+- mean accuracy = mean over edges of each edge's accuracy; the "std over edges" beside it
+  is the population std (ddof=0) of those per-edge accuracies.
+- pooled accuracy = trace / total of the pooled confusion (the sum of the edges'
+  confusions), i.e. total correct / total samples over all edges.
+- F1 of class c = 2 TP_c / (support_c + predicted_c) (= 2PR / (P + R), and 0 when TP_c = 0).
+  macro F1 = unweighted mean over the classes that have support or predictions in the
+  pooled confusion; a class with neither is left out (scikit-learn's default when the
+  labels are inferred from the data), a class predicted but absent counts with F1 = 0.
+  weighted F1 = support-weighted mean of the per-class F1 of the pooled confusion.
+- Brier = (sum over edges of brier_e * n_e) / (sum of n_e): the per-edge ``brier`` in the
+  history is brier_sum / n, so this is the mean over all samples of sum_c (p_c - y_c)^2.
+  The pooled loss is reconstructed the same way.
+- Per run: best round = the evaluated round with the highest mean accuracy (the earliest
+  one on ties); final round = the last evaluated round; convergence round = the first
+  evaluated round whose mean accuracy reaches 95 % of the best.
+- Runs are grouped by configuration: the same manifest ``method``, ``train`` without
+  ``seed``, ``params``, and ``server`` without ``checkpoint_dir``, ``port``,
+  ``metrics_port`` and ``resume``. Per group: mean and population std (ddof=0) over its
+  runs (seeds) of the figures at the final round and at each run's best round.
+- Bytes are the wire bytes (protobuf + gRPC prefix) per round, direction and payload kind
+  as the server counted them (``rounds[i].bytes``). Participation is the ``train`` phase's
+  selected, received and dropped edges.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import re
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SPLITS = ("test", "global_test")
+IGNORED_SERVER_KEYS = frozenset({"checkpoint_dir", "port", "metrics_port", "resume"})
+CONVERGENCE_FRACTION = 0.95
+FINAL_METRICS = ("mean_accuracy", "pooled_accuracy", "macro_f1", "weighted_f1", "brier")
+BEST_METRICS = ("mean_accuracy", "pooled_accuracy", "macro_f1")
+
+
+class ReportError(Exception):
+    """Bad input; the message names the offending path."""
+
+
+# ---- pure figures ----------------------------------------------------------------------------
+
+def as_confusion(confusion: Any) -> np.ndarray:
+    """A square, non-negative integer count matrix (rows = true class, columns = predicted)."""
+    matrix = np.asarray(confusion)
+    if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1] or matrix.shape[0] == 0:
+        raise ValueError(f"confusion must be a non-empty square matrix, got shape {matrix.shape}")
+    if not np.issubdtype(matrix.dtype, np.number) or np.any(matrix < 0) or np.any(matrix != np.round(matrix)):
+        raise ValueError("confusion counts must be non-negative integers")
+    return matrix.astype(np.int64)
+
+
+def accuracy(confusion: Any) -> float:
+    """trace / total; NaN for a matrix without samples."""
+    matrix = as_confusion(confusion)
+    total = int(matrix.sum())
+    return float(np.trace(matrix)) / total if total else math.nan
+
+
+def pooled(confusions: Iterable[Any]) -> np.ndarray:
+    """The element-wise sum of confusion matrices of one shape."""
+    matrices = [as_confusion(c) for c in confusions]
+    if not matrices:
+        raise ValueError("no confusion matrices to pool")
+    shapes = {m.shape for m in matrices}
+    if len(shapes) != 1:
+        raise ValueError(f"confusion matrices differ in shape: {sorted(shapes)}")
+    return np.sum(matrices, axis=0)
+
+
+def mean_accuracy(confusions: Iterable[Any]) -> float:
+    """Mean over matrices (edges) of their accuracy; matrices without samples are skipped."""
+    accs = [accuracy(c) for c in confusions if as_confusion(c).sum()]
+    return float(np.mean(accs)) if accs else math.nan
+
+
+def std_accuracy(confusions: Iterable[Any]) -> float:
+    """Population std (ddof=0) over matrices (edges) of their accuracy."""
+    accs = [accuracy(c) for c in confusions if as_confusion(c).sum()]
+    return float(np.std(accs)) if accs else math.nan
+
+
+def class_f1(confusion: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per class: (F1, support = row sum, predicted = column sum); F1 = 2TP / (support +
+    predicted), 0 where both are 0 (such classes are the ones macro F1 leaves out)."""
+    matrix = as_confusion(confusion)
+    tp = np.diag(matrix).astype(np.float64)
+    support = matrix.sum(axis=1).astype(np.float64)
+    predicted = matrix.sum(axis=0).astype(np.float64)
+    denominator = support + predicted
+    f1 = np.divide(2 * tp, denominator, out=np.zeros_like(tp), where=denominator > 0)
+    return f1, support, predicted
+
+
+def macro_f1(confusion: Any) -> float:
+    """Unweighted mean F1 over classes with support or predictions (NaN if none)."""
+    f1, support, predicted = class_f1(confusion)
+    present = (support + predicted) > 0
+    return float(f1[present].mean()) if present.any() else math.nan
+
+
+def weighted_f1(confusion: Any) -> float:
+    """Support-weighted mean F1 (NaN without samples)."""
+    f1, support, _ = class_f1(confusion)
+    total = support.sum()
+    return float((f1 * support).sum() / total) if total else math.nan
+
+
+def pooled_mean(per_edge_means: Sequence[float], counts: Sequence[int]) -> float:
+    """Per-sample mean over all edges from per-edge means and sample counts: sum(m*n)/sum(n).
+    With the per-edge ``brier`` (= brier_sum / n) this is the pooled Brier score."""
+    if len(per_edge_means) != len(counts):
+        raise ValueError("per_edge_means and counts differ in length")
+    total = sum(counts)
+    if not total:
+        return math.nan
+    return float(sum(m * n for m, n in zip(per_edge_means, counts, strict=True)) / total)
+
+
+def mean_std(values: Sequence[float]) -> dict[str, float | int]:
+    """Mean and population std (ddof=0) of the values, and their count."""
+    array = np.asarray(values, dtype=np.float64)
+    if array.size == 0:
+        return {"mean": math.nan, "std": math.nan, "n": 0}
+    return {"mean": float(array.mean()), "std": float(array.std()), "n": int(array.size)}
+
+
+def best_round(rounds: Sequence[int], values: Sequence[float]) -> tuple[int, float]:
+    """The round with the highest value (the earliest on ties) and that value."""
+    if not rounds:
+        raise ValueError("no rounds")
+    index = int(np.argmax(np.asarray(values, dtype=np.float64)))
+    return int(rounds[index]), float(values[index])
+
+
+def convergence_round(rounds: Sequence[int], values: Sequence[float],
+                      fraction: float = CONVERGENCE_FRACTION) -> int:
+    """The first round whose value reaches ``fraction`` of the maximum."""
+    target = fraction * max(values)
+    return next(int(r) for r, v in zip(rounds, values, strict=True) if v >= target)
+
+
+def round_figures(per_edge: dict[str, dict[str, dict]], split: str) -> dict | None:
+    """Figures of one evaluated round from the per-edge entries of one split, or None when
+    no edge reported a sample for it."""
+    confusions, briers, losses, counts = [], [], [], []
+    for edge in sorted(per_edge):
+        entry = per_edge[edge].get(split)
+        if entry is None:
+            continue
+        matrix = as_confusion(entry["confusion"])
+        n = int(matrix.sum())
+        if not n:
+            continue
+        confusions.append(matrix)
+        counts.append(n)
+        briers.append(float(entry["brier"]))
+        losses.append(float(entry["loss"]))
+    if not confusions:
+        return None
+    total = pooled(confusions)
+    return {
+        "edges": len(confusions),
+        "n": int(total.sum()),
+        "mean_accuracy": mean_accuracy(confusions),
+        "std_accuracy": std_accuracy(confusions),
+        "pooled_accuracy": accuracy(total),
+        "macro_f1": macro_f1(total),
+        "weighted_f1": weighted_f1(total),
+        "brier": pooled_mean(briers, counts),
+        "loss": pooled_mean(losses, counts),
+    }
+
+
+# ---- histories and runs ----------------------------------------------------------------------
+
+def history_path(arg: str | Path) -> Path:
+    path = Path(arg)
+    if path.is_dir():
+        candidate = path / "history.json"
+        if not candidate.is_file():
+            raise ReportError(f"{path}: no history.json in this directory")
+        return candidate
+    if path.is_file():
+        return path
+    raise ReportError(f"{path}: no such file or directory")
+
+
+def load_history(path: Path) -> dict:
+    try:
+        history = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ReportError(f"{path}: cannot read history ({exc})") from exc
+    if not isinstance(history, dict) or not isinstance(history.get("rounds"), list) \
+            or not isinstance(history.get("manifest"), dict):
+        raise ReportError(f"{path}: not an fl-server history (needs 'manifest' and 'rounds')")
+    return history
+
+
+def config_key(manifest: dict) -> dict:
+    """What makes two runs the same experiment up to the seed."""
+    train = {k: v for k, v in (manifest.get("train") or {}).items() if k != "seed"}
+    server = {k: v for k, v in (manifest.get("server") or {}).items() if k not in IGNORED_SERVER_KEYS}
+    return {"method": manifest.get("method"), "train": train,
+            "params": manifest.get("params") or {}, "server": server}
+
+
+def config_id(key: dict) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:10]
+
+
+def analyze_run(path: Path, history: dict, split: str) -> dict:
+    manifest = history["manifest"]
+    seed = (manifest.get("train") or {}).get("seed", (manifest.get("seeds") or {}).get("train"))
+    rounds, byte_rounds, participation = [], [], []
+    for index, record in enumerate(history["rounds"]):
+        where = f"round {record.get('round', index + 1) if isinstance(record, dict) else index + 1}"
+        try:
+            number = int(record["round"])
+            per_edge = (record.get("evaluation") or {}).get("per_edge") or {}
+            figures = round_figures(per_edge, split)
+            if figures is not None:
+                rounds.append({"round": number, **figures})
+            byte_rounds.append({"round": number, **{
+                direction: {kind: int(tally["wire"]) for kind, tally in kinds.items()}
+                for direction, kinds in (record.get("bytes") or {}).items()}})
+            train = record.get("train")
+            if isinstance(train, dict):
+                participation.append({"round": number, "selected": len(train["selected"]),
+                                      "received": len(train["received"]),
+                                      "dropped": len(train.get("dropped") or {})})
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ReportError(f"{path}: malformed {where} ({type(exc).__name__}: {exc})") from exc
+    if not rounds:
+        raise ReportError(f"{path}: no evaluated rounds with split {split!r}")
+    numbers = [r["round"] for r in rounds]
+    means = [r["mean_accuracy"] for r in rounds]
+    best, _ = best_round(numbers, means)
+    by_round = {r["round"]: r for r in rounds}
+    key = config_key(manifest)
+    return {
+        "path": str(path), "method": manifest.get("method"), "seed": seed,
+        "config_id": config_id(key), "config": key,
+        "evaluated_rounds": len(rounds), "best_round": best, "best": by_round[best],
+        "final_round": numbers[-1], "final": rounds[-1],
+        "convergence_round": convergence_round(numbers, means),
+        "rounds": rounds, "bytes": byte_rounds, "participation": participation,
+        "wire_bytes_total": {d: sum(sum(r.get(d, {}).values()) for r in byte_rounds)
+                             for d in ("up", "down")},
+    }
+
+
+def label_runs(runs: list[dict]) -> None:
+    """``method seed S``; made unique with the run directory (and a counter) if needed."""
+    for run in runs:
+        run["label"] = f"{run['method']} seed {run['seed']}"
+    counts: dict[str, int] = {}
+    for run in runs:
+        counts[run["label"]] = counts.get(run["label"], 0) + 1
+    for run in runs:
+        if counts[run["label"]] > 1:
+            run["label"] += f" ({Path(run['path']).resolve().parent.name})"
+    seen: dict[str, int] = {}
+    for run in runs:
+        seen[run["label"]] = seen.get(run["label"], 0) + 1
+        if seen[run["label"]] > 1:
+            run["label"] += f" #{seen[run['label']]}"
+    slugs: set[str] = set()
+    for run in runs:
+        slug = re.sub(r"[^A-Za-z0-9._-]+", "-", run["label"]).strip("-") or "run"
+        base, i = slug, 1
+        while slug in slugs:
+            i += 1
+            slug = f"{base}-{i}"
+        slugs.add(slug)
+        run["slug"] = slug
+
+
+def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _flatten(f"{prefix}.{k}" if prefix else str(k), v, out)
+    else:
+        out[prefix] = value
+
+
+def _shown(name: str, value: Any) -> str:
+    if any(word in name.lower() for word in ("token", "secret", "password")):
+        return "<redacted>"
+    return json.dumps(value, default=str)
+
+
+def group_runs(runs: list[dict]) -> list[dict]:
+    """Runs with the same config key, in order of first appearance, with mean +- std over
+    their seeds of the final figures and of the figures at each run's best round."""
+    groups: dict[str, dict] = {}
+    for run in runs:
+        group = groups.setdefault(run["config_id"], {"id": run["config_id"], "method": run["method"],
+                                                      "config": run["config"], "members": []})
+        group["members"].append(run)
+    # Groups that share a method are told apart by the settings in which they differ.
+    flat = {}
+    for gid, group in groups.items():
+        flat[gid] = {}
+        _flatten("", {k: v for k, v in group["config"].items() if k != "method"}, flat[gid])
+    for gid, group in groups.items():
+        siblings = [g for g in groups if groups[g]["method"] == group["method"]]
+        names = sorted({n for g in siblings for n in flat[g]})
+        differing = [n for n in names if len({json.dumps(flat[g].get(n), sort_keys=True, default=str)
+                                              for g in siblings}) > 1]
+        shown = [f"{n}={_shown(n, flat[gid].get(n))}" for n in differing[:3]]
+        if len(differing) > 3:
+            shown.append("...")
+        group["label"] = f"{group['method']}" + (f" [{', '.join(shown)}]" if shown else "")
+    out = []
+    for group in groups.values():
+        members = group.pop("members")
+        group.pop("config")
+        group["runs"] = [m["label"] for m in members]
+        group["seeds"] = [m["seed"] for m in members]
+        for metric in FINAL_METRICS:
+            group[f"final_{metric}"] = mean_std([m["final"][metric] for m in members])
+        for metric in BEST_METRICS:
+            group[f"best_{metric}"] = mean_std([m["best"][metric] for m in members])
+        out.append(group)
+    return out
+
+
+# ---- output ----------------------------------------------------------------------------------
+
+def _f(value: float | None) -> str:
+    return "n/a" if value is None or not math.isfinite(value) else f"{value:.4f}"
+
+
+def _pm(stats: dict) -> str:
+    return f"{_f(stats['mean'])} ± {_f(stats['std'])}"
+
+
+def _cell(text: Any) -> str:
+    return str(text).replace("|", "\\|")
+
+
+def markdown(runs: list[dict], groups: list[dict], split: str) -> str:
+    lines = [f"# fl-report ({split} split)", "",
+             "Accuracy, F1 and Brier recomputed from the per-edge confusion counts. "
+             "mean acc = mean over edges (± population std over edges); pooled = all samples; "
+             "macro F1 leaves out classes with neither support nor predictions; "
+             "std over seeds is the population std (ddof=0).", "",
+             "## Runs", "",
+             "| run | method | seed | evaluated | best round | best mean acc | conv. round | final round "
+             "| final mean acc | final pooled acc | final macro F1 | final weighted F1 | final Brier |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for run in runs:
+        final = run["final"]
+        lines.append(
+            f"| {_cell(run['label'])} | {_cell(run['method'])} | {run['seed']} | {run['evaluated_rounds']} "
+            f"| {run['best_round']} | {_f(run['best']['mean_accuracy'])} | {run['convergence_round']} "
+            f"| {run['final_round']} | {_f(final['mean_accuracy'])} ± {_f(final['std_accuracy'])} "
+            f"| {_f(final['pooled_accuracy'])} | {_f(final['macro_f1'])} | {_f(final['weighted_f1'])} "
+            f"| {_f(final['brier'])} |")
+    lines += ["", "## Configurations (mean ± std over seeds)", "",
+              "| configuration | runs | seeds | final mean acc | best mean acc | final pooled acc "
+              "| best pooled acc | final macro F1 | best macro F1 |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for group in groups:
+        lines.append(
+            f"| {_cell(group['label'])} | {len(group['runs'])} | {', '.join(map(str, group['seeds']))} "
+            f"| {_pm(group['final_mean_accuracy'])} | {_pm(group['best_mean_accuracy'])} "
+            f"| {_pm(group['final_pooled_accuracy'])} | {_pm(group['best_pooled_accuracy'])} "
+            f"| {_pm(group['final_macro_f1'])} | {_pm(group['best_macro_f1'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def _finite(value: Any) -> Any:
+    """JSON-safe copy: non-finite floats become null."""
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _byte_unit(largest: float) -> tuple[float, str]:
+    for scale, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+        if largest >= scale:
+            return scale, unit
+    return 1.0, "B"
+
+
+def plot_accuracy(runs: list[dict], split: str, path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for run in runs:
+        ax.plot([r["round"] for r in run["rounds"]], [r["mean_accuracy"] for r in run["rounds"]],
+                marker="o", markersize=3, label=run["label"])
+    ax.set_xlabel("round")
+    ax.set_ylabel(f"mean accuracy over edges ({split})")
+    ax.set_title("Accuracy per round")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def plot_bytes(run: dict, path: Path) -> None:
+    """Per round two bars, up (left, plain) and down (right, hatched), stacked by kind."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    records = run["bytes"]
+    rounds = [r["round"] for r in records]
+    kinds = sorted({k for r in records for d in ("up", "down") for k in r.get(d, {})})
+    largest = max([sum(r.get(d, {}).values()) for r in records for d in ("up", "down")] or [0])
+    scale, unit = _byte_unit(largest)
+    colors = {kind: f"C{i % 10}" for i, kind in enumerate(kinds)}
+    fig = Figure(figsize=(min(16, max(7, 0.3 * len(rounds) + 5)), 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    x = np.asarray(rounds, dtype=np.float64)
+    width = 0.4
+    for offset, direction, hatch in ((-width / 2, "up", None), (width / 2, "down", "//")):
+        bottom = np.zeros(len(rounds))
+        for kind in kinds:
+            values = np.array([r.get(direction, {}).get(kind, 0) for r in records], dtype=np.float64) / scale
+            ax.bar(x + offset, values, width, bottom=bottom, color=colors[kind], hatch=hatch,
+                   edgecolor="black", linewidth=0.3)
+            bottom += values
+    handles = [Patch(facecolor=colors[k], edgecolor="black", label=k) for k in kinds]
+    handles += [Patch(facecolor="white", edgecolor="black", label="up (edge -> server)"),
+                Patch(facecolor="white", edgecolor="black", hatch="//", label="down (server -> edge)")]
+    ax.legend(handles=handles, fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_xlabel("round")
+    ax.set_ylabel(f"wire bytes ({unit})")
+    ax.set_title(f"Bytes per round by kind: {run['label']}")
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def plot_participation(run: dict, path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    records = run["participation"]
+    rounds = [r["round"] for r in records]
+    fig = Figure(figsize=(min(16, max(6, 0.3 * len(rounds) + 3)), 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    x = np.asarray(rounds, dtype=np.float64)
+    width = 0.27
+    for i, (field, color) in enumerate((("selected", "C0"), ("received", "C2"), ("dropped", "C3"))):
+        ax.bar(x + (i - 1) * width, [r[field] for r in records], width, color=color, label=field)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_xlabel("round")
+    ax.set_ylabel("edges (train phase)")
+    ax.set_title(f"Participation per round: {run['label']}")
+    ax.yaxis.get_major_locator().set_params(integer=True)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def write_report(runs: list[dict], groups: list[dict], split: str, out: Path) -> str:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        figures = ["accuracy.png"]
+        plot_accuracy(runs, split, out / "accuracy.png")
+        for run in runs:
+            run["figures"] = {"bytes": f"bytes_{run['slug']}.png",
+                              "participation": f"participation_{run['slug']}.png"}
+            plot_bytes(run, out / run["figures"]["bytes"])
+            plot_participation(run, out / run["figures"]["participation"])
+            figures += list(run["figures"].values())
+        table = markdown(runs, groups, split)
+        (out / "summary.md").write_text(table)
+        summary = {
+            "split": split,
+            "conventions": {
+                "source": "per-edge confusion counts (rows true, columns predicted); server "
+                          "accuracies not used",
+                "mean_accuracy": "mean over edges with samples; std_accuracy = population std over edges",
+                "pooled_accuracy": "trace / total of the summed confusion",
+                "macro_f1": "mean per-class F1 of the pooled confusion over classes with support "
+                            "or predictions",
+                "weighted_f1": "support-weighted per-class F1 of the pooled confusion",
+                "brier": "sum(brier_e * n_e) / sum(n_e)",
+                "best_round": "highest mean accuracy, earliest on ties",
+                "convergence_round": f"first round reaching {CONVERGENCE_FRACTION:g} x best mean accuracy",
+                "std_over_seeds": "population std (ddof=0)",
+                "group_by": "manifest method, train minus seed, params, server minus "
+                            + ", ".join(sorted(IGNORED_SERVER_KEYS)),
+            },
+            "runs": [{k: v for k, v in run.items() if k not in ("config", "slug")} for run in runs],
+            "groups": groups,
+            "figures": figures,
+        }
+        (out / "summary.json").write_text(json.dumps(_finite(summary), indent=1, allow_nan=False) + "\n")
+    except OSError as exc:
+        raise ReportError(f"{out}: cannot write the report ({exc})") from exc
+    return table
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fl-report",
+        description="Accuracy, F1, Brier, bytes and participation from fl-server history.json "
+                    "files, recomputed from the per-edge confusion counts; runs that differ "
+                    "only in the seed are summarised as mean ± std.")
+    parser.add_argument("runs", nargs="+", metavar="RUN_DIR",
+                        help="a server --checkpoint-dir holding history.json, or a history.json path")
+    parser.add_argument("--out", type=Path, default=Path("report"),
+                        help="output directory for summary.md, summary.json and the PNGs "
+                             "(default: ./report)")
+    parser.add_argument("--split", choices=SPLITS, default="test",
+                        help="evaluation split to report (default: test)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        runs: list[dict] = []
+        seen: set[Path] = set()
+        for arg in args.runs:
+            path = history_path(arg)
+            if path.resolve() in seen:
+                print(f"fl-report: {path}: given twice, counted once", file=sys.stderr)
+                continue
+            seen.add(path.resolve())
+            runs.append(analyze_run(path, load_history(path), args.split))
+        label_runs(runs)
+        groups = group_runs(runs)
+        table = write_report(runs, groups, args.split, args.out)
+    except ReportError as exc:
+        print(f"fl-report: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(table)
+    print(f"fl-report: wrote {args.out}/summary.md, summary.json and {1 + 2 * len(runs)} PNG file(s)",
+          file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
