@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # different (multi-GB) build. Override on other platforms, e.g. a Jetson's NVIDIA wheels.
 TORCH ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: setup test lint proto bench clean
+.PHONY: setup demo test lint proto bench clean
 
 setup: $(VENV)/.installed
 
@@ -15,6 +15,11 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
 	touch $@
+
+# A real fl-server and 4 fl-edge processes on loopback, on the bundled MNIST subset.
+demo: setup
+	OMP_NUM_THREADS=1 $(VENV)/bin/fl-demo --method fedavg --edges 4 --rounds 5 --alpha 0.5 \
+		--out runs/demo --force
 
 test: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider
@@ -28,3 +33,7 @@ proto: setup
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+
+# Figures, printed not asserted (takes a few minutes).
+bench: setup
+	OMP_NUM_THREADS=1 $(PY) bench/wire.py

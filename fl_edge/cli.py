@@ -19,11 +19,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fl-edge",
         description="fedattn edge daemon: joins a fl-server, trains on local data, keeps "
-                    "private state on local disk. The server chooses the method and model.")
+                    "private state on local disk. The server chooses the method and model. "
+                    "Offline tools: `fl-edge export ...`, `fl-edge predict ...`.")
     parser.add_argument("--server", required=True, help="HOST:PORT of the fl-server")
     parser.add_argument("--data-dir", required=True, type=Path,
-                        help="this device's data (train.npz/test.npz or data.npz, "
-                             "optional global_test.npz)")
+                        help="this device's data: .npz (train/test or data), an image-folder "
+                             "tree, MNIST-style IDX files or CIFAR-10 batches; optional "
+                             "global_test/ or global_test.npz")
     parser.add_argument("--state-dir", type=Path, default=None,
                         help="private state and identity (default: DATA_DIR/../<name>.fedattn-state)")
     parser.add_argument("--name", default=None,
@@ -50,7 +52,63 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def build_tools_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fl-edge", description="offline tools of the edge")
+    sub = parser.add_subparsers(dest="command", required=True)
+    export = sub.add_parser("export", help="write the personalized model to a safetensors file")
+    export.add_argument("--state-dir", required=True, type=Path)
+    export.add_argument("--out", required=True, type=Path)
+    predict = sub.add_parser("predict", help="classify images with the personalized model")
+    source = predict.add_mutually_exclusive_group(required=True)
+    source.add_argument("--state-dir", type=Path)
+    source.add_argument("--model", type=Path, help="a file written by `fl-edge export`")
+    predict.add_argument("images", nargs="+", type=Path, help="image files or folders")
+    return parser
+
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp"}
+
+
+def run_tool(argv: list[str]) -> int:
+    from fedattn_shared.state import StateError
+
+    from . import export as tools
+
+    args = build_tools_parser().parse_args(argv)
+    try:
+        if args.command == "export":
+            model = tools.export(args.state_dir, args.out)
+            print(f"wrote {args.out} ({model.method.name}, {model.train.model}, "
+                  f"fingerprint {model.fingerprint})")
+            return 0
+        model = (tools.from_export(args.model) if args.model
+                 else tools.from_state_dir(args.state_dir))
+        files = []
+        for path in args.images:
+            if path.is_dir():
+                files += sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+            elif path.exists():
+                files.append(path)
+            else:
+                raise StateError(f"{path}: no such file or folder")
+        probs = tools.predict(model, tools.load_images(files, model.train))
+        classes = model.train.classes
+        print("file,class,probability")
+        for path, row in zip(files, probs, strict=True):
+            best = int(row.argmax())
+            print(f"{path},{classes[best]},{float(row[best]):.4f}")
+        return 0
+    except (StateError, FileNotFoundError, KeyError, ValueError) as err:
+        print(f"fl-edge: error: {err}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("export", "predict"):
+        return run_tool(argv)
+    if argv and argv[0] == "run":
+        argv = argv[1:]
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     if not args.insecure:

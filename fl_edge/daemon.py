@@ -12,6 +12,7 @@ import json
 import logging
 import random
 import socket
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from fedattn_shared.state import StateError
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire import fedattn_pb2_grpc as pb_grpc
 from fedattn_shared.wire.accounting import DOWN, META, UP, ByteMeter, message_wire_bytes
-from fedattn_shared.wire.codec import Payload, PayloadAssembler, WireError, encode
+from fedattn_shared.wire.codec import Kind, Payload, PayloadAssembler, WireError, encode
 from fedattn_shared.wire.transport import MAX_MESSAGE_BYTES, channel_options
 
 from .store import PrivateStore, load_or_create_identity, private_digest
@@ -107,6 +108,9 @@ class EdgeDaemon:
         self.device = pick_device(options.device)
         try:
             self.identity = load_or_create_identity(options.state_dir, options.name)
+            # Fail at start, not after the first round of training, if state cannot be saved.
+            with tempfile.NamedTemporaryFile(dir=options.state_dir, prefix=".write-check-"):
+                pass
         except (StateError, OSError) as err:
             raise EdgeExit(2, f"state dir {options.state_dir}: {err}") from None
         self.store = PrivateStore(options.state_dir)
@@ -263,10 +267,19 @@ class EdgeDaemon:
                      self.store.path, meta.get("round"), meta.get("phase"), private_digest(algo))
         self.method, self.algo, self.data, self.train_cfg = method, algo, data, train
         self.config_json, self.fingerprint = config_json, fingerprint
-        self.store.save_run_config(config_json, fingerprint)
+        self._write(self.store.save_run_config, config_json, fingerprint)
         self.cached_common = None
         log.info("data: %d train, %d test, %s global-test samples", len(data.train),
                  len(data.test), len(data.global_test) if data.global_test else "no")
+
+    def _write(self, save, *args) -> None:
+        """State writes are atomic: on a read-only or full disk the old files stay intact
+        and the edge stops with the path named rather than training on without a record."""
+        try:
+            save(*args)
+        except OSError as err:
+            raise EdgeExit(2, f"cannot write state under {self.opts.state_dir}: {err} "
+                              "(the previous state files are intact)") from None
 
     # ---- tasks --------------------------------------------------------------------------
     def _call(self, fn, *args, **kwargs):
@@ -319,14 +332,21 @@ class EdgeDaemon:
             common = assemblers[0].finish()
             personal = assemblers[1].finish()
             self.cached_common = (header.common_id, common)
-            self.store.save_global(common)
+            self._write(self.store.save_global, common)
         return Received(header, common, personal)
 
     def _handle(self, stub, received: Received) -> None:
         header = received.header
         algo, train, data = self.algo, self.train_cfg, self.data
         self.metrics.round.set(header.round)
-        algo.receive(header.phase, received.common, received.personal)
+        personal = received.personal
+        init = personal.get(Kind.SHARED_TENSORS, "init")
+        if init is not None:
+            # The server's initial (pretrained) models, sent once to an edge without state.
+            algo.load_shared(init.tensors)
+            personal = Payload([s for s in personal.sections if s is not init])
+            log.info("loaded the server's initial weights (%d tensors)", len(init.tensors))
+        algo.receive(header.phase, received.common, personal)
         metrics: dict[str, float] = {}
         evaluation: list[pb.ConfusionCounts] = []
         upload = Payload()
@@ -340,7 +360,7 @@ class EdgeDaemon:
                                  self.opts.progress, lr=lr, amp=self.opts.amp,
                                  grad_accum=self.opts.grad_accum)
             upload = algo.after_train(result.steps)
-            self.store.save(algo, self.fingerprint, header.round, header.phase)
+            self._write(self.store.save, algo, self.fingerprint, header.round, header.phase)
             metrics = {"train_loss": result.mean_loss, "last_epoch_loss": result.last_epoch_loss,
                        "train_seconds": result.seconds, "steps": float(result.steps),
                        "samples_per_second": result.samples_per_second, "lr": lr}

@@ -49,8 +49,11 @@ def load_or_create_identity(state_dir: Path, name: str | None = None) -> Identit
             raise StateError(f"{path}: this state dir belongs to edge {data['edge_id']!r}, "
                              f"not {name!r}")
         return Identity(data["edge_id"], data["secret"])
-    state_dir.mkdir(parents=True, exist_ok=True)
-    os.chmod(state_dir, 0o700)
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(state_dir, 0o700)
+    except OSError as err:
+        raise StateError(f"{state_dir}: cannot create the state dir ({err})") from None
     identity = Identity(name or f"edge-{uuid.uuid4().hex[:12]}", secrets.token_hex(32))
     atomic_write_json(path, {"edge_id": identity.edge_id, "secret": identity.secret})
     return identity

@@ -54,6 +54,7 @@ FLAG_TARGETS = {
     "insecure": ("server", "insecure"), "token": ("server", "join_token"),
     "chunk_bytes": ("server", "chunk_bytes"), "poll_timeout": ("server", "poll_timeout"),
     "max_concurrent_uploads": ("server", "max_concurrent_uploads"),
+    "init_weights": ("server", "init_weights"),
     "model": ("train", "model"), "num_classes": ("train", "num_classes"),
     "in_channels": ("train", "in_channels"), "image_size": ("train", "image_size"),
     "local_epochs": ("train", "local_epochs"), "batch_size": ("train", "batch_size"),
@@ -86,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--eval-every", type=int, help="evaluate every N rounds (0: never)")
     run.add_argument("--checkpoint-dir", help="round checkpoints and history.json")
     run.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    run.add_argument("--init-weights", help="start from pretrained weights (a safetensors file; "
+                                            "keys as in the model's state dict)")
     net = p.add_argument_group("network")
     net.add_argument("--host")
     net.add_argument("--port", type=int, help="gRPC port (0: any free port)")

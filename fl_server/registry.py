@@ -35,6 +35,7 @@ class EdgeRecord:
     connected: bool = False
     info: dict[str, str] = field(default_factory=dict)
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    needs_init: bool = False  # joined without private state: send the initial models once
 
 
 class EdgeRegistry:

@@ -76,6 +76,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         except AuthError as err:
             log.warning("join refused: %s", err)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(err))
+        record.needs_init = not request.state_fingerprint
         # A new session replaces any older one: its outstanding task is gone with it.
         self.engine.edge_lost(record.edge_id, "rejoined")
         log.info("edge %s joined (%s)", record.edge_id,

@@ -107,6 +107,7 @@ class ServerConfig:
     chunk_bytes: int = 1 << 20
     max_concurrent_uploads: int = 4
     keep_checkpoints: int = 2
+    init_weights: str = ""     # safetensors file with pretrained weights for the models
     poll_timeout: float = 20.0
 
     def validate(self) -> None:

@@ -5,6 +5,7 @@ records what the server received, to prove nothing private travelled."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 
 import pytest
@@ -21,13 +22,14 @@ from fl_server.cli import ServerApp
 
 
 def run_federation(tmp_path, method_name: str, private: list[str] | None = None,
-                   edges: int = 2, rounds: int = 2, sizes: list[int] | None = None):
-    train = TrainConfig(private=private or [], lr=0.05)
+                   edges: int = 2, rounds: int = 2, sizes: list[int] | None = None,
+                   lr: float = 0.05, init_weights: str = ""):
+    train = TrainConfig(private=private or [], lr=lr)
     cls = load_method(method_name)
     method = cls(MethodContext(train, cls.Params()))
     server_cfg = ServerConfig(method=method_name, rounds=rounds, min_edges=edges, host="127.0.0.1",
                               port=0, checkpoint_dir=str(tmp_path / "server"), insecure=True,
-                              poll_timeout=2.0, round_timeout=60)
+                              poll_timeout=2.0, round_timeout=60, init_weights=init_weights)
     app = ServerApp(server_cfg, train, method)
     received: list[tuple[str, dict]] = []
     accept = app.engine.aggregator.accept
@@ -131,3 +133,46 @@ def test_plugin_method_with_its_own_phase_and_per_edge_downlink(tmp_path):
     assert engine.aggregator.echoes == [expected, expected]
     assert record["census"]["received"] == ["e0", "e1"]
     assert record["bytes"]["up"]["scalar_summary"]["raw"] == 4 * 4  # census + echo, 2 edges
+
+
+@pytest.mark.parametrize("method_name", ["fedbn", "ditto"])
+def test_export_and_predict_equal_the_edges_own_evaluation(tmp_path, method_name):
+    from fedattn_shared.data import load_edge_data
+    from fl_edge import export as tools
+
+    run_federation(tmp_path, method_name, rounds=2)
+    history = json.loads((tmp_path / "server" / "history.json").read_text())
+    history_eval = history["rounds"][-1]["evaluation"]["per_edge"]["e1"]["test"]
+    out = tmp_path / "e1.safetensors"
+    model = tools.export(tmp_path / "state-1", out)
+    data = load_edge_data(tmp_path / "data-1", model.train)
+    for loaded in (model, tools.from_export(out)):
+        probs = tools.predict(loaded, data.test.x)
+        confusion = torch.zeros(10, 10, dtype=torch.int64)
+        confusion.index_put_((data.test.y, probs.argmax(1)), torch.tensor(1), accumulate=True)
+        assert confusion.tolist() == history_eval["confusion"]
+
+
+def test_init_weights_reach_shared_and_private_tensors(tmp_path):
+    """--init-weights: the global starts from the file, and edges without state get the
+    full initial models once, so private tensors (FedPer's head) start there too."""
+    from fedattn_shared.state import StateError, save_tensors
+    from fl_edge import export as tools
+
+    pretrained = build_model("lenet-bn", 10, 1, 28)
+    with torch.no_grad():
+        for p in pretrained.parameters():
+            p.fill_(0.0125)
+    save_tensors(tmp_path / "pretrained.safetensors", pretrained.state_dict())
+    run_federation(tmp_path, "fedper", rounds=1, lr=1e-9,
+                   init_weights=str(tmp_path / "pretrained.safetensors"))
+    for edge in ("state-0", "state-1"):
+        model = tools.from_state_dir(tmp_path / edge).algo.models["model"]
+        head = model.state_dict()["classifier.6.weight"]  # private: only the init can set it
+        assert torch.allclose(head, torch.full_like(head, 0.0125), atol=1e-6)
+        conv = model.state_dict()["features.0.weight"]
+        assert torch.allclose(conv, torch.full_like(conv, 0.0125), atol=1e-6)
+
+    save_tensors(tmp_path / "bad.safetensors", {"features.0.weight": torch.zeros(3)})
+    with pytest.raises(StateError, match="features.0.weight has shape"):
+        run_federation(tmp_path / "bad", "fedper", init_weights=str(tmp_path / "bad.safetensors"))

@@ -4,6 +4,9 @@ Layout of a data dir: ``train.npz`` and ``test.npz``, or a single ``data.npz`` t
 split into train/test with a seeded stratified split; optionally ``global_test.npz``
 (the same balanced set on every edge). Images are uint8 (N,H,W), (N,H,W,C) or float
 (N,C,H,W); labels are integers in [0, num_classes) of the server's class list.
+
+This module also holds the types and checks the other readers share; which reader a data dir
+uses is decided in ``readers.py``.
 """
 
 from __future__ import annotations
@@ -83,11 +86,16 @@ def read_npz(path: Path, cfg: TrainConfig) -> Split:
         raise DataError(f"{path}: {len(x)} images but {len(y)} labels")
     if len(y) == 0:
         raise DataError(f"{path}: no samples")
+    check_labels(y, path, cfg)
+    return Split(_to_images(x, path, cfg), torch.from_numpy(y.astype(np.int64)))
+
+
+def check_labels(y: np.ndarray, path: Path, cfg: TrainConfig) -> None:
+    """Every label must index the server's class list."""
     bad = np.flatnonzero((y < 0) | (y >= cfg.num_classes))
     if bad.size:
         raise DataError(f"{path}: label {int(y[bad[0]])} at index {int(bad[0])} is outside "
                         f"[0, {cfg.num_classes})")
-    return Split(_to_images(x, path, cfg), torch.from_numpy(y.astype(np.int64)))
 
 
 def stratified_split(split: Split, test_fraction: float, seed: int) -> tuple[Split, Split]:
@@ -108,25 +116,3 @@ def stratified_split(split: Split, test_fraction: float, seed: int) -> tuple[Spl
     tr = torch.from_numpy(np.sort(np.concatenate(train_idx)))
     te = torch.from_numpy(np.sort(np.concatenate(test_idx)))
     return Split(split.x[tr], split.y[tr]), Split(split.x[te], split.y[te])
-
-
-def load_edge_data(data_dir: str | Path, cfg: TrainConfig) -> EdgeData:
-    root = Path(data_dir)
-    if not root.is_dir():
-        raise DataError(f"data dir {root} does not exist or is not a directory")
-    if (root / "train.npz").exists():
-        train = read_npz(root / "train.npz", cfg)
-        if (root / "test.npz").exists():
-            test = read_npz(root / "test.npz", cfg)
-        else:
-            train, test = stratified_split(train, cfg.test_fraction, cfg.seed)
-    elif (root / "data.npz").exists():
-        train, test = stratified_split(read_npz(root / "data.npz", cfg), cfg.test_fraction, cfg.seed)
-    else:
-        raise DataError(f"data dir {root}: no train.npz or data.npz found")
-    if len(test) == 0:
-        raise DataError(f"data dir {root}: the test split is empty (too few samples per class)")
-    global_test = None
-    if (root / "global_test.npz").exists():
-        global_test = read_npz(root / "global_test.npz", cfg)
-    return EdgeData(train, test, global_test)

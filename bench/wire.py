@@ -1,0 +1,265 @@
+"""Wire benchmark: what one fedattn round costs against the physical limits of the transport.
+
+For each model size it runs, on loopback, with 8 edges and trivial local training:
+  * fedattn: a real fl-server and 8 fl-edge processes (FedAvg, evaluation off);
+  * bare grpcio: 8 client processes pull the same bytes in 1 MiB chunks over a
+    server-streaming call and push them back over a client-streaming call, with raw-bytes
+    (de)serializers: no protobuf, no method code;
+  * plain sockets: 8 client processes receive the same bytes and send them back.
+It prints wire bytes / raw tensor bytes, loopback socket bytes per round (from
+/proc/net/dev) / raw bytes, round times and their ratios to both bounds, and the server's
+peak RSS growth over its idle RSS in model sizes. Figures are printed, never asserted.
+
+    .venv/bin/python bench/wire.py [--edges 8] [--rounds 4] [--models mobilenet-v3-small resnet18-cifar]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+
+import numpy as np
+
+CHUNK = 1 << 20
+MODEL_INPUT = {"lenet-bn": (1, 28), "mobilenet-v3-small": (3, 32), "resnet18-cifar": (3, 32)}
+
+
+def loopback_bytes() -> int:
+    for line in Path("/proc/net/dev").read_text().splitlines():
+        name, _, rest = line.partition(":")
+        if name.strip() == "lo":
+            fields = rest.split()
+            return int(fields[0])  # received bytes; every loopback byte is received once
+    return 0
+
+
+def rss_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def model_params(name: str) -> int:
+    from fedattn_shared.models import build_model
+
+    channels, size = MODEL_INPUT[name]
+    return sum(p.numel() for p in build_model(name, 10, channels, size).state_dict().values()
+               if p.is_floating_point())
+
+
+# ---- fedattn ------------------------------------------------------------------------------
+def fedattn_round(model: str, edges: int, rounds: int, workdir: Path) -> dict:
+    channels, size = MODEL_INPUT[model]
+    rng = np.random.default_rng(0)
+    for i in range(edges):
+        d = workdir / f"edge-{i}"
+        d.mkdir(parents=True)
+        np.savez(d / "data.npz", x=rng.integers(0, 255, (20, size, size, channels), dtype=np.uint8),
+                 y=np.repeat(np.arange(10), 2))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ready = workdir / "ready.json"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "fl_server", "--insecure", "--host", "127.0.0.1", "--port", "0",
+         "--ready-file", str(ready), "--checkpoint-dir", str(workdir / "server"), "--method",
+         "fedavg", "--model", model, "--in-channels", str(channels), "--image-size", str(size),
+         "--rounds", str(rounds), "--min-edges", str(edges), "--eval-every", "0",
+         "--batch-size", "16", "--log-level", "WARNING"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while not ready.exists():
+        time.sleep(0.05)
+    time.sleep(1.0)
+    idle_rss = rss_kib(server.pid, "VmRSS")
+    port = json.loads(ready.read_text())["port"]
+    lo_before = loopback_bytes()
+    clients = [subprocess.Popen(
+        [sys.executable, "-m", "fl_edge", "--insecure", "--server", f"127.0.0.1:{port}",
+         "--data-dir", str(workdir / f"edge-{i}"), "--state-dir", str(workdir / f"state-{i}"),
+         "--name", f"edge-{i}", "--device", "cpu", "--log-level", "WARNING"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(edges)]
+    peak = idle_rss
+    while server.poll() is None:
+        try:
+            peak = max(peak, rss_kib(server.pid, "VmHWM"))
+        except FileNotFoundError:
+            break
+        time.sleep(0.05)
+    lo_total = loopback_bytes() - lo_before
+    for c in clients:
+        c.wait(timeout=120)
+    history = json.loads((workdir / "server" / "history.json").read_text())
+    steady = history["rounds"][1:] or history["rounds"]
+    wire = raw = 0
+    for record in steady:
+        for direction in record["bytes"].values():
+            for v in direction.values():
+                wire += v["wire"]
+                raw += v["raw"]
+    per_round_raw = raw / len(steady)
+    compute = [max(m.get("train_seconds", 0.0) for m in r["train"]["edge_metrics"].values())
+               for r in steady]
+    return {
+        "round_s": statistics.median(r["seconds"] for r in steady),
+        "compute_s": statistics.median(compute),
+        "wire_over_raw": wire / raw,
+        "raw_per_round": per_round_raw,
+        "socket_over_raw": lo_total / (raw / len(steady) * len(history["rounds"])),
+        "peak_rss_growth_kib": peak - idle_rss,
+    }
+
+
+# ---- bare grpcio --------------------------------------------------------------------------
+def _grpc_client(port: int, nbytes: int, start, done) -> None:
+    import grpc
+
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[
+        ("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20)])
+    pull = channel.unary_stream("/bench/Pull", request_serializer=None, response_deserializer=None)
+    push = channel.stream_unary("/bench/Push", request_serializer=None, response_deserializer=None)
+    list(pull(b"warmup"))  # connect outside the timed round
+    start.wait()
+    chunks = list(pull(b"go"))
+    push(iter(chunks))
+    done.put(time.perf_counter())
+
+
+def grpc_round(nbytes: int, edges: int, repeats: int = 3) -> float:
+    import grpc
+
+    payload = os.urandom(nbytes)
+
+    def pull(request, context):
+        if request == b"warmup":
+            return
+        for i in range(0, nbytes, CHUNK):
+            yield payload[i : i + CHUNK]
+
+    def push(iterator, context):
+        total = sum(len(c) for c in iterator)
+        return total.to_bytes(8, "little")
+
+    handler = grpc.method_handlers_generic_handler("bench", {
+        "Pull": grpc.unary_stream_rpc_method_handler(pull),
+        "Push": grpc.stream_unary_rpc_method_handler(push)})
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2 * edges), options=[
+        ("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20)])
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    times = []
+    ctx = mp.get_context("spawn")
+    for _ in range(repeats):
+        start, done = ctx.Event(), ctx.Queue()
+        procs = [ctx.Process(target=_grpc_client, args=(port, nbytes, start, done))
+                 for _ in range(edges)]
+        for p in procs:
+            p.start()
+        time.sleep(2.0)
+        t0 = time.perf_counter()
+        start.set()
+        ends = [done.get(timeout=300) for _ in procs]
+        times.append(max(ends) - t0)
+        for p in procs:
+            p.join()
+    server.stop(0)
+    return statistics.median(times)
+
+
+# ---- plain sockets ------------------------------------------------------------------------
+def _socket_client(port: int, nbytes: int, start, done) -> None:
+    sock = socket.create_connection(("127.0.0.1", port))
+    start.wait()
+    buf = bytearray(nbytes)
+    view = memoryview(buf)
+    got = 0
+    while got < nbytes:
+        got += sock.recv_into(view[got:])
+    sock.sendall(buf)
+    sock.recv(1)
+    done.put(time.perf_counter())
+    sock.close()
+
+
+def socket_round(nbytes: int, edges: int, repeats: int = 3) -> float:
+    payload = os.urandom(nbytes)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve(conn: socket.socket) -> None:
+        conn.sendall(payload)
+        buf = bytearray(nbytes)
+        view = memoryview(buf)
+        got = 0
+        while got < nbytes:
+            got += conn.recv_into(view[got:])
+        conn.sendall(b"k")
+        conn.close()
+
+    times = []
+    ctx = mp.get_context("spawn")
+    for _ in range(repeats):
+        start, done = ctx.Event(), ctx.Queue()
+        procs = [ctx.Process(target=_socket_client, args=(port, nbytes, start, done))
+                 for _ in range(edges)]
+        for p in procs:
+            p.start()
+        conns = [listener.accept()[0] for _ in procs]
+        time.sleep(0.5)
+        threads = [threading.Thread(target=serve, args=(c,)) for c in conns]
+        t0 = time.perf_counter()
+        start.set()
+        for t in threads:
+            t.start()
+        ends = [done.get(timeout=300) for _ in procs]
+        times.append(max(ends) - t0)
+        for t in threads:
+            t.join()
+        for p in procs:
+            p.join()
+    listener.close()
+    return statistics.median(times)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--edges", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--models", nargs="+", default=["mobilenet-v3-small", "resnet18-cifar"])
+    args = parser.parse_args()
+    print(f"{args.edges} edges on loopback, {os.cpu_count()} cores; FedAvg, trivial local training")
+    for model in args.models:
+        params = model_params(model)
+        model_bytes = params * 4
+        with tempfile.TemporaryDirectory() as tmp:
+            f = fedattn_round(model, args.edges, args.rounds, Path(tmp))
+        nbytes = model_bytes  # each edge pulls and pushes one model
+        bare = grpc_round(nbytes, args.edges)
+        plain = socket_round(nbytes, args.edges)
+        print(f"\n{model}: {params / 1e6:.2f} M float tensors ({model_bytes / 1e6:.1f} MB)")
+        print(f"  wire bytes / raw tensor bytes          {f['wire_over_raw']:.4f}")
+        print(f"  loopback socket bytes / raw bytes      {f['socket_over_raw']:.4f}")
+        print(f"  fedattn round                          {f['round_s']:.3f} s "
+              f"(of which local training {f['compute_s']:.3f} s)")
+        print(f"  bare grpcio round (same bytes)         {bare:.3f} s")
+        print(f"  plain-socket round (same bytes)        {plain:.3f} s")
+        print(f"  fedattn / bare grpcio                  {f['round_s'] / bare:.2f}x "
+              f"({(f['round_s'] - f['compute_s']) / bare:.2f}x without local training)")
+        print(f"  fedattn / plain socket                 {f['round_s'] / plain:.2f}x")
+        print(f"  server peak RSS growth                 {f['peak_rss_growth_kib'] * 1024 / 1e6:.1f} MB"
+              f" = {f['peak_rss_growth_kib'] * 1024 / model_bytes:.2f}x one model")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

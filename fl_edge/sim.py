@@ -1,0 +1,165 @@
+"""``fl-sim``: many edges inside a few processes, against a real fl-server.
+
+Each simulated edge is a full ``EdgeDaemon`` with its own gRPC channel, identity and state
+dir; a worker process hosts several of them as threads (one torch thread each). This is
+how the papers' 100-client settings run on one machine. Without ``--server``, fl-sim
+starts its own fl-server process; without ``--data-root``, it partitions the bundled
+MNIST subset (Dirichlet) into ``--edges`` folders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+def worker(argv: list[str]) -> int:
+    """``python -m fl_edge.sim worker --server H:P --state-root D DATA_DIR...``"""
+    import torch
+
+    from fedattn_shared.logs import setup_logging
+
+    from .daemon import EdgeDaemon, EdgeExit, EdgeOptions
+
+    p = argparse.ArgumentParser(prog="fl-sim worker")
+    p.add_argument("--server", required=True)
+    p.add_argument("--state-root", required=True, type=Path)
+    p.add_argument("data_dirs", nargs="+", type=Path)
+    args = p.parse_args(argv)
+    setup_logging("WARNING")
+    torch.set_num_threads(1)
+    codes: dict[str, int] = {}
+
+    def run(data_dir: Path) -> None:
+        options = EdgeOptions(server=args.server, data_dir=data_dir,
+                              state_dir=args.state_root / data_dir.name, name=data_dir.name,
+                              device="cpu", progress=False, retry_for=120)
+        try:
+            codes[data_dir.name] = EdgeDaemon(options).run()
+        except EdgeExit as err:
+            logging.getLogger("fl_sim").error("%s: %s", data_dir.name, err)
+            codes[data_dir.name] = err.code
+
+    threads = [threading.Thread(target=run, args=(d,), name=d.name) for d in args.data_dirs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    failed = {k: v for k, v in codes.items() if v}
+    if failed:
+        print(f"fl-sim worker: edges failed: {failed}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fl-sim", description=__doc__.splitlines()[0])
+    p.add_argument("--method", default="fedavg")
+    p.add_argument("--edges", type=int, default=100)
+    p.add_argument("--fraction", type=float, default=0.1)
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--alpha", type=float, default=0.5)
+    p.add_argument("--procs", type=int, default=2, help="worker processes hosting the edges")
+    p.add_argument("--data-root", type=Path, help="one sub-folder per edge (fl-partition output)")
+    p.add_argument("--server", help="HOST:PORT of a running fl-server (default: start one)")
+    p.add_argument("--out", type=Path, default=None, help="run folder (default runs/sim-METHOD)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="passed to the fl-server it starts")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "worker":
+        return worker(argv[1:])
+    args = build_parser().parse_args(argv)
+    if args.edges < 1 or args.procs < 1 or not 0 < args.fraction <= 1:
+        print("fl-sim: error: --edges and --procs must be >= 1, --fraction in (0, 1]",
+              file=sys.stderr)
+        return 2
+    out = args.out or Path("runs") / f"sim-{args.method}"
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    if args.data_root:
+        if not args.data_root.is_dir():
+            print(f"fl-sim: error: --data-root {args.data_root} is not a folder", file=sys.stderr)
+            return 2
+        data_dirs = sorted(p for p in args.data_root.iterdir() if p.is_dir())
+    else:
+        from fedattn_shared.data.partition import main as partition
+        from fl_server.demo import bundled_mnist
+
+        data_root = out / "data"
+        if not data_root.exists():
+            rc = partition(["--source", str(bundled_mnist()), "--edges", str(args.edges),
+                            "--scheme", "dirichlet", "--alpha", str(args.alpha), "--seed",
+                            str(args.seed), "--out", str(data_root), "--min-per-edge", "10",
+                            "--global-test-per-class", "20"])
+            if rc != 0:
+                return rc
+        data_dirs = sorted(p for p in data_root.iterdir() if p.is_dir())
+    if len(data_dirs) < args.edges:
+        print(f"fl-sim: error: {len(data_dirs)} edge folders for --edges {args.edges}",
+              file=sys.stderr)
+        return 2
+    data_dirs = data_dirs[: args.edges]
+
+    procs: list[subprocess.Popen] = []
+    logs = []
+
+    def spawn(cmd: list[str], name: str) -> subprocess.Popen:
+        handle = open(out / "logs" / name, "wb")
+        logs.append(handle)
+        proc = subprocess.Popen([sys.executable, *cmd], stdout=handle, stderr=subprocess.STDOUT)
+        procs.append(proc)
+        return proc
+
+    server = None
+    try:
+        address = args.server
+        if address is None:
+            ready = out / "server.ready.json"
+            ready.unlink(missing_ok=True)
+            server = spawn(["-m", "fl_server", "--insecure", "--host", "127.0.0.1", "--port", "0",
+                            "--ready-file", str(ready), "--checkpoint-dir", str(out / "server"),
+                            "--method", args.method, "--rounds", str(args.rounds),
+                            "--fraction", str(args.fraction), "--min-edges", str(args.edges),
+                            "--seed", str(args.seed), *[f"--set={s}" for s in args.set]],
+                           "server.log")
+            while not ready.exists():
+                if server.poll() is not None:
+                    print("fl-sim: the server did not start:\n"
+                          + (out / "logs" / "server.log").read_text()[-2000:], file=sys.stderr)
+                    return 1
+                time.sleep(0.1)
+            address = f"127.0.0.1:{json.loads(ready.read_text())['port']}"
+        groups = [data_dirs[i :: args.procs] for i in range(args.procs)]
+        workers = [spawn(["-m", "fl_edge.sim", "worker", "--server", address, "--state-root",
+                          str(out / "state"), *map(str, group)], f"worker-{i}.log")
+                   for i, group in enumerate(groups) if group]
+        print(f"fl-sim: {args.edges} edges in {len(workers)} processes against {address}")
+        codes = [w.wait() for w in workers]
+        if server is not None:
+            server.wait(timeout=60)
+            history = json.loads((out / "server" / "history.json").read_text())
+            for record in history["rounds"]:
+                test = record.get("evaluation", {}).get("summary", {}).get("test", {})
+                print(f"round {record['round']:>4}: {len(record['train']['received'])} trained, "
+                      f"mean accuracy {test.get('mean_accuracy', float('nan')):.4f} over "
+                      f"{test.get('edges', 0)} edges, {record['seconds']:.1f}s")
+        return 1 if any(codes) or (server is not None and server.returncode) else 0
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for handle in logs:
+            handle.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""Faults with real processes: kills at awkward moments, slow and absent peers, bad disks."""
+
+from __future__ import annotations
+
+import errno
+import threading
+
+import pytest
+from conftest import free_port, read_history, wait_for, write_edge_dirs
+
+from fedattn_shared.state import load_tensors
+from fl_server.engine import tensors_digest
+
+
+def test_edge_killed_during_upload_costs_only_its_task(cluster, tmp_path):
+    # Tiny chunks make the upload of the 1.5 M-parameter model take long enough to hit.
+    dirs = write_edge_dirs(tmp_path, 3, per_edge=40, size=32, channels=3)
+    server = cluster.server("--method", "fedavg", "--model", "mobilenet-v3-small",
+                            "--in-channels", "3", "--image-size", "32", "--rounds", "2",
+                            "--min-edges", "3", "--quorum", "2", "--chunk-bytes", "1024",
+                            "--eval-every", "0")
+    edges = [cluster.edge(d, f"e{i}") for i, d in enumerate(dirs)]
+    edges[2].wait_log("round 1: trained")
+    edges[2].kill()
+    server.wait_log("round 1 done")
+    restarted = cluster.edge(dirs[2], "e2")
+    assert [e.wait() for e in (edges[0], edges[1], restarted)] == [0, 0, 0]
+    assert server.wait() == 0
+    round1 = read_history(tmp_path / "server-state")["rounds"][0]
+    assert round1["aggregate"]["aggregated"] == 2
+    reason = round1["train"]["dropped"].get("e2", "")
+    assert "disconnected" in reason or "bad upload" in reason or "closed" in reason
+
+
+def test_server_killed_mid_round_resumes_from_last_checkpoint(cluster, tmp_path):
+    dirs = write_edge_dirs(tmp_path, 2, per_edge=600)
+    port = free_port()
+    args = ("--method", "scaffold", "--rounds", "4", "--min-edges", "2")
+    server = cluster.server(*args, port=port)
+    edges = [cluster.edge(d, f"e{i}") for i, d in enumerate(dirs)]
+    server.wait_log("round 3 train: 2 task(s)")
+    server.kill()  # the round-3 aggregate is being built; round 2 is the last checkpoint
+    checkpoint = tmp_path / "server-state"
+    tensors, _ = load_tensors(checkpoint / "rounds" / "000002" / "state.safetensors")
+    for edge in edges:
+        edge.wait_log("unavailable")  # edges back off while the server is away
+    restarted = cluster.server(*args, "--resume", port=port, name="server2")
+    restarted.wait_log("resumed from round 2")
+    assert f"state digest {tensors_digest(tensors)}" in restarted.log()
+    assert [e.wait() for e in edges] == [0, 0]
+    assert restarted.wait() == 0
+    assert [r["round"] for r in read_history(checkpoint)["rounds"]] == [1, 2, 3, 4]
+
+
+def test_slow_edge_is_dropped_at_the_deadline_and_comes_back(cluster, tmp_path):
+    fast = write_edge_dirs(tmp_path, 2, per_edge=40)
+    # ~1900 local steps against a 4 s deadline: always late, whatever the machine's load.
+    slow = write_edge_dirs(tmp_path / "slow", 1, per_edge=30000)[0]
+    server = cluster.server("--method", "fedavg", "--rounds", "2", "--min-edges", "3",
+                            "--round-timeout", "4", "--local-epochs", "2")
+    edges = [cluster.edge(d, f"fast{i}") for i, d in enumerate(fast)] + [cluster.edge(slow, "slow")]
+    assert [e.wait(timeout=180) for e in edges[:2]] == [0, 0]
+    assert server.wait() == 0
+    # Its late result was refused, not aggregated; the run ended while it still trained.
+    edges[2].wait_log("result refused")
+    edges[2].kill()
+    history = read_history(tmp_path / "server-state")
+    assert all(r["train"]["dropped"].get("slow") == "deadline" for r in history["rounds"])
+    assert history["rounds"][-1]["train"]["received"] == ["fast0", "fast1"]
+    assert history["rounds"][-1]["aggregate"]["aggregated"] == 2
+
+
+def test_unwritable_state_dir_is_a_clear_error(tmp_path):
+    from fl_edge.daemon import EdgeDaemon, EdgeExit, EdgeOptions
+
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the state dir should be")
+    data = write_edge_dirs(tmp_path, 1)[0]
+    with pytest.raises(EdgeExit, match="not-a-dir"):
+        EdgeDaemon(EdgeOptions(server="127.0.0.1:1", data_dir=data, state_dir=blocker / "state"))
+
+
+def test_full_disk_keeps_the_old_state_and_names_the_path(tmp_path, monkeypatch):
+    """A disk that fills up mid-run: the edge stops with the path named; its last state
+    file is untouched and still loads."""
+    import asyncio
+
+    from fedattn_shared.config import ServerConfig, TrainConfig
+    from fedattn_shared.methods import MethodContext, load_method
+    from fl_edge import store as store_module
+    from fl_edge.daemon import EdgeDaemon, EdgeExit, EdgeOptions
+    from fl_server.cli import ServerApp
+
+    data = write_edge_dirs(tmp_path, 1)[0]
+    train = TrainConfig()
+    method = load_method("fedbn")(MethodContext(train, load_method("fedbn").Params()))
+    app = ServerApp(ServerConfig(method="fedbn", rounds=3, min_edges=1, host="127.0.0.1", port=0,
+                                 checkpoint_dir=str(tmp_path / "server"), poll_timeout=2),
+                    train, method)
+    loop = asyncio.new_event_loop()
+    port = loop.run_until_complete(app.start())
+    stop = asyncio.Event()
+    thread = threading.Thread(target=loop.run_until_complete, args=(app.run(stop),))
+    thread.start()
+    try:
+        state_dir = tmp_path / "state"
+        daemon = EdgeDaemon(EdgeOptions(server=f"127.0.0.1:{port}", data_dir=data,
+                                        state_dir=state_dir, name="solo", progress=False))
+        real_save = store_module.save_tensors
+        saves = []
+
+        def filling_disk(path, tensors, metadata=None):
+            if path.name == "private.safetensors" and saves:
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+            real_save(path, tensors, metadata)
+            if path.name == "private.safetensors":
+                saves.append(path.read_bytes())
+
+        monkeypatch.setattr(store_module, "save_tensors", filling_disk)
+        with pytest.raises(EdgeExit, match=r"No space left on device.*intact"):
+            daemon.run()
+        assert (state_dir / "private.safetensors").read_bytes() == saves[0]
+        load_tensors(state_dir / "private.safetensors")
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(timeout=30)
+        loop.close()
+    wait_for(lambda: not thread.is_alive(), 5, "server thread")
