@@ -66,8 +66,10 @@ def fedattn_round(model: str, edges: int, rounds: int, workdir: Path) -> dict:
     for i in range(edges):
         d = workdir / f"edge-{i}"
         d.mkdir(parents=True)
-        np.savez(d / "data.npz", x=rng.integers(0, 255, (20, size, size, channels), dtype=np.uint8),
-                 y=np.repeat(np.arange(10), 2))
+        for split in ("train", "test"):  # one optimizer step on two images: trivial training
+            np.savez(d / f"{split}.npz",
+                     x=rng.integers(0, 255, (2, size, size, channels), dtype=np.uint8),
+                     y=np.arange(2))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     ready = workdir / "ready.json"
     server = subprocess.Popen(
@@ -75,7 +77,7 @@ def fedattn_round(model: str, edges: int, rounds: int, workdir: Path) -> dict:
          "--ready-file", str(ready), "--checkpoint-dir", str(workdir / "server"), "--method",
          "fedavg", "--model", model, "--in-channels", str(channels), "--image-size", str(size),
          "--rounds", str(rounds), "--min-edges", str(edges), "--eval-every", "0",
-         "--batch-size", "16", "--log-level", "WARNING"],
+         "--batch-size", "2", "--log-level", "WARNING"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while not ready.exists():
         time.sleep(0.05)

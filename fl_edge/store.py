@@ -85,16 +85,21 @@ def _load_optimizers(algo: EdgeAlgorithm, tensors: dict[str, torch.Tensor], grou
         opt.load_state_dict({"state": state, "param_groups": groups[i]})
 
 
+def private_tensors(algo: EdgeAlgorithm) -> dict[str, torch.Tensor]:
+    """Every model tensor that never travels (qualified ``model/key``), in name order."""
+    shared = set(algo.shared_specs)
+    return {f"{model_name}/{key}": tensor
+            for model_name, model in sorted(algo.models.items())
+            for key, tensor in sorted(model.state_dict().items())
+            if f"{model_name}/{key}" not in shared}
+
+
 def private_digest(algo: EdgeAlgorithm) -> str:
     """SHA-256 over every private (non-shared) model tensor, in name order."""
     digest = hashlib.sha256()
-    shared = set(algo.shared_specs)
-    for model_name, model in sorted(algo.models.items()):
-        for key, tensor in sorted(model.state_dict().items()):
-            name = f"{model_name}/{key}"
-            if name not in shared:
-                digest.update(name.encode())
-                digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+    for name, tensor in private_tensors(algo).items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
     return digest.hexdigest()
 
 
@@ -122,7 +127,9 @@ class PrivateStore:
     def save_global(self, common: Payload) -> None:
         """The last global downlink: with the private state it is the personalized model."""
         sections = {(s.kind, s.name): s.tensors for s in common.sections}
-        save_tensors(self.global_path, flatten_sections(sections))
+        # A cache of the server's data, not private state: atomic, but not worth an fsync
+        # on every round.
+        save_tensors(self.global_path, flatten_sections(sections), durable=False)
 
     def load_global(self) -> Payload:
         if not self.global_path.exists():
@@ -144,10 +151,8 @@ class PrivateStore:
         return meta.get("fingerprint")
 
     def save(self, algo: EdgeAlgorithm, fingerprint: str, round_number: int, phase: str) -> None:
-        tensors: dict[str, torch.Tensor] = {}
-        for model_name, model in algo.models.items():
-            for key, value in model.state_dict().items():
-                tensors[f"model/{model_name}/{key}"] = value
+        # Shared tensors are not saved: the server's next downlink replaces them anyway.
+        tensors = {f"model/{name}": value for name, value in private_tensors(algo).items()}
         opt_tensors, groups = _optimizer_tensors(algo)
         tensors.update(opt_tensors)
         tensors.update({f"method/{k}": v for k, v in algo.state_tensors().items()})
@@ -172,10 +177,8 @@ class PrivateStore:
                 f"--state-dir or move this one away")
         try:
             with torch.no_grad():
-                for model_name, model in algo.models.items():
-                    state = model.state_dict(keep_vars=True)
-                    for key, target in state.items():
-                        target.copy_(tensors[f"model/{model_name}/{key}"])
+                for name in private_tensors(algo):
+                    algo.state_tensor(name).copy_(tensors[f"model/{name}"])
             _load_optimizers(algo, tensors, json.loads(meta["optimizer_groups"]))
             algo.load_state_tensors({k[len("method/"):]: v for k, v in tensors.items()
                                      if k.startswith("method/")})

@@ -15,6 +15,7 @@ import logging
 import math
 import platform
 import random
+import secrets
 import subprocess
 import sys
 import time
@@ -135,15 +136,6 @@ def load_initial_weights(models: dict, path: Path) -> None:
         raise StateError(f"--init-weights {path}: tensors the model does not have: {unused[:5]}")
 
 
-def content_id(manifest: pb.PayloadManifest, chunks: list[tuple[Kind, bytes]]) -> str:
-    """Names a downlink by its content, so an edge's cached copy is reused exactly when
-    the bytes are the same (also across server restarts)."""
-    digest = hashlib.blake2b(manifest.SerializeToString(deterministic=True), digest_size=16)
-    for _, chunk in chunks:
-        digest.update(chunk)
-    return digest.hexdigest()
-
-
 def run_manifest(server: ServerConfig, train: TrainConfig, method: Method) -> dict:
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
@@ -197,6 +189,8 @@ class Engine:
                                         "rounds": []}
         self.round = 0
         self.task_counter = 0
+        self.state_version = 0
+        self.instance = secrets.token_hex(4)
         self.phase: Phase | None = None
         self.finished = False
         self.agg_lock = asyncio.Lock()
@@ -401,6 +395,7 @@ class Engine:
             phase = await self.run_phase(name, round_number, participants, quorum)
             async with self.agg_lock:
                 figures = await asyncio.to_thread(self.aggregator.close_phase, name)
+                self.state_version += 1
             record[name] = self.phase_record(phase)
             record["aggregate"].update(figures)
             participants = [e for e in participants if e in phase.received]
@@ -446,7 +441,11 @@ class Engine:
         common_payload = self.aggregator.broadcast(name)
         common = await asyncio.to_thread(encode, common_payload)
         chunks = await asyncio.to_thread(lambda: list(common.chunks(self.cfg.chunk_bytes)))
-        common_id = await asyncio.to_thread(content_id, common.manifest, chunks)
+        # The id changes whenever the global state may have changed (every closed
+        # non-evaluation phase bumps the version) or the bytes differ (the manifest carries
+        # their CRC-32), so an edge's cached copy is reused exactly when it is current.
+        layout = hashlib.sha256(common.manifest.SerializeToString(deterministic=True)).hexdigest()
+        common_id = f"{self.instance}-v{self.state_version}-{layout[:16]}"
         tasks = {}
         for edge in edges:
             self.task_counter += 1

@@ -105,7 +105,7 @@ class ServerConfig:
     insecure: bool = False
     join_token: str = ""
     chunk_bytes: int = 1 << 20
-    max_concurrent_uploads: int = 4
+    max_concurrent_uploads: int = 2  # uploads buffered at once: memory vs. slow uplinks
     keep_checkpoints: int = 2
     init_weights: str = ""     # safetensors file with pretrained weights for the models
     poll_timeout: float = 20.0

@@ -21,7 +21,9 @@ class StateError(RuntimeError):
     """A state file that cannot be used; the message names the path."""
 
 
-def atomic_write(path: str | Path, data: bytes, mode: int = 0o600) -> None:
+def atomic_write(path: str | Path, data: bytes, mode: int = 0o600, durable: bool = True) -> None:
+    """Temp file + rename: readers see the old or the new file, never a torn one.
+    ``durable`` adds the fsyncs that make the new file survive a power cut too."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -29,7 +31,8 @@ def atomic_write(path: str | Path, data: bytes, mode: int = 0o600) -> None:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
-            os.fsync(handle.fileno())
+            if durable:
+                os.fsync(handle.fileno())
         os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
@@ -38,6 +41,8 @@ def atomic_write(path: str | Path, data: bytes, mode: int = 0o600) -> None:
         except FileNotFoundError:
             pass
         raise
+    if not durable:
+        return
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
@@ -60,9 +65,9 @@ def read_json(path: str | Path) -> Any:
 
 
 def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor],
-                 metadata: dict[str, str] | None = None) -> None:
+                 metadata: dict[str, str] | None = None, durable: bool = True) -> None:
     cpu = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
-    atomic_write(path, st_save(cpu, metadata=metadata or {}))
+    atomic_write(path, st_save(cpu, metadata=metadata or {}), durable=durable)
 
 
 def load_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

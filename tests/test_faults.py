@@ -109,10 +109,10 @@ def test_full_disk_keeps_the_old_state_and_names_the_path(tmp_path, monkeypatch)
         real_save = store_module.save_tensors
         saves = []
 
-        def filling_disk(path, tensors, metadata=None):
+        def filling_disk(path, tensors, metadata=None, durable=True):
             if path.name == "private.safetensors" and saves:
                 raise OSError(errno.ENOSPC, "No space left on device", str(path))
-            real_save(path, tensors, metadata)
+            real_save(path, tensors, metadata, durable)
             if path.name == "private.safetensors":
                 saves.append(path.read_bytes())
 
