@@ -30,7 +30,7 @@ from fedattn_shared.methods.base import EVALUATE, TRAIN, EdgeAlgorithm, Method, 
 from fedattn_shared.state import StateError
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire import fedattn_pb2_grpc as pb_grpc
-from fedattn_shared.wire.accounting import DOWN, META, UP, ByteMeter, message_wire_bytes
+from fedattn_shared.wire.accounting import DOWN, META, UP, ByteMeter, data_message_wire_bytes
 from fedattn_shared.wire.codec import Kind, Payload, PayloadAssembler, WireError, encode
 from fedattn_shared.wire.transport import MAX_MESSAGE_BYTES, channel_options
 
@@ -314,7 +314,8 @@ class EdgeDaemon:
                 if header is None or target is None:
                     raise WireError("data before the task header or past the payload")
                 kind = target.add(message.data)
-                self.meter.count(DOWN, kind.label, message_wire_bytes(message), len(message.data))
+                size = len(message.data)
+                self.meter.count(DOWN, kind.label, data_message_wire_bytes(size), size)
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.UNAUTHENTICATED:
                 raise Rejoin() from None
@@ -332,7 +333,7 @@ class EdgeDaemon:
             common = assemblers[0].finish()
             personal = assemblers[1].finish()
             self.cached_common = (header.common_id, common)
-            self._write(self.store.save_global, common)
+            self._write(self.store.save_global, header.common, assemblers[0].buffer)
         return Received(header, common, personal)
 
     def _handle(self, stub, received: Received) -> None:
@@ -404,7 +405,7 @@ class EdgeDaemon:
             yield header
             for kind, chunk in encoded.chunks(self.chunk_bytes):
                 message = pb.SubmitMessage(data=chunk)
-                self.meter.count(UP, kind.label, message_wire_bytes(message), len(chunk))
+                self.meter.count(UP, kind.label, data_message_wire_bytes(len(chunk)), len(chunk))
                 yield message
 
         reply = self._call(stub.Submit, messages(), timeout=600)

@@ -14,21 +14,24 @@ import json
 import os
 import secrets
 import uuid
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from google.protobuf.message import DecodeError
 
-from fedattn_shared.methods.aggregators import flatten_sections, unflatten_sections
 from fedattn_shared.methods.base import EdgeAlgorithm
 from fedattn_shared.state import (
     StateError,
+    atomic_write,
     atomic_write_json,
     load_tensors,
     read_json,
     save_tensors,
 )
-from fedattn_shared.wire.codec import Payload, Section
+from fedattn_shared.wire import fedattn_pb2 as pb
+from fedattn_shared.wire.codec import Payload, WireError, decode
 
 STATE_FORMAT = "fedattn-edge-state/1"
 
@@ -124,22 +127,27 @@ class PrivateStore:
         except (KeyError, TypeError):
             raise StateError(f"{self.config_path}: missing config or fingerprint") from None
 
-    def save_global(self, common: Payload) -> None:
-        """The last global downlink: with the private state it is the personalized model."""
-        sections = {(s.kind, s.name): s.tensors for s in common.sections}
-        # A cache of the server's data, not private state: atomic, but not worth an fsync
-        # on every round.
-        save_tensors(self.global_path, flatten_sections(sections), durable=False)
+    def save_global(self, manifest: pb.PayloadManifest, data: bytes | bytearray) -> None:
+        """The last global downlink exactly as received (its manifest, then its raw bytes):
+        with the private state it is the personalized model. A cache of the server's data,
+        not private state, so it is written atomically but without an fsync per round."""
+        header = manifest.SerializeToString()
+        atomic_write(self.global_path, len(header).to_bytes(8, "little") + header + bytes(data),
+                     durable=False)
 
     def load_global(self) -> Payload:
         if not self.global_path.exists():
             return Payload()
-        tensors, _ = load_tensors(self.global_path)
+        blob = self.global_path.read_bytes()
         try:
-            sections = unflatten_sections(tensors)
-        except (KeyError, ValueError):
-            raise StateError(f"{self.global_path}: not a fedattn global downlink") from None
-        return Payload([Section(kind, name, ts) for (kind, name), ts in sections.items()])
+            length = int.from_bytes(blob[:8], "little")
+            manifest = pb.PayloadManifest.FromString(blob[8 : 8 + length])
+            data = bytearray(blob[8 + length :])
+            if zlib.crc32(data) != manifest.crc32:
+                raise WireError("CRC-32 mismatch")
+            return decode(manifest, data)
+        except (DecodeError, WireError, ValueError) as err:
+            raise StateError(f"{self.global_path}: corrupt global downlink cache ({err})") from None
 
     def exists(self) -> bool:
         return self.path.exists()

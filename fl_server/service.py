@@ -17,7 +17,7 @@ import grpc
 from fedattn_shared import PROTOCOL_VERSION
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire import fedattn_pb2_grpc as pb_grpc
-from fedattn_shared.wire.accounting import DOWN, META, UP, ByteMeter, message_wire_bytes
+from fedattn_shared.wire.accounting import DOWN, META, UP, ByteMeter, data_message_wire_bytes
 from fedattn_shared.wire.codec import (
     PayloadAssembler,
     WireError,
@@ -143,7 +143,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         chunks = [] if cached else phase.common_chunks
         for kind, chunk in [*chunks, *personal.chunks(self.chunk_bytes)]:
             message = pb.TaskMessage(data=chunk)
-            self.meter.count(DOWN, kind.label, message_wire_bytes(message), len(chunk), edge)
+            self.meter.count(DOWN, kind.label, data_message_wire_bytes(len(chunk)), len(chunk), edge)
             yield message
         task.delivered = True
 
@@ -211,8 +211,8 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
                 if not message.HasField("data"):
                     raise WireError("a second header inside one upload")
                 kind = assembler.add(message.data)
-                self.meter.count(UP, kind.label, message_wire_bytes(message), len(message.data),
-                                 edge)
+                size = len(message.data)
+                self.meter.count(UP, kind.label, data_message_wire_bytes(size), size, edge)
             extra = await context.read()
             if extra is not grpc.aio.EOF:
                 raise WireError("data beyond the declared payload")

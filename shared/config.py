@@ -35,7 +35,7 @@ class TrainConfig:
     class_names: list[str] = field(default_factory=list)
     in_channels: int = 1
     image_size: int = 28
-    local_epochs: int = 1
+    local_epochs: int = 1           # 0: no local steps (measures the transport alone)
     batch_size: int = 32
     optimizer: str = "sgd"
     lr: float = 0.01
@@ -57,7 +57,9 @@ class TrainConfig:
                               f"{self.num_classes} classes")
         if self.optimizer not in ("sgd", "adam"):
             raise ConfigError(f"train.optimizer must be 'sgd' or 'adam', got {self.optimizer!r}")
-        for name in ("local_epochs", "batch_size", "in_channels", "image_size"):
+        if self.local_epochs < 0:
+            raise ConfigError(f"train.local_epochs must be >= 0, got {self.local_epochs}")
+        for name in ("batch_size", "in_channels", "image_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
         if not self.lr > 0:

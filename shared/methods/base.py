@@ -191,20 +191,22 @@ class EdgeAlgorithm:
         self.shared_specs = method.shared_specs(self.models)
         self.global_tensors: dict[str, torch.Tensor] = {}
         self._optimizers: list[torch.optim.Optimizer] | None = None
+        self._state_tensors: dict[str, torch.Tensor] | None = None
 
     # ---- tensors --------------------------------------------------------------------
     def state_tensor(self, name: str) -> torch.Tensor:
-        model_name, key = unqualify(name)
-        return self.models[model_name].state_dict(keep_vars=True)[key]
+        """The live parameter or buffer ``model/key`` (updated in place by training)."""
+        if self._state_tensors is None:
+            self._state_tensors = {
+                qualified(model_name, key): tensor
+                for model_name, model in self.models.items()
+                for key, tensor in model.state_dict(keep_vars=True).items()}
+        return self._state_tensors[name]
 
     def load_shared(self, tensors: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
-            for model_name, model in self.models.items():
-                state = model.state_dict(keep_vars=True)
-                for name, value in tensors.items():
-                    owner, key = unqualify(name)
-                    if owner == model_name:
-                        state[key].copy_(value)
+            for name, value in tensors.items():
+                self.state_tensor(name).copy_(value)
 
     def shared_values(self) -> dict[str, torch.Tensor]:
         return {name: self.state_tensor(name).detach().clone() for name in self.shared_specs}
@@ -216,7 +218,8 @@ class EdgeAlgorithm:
     # ---- hooks ----------------------------------------------------------------------
     def receive(self, phase: str, common: Payload, personal: Payload) -> None:
         shared = common.tensors(Kind.SHARED_TENSORS)
-        self.global_tensors = {k: v.to(self.device).clone() for k, v in shared.items()}
+        # Received tensors are never written to (on CPU they view the receive buffer).
+        self.global_tensors = {k: v.to(self.device) for k, v in shared.items()}
         self.load_shared(self.global_tensors)
 
     def parameter_groups(self) -> list[dict]:

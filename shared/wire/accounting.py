@@ -24,6 +24,20 @@ def message_wire_bytes(message) -> int:
     return message.ByteSize() + GRPC_FRAME_PREFIX
 
 
+def data_message_wire_bytes(chunk_length: int) -> int:
+    """Wire size of a message whose only field is ``bytes data = 2`` (TaskMessage or
+    SubmitMessage), computed rather than measured: tag byte + length varint + data."""
+    return 1 + _varint_length(chunk_length) + chunk_length + GRPC_FRAME_PREFIX
+
+
+def _varint_length(value: int) -> int:
+    length = 1
+    while value >= 0x80:
+        value >>= 7
+        length += 1
+    return length
+
+
 class ByteMeter:
     """Thread-safe tallies of wire and raw bytes, mirrored into Prometheus counters."""
 
