@@ -132,7 +132,7 @@ class PrivateStore:
         with the private state it is the personalized model. A cache of the server's data,
         not private state, so it is written atomically but without an fsync per round."""
         header = manifest.SerializeToString()
-        atomic_write(self.global_path, len(header).to_bytes(8, "little") + header + bytes(data),
+        atomic_write(self.global_path, [len(header).to_bytes(8, "little"), header, data],
                      durable=False)
 
     def load_global(self) -> Payload:

@@ -29,7 +29,7 @@ import torch
 from fedattn_shared import PROTOCOL_VERSION
 from fedattn_shared.config import ServerConfig, TrainConfig
 from fedattn_shared.methods.base import EVALUATE, TRAIN, Method, SectionSpec
-from fedattn_shared.state import atomic_write_json, read_json
+from fedattn_shared.state import atomic_write, read_json
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire.accounting import ByteMeter
 from fedattn_shared.wire.codec import (
@@ -66,7 +66,7 @@ class Phase:
     quorum: int
     common_id: str
     common: EncodedPayload
-    common_chunks: list[tuple[Kind, bytes]]
+    common_messages: list[tuple[Kind, pb.TaskMessage, int]]  # built once, sent to every edge
     personal: dict[str, EncodedPayload]
     spec_json: str
     started: float = field(default_factory=time.monotonic)
@@ -191,6 +191,7 @@ class Engine:
         self.task_counter = 0
         self.state_version = 0
         self.instance = secrets.token_hex(4)
+        self._checkpoint_write: asyncio.Task | None = None
         self.phase: Phase | None = None
         self.finished = False
         self.agg_lock = asyncio.Lock()
@@ -219,16 +220,36 @@ class Engine:
         log.info("resumed from round %d (state digest %s)", round_number,
                  tensors_digest(self.aggregator.state_tensors()))
 
-    def checkpoint(self) -> None:
-        atomic_write_json(self.history_path, self.history, mode=0o644)
+    def snapshot(self) -> tuple[int, dict[str, torch.Tensor], dict, str]:
+        """A copy of everything a checkpoint holds, taken between rounds."""
         state = {
             "round": self.round, "fingerprint": self.fingerprint,
             "config": json.loads(self.config_json), "aggregator": self.aggregator.state_meta(),
             "registry": self.registry.to_json(), "task_counter": self.task_counter,
         }
-        tensors = self.aggregator.state_tensors()
-        self.store.save(self.round, tensors, state)
-        log.info("checkpoint round %d (state digest %s)", self.round, tensors_digest(tensors))
+        tensors = {k: v.detach().clone() for k, v in self.aggregator.state_tensors().items()}
+        return self.round, tensors, state, json.dumps(self.history, indent=1, sort_keys=True)
+
+    def write_checkpoint(self, round_number: int, tensors: dict[str, torch.Tensor], state: dict,
+                         history_json: str) -> None:
+        # history first: a crash before the manifest moves resumes the previous round and
+        # truncates the history to it.
+        atomic_write(self.history_path, (history_json + "\n").encode(), mode=0o644)
+        self.store.save(round_number, tensors, state)
+        log.info("checkpoint round %d (state digest %s)", round_number, tensors_digest(tensors))
+
+    async def checkpoint(self) -> None:
+        """Snapshot now, write in the background while the next round runs; the manifest
+        only ever names a fully written round, and one write is in flight at a time."""
+        await self.flush_checkpoint()
+        snapshot = self.snapshot()
+        self._checkpoint_write = asyncio.create_task(
+            asyncio.to_thread(self.write_checkpoint, *snapshot))
+
+    async def flush_checkpoint(self) -> None:
+        if self._checkpoint_write is not None:
+            await self._checkpoint_write
+            self._checkpoint_write = None
 
     # ---- edges ------------------------------------------------------------------------
     def edge_lost(self, edge_id: str, reason: str) -> None:
@@ -363,6 +384,7 @@ class Engine:
             # min_available_clients); stragglers inside a round are what --quorum tolerates.
             await self.wait_for_edges(self.cfg.min_edges)
             await self.run_round(self.round + 1)
+        await self.flush_checkpoint()
         self.finished = True
         self.phase = None
         self.registry.wake_all()
@@ -395,7 +417,8 @@ class Engine:
             phase = await self.run_phase(name, round_number, participants, quorum)
             async with self.agg_lock:
                 figures = await asyncio.to_thread(self.aggregator.close_phase, name)
-                self.state_version += 1
+                if figures.get("aggregated"):
+                    self.state_version += 1
             record[name] = self.phase_record(phase)
             record["aggregate"].update(figures)
             participants = [e for e in participants if e in phase.received]
@@ -403,7 +426,7 @@ class Engine:
         record["bytes"] = self.meter.take_round()
         self.round = round_number
         self.history["rounds"].append(record)
-        await asyncio.to_thread(self.checkpoint)
+        await self.checkpoint()
         self.metrics.round.set(round_number)
         self.metrics.round_seconds.observe(record["seconds"])
         summary = record.get("evaluation", {}).get("summary", {}).get("test", {})
@@ -440,10 +463,12 @@ class Engine:
     async def run_phase(self, name: str, round_number: int, edges: list[str], quorum: int) -> Phase:
         common_payload = self.aggregator.broadcast(name)
         common = await asyncio.to_thread(encode, common_payload)
-        chunks = await asyncio.to_thread(lambda: list(common.chunks(self.cfg.chunk_bytes)))
-        # The id changes whenever the global state may have changed (every closed
-        # non-evaluation phase bumps the version) or the bytes differ (the manifest carries
-        # their CRC-32), so an edge's cached copy is reused exactly when it is current.
+        messages = await asyncio.to_thread(lambda: [
+            (kind, pb.TaskMessage(data=chunk), len(chunk))
+            for kind, chunk in common.chunks(self.cfg.chunk_bytes)])
+        # The id changes when the bytes differ (the manifest carries their CRC-32) and, to
+        # rule out a CRC collision on the usual path, whenever a phase aggregated uploads;
+        # so an edge's cached copy is reused exactly when it is current.
         layout = hashlib.sha256(common.manifest.SerializeToString(deterministic=True)).hexdigest()
         common_id = f"{self.instance}-v{self.state_version}-{layout[:16]}"
         tasks = {}
@@ -453,7 +478,7 @@ class Engine:
         phase = Phase(
             name=name, round=round_number, tasks=tasks, quorum=quorum,
             common_id=common_id,
-            common=common, common_chunks=chunks,
+            common=common, common_messages=messages,
             personal={e: encode(self.personal_downlink(e, name)) for e in edges},
             spec_json=json.dumps({"round": round_number, "rounds": self.cfg.rounds, "phase": name}),
         )

@@ -140,10 +140,11 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
             spec_json=phase.spec_json, common_id=phase.common_id, common_cached=cached,
             common=phase.common.manifest, personal=personal.manifest)
         yield self._meta(edge, pb.TaskMessage(header=header))
-        chunks = [] if cached else phase.common_chunks
-        for kind, chunk in [*chunks, *personal.chunks(self.chunk_bytes)]:
-            message = pb.TaskMessage(data=chunk)
-            self.meter.count(DOWN, kind.label, data_message_wire_bytes(len(chunk)), len(chunk), edge)
+        personal_messages = [(kind, pb.TaskMessage(data=chunk), len(chunk))
+                             for kind, chunk in personal.chunks(self.chunk_bytes)]
+        for kind, message, size in [*([] if cached else phase.common_messages),
+                                    *personal_messages]:
+            self.meter.count(DOWN, kind.label, data_message_wire_bytes(size), size, edge)
             yield message
         task.delivered = True
 

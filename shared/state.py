@@ -21,15 +21,18 @@ class StateError(RuntimeError):
     """A state file that cannot be used; the message names the path."""
 
 
-def atomic_write(path: str | Path, data: bytes, mode: int = 0o600, durable: bool = True) -> None:
-    """Temp file + rename: readers see the old or the new file, never a torn one.
+def atomic_write(path: str | Path, data: bytes | list, mode: int = 0o600,
+                 durable: bool = True) -> None:
+    """Temp file + rename: readers see the old or the new file, never a torn one. ``data``
+    may be a list of buffers, written in order without joining them.
     ``durable`` adds the fsyncs that make the new file survive a power cut too."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
+            for part in data if isinstance(data, list) else [data]:
+                handle.write(part)
             handle.flush()
             if durable:
                 os.fsync(handle.fileno())

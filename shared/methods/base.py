@@ -258,10 +258,12 @@ class EdgeAlgorithm:
         """Gradient post-processing for parameter-only terms (proximal pulls, corrections)."""
 
     def after_train(self, steps: int) -> Payload:
-        """The training upload: by default the shared tensors."""
+        """The training upload: by default the shared tensors, as views of the live model
+        (nothing changes them while the upload streams; the next receive overwrites them)."""
         if not self.shared_specs:
             return Payload()
-        return Payload([Section(Kind.SHARED_TENSORS, "", self.shared_values())])
+        live = {name: self.state_tensor(name).detach() for name in self.shared_specs}
+        return Payload([Section(Kind.SHARED_TENSORS, "", live)])
 
     def predict(self, x: torch.Tensor) -> torch.Tensor:
         return self.models["model"](x)
