@@ -19,6 +19,7 @@ from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire import fedattn_pb2_grpc as pb_grpc
 from fedattn_shared.wire.accounting import DOWN, META, UP, ByteMeter, data_message_wire_bytes
 from fedattn_shared.wire.codec import (
+    BufferPool,
     PayloadAssembler,
     WireError,
     nonfinite_tensors,
@@ -43,6 +44,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         self.chunk_bytes = chunk_bytes
         self.poll_timeout = poll_timeout
         self.upload_slots = asyncio.Semaphore(max_concurrent_uploads)
+        self.buffers = BufferPool(keep=max_concurrent_uploads + 1)
 
     async def _auth(self, edge_id: str, session: str, context) -> None:
         try:
@@ -179,11 +181,16 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
                 if err.drop and self.engine.phase is not None:
                     phase = self.engine.phase
                 raise
-            payload = await self._receive(header, context, edge)
-            bad = nonfinite_tensors(payload)
-            if bad:
-                raise Refused(f"non-finite values in {bad[:3]}", drop=True)
-            await self.engine.accept(phase, header, payload)
+            assembler = await self._receive(header, context, edge)
+            try:
+                payload = await asyncio.to_thread(assembler.finish)
+                bad = nonfinite_tensors(payload)
+                if bad:
+                    raise Refused(f"non-finite values in {bad[:3]}", drop=True)
+                await self.engine.accept(phase, header, payload)
+            finally:
+                # The aggregate holds copies; the buffer serves the next upload.
+                self.buffers.give(assembler.buffer)
         except (Refused, WireError) as err:
             drop = isinstance(err, WireError) or err.drop
             reason = f"{type(err).__name__ if isinstance(err, WireError) else 'refused'}: {err}"
@@ -203,7 +210,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         expected = sum(section_sizes(header.payload))
         async with self.upload_slots:
             assembler = PayloadAssembler(header.payload, max_bytes=expected,
-                                         max_chunk_bytes=MAX_MESSAGE_BYTES)
+                                         max_chunk_bytes=MAX_MESSAGE_BYTES, pool=self.buffers)
             while not assembler.complete:
                 message = await context.read()
                 if message is grpc.aio.EOF:
@@ -216,8 +223,9 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
                 self.meter.count(UP, kind.label, data_message_wire_bytes(size), size, edge)
             extra = await context.read()
             if extra is not grpc.aio.EOF:
+                self.buffers.give(assembler.buffer)
                 raise WireError("data beyond the declared payload")
-            return await asyncio.to_thread(assembler.finish)
+            return assembler
 
     # ---- Leave ------------------------------------------------------------------------
     async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveReply:

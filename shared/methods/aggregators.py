@@ -85,7 +85,8 @@ class Aggregator(abc.ABC):
 
     @abc.abstractmethod
     def accept(self, edge_id: str, upload: Payload, weight: float) -> None:
-        """Take one validated upload into the round's aggregate."""
+        """Take one validated upload into the round's aggregate. The upload's tensors view
+        a receive buffer that is reused once this returns: copy whatever you keep."""
 
     @abc.abstractmethod
     def finish(self) -> dict[str, Any]:
