@@ -11,7 +11,7 @@ markdown tables are also printed to stdout. Bad input (a missing directory or hi
 unreadable JSON, a history without any evaluated round for the split) exits with status 2
 and a message that names the path.
 
-Conventions (see also ../shared/METHODS.md, 2.3 "Metrics"):
+Conventions (as in the FedSTAR code base's metrics, where they overlap):
 
 - Everything is recomputed from the per-edge confusion counts the edges sent
   (``rounds[i].evaluation.per_edge[edge][split].confusion``, rows = true class, columns =
