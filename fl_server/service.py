@@ -17,7 +17,7 @@ import grpc
 from fedattn_shared import PROTOCOL_VERSION
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire import fedattn_pb2_grpc as pb_grpc
-from fedattn_shared.wire.accounting import DOWN, META, UP, ByteMeter, data_message_wire_bytes
+from fedattn_shared.wire.accounting import DOWN, UP, ByteMeter, data_message_wire_bytes
 from fedattn_shared.wire.codec import (
     BufferPool,
     PayloadAssembler,
@@ -241,4 +241,4 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         return reply
 
 
-__all__ = ["FederatedLearningService", "META"]
+__all__ = ["FederatedLearningService"]
