@@ -31,7 +31,7 @@ from fedattn_shared.state import StateError
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire import fedattn_pb2_grpc as pb_grpc
 from fedattn_shared.wire.accounting import DOWN, META, UP, ByteMeter, data_message_wire_bytes
-from fedattn_shared.wire.codec import Kind, Payload, PayloadAssembler, WireError, encode
+from fedattn_shared.wire.codec import BufferPool, Kind, Payload, PayloadAssembler, WireError, encode
 from fedattn_shared.wire.transport import MAX_MESSAGE_BYTES, channel_options
 
 from .store import PrivateStore, load_or_create_identity, private_digest
@@ -124,7 +124,8 @@ class EdgeDaemon:
         self.data: EdgeData | None = None
         self.train_cfg: TrainConfig | None = None
         self.chunk_bytes = 1 << 20
-        self.cached_common: tuple[str, Payload] | None = None
+        self.cached_common: tuple[str, Payload, bytearray] | None = None
+        self.buffers = BufferPool(keep=1)
         self.session = ""
         self.metrics_port: int | None = None
 
@@ -307,7 +308,8 @@ class EdgeDaemon:
                     if header.status != pb.TaskHeader.TASK:
                         break
                     if not header.common_cached:
-                        assemblers.append(PayloadAssembler(header.common, cap, MAX_MESSAGE_BYTES))
+                        assemblers.append(PayloadAssembler(header.common, cap, MAX_MESSAGE_BYTES,
+                                                           pool=self.buffers))
                     assemblers.append(PayloadAssembler(header.personal, cap, MAX_MESSAGE_BYTES))
                     continue
                 target = next((a for a in assemblers if not a.complete), None)
@@ -332,7 +334,12 @@ class EdgeDaemon:
         else:
             common = assemblers[0].finish()
             personal = assemblers[1].finish()
-            self.cached_common = (header.common_id, common)
+            if self.cached_common is not None:
+                # Nothing views the previous global any more (the model copied it and the
+                # next receive replaces the method's references), so its buffer serves the
+                # next download instead of a fresh one that page-faults on every 4 KiB.
+                self.buffers.give(self.cached_common[2])
+            self.cached_common = (header.common_id, common, assemblers[0].buffer)
             self._write(self.store.save_global, header.common, assemblers[0].buffer)
         return Received(header, common, personal)
 

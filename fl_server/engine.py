@@ -236,7 +236,7 @@ class Engine:
         # truncates the history to it.
         atomic_write(self.history_path, (history_json + "\n").encode(), mode=0o644)
         self.store.save(round_number, tensors, state)
-        log.info("checkpoint round %d (state digest %s)", round_number, tensors_digest(tensors))
+        log.info("checkpoint round %d written", round_number)
 
     async def checkpoint(self) -> None:
         """Snapshot now, write in the background while the next round runs; the manifest
