@@ -496,6 +496,8 @@ class Engine:
             phase.closed = True
         for edge in phase.pending():
             phase.dropped[edge] = "phase closed at quorum"
+        # Edges still streaming hold their own reference; the phase no longer needs a copy.
+        phase.common_messages = []
         self.metrics.participants.labels(name).set(len(phase.received))
         self.metrics.phase_seconds.labels(name).set(time.monotonic() - phase.started)
         return phase
