@@ -30,9 +30,22 @@ from fedattn_shared.methods.base import EVALUATE, TRAIN, EdgeAlgorithm, Method, 
 from fedattn_shared.state import StateError
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire import fedattn_pb2_grpc as pb_grpc
-from fedattn_shared.wire.accounting import DOWN, META, UP, ByteMeter, data_message_wire_bytes
+from fedattn_shared.wire.accounting import (
+    DOWN,
+    GRPC_FRAME_PREFIX,
+    META,
+    UP,
+    ByteMeter,
+    data_message_wire_bytes,
+)
 from fedattn_shared.wire.codec import BufferPool, Kind, Payload, PayloadAssembler, WireError, encode
-from fedattn_shared.wire.transport import MAX_MESSAGE_BYTES, channel_options
+from fedattn_shared.wire.transport import (
+    MAX_MESSAGE_BYTES,
+    channel_options,
+    data_frame,
+    deserializer,
+    serialize,
+)
 
 from .store import PrivateStore, load_or_create_identity, private_digest
 from .trainer import evaluate, loader_seed, train_local
@@ -168,6 +181,13 @@ class EdgeDaemon:
     def _session(self) -> None:
         with grpc.insecure_channel(self.opts.server, options=channel_options()) as channel:
             stub = pb_grpc.FederatedLearningStub(channel)
+            # Data chunks travel as pre-built frames and arrive as views (transport.py).
+            stub.NextTask = channel.unary_stream(
+                "/fedattn.v1.FederatedLearning/NextTask", request_serializer=serialize,
+                response_deserializer=deserializer(pb.TaskMessage))
+            stub.Submit = channel.stream_unary(
+                "/fedattn.v1.FederatedLearning/Submit", request_serializer=serialize,
+                response_deserializer=pb.SubmitReply.FromString)
             self._join(stub)
             stop = threading.Event()
             presence = threading.Thread(target=self._presence, args=(stub, stop), daemon=True)
@@ -302,7 +322,7 @@ class EdgeDaemon:
         cap = 1 << 34
         try:
             for message in stream:
-                if message.HasField("header"):
+                if not isinstance(message, memoryview):
                     header = message.header
                     self.meter.count_message(DOWN, message)
                     if header.status != pb.TaskHeader.TASK:
@@ -315,9 +335,9 @@ class EdgeDaemon:
                 target = next((a for a in assemblers if not a.complete), None)
                 if header is None or target is None:
                     raise WireError("data before the task header or past the payload")
-                kind = target.add(message.data)
-                size = len(message.data)
-                self.meter.count(DOWN, kind.label, data_message_wire_bytes(size), size)
+                kind = target.add(message)
+                self.meter.count(DOWN, kind.label, data_message_wire_bytes(len(message)),
+                                 len(message))
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.UNAUTHENTICATED:
                 raise Rejoin() from None
@@ -411,9 +431,9 @@ class EdgeDaemon:
             self.meter.count_message(UP, header)
             yield header
             for kind, chunk in encoded.chunks(self.chunk_bytes):
-                message = pb.SubmitMessage(data=chunk)
-                self.meter.count(UP, kind.label, data_message_wire_bytes(len(chunk)), len(chunk))
-                yield message
+                frame = data_frame(chunk)
+                self.meter.count(UP, kind.label, len(frame) + GRPC_FRAME_PREFIX, len(chunk))
+                yield frame
 
         reply = self._call(stub.Submit, messages(), timeout=600)
         self.meter.count_message(DOWN, reply, kind=META)

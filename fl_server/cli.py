@@ -33,13 +33,12 @@ from fedattn_shared.methods import available_methods, load_method
 from fedattn_shared.methods.base import Method, MethodContext
 from fedattn_shared.models import MODELS
 from fedattn_shared.state import StateError, atomic_write_json
-from fedattn_shared.wire import fedattn_pb2_grpc as pb_grpc
 from fedattn_shared.wire.accounting import ByteMeter
 from fedattn_shared.wire.transport import server_options
 
 from .engine import Engine
 from .metrics import ServerMetrics
-from .service import FederatedLearningService
+from .service import FederatedLearningService, service_handler
 
 log = logging.getLogger("fl_server")
 
@@ -187,7 +186,7 @@ class ServerApp:
         self._grpc = grpc.aio.server(options=server_options())
         service = FederatedLearningService(engine, self.meter, cfg.join_token, cfg.chunk_bytes,
                                            cfg.poll_timeout, cfg.max_concurrent_uploads)
-        pb_grpc.add_FederatedLearningServicer_to_server(service, self._grpc)
+        self._grpc.add_generic_rpc_handlers((service_handler(service),))
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         self.port = self._grpc.add_insecure_port(f"{cfg.host}:{cfg.port}")

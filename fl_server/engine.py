@@ -42,6 +42,7 @@ from fedattn_shared.wire.codec import (
     encode,
     torch_dtype,
 )
+from fedattn_shared.wire.transport import data_frame
 
 from .checkpoint import CheckpointStore
 from .evaluation import split_figures, summarize
@@ -66,7 +67,7 @@ class Phase:
     quorum: int
     common_id: str
     common: EncodedPayload
-    common_messages: list[tuple[Kind, pb.TaskMessage, int]]  # built once, sent to every edge
+    common_frames: list[tuple[Kind, bytes, int]]  # serialized once, sent to every edge
     personal: dict[str, EncodedPayload]
     spec_json: str
     started: float = field(default_factory=time.monotonic)
@@ -463,8 +464,8 @@ class Engine:
     async def run_phase(self, name: str, round_number: int, edges: list[str], quorum: int) -> Phase:
         common_payload = self.aggregator.broadcast(name)
         common = await asyncio.to_thread(encode, common_payload)
-        messages = await asyncio.to_thread(lambda: [
-            (kind, pb.TaskMessage(data=chunk), len(chunk))
+        frames = await asyncio.to_thread(lambda: [
+            (kind, data_frame(chunk), len(chunk))
             for kind, chunk in common.chunks(self.cfg.chunk_bytes)])
         # The id changes when the bytes differ (the manifest carries their CRC-32) and, to
         # rule out a CRC collision on the usual path, whenever a phase aggregated uploads;
@@ -478,7 +479,7 @@ class Engine:
         phase = Phase(
             name=name, round=round_number, tasks=tasks, quorum=quorum,
             common_id=common_id,
-            common=common, common_messages=messages,
+            common=common, common_frames=frames,
             personal={e: encode(self.personal_downlink(e, name)) for e in edges},
             spec_json=json.dumps({"round": round_number, "rounds": self.cfg.rounds, "phase": name}),
         )
@@ -497,7 +498,7 @@ class Engine:
         for edge in phase.pending():
             phase.dropped[edge] = "phase closed at quorum"
         # Edges still streaming hold their own reference; the phase no longer needs a copy.
-        phase.common_messages = []
+        phase.common_frames = []
         self.metrics.participants.labels(name).set(len(phase.received))
         self.metrics.phase_seconds.labels(name).set(time.monotonic() - phase.started)
         return phase

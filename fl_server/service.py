@@ -17,7 +17,7 @@ import grpc
 from fedattn_shared import PROTOCOL_VERSION
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire import fedattn_pb2_grpc as pb_grpc
-from fedattn_shared.wire.accounting import DOWN, UP, ByteMeter, data_message_wire_bytes
+from fedattn_shared.wire.accounting import DOWN, GRPC_FRAME_PREFIX, UP, ByteMeter, data_message_wire_bytes
 from fedattn_shared.wire.codec import (
     BufferPool,
     PayloadAssembler,
@@ -25,7 +25,7 @@ from fedattn_shared.wire.codec import (
     nonfinite_tensors,
     section_sizes,
 )
-from fedattn_shared.wire.transport import MAX_MESSAGE_BYTES
+from fedattn_shared.wire.transport import MAX_MESSAGE_BYTES, data_frame, deserializer, serialize
 
 from .engine import Engine, Refused
 from .registry import AuthError
@@ -142,12 +142,11 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
             spec_json=phase.spec_json, common_id=phase.common_id, common_cached=cached,
             common=phase.common.manifest, personal=personal.manifest)
         yield self._meta(edge, pb.TaskMessage(header=header))
-        personal_messages = [(kind, pb.TaskMessage(data=chunk), len(chunk))
-                             for kind, chunk in personal.chunks(self.chunk_bytes)]
-        for kind, message, size in [*([] if cached else phase.common_messages),
-                                    *personal_messages]:
-            self.meter.count(DOWN, kind.label, data_message_wire_bytes(size), size, edge)
-            yield message
+        personal_frames = [(kind, data_frame(chunk), len(chunk))
+                           for kind, chunk in personal.chunks(self.chunk_bytes)]
+        for kind, frame, size in [*([] if cached else phase.common_frames), *personal_frames]:
+            self.meter.count(DOWN, kind.label, len(frame) + GRPC_FRAME_PREFIX, size, edge)
+            yield frame
         task.delivered = True
 
     def _meta(self, edge: str, message):
@@ -160,7 +159,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
             first = await context.read()
         except Exception:  # noqa: BLE001 - a client that vanished mid-call
             return pb.SubmitReply(accepted=False, reason="no header")
-        if first is grpc.aio.EOF or not first.HasField("header"):
+        if first is grpc.aio.EOF or isinstance(first, memoryview) or not first.HasField("header"):
             log.warning("submission refused: the first message is not a header (peer %s)",
                         context.peer())
             return pb.SubmitReply(accepted=False, reason="the first message must be a header")
@@ -216,10 +215,10 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
                 if message is grpc.aio.EOF:
                     raise WireError(f"upload ended after {assembler.received} of "
                                     f"{expected} bytes")
-                if not message.HasField("data"):
+                if not isinstance(message, memoryview):
                     raise WireError("a second header inside one upload")
-                kind = assembler.add(message.data)
-                size = len(message.data)
+                kind = assembler.add(message)
+                size = len(message)
                 self.meter.count(UP, kind.label, data_message_wire_bytes(size), size, edge)
             extra = await context.read()
             if extra is not grpc.aio.EOF:
@@ -241,4 +240,21 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         return reply
 
 
-__all__ = ["FederatedLearningService"]
+def service_handler(service: FederatedLearningService) -> grpc.GenericRpcHandler:
+    """The service's methods with fedattn's (de)serializers: data chunks travel as
+    pre-built frames and arrive as views (see ``transport.data_frame``); every other
+    message is plain protobuf, so any client built from the .proto interoperates."""
+    unary = grpc.unary_unary_rpc_method_handler
+    return grpc.method_handlers_generic_handler("fedattn.v1.FederatedLearning", {
+        "Join": unary(service.Join, pb.JoinRequest.FromString, serialize),
+        "Presence": grpc.unary_stream_rpc_method_handler(
+            service.Presence, pb.PresenceRequest.FromString, serialize),
+        "NextTask": grpc.unary_stream_rpc_method_handler(
+            service.NextTask, pb.TaskRequest.FromString, serialize),
+        "Submit": grpc.stream_unary_rpc_method_handler(
+            service.Submit, deserializer(pb.SubmitMessage), serialize),
+        "Leave": unary(service.Leave, pb.LeaveRequest.FromString, serialize),
+    })
+
+
+__all__ = ["FederatedLearningService", "service_handler"]

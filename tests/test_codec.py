@@ -467,3 +467,22 @@ def test_byte_meter_is_thread_safe():
         t.join()
     assert meter.totals() == {"up": {"shared_tensors": {"wire": 24000, "raw": 16000,
                                                         "messages": 8000}}}
+
+
+def test_data_frames_are_exactly_protobufs_encoding():
+    """Pre-built data frames must be byte-identical to protobuf's own serialization, and
+    reading one back must give the chunk; other messages go through protobuf."""
+    from fedattn_shared.wire.transport import data_frame, data_of_frame, deserializer
+
+    for n in (0, 1, 127, 128, 300, 16_384, (1 << 20) + 7):
+        chunk = bytes(i % 251 for i in range(n))
+        frame = data_frame(chunk)
+        assert frame == pb.SubmitMessage(data=chunk).SerializeToString()
+        assert frame == pb.TaskMessage(data=chunk).SerializeToString()
+        assert bytes(data_of_frame(frame)) == chunk
+        assert bytes(deserializer(pb.SubmitMessage)(frame)) == chunk
+    header = pb.SubmitMessage(header=pb.SubmitHeader(edge_id="cam1")).SerializeToString()
+    assert data_of_frame(header) is None
+    assert deserializer(pb.SubmitMessage)(header).header.edge_id == "cam1"
+    # A length that lies about the frame is not taken as a data frame.
+    assert data_of_frame(b"\x12\x05abc") is None
