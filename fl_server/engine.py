@@ -192,7 +192,6 @@ class Engine:
         self.task_counter = 0
         self.state_version = 0
         self.instance = secrets.token_hex(4)
-        self._checkpoint_write: asyncio.Task | None = None
         self.phase: Phase | None = None
         self.finished = False
         self.agg_lock = asyncio.Lock()
@@ -222,13 +221,13 @@ class Engine:
                  tensors_digest(self.aggregator.state_tensors()))
 
     def snapshot(self) -> tuple[int, dict[str, torch.Tensor], dict, str]:
-        """A copy of everything a checkpoint holds, taken between rounds."""
+        """Everything a checkpoint holds, taken between rounds."""
         state = {
             "round": self.round, "fingerprint": self.fingerprint,
             "config": json.loads(self.config_json), "aggregator": self.aggregator.state_meta(),
             "registry": self.registry.to_json(), "task_counter": self.task_counter,
         }
-        tensors = {k: v.detach().clone() for k, v in self.aggregator.state_tensors().items()}
+        tensors = self.aggregator.state_tensors()  # save_tensors copies them out
         return self.round, tensors, state, json.dumps(self.history, indent=1, sort_keys=True)
 
     def write_checkpoint(self, round_number: int, tensors: dict[str, torch.Tensor], state: dict,
@@ -240,17 +239,8 @@ class Engine:
         log.info("checkpoint round %d written", round_number)
 
     async def checkpoint(self) -> None:
-        """Snapshot now, write in the background while the next round runs; the manifest
-        only ever names a fully written round, and one write is in flight at a time."""
-        await self.flush_checkpoint()
-        snapshot = self.snapshot()
-        self._checkpoint_write = asyncio.create_task(
-            asyncio.to_thread(self.write_checkpoint, *snapshot))
-
-    async def flush_checkpoint(self) -> None:
-        if self._checkpoint_write is not None:
-            await self._checkpoint_write
-            self._checkpoint_write = None
+        """A round is complete once its checkpoint is on disk: the next one starts after."""
+        await asyncio.to_thread(self.write_checkpoint, *self.snapshot())
 
     # ---- edges ------------------------------------------------------------------------
     def edge_lost(self, edge_id: str, reason: str) -> None:
@@ -385,7 +375,6 @@ class Engine:
             # min_available_clients); stragglers inside a round are what --quorum tolerates.
             await self.wait_for_edges(self.cfg.min_edges)
             await self.run_round(self.round + 1)
-        await self.flush_checkpoint()
         self.finished = True
         self.phase = None
         self.registry.wake_all()

@@ -17,6 +17,7 @@ optimizer state for the checkpoint.
 from __future__ import annotations
 
 import abc
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -120,31 +121,47 @@ class StreamingMean(Aggregator):
 
     def __init__(self, method: Method, models: dict[str, nn.Module]):
         super().__init__(method, models)
-        self._sum: dict[SectionKey, dict[str, torch.Tensor]] = {}
+        self._sum: dict[SectionKey, torch.Tensor] = {}
+        self._layout: dict[SectionKey, list[tuple[str, tuple[int, ...]]]] = {}
         self._weight = 0.0
         self._count = 0
 
     def begin_round(self, round_number: int, selected: list[str], known_edges: int) -> None:
         super().begin_round(round_number, selected, known_edges)
-        self._sum, self._weight, self._count = {}, 0.0, 0
+        self._sum, self._layout, self._weight, self._count = {}, {}, 0.0, 0
 
     def accept(self, edge_id: str, upload: Payload, weight: float) -> None:
+        """Each section is summed as one flat float32 vector (one operation per section;
+        the layout of names and shapes comes from the first upload)."""
         if not weight > 0:
             raise ValueError(f"edge {edge_id}: aggregation weight must be > 0, got {weight}")
         for section in upload.sections:
-            sums = self._sum.setdefault((section.kind, section.name), {})
-            for name, tensor in section.tensors.items():
-                value = tensor.to(torch.float32)
-                if name in sums:
-                    sums[name].add_(value, alpha=weight)
-                else:
-                    sums[name] = value.mul(weight)
+            key = (section.kind, section.name)
+            layout = self._layout.setdefault(
+                key, [(name, tuple(t.shape)) for name, t in section.tensors.items()])
+            if section.flat is not None and [n for n, _ in layout] == list(section.tensors):
+                flat = section.flat.to(torch.float32)
+            else:
+                flat = torch.cat([section.tensors[name].reshape(-1).to(torch.float32)
+                                  for name, _ in layout]) if layout else torch.zeros(0)
+            if key in self._sum:
+                self._sum[key].add_(flat, alpha=weight)
+            else:
+                self._sum[key] = flat.mul(weight)
         self._weight += weight
         self._count += 1
 
     def means(self) -> dict[SectionKey, dict[str, torch.Tensor]]:
-        return {sec: {name: (s / self._weight) for name, s in sums.items()}
-                for sec, sums in self._sum.items()}
+        out = {}
+        for key, total in self._sum.items():
+            mean = total / self._weight
+            tensors, start = {}, 0
+            for name, shape in self._layout[key]:
+                n = math.prod(shape)
+                tensors[name] = mean[start : start + n].view(shape)
+                start += n
+            out[key] = tensors
+        return out
 
     def apply(self, means: dict[SectionKey, dict[str, torch.Tensor]]) -> None:
         """Replace each global section by the round's mean (in the stored dtype)."""

@@ -82,6 +82,10 @@ class Section:
     kind: Kind
     name: str = ""
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Set by ``decode`` when every tensor of the section has one dtype: a 1-D view of all
+    # of them in order, so whole-section checks and sums take one operation, not one per
+    # tensor.
+    flat: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @property
     def raw_bytes(self) -> int:
@@ -283,6 +287,11 @@ def decode(manifest: pb.PayloadManifest, data: bytes | bytearray) -> Payload:
     offset = 0
     for meta in manifest.sections:
         section = Section(kind=Kind(meta.kind), name=meta.name)
+        dtypes = {t.dtype for t in meta.tensors}
+        if len(dtypes) == 1 and pb.BOOL not in dtypes:
+            offset = _decode_flat(meta, buffer, offset, section)
+            payload.sections.append(section)
+            continue
         for tmeta in meta.tensors:
             nbytes = _tensor_bytes(tmeta)
             if offset + nbytes > len(buffer):
@@ -306,10 +315,35 @@ def decode(manifest: pb.PayloadManifest, data: bytes | bytearray) -> Payload:
     return payload
 
 
+def _decode_flat(meta: pb.SectionMeta, buffer: bytearray, offset: int, section: Section) -> int:
+    """One dtype throughout: one view of the section's bytes, tensors as slices of it."""
+    dtype = torch_dtype(meta.tensors[0].dtype)
+    sizes = [_tensor_bytes(t) for t in meta.tensors]
+    total = sum(sizes)
+    if offset + total > len(buffer):
+        raise WireError(f"section {meta.name!r} runs past the end of the data")
+    count = total // dtype.itemsize
+    flat = (torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset) if count
+            else torch.empty(0, dtype=dtype))
+    start = 0
+    for tmeta, nbytes in zip(meta.tensors, sizes, strict=True):
+        if tmeta.name in section.tensors:
+            raise WireError(f"section {meta.name!r}: duplicate tensor {tmeta.name!r}")
+        n = nbytes // dtype.itemsize
+        section.tensors[tmeta.name] = flat[start : start + n].view(tuple(tmeta.shape))
+        start += n
+    section.flat = flat
+    return offset + total
+
+
 def nonfinite_tensors(payload: Payload) -> list[str]:
     """Names (section/tensor) of floating tensors holding NaN or Inf."""
     bad = []
     for section in payload.sections:
+        flat = section.flat
+        if flat is not None and flat.is_floating_point() and bool(
+                torch.isfinite(flat.sum(dtype=torch.float64))):
+            continue  # the whole section is finite: one sum instead of one per tensor
         for name, tensor in section.tensors.items():
             # NaN and Inf survive a sum (an overflowing sum of finite weights would be a
             # false alarm far beyond any model's scale), and a sum allocates nothing.
