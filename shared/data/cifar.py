@@ -128,11 +128,7 @@ def _read_pickle(path: Path, cfg: TrainConfig) -> tuple[np.ndarray, np.ndarray]:
         raise DataError(f"{path}: b'labels' is not a list of integers ({err})") from None
     if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
         raise DataError(f"{path}: b'labels' must be a list of integers, got {y.dtype} {y.shape}")
-    if len(y) != len(data):
-        raise DataError(f"{path}: {len(data)} images but {len(y)} labels")
-    if len(y) == 0:
-        raise DataError(f"{path}: no samples")
-    check_labels(y, path, cfg)
+    check_labels(y, path, cfg, num_images=len(data))
     return data.reshape(-1, 3, 32, 32), y.astype(np.int64)
 
 

@@ -112,11 +112,7 @@ def read_pair(root: Path, role: str, cfg: TrainConfig) -> Split | None:
                         f"{label_names[1]} in {root})")
     x = read_idx(images, MAGIC_IMAGES)
     y = read_idx(labels, MAGIC_LABELS)
-    if len(x) != len(y):
-        raise DataError(f"{images}: {len(x)} images but {labels} holds {len(y)} labels")
-    if len(y) == 0:
-        raise DataError(f"{images}: no samples")
-    check_labels(y, labels, cfg)
+    check_labels(y, labels, cfg, num_images=len(x), images_path=images)
     return Split(_to_images(x, images, cfg), torch.from_numpy(y.astype(np.int64)))
 
 

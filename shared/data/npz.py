@@ -82,16 +82,19 @@ def read_npz(path: Path, cfg: TrainConfig) -> Split:
         raise DataError(f"{path}: not a readable .npz file ({err})") from None
     if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
         raise DataError(f"{path}: y must be a 1-D integer array, got {y.dtype} {y.shape}")
-    if len(x) != len(y):
-        raise DataError(f"{path}: {len(x)} images but {len(y)} labels")
-    if len(y) == 0:
-        raise DataError(f"{path}: no samples")
-    check_labels(y, path, cfg)
+    check_labels(y, path, cfg, num_images=len(x))
     return Split(_to_images(x, path, cfg), torch.from_numpy(y.astype(np.int64)))
 
 
-def check_labels(y: np.ndarray, path: Path, cfg: TrainConfig) -> None:
-    """Every label must index the server's class list."""
+def check_labels(y: np.ndarray, path: Path, cfg: TrainConfig, num_images: int | None = None,
+                 images_path: Path | None = None) -> None:
+    """Labels pair one-to-one with the images, there is at least one, and every label
+    indexes the server's class list. ``images_path``: images kept in another file."""
+    if num_images is not None and num_images != len(y):
+        raise DataError(f"{images_path}: {num_images} images but {path} holds {len(y)} labels"
+                        if images_path else f"{path}: {num_images} images but {len(y)} labels")
+    if len(y) == 0:
+        raise DataError(f"{images_path or path}: no samples")
     bad = np.flatnonzero((y < 0) | (y >= cfg.num_classes))
     if bad.size:
         raise DataError(f"{path}: label {int(y[bad[0]])} at index {int(bad[0])} is outside "
