@@ -15,6 +15,7 @@ import socket
 import tempfile
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,6 +140,8 @@ class EdgeDaemon:
         self.chunk_bytes = 1 << 20
         self.cached_common: tuple[str, Payload, bytearray] | None = None
         self.buffers = BufferPool(keep=1)
+        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-writer")
+        self.pending_writes: list[Future] = []
         self.session = ""
         self.metrics_port: int | None = None
 
@@ -205,6 +208,7 @@ class EdgeDaemon:
             finally:
                 stop.set()
                 self._presence_call_cancel()
+                self._flush_writes()
 
     # ---- join / presence / leave --------------------------------------------------------
     def _join(self, stub) -> None:
@@ -302,6 +306,16 @@ class EdgeDaemon:
             raise EdgeExit(2, f"cannot write state under {self.opts.state_dir}: {err} "
                               "(the previous state files are intact)") from None
 
+    def _write_behind(self, save, *args) -> None:
+        """A state write that overlaps the upload. What it saves stays untouched until
+        _flush_writes, which runs before the next task and before the session ends."""
+        self.pending_writes.append(self.writer.submit(self._write, save, *args))
+
+    def _flush_writes(self) -> None:
+        writes, self.pending_writes = self.pending_writes, []
+        for write in writes:
+            write.result()  # re-raises the write's EdgeExit
+
     # ---- tasks --------------------------------------------------------------------------
     def _call(self, fn, *args, **kwargs):
         try:
@@ -312,6 +326,7 @@ class EdgeDaemon:
             raise
 
     def _next_task(self, stub) -> Received:
+        self._flush_writes()
         cached_id = self.cached_common[0] if self.cached_common else ""
         request = pb.TaskRequest(edge_id=self.identity.edge_id, session=self.session,
                                  cached_common=cached_id)
@@ -360,7 +375,7 @@ class EdgeDaemon:
                 # next download instead of a fresh one that page-faults on every 4 KiB.
                 self.buffers.give(self.cached_common[2])
             self.cached_common = (header.common_id, common, assemblers[0].buffer)
-            self._write(self.store.save_global, header.common, assemblers[0].buffer)
+            self._write_behind(self.store.save_global, header.common, assemblers[0].buffer)
         return Received(header, common, personal)
 
     def _handle(self, stub, received: Received) -> None:
@@ -388,7 +403,8 @@ class EdgeDaemon:
                                  self.opts.progress, lr=lr, amp=self.opts.amp,
                                  grad_accum=self.opts.grad_accum)
             upload = algo.after_train(result.steps)
-            self._write(self.store.save, algo, self.fingerprint, header.round, header.phase)
+            self._write_behind(self.store.save, algo, self.fingerprint, header.round,
+                               header.phase)
             metrics = {"train_loss": result.mean_loss, "last_epoch_loss": result.last_epoch_loss,
                        "train_seconds": result.seconds, "steps": float(result.steps),
                        "samples_per_second": result.samples_per_second, "lr": lr}

@@ -14,7 +14,6 @@ import json
 import os
 import secrets
 import uuid
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from fedattn_shared.state import (
     save_tensors,
 )
 from fedattn_shared.wire import fedattn_pb2 as pb
-from fedattn_shared.wire.codec import Payload, WireError, decode
+from fedattn_shared.wire.codec import Payload, WireError, crc32, decode
 
 STATE_FORMAT = "fedattn-edge-state/1"
 
@@ -143,7 +142,7 @@ class PrivateStore:
             length = int.from_bytes(blob[:8], "little")
             manifest = pb.PayloadManifest.FromString(blob[8 : 8 + length])
             data = bytearray(blob[8 + length :])
-            if zlib.crc32(data) != manifest.crc32:
+            if crc32(data) != manifest.crc32:
                 raise WireError("CRC-32 mismatch")
             return decode(manifest, data)
         except (DecodeError, WireError, ValueError) as err:

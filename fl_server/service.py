@@ -15,15 +15,16 @@ import time
 import grpc
 
 from fedattn_shared import PROTOCOL_VERSION
+from fedattn_shared.methods.base import SectionSpec
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire import fedattn_pb2_grpc as pb_grpc
 from fedattn_shared.wire.accounting import DOWN, GRPC_FRAME_PREFIX, UP, ByteMeter, data_message_wire_bytes
 from fedattn_shared.wire.codec import (
     BufferPool,
+    Payload,
     PayloadAssembler,
     WireError,
     nonfinite_tensors,
-    section_sizes,
 )
 from fedattn_shared.wire.transport import MAX_MESSAGE_BYTES, data_frame, deserializer, serialize
 
@@ -175,15 +176,14 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
             except AuthError as err:
                 raise Refused(str(err)) from None
             try:
-                phase, _ = self.engine.check_submission(header)
+                phase, schema = self.engine.check_submission(header)
             except Refused as err:
                 if err.drop and self.engine.phase is not None:
                     phase = self.engine.phase
                 raise
-            assembler = await self._receive(header, context, edge)
+            assembler = await self._receive(header, schema, context, edge)
             try:
-                payload = await asyncio.to_thread(assembler.finish)
-                bad = nonfinite_tensors(payload)
+                payload, bad = await asyncio.to_thread(_decode_checked, assembler)
                 if bad:
                     raise Refused(f"non-finite values in {bad[:3]}", drop=True)
                 await self.engine.accept(phase, header, payload)
@@ -205,16 +205,20 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         self.meter.count_message(DOWN, reply, edge=edge)
         return reply
 
-    async def _receive(self, header: pb.SubmitHeader, context, edge: str):
-        expected = sum(section_sizes(header.payload))
+    async def _receive(self, header: pb.SubmitHeader, schema: list[SectionSpec], context,
+                       edge: str):
+        # check_submission matched the manifest to the schema, so the sizes come from it.
+        nbytes = {(int(spec.kind), spec.name): spec.nbytes for spec in schema}
+        sizes = [nbytes[(s.kind, s.name)] for s in header.payload.sections]
         async with self.upload_slots:
-            assembler = PayloadAssembler(header.payload, max_bytes=expected,
-                                         max_chunk_bytes=MAX_MESSAGE_BYTES, pool=self.buffers)
+            assembler = PayloadAssembler(header.payload, max_bytes=sum(sizes),
+                                         max_chunk_bytes=MAX_MESSAGE_BYTES, pool=self.buffers,
+                                         sizes=sizes)
             while not assembler.complete:
                 message = await context.read()
                 if message is grpc.aio.EOF:
                     raise WireError(f"upload ended after {assembler.received} of "
-                                    f"{expected} bytes")
+                                    f"{len(assembler.buffer)} bytes")
                 if not isinstance(message, memoryview):
                     raise WireError("a second header inside one upload")
                 kind = assembler.add(message)
@@ -238,6 +242,12 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         reply = pb.LeaveReply()
         self.meter.count_message(DOWN, reply, edge=request.edge_id)
         return reply
+
+
+def _decode_checked(assembler: PayloadAssembler) -> tuple[Payload, list[str]]:
+    """CRC check, decode and finiteness scan: off the event loop (torch drops the GIL)."""
+    payload = assembler.finish()
+    return payload, nonfinite_tensors(payload)
 
 
 def service_handler(service: FederatedLearningService) -> grpc.GenericRpcHandler:

@@ -382,6 +382,12 @@ def test_nonfinite_tensors_names_every_bad_tensor():
     assert nonfinite_tensors(transmit(payload, 3)) == nonfinite_tensors(payload)
     clean = Payload([Section(Kind.SHARED_TENSORS, "", {"ok": torch.ones(2)})])
     assert nonfinite_tensors(clean) == []
+    # Finite values whose sum overflows (float16 tops out at 65504) are not flagged.
+    big = transmit(Payload([
+        Section(Kind.SHARED_TENSORS, "", {"a": torch.full((4,), 60000.0, dtype=torch.float16)}),
+        Section(Kind.CONTROL, "", {"b": torch.full((2,), 3e38)})]), 2)
+    assert all(section.flat is not None for section in big.sections)  # the one-sum path
+    assert nonfinite_tensors(big) == []
 
 
 # ---- byte accounting ------------------------------------------------------------------

