@@ -8,7 +8,8 @@ For each model size it runs, on loopback, with 8 edges and trivial local trainin
   * plain sockets: 8 client processes receive the same bytes and send them back.
 It prints wire bytes / raw tensor bytes, loopback socket bytes per round (from
 /proc/net/dev) / raw bytes, round times and their ratios to both bounds, and the server's
-peak RSS growth over its idle RSS in model sizes. Figures are printed, never asserted.
+peak RSS growth over its idle RSS in model sizes, next to the bare grpcio server's (the
+transport's own buffers). Figures are printed, never asserted.
 
     .venv/bin/python bench/wire.py [--edges 8] [--rounds 4] [--models mobilenet-v3-small resnet18-cifar]
 """
@@ -109,8 +110,11 @@ def fedattn_round(model: str, edges: int, rounds: int, workdir: Path, local_epoc
                 wire += v["wire"]
                 raw += v["raw"]
     per_round_raw = raw / len(steady)
+    starts = [r["started"] for r in history["rounds"]]
     return {
-        "round_s": statistics.median(r["seconds"] for r in steady),
+        # start to start: the round as edges live it, checkpoint and task hand-out included
+        "round_s": statistics.median(b - a for a, b in zip(starts[1:-1], starts[2:], strict=True)),
+        "round_inside_s": statistics.median(r["seconds"] for r in steady),
         "wire_over_raw": wire / raw,
         "raw_per_round": per_round_raw,
         "socket_over_raw": lo_total / (raw / len(steady) * len(history["rounds"])),
@@ -133,7 +137,31 @@ def _grpc_client(port: int, nbytes: int, start, done) -> None:
     done.put(time.perf_counter())
 
 
-def grpc_round(nbytes: int, edges: int, repeats: int = 3) -> float:
+class PeakRss:
+    """Peak VmRSS of this process while the block runs, sampled every 5 ms."""
+
+    def __enter__(self) -> PeakRss:
+        self.base = self.peak = rss_kib(os.getpid(), "VmRSS")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, rss_kib(os.getpid(), "VmRSS"))
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def growth_kib(self) -> int:
+        return self.peak - self.base
+
+
+def grpc_round(nbytes: int, edges: int, repeats: int = 3) -> tuple[float, int]:
+    """Median round time, and the server's peak RSS growth over its idle RSS (KiB)."""
     import grpc
 
     payload = os.urandom(nbytes)
@@ -158,21 +186,22 @@ def grpc_round(nbytes: int, edges: int, repeats: int = 3) -> float:
     server.start()
     times = []
     ctx = mp.get_context("spawn")
-    for _ in range(repeats):
-        start, done = ctx.Event(), ctx.Queue()
-        procs = [ctx.Process(target=_grpc_client, args=(port, nbytes, start, done))
-                 for _ in range(edges)]
-        for p in procs:
-            p.start()
-        time.sleep(2.0)
-        t0 = time.perf_counter()
-        start.set()
-        ends = [done.get(timeout=300) for _ in procs]
-        times.append(max(ends) - t0)
-        for p in procs:
-            p.join()
+    with PeakRss() as rss:
+        for _ in range(repeats):
+            start, done = ctx.Event(), ctx.Queue()
+            procs = [ctx.Process(target=_grpc_client, args=(port, nbytes, start, done))
+                     for _ in range(edges)]
+            for p in procs:
+                p.start()
+            time.sleep(2.0)
+            t0 = time.perf_counter()
+            start.set()
+            ends = [done.get(timeout=300) for _ in procs]
+            times.append(max(ends) - t0)
+            for p in procs:
+                p.join()
     server.stop(0)
-    return statistics.median(times)
+    return statistics.median(times), rss.growth_kib
 
 
 # ---- plain sockets ------------------------------------------------------------------------
@@ -245,20 +274,26 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:
             trained = fedattn_round(model, args.edges, args.rounds, Path(tmp), local_epochs=1)
         nbytes = model_bytes  # each edge pulls and pushes one model
-        bare = grpc_round(nbytes, args.edges)
+        bare, bare_rss_kib = grpc_round(nbytes, args.edges)
         plain = socket_round(nbytes, args.edges)
         print(f"\n{model}: {params / 1e6:.2f} M float tensors ({model_bytes / 1e6:.1f} MB)")
         print(f"  wire bytes / raw tensor bytes          {f['wire_over_raw']:.4f}")
         print(f"  loopback socket bytes / raw bytes      {f['socket_over_raw']:.4f}")
-        print(f"  fedattn round, no local steps          {f['round_s']:.3f} s")
+        print(f"  fedattn round, no local steps          {f['round_s']:.3f} s start to start "
+              f"({f['round_inside_s']:.3f} s from task hand-out to aggregate)")
         print(f"  fedattn round, one step on 2 images    {trained['round_s']:.3f} s "
               f"(8 edges share {os.cpu_count()} cores)")
         print(f"  bare grpcio round (same bytes)         {bare:.3f} s")
         print(f"  plain-socket round (same bytes)        {plain:.3f} s")
         print(f"  fedattn (no local steps) / bare grpcio {f['round_s'] / bare:.2f}x")
         print(f"  fedattn (no local steps) / plain socket {f['round_s'] / plain:.2f}x")
-        print(f"  server peak RSS growth                 {f['peak_rss_growth_kib'] * 1024 / 1e6:.1f} MB"
-              f" = {f['peak_rss_growth_kib'] * 1024 / model_bytes:.2f}x one model")
+        ours, bare_rss = f["peak_rss_growth_kib"] * 1024, bare_rss_kib * 1024
+        print(f"  server peak RSS growth                 {ours / 1e6:.1f} MB = "
+              f"{ours / model_bytes:.2f}x one model")
+        print(f"  bare grpcio server peak RSS growth     {bare_rss / 1e6:.1f} MB = "
+              f"{bare_rss / model_bytes:.2f}x one model")
+        print(f"  fedattn's own (beyond bare grpcio)     {(ours - bare_rss) / 1e6:.1f} MB = "
+              f"{(ours - bare_rss) / model_bytes:.2f}x one model")
     return 0
 
 

@@ -388,7 +388,8 @@ class Engine:
         selected = select_edges(self.registry.connected_ids(), self.cfg.fraction,
                                 self.train.seed, round_number)
         self.aggregator.begin_round(round_number, selected, len(self.registry.records))
-        record: dict[str, Any] = {"round": round_number, "aggregate": {}}
+        # Wall-clock start: consecutive starts give the full round period, checkpoint included.
+        record: dict[str, Any] = {"round": round_number, "started": time.time(), "aggregate": {}}
         participants = list(selected)
         eval_every = self.cfg.eval_every
         eval_due = bool(eval_every) and (round_number % eval_every == 0
