@@ -122,8 +122,15 @@ def train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, 
         total_loss += epoch_loss
         if not show:
             log.info("epoch %d/%d loss=%.4f", epoch + 1, epochs, epoch_loss)
+    algo.end_train(_batches(data, batch_size, device))
     seconds = time.perf_counter() - start
     return TrainResult(steps, examples, total_loss / max(epochs, 1), epoch_loss, seconds)
+
+
+def _batches(data: Split, batch_size: int, device: torch.device):
+    for start in range(0, len(data), batch_size):
+        yield (data.x[start : start + batch_size].to(device),
+               data.y[start : start + batch_size].to(device))
 
 
 @torch.no_grad()
@@ -132,9 +139,7 @@ def evaluate(algo: EdgeAlgorithm, data: Split, split: str, num_classes: int, bat
     algo.eval_mode()
     confusion = np.zeros((num_classes, num_classes), dtype=np.int64)
     loss_sum = brier_sum = 0.0
-    for start in range(0, len(data), batch_size):
-        x = data.x[start : start + batch_size].to(device)
-        y = data.y[start : start + batch_size].to(device)
+    for x, y in _batches(data, batch_size, device):
         logits = algo.predict(x).float()
         loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
         probs = logits.softmax(dim=1)

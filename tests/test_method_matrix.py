@@ -23,10 +23,11 @@ from fl_server.cli import ServerApp
 
 def run_federation(tmp_path, method_name: str, private: list[str] | None = None,
                    edges: int = 2, rounds: int = 2, sizes: list[int] | None = None,
-                   lr: float = 0.05, init_weights: str = ""):
-    train = TrainConfig(private=private or [], lr=lr)
+                   lr: float = 0.05, init_weights: str = "", model: str = "lenet-bn",
+                   params: dict | None = None):
+    train = TrainConfig(private=private or [], lr=lr, model=model)
     cls = load_method(method_name)
-    method = cls(MethodContext(train, cls.Params()))
+    method = cls(MethodContext(train, cls.Params(**(params or {}))))
     server_cfg = ServerConfig(method=method_name, rounds=rounds, min_edges=edges, host="127.0.0.1",
                               port=0, checkpoint_dir=str(tmp_path / "server"), insecure=True,
                               poll_timeout=2.0, round_timeout=60, init_weights=init_weights)

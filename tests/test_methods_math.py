@@ -26,7 +26,7 @@ CONTROL = (Kind.CONTROL, "")
 CPU = torch.device("cpu")
 
 ALL_METHODS = ["ditto", "fedadam", "fedavg", "fedbn", "fedmedian", "fedper", "fedprox",
-               "local", "scaffold"]
+               "fedsap", "local", "scaffold"]
 
 
 class Tiny(nn.Module):
@@ -527,7 +527,7 @@ def test_fingerprint_tracks_model_and_split():
 # ---- registry -------------------------------------------------------------------------
 
 
-def test_registry_lists_all_nine_methods():
+def test_registry_lists_every_method():
     assert available_methods() == ALL_METHODS
     for name in ALL_METHODS:
         cls = load_method(name)

@@ -114,6 +114,40 @@ class Aggregator(abc.ABC):
         self.round = int(meta.get("round", 0))
 
 
+class PairwiseCosine:
+    """Mean pairwise cosine similarity of the round's uploads, per group of tensors, in
+    O(model) memory: with u_i the unit vector of edge i's group, the mean over pairs
+    i < j of u_i . u_j is (||sum_i u_i||^2 - n) / (n (n - 1))."""
+
+    def __init__(self, groups: dict[str, list[str]]):
+        self.groups = {g: names for g, names in groups.items() if names}
+        self.reset()
+
+    def reset(self) -> None:
+        self._sum: dict[str, torch.Tensor] = {}
+        self._count: dict[str, int] = {}
+
+    def add(self, tensors: dict[str, torch.Tensor]) -> None:
+        for group, names in self.groups.items():
+            vector = torch.cat([tensors[n].reshape(-1).to(torch.float64) for n in names])
+            norm = vector.norm()
+            if not norm > 0:
+                continue  # an all-zero upload has no direction
+            if group in self._sum:
+                self._sum[group].add_(vector, alpha=1 / float(norm))
+            else:
+                self._sum[group] = vector / norm
+            self._count[group] = self._count.get(group, 0) + 1
+
+    def result(self) -> dict[str, float]:
+        out = {}
+        for group, total in self._sum.items():
+            n = self._count[group]
+            if n >= 2:
+                out[group] = (float(total.dot(total)) - n) / (n * (n - 1))
+        return out
+
+
 class StreamingMean(Aggregator):
     """Weighted mean of every uploaded section, kept as a running sum."""
 
@@ -125,10 +159,14 @@ class StreamingMean(Aggregator):
         self._layout: dict[SectionKey, list[tuple[str, tuple[int, ...]]]] = {}
         self._weight = 0.0
         self._count = 0
+        groups = method.similarity_groups(models)
+        self._cosine = PairwiseCosine(
+            {g: [n for n in names if n in self.specs] for g, names in groups.items()})
 
     def begin_round(self, round_number: int, selected: list[str], known_edges: int) -> None:
         super().begin_round(round_number, selected, known_edges)
         self._sum, self._layout, self._weight, self._count = {}, {}, 0.0, 0
+        self._cosine.reset()
 
     def accept(self, edge_id: str, upload: Payload, weight: float) -> None:
         """Each section is summed as one flat float32 vector (one operation per section;
@@ -148,6 +186,8 @@ class StreamingMean(Aggregator):
                 self._sum[key].add_(flat, alpha=weight)
             else:
                 self._sum[key] = flat.mul(weight)
+            if section.kind == Kind.SHARED_TENSORS and self._cosine.groups:
+                self._cosine.add(section.tensors)
         self._weight += weight
         self._count += 1
 
@@ -173,10 +213,14 @@ class StreamingMean(Aggregator):
             }
 
     def finish(self) -> dict[str, Any]:
-        figures = {"aggregated": self._count, "total_weight": self._weight}
+        figures: dict[str, Any] = {"aggregated": self._count, "total_weight": self._weight}
+        similarity = self._cosine.result()
+        if similarity:
+            figures["cosine_similarity"] = similarity
         if self._count:
             self.apply(self.means())
         self._sum = {}
+        self._cosine.reset()
         return figures
 
 

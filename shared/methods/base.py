@@ -146,6 +146,11 @@ class Method:
         shared = self.shared_specs(models)
         return [SectionSpec(Kind.SHARED_TENSORS, "", shared)] if shared else []
 
+    def similarity_groups(self, models: dict[str, nn.Module]) -> dict[str, list[str]]:
+        """Groups of shared tensors (qualified names) whose mean pairwise cosine similarity
+        across the round's uploads the server records per round (none by default)."""
+        return {}
+
     def aggregation_weight(self, num_examples: int) -> float:
         return float(num_examples)
 
@@ -186,7 +191,8 @@ class EdgeAlgorithm:
     The loop calls, per round: ``receive`` (the downlink), then for every batch
     ``training_step`` -> backward -> ``post_backward`` (parameter-only terms as gradient
     post-processing, so they also survive DP-SGD's clipping) -> optimizer steps, then
-    ``after_train`` for the upload. ``predict`` is the personalized model used for
+    ``end_train`` (one pass over the data, if the method wants it) and ``after_train`` for
+    the upload. ``predict`` is the personalized model used for
     evaluation and export.
     """
 
@@ -270,6 +276,11 @@ class EdgeAlgorithm:
             return Payload()
         live = {name: self.state_tensor(name).detach() for name in self.shared_specs}
         return Payload([Section(Kind.SHARED_TENSORS, "", live)])
+
+    def end_train(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """After the last epoch: ``batches`` walks the edge's training data once, in order,
+        on the device (a method that needs a pass over it, as Fed-SAP's statistics, takes
+        it; nothing is loaded unless iterated)."""
 
     def predict(self, x: torch.Tensor) -> torch.Tensor:
         return self.models["model"](x)

@@ -32,16 +32,26 @@ def _head(model: nn.Module, head: str) -> set[str]:
     return {k for k in model.state_dict() if k == head or k.startswith(head + ".")}
 
 
-def _se_excitation(model: nn.Module, head: str) -> set[str]:
-    """The excitation FCs (fc1, fc2: weights and biases) of every squeeze-excitation module."""
+def squeeze_excitation_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every squeeze-excitation module (torchvision's ``SqueezeExcitation``, as MobileNetV3
+    and ``se-cnn`` use), in registration order, which is forward order for both."""
     from torchvision.ops.misc import SqueezeExcitation
 
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, SqueezeExcitation)]
+
+
+def _se_excitation(model: nn.Module, head: str) -> set[str]:
+    """The excitation FCs (fc1, fc2: weights and biases) of every squeeze-excitation module."""
     names: set[str] = set()
-    for module_name, module in model.named_modules():
-        if isinstance(module, SqueezeExcitation):
-            for fc in ("fc1", "fc2"):
-                names.update(f"{module_name}.{fc}.{k}" for k in getattr(module, fc).state_dict())
+    for module_name, module in squeeze_excitation_modules(model):
+        for fc in ("fc1", "fc2"):
+            names.update(f"{module_name}.{fc}.{k}" for k in getattr(module, fc).state_dict())
     return names
+
+
+def _all_but_se_excitation(model: nn.Module, head: str) -> set[str]:
+    """Everything except the SE excitation FCs (Fed-SAP's Agg-SE-E ablation)."""
+    return set(model.state_dict()) - _se_excitation(model, head)
 
 
 def _attention(model: nn.Module, head: str) -> set[str]:
@@ -61,6 +71,7 @@ PRIVATE_RULES: dict[str, Callable[[nn.Module, str], set[str]]] = {
     "bn": _batchnorm,
     "head": _head,
     "se-e": _se_excitation,
+    "all-but-se-e": _all_but_se_excitation,
     "attention": _attention,
     "all": _everything,
 }

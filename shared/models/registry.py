@@ -13,6 +13,7 @@ from torch import nn
 
 from .lenet import LeNetBN
 from .resnet import cifar_resnet18
+from .secnn import SECNN
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ MODELS: dict[str, ModelSpec] = {
     for spec in (
         ModelSpec("lenet-bn", LeNetBN, "classifier.6",
                   "pFedLA's LeNet with BatchNorm (METHODS.md 4.3), padding 0"),
+        ModelSpec("se-cnn", SECNN, "classifier",
+                  "a small 3-block CNN with 3 SE modules, for tests and the demo"),
         ModelSpec("mobilenet-v3-small", _mobilenet_v3_small, "classifier.3",
                   "torchvision mobilenet_v3_small, 9 SE modules (the Fed-SAP backbone)"),
         ModelSpec("resnet18-cifar", cifar_resnet18, "fc",

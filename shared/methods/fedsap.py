@@ -1,0 +1,223 @@
+"""Fed-SAP: personalized squeeze-excitation (pSE) + Global Statistics Regularization (GSR).
+
+Source: ../shared/papers/000_60973f2d73fb11ce.txt, section II; METHODS.md section 3.
+
+* pSE: the excitation FCs (fc1 and fc2, weights and biases) of every SE module stay on
+  the edge (split rule ``se-e``); convolutions, BatchNorm and the classifier are shared
+  and averaged with weights n_k / N (eq. 3).
+* GSR: the server keeps S_G, one C_l-vector per SE module, zeros at first, broadcast in a
+  STAT_VECTORS section. Each batch's loss is CE + lambda * sum_l ||s_batch,l - S_G,l||^2
+  (eqs. 5-6), s_batch,l the batch mean of the l-th squeeze (the global average pool of
+  the SE module's input, taken by a forward pre-hook, with autograd) and S_G a constant.
+* After local training, one no-grad pass over the edge's training data in eval mode gives
+  s_up,k (eq. 7; the mode is not stated in the paper: eval, as METHODS.md 3.2); the
+  server's weighted mean of the uploads is the next S_G (eq. 8), in the same streaming
+  weighted sum as the weights.
+
+The paper's ablations are parameters: ``personalization`` (Table I), ``target``
+(Table III) and ``lam`` (Table II). The server records the mean pairwise cosine
+similarity of the uploaded conv and SE-E weights per round (the paper's Fig. 1; both are
+uploaded under ``personalization = "fedavg"``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..models import build_model
+from ..wire.codec import Kind, Payload, Section
+from .base import TRAIN, EdgeAlgorithm, Method, MethodContext, SectionSpec, TensorSpec, qualified
+from .split import squeeze_excitation_modules
+
+# Which tensors stay on the edge under each personalization strategy (Table I).
+PERSONALIZATION = {
+    "pse": ("se-e",),             # Fed-SAP: SE excitation private, everything else shared
+    "fedavg": (),                 # everything aggregated
+    "local": ("all",),            # nothing aggregated
+    "agg-se-e": ("all-but-se-e",),  # only the SE excitation aggregated
+}
+# What s_batch is pulled toward (Table III).
+TARGETS = {
+    "global": "the server's S_G (Fed-SAP)",
+    "local-align": "the edge's own statistics of the previous round",
+    "l2": "zero (an L2 penalty on the squeeze outputs)",
+    "off": "no regularization (pSE alone)",
+}
+STATS = "gsr"  # name of the STAT_VECTORS section
+
+
+@dataclass
+class FedSAPParams:
+    lam: float = 2.0                 # lambda, Table II's best
+    personalization: str = "pse"
+    target: str = "global"
+    # S_G^0 is all zeros, so round 1's GSR pulls the statistics toward zero (faithful to
+    # the paper). True skips GSR until a first target exists.
+    wait_for_stats: bool = False
+
+
+def gsr_loss(squeezes: dict[str, torch.Tensor], target: dict[str, torch.Tensor]) -> torch.Tensor:
+    """sum_l ||mean over the batch of s_l - target_l||^2; ``squeezes[l]`` is (batch, C_l)."""
+    return sum(((s.float().mean(dim=0) - target[name]) ** 2).sum() for name, s in squeezes.items())
+
+
+class SqueezeRecorder:
+    """Forward pre-hooks on the SE modules that record each one's squeeze (the global
+    average pool of its input, per sample) while ``recording`` is set."""
+
+    def __init__(self, model: nn.Module):
+        self.modules = squeeze_excitation_modules(model)
+        self.squeezes: dict[str, torch.Tensor] | None = None
+        for name, module in self.modules:
+            module.register_forward_pre_hook(functools.partial(self._capture, name))
+
+    def _capture(self, name: str, module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+        if self.squeezes is not None:
+            self.squeezes[name] = inputs[0].mean(dim=(2, 3))
+
+    def channels(self) -> dict[str, int]:
+        return {name: module.fc1.in_channels for name, module in self.modules}
+
+    def forward(self, model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        self.squeezes = {}
+        try:
+            out = model(x)
+            return out, self.squeezes
+        finally:
+            self.squeezes = None
+
+
+class FedSAPEdge(EdgeAlgorithm):
+    def __init__(self, method: FedSAP, models: dict[str, nn.Module], device: torch.device):
+        super().__init__(method, models, device)
+        self.recorder = SqueezeRecorder(self.models["model"])
+        zeros = {name: torch.zeros(c, device=device) for name, c in self.recorder.channels().items()}
+        self.target = zeros               # S_G, own previous statistics, or zeros (l2)
+        self.has_target = False           # False while the target is still the all-zero start
+        self.own_stats: dict[str, torch.Tensor] = {}  # s_up of the last training round
+
+    @property
+    def params(self) -> FedSAPParams:
+        return self.method.params
+
+    def receive(self, phase: str, common: Payload, personal: Payload) -> None:
+        super().receive(phase, common, personal)
+        if self.params.target == "global":
+            received = common.tensors(Kind.STAT_VECTORS, STATS)
+            if received:
+                self.target = {k: v.to(self.device, torch.float32) for k, v in received.items()}
+                self.has_target = any(bool(v.any()) for v in self.target.values())
+
+    def begin_train(self) -> None:
+        if self.params.target == "local-align" and self.own_stats:
+            self.target, self.has_target = dict(self.own_stats), True
+
+    def gsr_active(self) -> bool:
+        p = self.params
+        if p.target == "off" or p.lam == 0:
+            return False
+        return p.target == "l2" or self.has_target or not p.wait_for_stats
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        model = self.models["model"]
+        if not self.gsr_active():
+            return F.cross_entropy(model(x), y)
+        logits, squeezes = self.recorder.forward(model, x)
+        return F.cross_entropy(logits, y) + self.params.lam * gsr_loss(squeezes, self.target)
+
+    @torch.no_grad()
+    def end_train(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """s_up,k (eq. 7): the mean squeeze over the whole training set, updated model."""
+        if self.params.target not in ("global", "local-align"):
+            return
+        model = self.models["model"]
+        model.eval()
+        sums = {name: torch.zeros(c, dtype=torch.float64, device=self.device)
+                for name, c in self.recorder.channels().items()}
+        count = 0
+        for x, _ in batches:
+            _, squeezes = self.recorder.forward(model, x)
+            for name, s in squeezes.items():
+                sums[name] += s.sum(dim=0, dtype=torch.float64)
+            count += x.shape[0]
+        if count:
+            self.own_stats = {name: (total / count).float() for name, total in sums.items()}
+
+    def after_train(self, steps: int) -> Payload:
+        upload = super().after_train(steps)
+        if self.params.target == "global":
+            upload.sections.append(Section(Kind.STAT_VECTORS, STATS, dict(self.own_stats)))
+        return upload
+
+    # The previous round's statistics are local-align's next target: private state.
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {f"stats/{k}": v for k, v in self.own_stats.items()}
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.own_stats = {k[len("stats/"):]: v.to(self.device) for k, v in tensors.items()
+                          if k.startswith("stats/")}
+
+
+class FedSAP(Method):
+    name = "fedsap"
+    Params = FedSAPParams
+
+    def __init__(self, context: MethodContext):
+        super().__init__(context)
+        p: FedSAPParams = self.params
+        if p.personalization not in PERSONALIZATION:
+            raise ValueError(f"fedsap.personalization: {p.personalization!r} is not one of "
+                             f"{', '.join(PERSONALIZATION)}")
+        if p.target not in TARGETS:
+            raise ValueError(f"fedsap.target: {p.target!r} is not one of {', '.join(TARGETS)}")
+        if not 0 <= p.lam < float("inf"):
+            raise ValueError(f"fedsap.lam must be a finite number >= 0, got {p.lam}")
+        t = self.train
+        with torch.device("meta"):  # shapes only: no memory, no draw from the RNG
+            probe = build_model(t.model, t.num_classes, t.in_channels, t.image_size)
+        if not squeeze_excitation_modules(probe):
+            raise ValueError(f"fedsap: model {t.model!r} has no squeeze-excitation modules "
+                             "(use mobilenet-v3-small or se-cnn)")
+        self.private_rules = PERSONALIZATION[p.personalization]
+
+    @property
+    def uploads_stats(self) -> bool:
+        return self.params.target == "global"
+
+    def stat_specs(self, models: dict[str, nn.Module]) -> dict[str, TensorSpec]:
+        return {name: TensorSpec(torch.float32, (module.fc1.in_channels,))
+                for name, module in squeeze_excitation_modules(models["model"])}
+
+    def initial_state(self, models):
+        state = super().initial_state(models)
+        if self.uploads_stats:
+            state[(Kind.STAT_VECTORS, STATS)] = {  # S_G^0 = 0 (the paper)
+                name: torch.zeros(spec.shape) for name, spec in self.stat_specs(models).items()}
+        return state
+
+    def uplink_schema(self, phase: str, models: dict[str, nn.Module]) -> list[SectionSpec]:
+        schema = super().uplink_schema(phase, models)
+        if phase == TRAIN and self.uploads_stats:
+            schema.append(SectionSpec(Kind.STAT_VECTORS, STATS, self.stat_specs(models)))
+        return schema
+
+    def similarity_groups(self, models: dict[str, nn.Module]) -> dict[str, list[str]]:
+        """Fig. 1's groups: conv weights outside SE modules, and the SE excitation FCs."""
+        model = models["model"]
+        se = squeeze_excitation_modules(model)
+        se_prefixes = tuple(f"{name}." for name, _ in se)
+        conv = [qualified("model", f"{name}.weight") for name, m in model.named_modules()
+                if isinstance(m, nn.Conv2d) and not name.startswith(se_prefixes)]
+        excitation = [qualified("model", f"{name}.{fc}.{k}") for name, m in se
+                      for fc in ("fc1", "fc2") for k in getattr(m, fc).state_dict()]
+        return {"conv": conv, "se-e": excitation}
+
+    def edge(self, models, device):
+        return FedSAPEdge(self, models, device)
