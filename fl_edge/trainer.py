@@ -128,9 +128,15 @@ def train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, 
 
 
 def _batches(data: Split, batch_size: int, device: torch.device):
-    for start in range(0, len(data), batch_size):
-        yield (data.x[start : start + batch_size].to(device),
-               data.y[start : start + batch_size].to(device))
+    """In order; a last batch of one sample joins the one before (train-mode BatchNorm
+    cannot normalise a single sample)."""
+    n = len(data)
+    starts = list(range(0, n, batch_size))
+    if len(starts) > 1 and n - starts[-1] == 1:
+        starts.pop()
+    for i, start in enumerate(starts):
+        end = starts[i + 1] if i + 1 < len(starts) else n
+        yield data.x[start:end].to(device), data.y[start:end].to(device)
 
 
 @torch.no_grad()

@@ -240,7 +240,7 @@ def config_id(key: dict) -> str:
 def analyze_run(path: Path, history: dict, split: str) -> dict:
     manifest = history["manifest"]
     seed = (manifest.get("train") or {}).get("seed", (manifest.get("seeds") or {}).get("train"))
-    rounds, byte_rounds, participation = [], [], []
+    rounds, byte_rounds, participation, similarity = [], [], [], []
     for index, record in enumerate(history["rounds"]):
         where = f"round {record.get('round', index + 1) if isinstance(record, dict) else index + 1}"
         try:
@@ -252,6 +252,9 @@ def analyze_run(path: Path, history: dict, split: str) -> dict:
             byte_rounds.append({"round": number, **{
                 direction: {kind: int(tally["wire"]) for kind, tally in kinds.items()}
                 for direction, kinds in (record.get("bytes") or {}).items()}})
+            cosine = (record.get("aggregate") or {}).get("cosine_similarity")
+            if cosine:
+                similarity.append({"round": number, **{g: float(v) for g, v in cosine.items()}})
             train = record.get("train")
             if isinstance(train, dict):
                 participation.append({"round": number, "selected": len(train["selected"]),
@@ -273,6 +276,7 @@ def analyze_run(path: Path, history: dict, split: str) -> dict:
         "final_round": numbers[-1], "final": rounds[-1],
         "convergence_round": convergence_round(numbers, means),
         "rounds": rounds, "bytes": byte_rounds, "participation": participation,
+        "similarity": similarity,
         "wire_bytes_total": {d: sum(sum(r.get(d, {}).values()) for r in byte_rounds)
                              for d in ("up", "down")},
     }
@@ -498,6 +502,31 @@ def plot_participation(run: dict, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def plot_similarity(run: dict, path: Path) -> None:
+    """Mean pairwise cosine similarity of the edges' uploads per layer group (Fed-SAP's
+    Fig. 1: conv vs SE excitation)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    records = run["similarity"]
+    groups = sorted({g for r in records for g in r if g != "round"})
+    fig = Figure(figsize=(8, 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for group in groups:
+        points = [(r["round"], r[group]) for r in records if group in r]
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3,
+                label=group)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_xlabel("round")
+    ax.set_ylabel("mean pairwise cosine similarity of uploads")
+    ax.set_title(f"Upload similarity by layer group: {run['label']}")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 def write_report(runs: list[dict], groups: list[dict], split: str, out: Path) -> str:
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -508,6 +537,9 @@ def write_report(runs: list[dict], groups: list[dict], split: str, out: Path) ->
                               "participation": f"participation_{run['slug']}.png"}
             plot_bytes(run, out / run["figures"]["bytes"])
             plot_participation(run, out / run["figures"]["participation"])
+            if run["similarity"]:
+                run["figures"]["similarity"] = f"similarity_{run['slug']}.png"
+                plot_similarity(run, out / run["figures"]["similarity"])
             figures += list(run["figures"].values())
         table = markdown(runs, groups, split)
         (out / "summary.md").write_text(table)

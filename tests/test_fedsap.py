@@ -128,10 +128,11 @@ def test_training_loss_is_ce_plus_lambda_gsr():
         if target == "off":
             assert losses[(target, lam)] == pytest.approx(ce)
         elif target == "l2":
-            assert losses[(target, lam)] == pytest.approx(ce + lam * float(gsr_loss(squeezes, zeros)))
+            assert losses[(target, lam)] == pytest.approx(
+                ce + lam * float(gsr_loss(squeezes, zeros, "mean")), rel=1e-5)
         else:
             assert losses[(target, lam)] == pytest.approx(
-                ce + lam * float(gsr_loss(squeezes, edge.target)), rel=1e-5)
+                ce + lam * float(gsr_loss(squeezes, edge.target, "mean")), rel=1e-5)
     gsr_2 = losses[("global", 2.0)] - losses[("off", 2.0)]
     gsr_half = losses[("global", 0.5)] - losses[("off", 2.0)]
     assert gsr_2 == pytest.approx(4 * gsr_half, rel=1e-4)
@@ -149,26 +150,35 @@ def test_wait_for_stats_skips_gsr_until_the_first_statistics():
     assert faithful.edge(models, torch.device("cpu")).gsr_active()  # round 1 pulls toward 0
 
 
-def test_statistics_are_the_eval_mode_mean_squeeze_over_the_training_set():
-    method, models = fedsap()
+@pytest.mark.parametrize("stats_mode", ["train", "eval"])
+def test_statistics_are_the_mean_squeeze_over_the_training_set(stats_mode):
+    method, models = fedsap(stats_mode=stats_mode)
     edge = method.edge(models, torch.device("cpu"))
-    x = torch.randn(10, 1, 28, 28)
-    edge.end_train([(x[:4], None), (x[4:], None)])
     model = edge.models["model"]
-    model.eval()
+    x = torch.randn(10, 1, 28, 28)
+    buffers = {k: b.clone() for k, b in model.named_buffers()}
+    edge.end_train([(x[:4], None), (x[4:], None)])
+    # Train mode normalises each batch by its own statistics, yet BN's running
+    # statistics are as before the pass.
+    assert all(torch.equal(b, buffers[k]) for k, b in model.named_buffers())
     expected = {}
     for name, module in squeeze_excitation_modules(model):
         seen = []
         handle = module.register_forward_pre_hook(lambda m, i, seen=seen: seen.append(i[0]))
+        model.train(stats_mode == "train")
         with torch.no_grad():
-            model(x)
+            for batch in (x[:4], x[4:]):
+                model(batch)
         handle.remove()
-        expected[name] = seen[0].mean(dim=(0, 2, 3))
+        expected[name] = torch.cat(seen).mean(dim=(0, 2, 3))
     assert edge.own_stats.keys() == expected.keys()
     for name in expected:
         assert torch.allclose(edge.own_stats[name], expected[name], atol=1e-6)
     upload = edge.after_train(1)
     assert upload.tensors(*STATS_KEY).keys() == expected.keys()
+    if stats_mode == "train":  # batch statistics differ from running ones
+        model.eval()
+        assert not torch.allclose(edge.own_stats[name], model.features[:-1](x).mean(dim=(0, 2, 3)))
 
 
 def test_server_statistics_and_weights_are_the_weighted_mean():
@@ -316,3 +326,14 @@ def test_fedavg_personalization_records_conv_and_se_similarity(tmp_path):
     similarity = engine.history["rounds"][-1]["aggregate"]["cosine_similarity"]
     assert set(similarity) == {"conv", "se-e"}
     assert all(0.5 < v <= 1.0 for v in similarity.values())
+
+
+def test_mean_reduction_averages_each_modules_channels():
+    net = toy_two_se_net()
+    x = torch.tensor([[[[1.0, 3.0]], [[2.0, 2.0]]], [[[5.0, 7.0]], [[0.0, 4.0]]]])
+    _, squeezes = SqueezeRecorder(net).forward(net, x)
+    target = {"0": torch.tensor([1.0, 2.0]), "1": torch.tensor([0.0, 0.0])}
+    # (9 + 0) / 2 + (4 + 1) / 2
+    assert float(gsr_loss(squeezes, target, "mean").detach()) == pytest.approx(7.0)
+    with pytest.raises(ValueError, match="fedsap.reduction"):
+        fedsap(reduction="max")

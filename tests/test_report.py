@@ -321,3 +321,22 @@ def test_bad_input_exits_2_naming_the_path(tmp_path, capsys):
     (malformed / "history.json").write_text(json.dumps(history))
     assert "round 2" in refused([str(malformed)], malformed / "history.json")
     assert not (tmp_path / "out" / "summary.json").exists()
+
+
+def test_upload_similarity_is_reported_and_plotted(tmp_path):
+    run_dir = write_run(tmp_path, "fedsap", 0, 40001, SEED_ROUNDS[0])
+    history = json.loads((run_dir / "history.json").read_text())
+    for record, (conv, se) in zip(history["rounds"], ((0.99, 0.9), (0.98, 0.7)), strict=True):
+        record["aggregate"]["cosine_similarity"] = {"conv": conv, "se-e": se}
+    (run_dir / "history.json").write_text(json.dumps(history))
+    out = tmp_path / "out"
+    assert main([str(run_dir), "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    run = summary["runs"][0]
+    assert run["similarity"] == [{"round": 1, "conv": 0.99, "se-e": 0.9},
+                                 {"round": 2, "conv": 0.98, "se-e": 0.7}]
+    assert_png(out / run["figures"]["similarity"])
+    plain = write_run(tmp_path, "fedavg", 0, 40002, SEED_ROUNDS[0])
+    assert main([str(plain), "--out", str(tmp_path / "plain")]) == 0
+    assert "similarity" not in json.loads((tmp_path / "plain" / "summary.json").read_text())[
+        "runs"][0]["figures"]

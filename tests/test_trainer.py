@@ -66,3 +66,15 @@ def test_amp_on_cpu_trains_and_evaluates():
     assert math.isfinite(result.mean_loss) and result.steps == 2
     counts = evaluate(algo, data(32), "test", 10, 8, torch.device("cpu"))
     assert counts.total == 32 and counts.confusion.shape == (10, 10)
+
+
+def test_batches_in_order_never_end_with_a_single_sample():
+    from fl_edge.trainer import _batches
+
+    data = Split(torch.arange(9.0).view(9, 1, 1, 1), torch.arange(9))
+    sizes = [len(y) for _, y in _batches(data, 4, torch.device("cpu"))]
+    assert sizes == [4, 5]  # 4 + 4 + 1 -> the lone sample joins the batch before it
+    assert torch.cat([y for _, y in _batches(data, 4, torch.device("cpu"))]).tolist() == list(range(9))
+    assert [len(y) for _, y in _batches(data, 3, torch.device("cpu"))] == [3, 3, 3]
+    one = Split(torch.zeros(1, 1, 1, 1), torch.zeros(1, dtype=torch.int64))
+    assert [len(y) for _, y in _batches(one, 4, torch.device("cpu"))] == [1]
