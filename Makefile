@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 # A real fl-server and 4 fl-edge processes on loopback, on the bundled MNIST subset.
 demo: setup
-	OMP_NUM_THREADS=1 $(VENV)/bin/fl-demo --method fedavg --edges 4 --rounds 5 --alpha 0.5 \
+	OMP_NUM_THREADS=1 $(VENV)/bin/fl-demo --method fedsap --edges 4 --rounds 5 --alpha 0.5 \
 		--out runs/demo --force
 
 test: setup

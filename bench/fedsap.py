@@ -150,8 +150,9 @@ def pm(values: list[float]) -> str:
 def table(results: dict, labels: list[str], alphas: list[str], paper: dict | None) -> str:
     lines = []
     for split, name in (("global_test", "shared global_test"), ("test", "each edge's local test")):
-        lines.append(f"\nmean accuracy over edges (%), {name}: final (best)")
-        header = "| method | " + " | ".join(f"alpha {a}" + (" (paper)" if paper else "")
+        lines.append(f"\nmean accuracy over edges (%), {name}: final / best"
+                     + (" [paper, final]" if paper else ""))
+        header = "| method | " + " | ".join(f"alpha {a}"
                                           for a in alphas) + " |"
         lines += [header, "|---" * (len(alphas) + 1) + "|"]
         for label in labels:
@@ -160,9 +161,9 @@ def table(results: dict, labels: list[str], alphas: list[str], paper: dict | Non
                 runs = results.get((label, alpha), [])
                 final = [r[split]["final"] for r in runs]
                 best = [r[split]["best"] for r in runs]
-                cell = f"{pm(final)} ({pm(best)})" if runs else "-"
+                cell = f"{pm(final)} / {pm(best)}" if runs else "-"
                 if paper is not None and label in paper:
-                    cell += f" ({paper[label].get(alpha, '-')})"
+                    cell += f" [{paper[label].get(alpha, '-')}]"
                 cells.append(cell)
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -29,12 +29,16 @@ def bundled_mnist() -> Path:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fl-demo", description=__doc__.splitlines()[0])
-    p.add_argument("--method", default="fedavg")
+    p.add_argument("--method", default="fedsap")
+    p.add_argument("--model", default="se-cnn",
+                   help="se-cnn (3 SE modules: every method runs on it, Fed-SAP included) "
+                        "or lenet-bn")
     p.add_argument("--edges", type=int, default=4)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration per class")
     p.add_argument("--local-epochs", type=int, default=2)
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="run folder (default runs/demo-METHOD)")
     p.add_argument("--force", action="store_true", help="replace an existing --out folder")
@@ -107,8 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     server = spawn(["-m", "fl_server", "--insecure", "--host", "127.0.0.1", "--port", "0",
                     "--ready-file", str(ready), "--checkpoint-dir", str(checkpoint),
                     "--method", args.method, "--rounds", str(args.rounds),
-                    "--min-edges", str(len(edge_dirs)), "--model", "lenet-bn",
+                    "--min-edges", str(len(edge_dirs)), "--model", args.model,
                     "--local-epochs", str(args.local_epochs), "--lr", str(args.lr),
+                    "--momentum", str(args.momentum),
                     "--seed", str(args.seed), "--poll-timeout", "5",
                     *[f"--set={s}" for s in args.set]], "server.log")
     try:

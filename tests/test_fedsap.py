@@ -123,7 +123,7 @@ def test_training_loss_is_ce_plus_lambda_gsr():
             edge.target = {k: torch.full_like(v, 0.1) for k, v in edge.target.items()}
         losses[(target, lam)] = float(edge.training_step((x, y)).detach())
         logits, squeezes = edge.recorder.forward(models["model"], x)
-        ce = float(nn.functional.cross_entropy(logits, y))
+        ce = float(nn.functional.cross_entropy(logits, y).detach())
         zeros = {k: torch.zeros_like(v) for k, v in edge.target.items()}
         if target == "off":
             assert losses[(target, lam)] == pytest.approx(ce)
@@ -337,3 +337,17 @@ def test_mean_reduction_averages_each_modules_channels():
     assert float(gsr_loss(squeezes, target, "mean").detach()) == pytest.approx(7.0)
     with pytest.raises(ValueError, match="fedsap.reduction"):
         fedsap(reduction="max")
+
+
+def test_reduction_flag_switches_the_training_loss_to_eq6_as_printed():
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 1, 28, 28), torch.randint(0, 10, (6,))
+    method, models = fedsap(reduction="sum")
+    edge = method.edge(models, torch.device("cpu"))
+    edge.eval_mode()
+    loss = float(edge.training_step((x, y)).detach())
+    logits, squeezes = edge.recorder.forward(models["model"], x)
+    ce = float(nn.functional.cross_entropy(logits, y).detach())
+    summed = float(gsr_loss(squeezes, edge.target, "sum").detach())
+    assert loss == pytest.approx(ce + 2.0 * summed, rel=1e-5)
+    assert summed > float(gsr_loss(squeezes, edge.target, "mean").detach())

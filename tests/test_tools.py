@@ -17,8 +17,8 @@ def run(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
 
 def test_fl_demo_trains_on_bundled_mnist(tmp_path):
     out = tmp_path / "demo"
-    result = run("fl_server.demo", "--method", "fedprox", "--edges", "2", "--rounds", "2",
-                 "--out", str(out), "--set", "fedprox.mu=0.1")
+    result = run("fl_server.demo", "--method", "fedprox", "--model", "lenet-bn", "--edges", "2",
+                 "--rounds", "2", "--out", str(out), "--set", "fedprox.mu=0.1")
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     history = json.loads((out / "server" / "history.json").read_text())
     assert history["manifest"]["params"] == {"mu": 0.1}
