@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # different (multi-GB) build. Override on other platforms, e.g. a Jetson's NVIDIA wheels.
 TORCH ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: setup demo test lint proto bench clean
+.PHONY: setup demo test lint proto bench bench-fedsap clean
 
 setup: $(VENV)/.installed
 
@@ -37,3 +37,7 @@ clean:
 # Figures, printed not asserted (takes a few minutes).
 bench: setup
 	OMP_NUM_THREADS=1 $(PY) bench/wire.py
+
+# Fed-SAP vs the baselines on CIFAR-10 from ../shared/data (about 35 min on 2 cores).
+bench-fedsap: setup
+	OMP_NUM_THREADS=1 $(PY) bench/fedsap.py
