@@ -24,21 +24,25 @@ conv takes 1 input channel), nothing is replicated.
 
     .venv/bin/python bench/fedsap.py                        # Table IV at alpha 0.5 + ablations
     .venv/bin/python bench/fedsap.py --alphas 0.5 1.0 iid   # more columns
-    .venv/bin/python bench/fedsap.py --full --device cuda
+    .venv/bin/python bench/fedsap.py --full --device cuda --jobs 4
 
 It prints a Table IV-like table (mean +- std over seeds) beside the paper's figures, the
-ablation tables, and writes convergence curves (PNG) and all runs under --out.
+ablation tables, an analysis of what GSR acts on (the between-edge spread of the final
+models' squeeze statistics, and the GSR figures the edges report), and writes
+convergence curves (PNG) and all runs under --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,8 +77,10 @@ class Config:
 
 TABLE_IV = [Config("local", "local"), Config("fedavg", "fedavg"), Config("fedprox", "fedprox"),
             Config("fedbn", "fedbn"), Config("fedsap", "fedsap")]
-# Seeded like the main table: what the bar compares (GSR vs pSE alone) gets every seed.
+# Seeded like the main table: what the bar compares (GSR vs pSE alone) gets every seed,
+# and GSR with the squeezes taken under BN's running statistics (fedsap.stats_mode).
 PSE_ONLY = Config("pse-only", "fedsap", {"target": "off"})
+FEDSAP_RUNNING = Config("fedsap-running", "fedsap", {"stats_mode": "eval"})
 ABLATIONS = [
     Config("agg-se-e", "fedsap", {"personalization": "agg-se-e", "target": "off"}),
     Config("local-align", "fedsap", {"target": "local-align"}),
@@ -123,16 +129,68 @@ def federate(args, config: Config, alpha: str, seed: int) -> Path:
          str(args.edges), "--fraction", "1", "--rounds", str(args.rounds), "--procs",
          str(args.procs), "--data-root", str(data), "--out", str(out), "--seed", str(seed),
          *flags], out / "fl-sim.log")
-    print(f"  {config.label:<12} alpha {alpha:<4} seed {seed}: {time.time() - started:6.0f} s",
+    print(f"  {config.label:<14} alpha {alpha:<4} seed {seed}: {time.time() - started:6.0f} s",
           flush=True)
     return history
 
 
-def figures(history_file: Path) -> dict[str, dict[str, float]]:
+def squeeze_dispersion(run_dir: Path, data_root: Path, device: str) -> dict[str, float]:
+    """What GSR acts on: the spread, across edges, of the final personalized models' mean
+    squeeze statistics on each edge's own training data. Per SE module l,
+    sqrt(sum_k w_k ||s_k,l - s_l||^2) / ||s_l|| with s_l = sum_k w_k s_k,l (w_k = n_k / N),
+    averaged over modules; under BN's batch statistics ("train") and its running
+    statistics ("eval", what the models predict with)."""
+    import torch
+
+    from fedattn_shared.data import load_edge_data
+    from fedattn_shared.methods.fedsap import SqueezeRecorder
+    from fl_edge.export import from_state_dir
+
+    per_edge: dict[str, list[tuple[int, dict[str, torch.Tensor]]]] = {"eval": [], "train": []}
+    for state in sorted(p for p in (run_dir / "state").iterdir() if p.is_dir()):
+        personalized = from_state_dir(state, torch.device(device))
+        data = load_edge_data(data_root / state.name, personalized.train).train
+        model = personalized.algo.models["model"]
+        recorder = SqueezeRecorder(model)
+        for mode in ("eval", "train"):  # eval first: the train pass moves running statistics
+            model.train(mode == "train")
+            sums: dict[str, torch.Tensor] = {}
+            with torch.no_grad():
+                for start in range(0, len(data) - 1, 256):
+                    x = data.x[start : start + 256].to(device)
+                    for name, s in recorder.forward(model, x)[1].items():
+                        sums[name] = sums.get(name, 0) + s.double().sum(dim=0)
+            per_edge[mode].append((len(data), {k: v / len(data) for k, v in sums.items()}))
+    out = {}
+    for mode, edges in per_edge.items():
+        total = sum(n for n, _ in edges)
+        spreads = []
+        for name in edges[0][1]:
+            mean = sum(n * s[name] for n, s in edges) / total
+            spread = sum(n * float((s[name] - mean).square().sum()) for n, s in edges) / total
+            if mean.norm() > 0:
+                spreads.append(math.sqrt(spread) / float(mean.norm()))
+        out[mode] = 100 * statistics.mean(spreads) if spreads else float("nan")
+    return out
+
+
+def reported_gsr(history_file: Path) -> dict[str, float]:
+    """The edges' own GSR figures of the last training round (mean over edges)."""
+    rounds = json.loads(history_file.read_text())["rounds"]
+    metrics = list(rounds[-1]["train"]["edge_metrics"].values()) if rounds else []
+    out = {}
+    for key in ("gsr_loss", "stats_drift"):
+        values = [m[key] for m in metrics if key in m]
+        if values:
+            out[key] = statistics.mean(values)
+    return out
+
+
+def figures(history_file: Path, seed: int, analysis: dict | None = None) -> dict:
     from fl_server.report import analyze_run, load_history
 
     history = load_history(history_file)
-    out = {}
+    out: dict = {"seed": seed, "analysis": analysis or {}}
     for split in ("test", "global_test"):
         run_figures = analyze_run(history_file, history, split)
         out[split] = {"final": 100 * run_figures["final"]["mean_accuracy"],
@@ -166,6 +224,29 @@ def table(results: dict, labels: list[str], alphas: list[str], paper: dict | Non
                     cell += f" [{paper[label].get(alpha, '-')}]"
                 cells.append(cell)
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _mean_of(runs: list[dict], key: str, scale: float, digits: int) -> str:
+    values = [r["analysis"][key] * scale for r in runs if key in r["analysis"]]
+    return f"{statistics.mean(values):.{digits}f}" if values else "-"
+
+
+def analysis_table(results: dict, labels: list[str], alphas: list[str]) -> str:
+    lines = ["\nwhat GSR acts on (final models; mean over seeds): between-edge spread of the "
+             "squeeze statistics, % of their norm,\nunder BN's running / batch statistics; "
+             "the edges' mean GSR term (before lambda) and ||s_up - S_G|| / ||S_G||, last round",
+             "| method | alpha | spread, running stats % | spread, batch stats % | GSR term | drift % |",
+             "|---|---|---|---|---|---|"]
+    for alpha in alphas + (["0.5"] if "0.5" not in alphas else []):
+        for label in labels:
+            runs = results.get((label, alpha), [])
+            if not runs:
+                continue
+
+            cells = [_mean_of(runs, "eval", 1, 1), _mean_of(runs, "train", 1, 1),
+                     _mean_of(runs, "gsr_loss", 1, 4), _mean_of(runs, "stats_drift", 100, 1)]
+            lines.append(f"| {label} | {alpha} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -214,6 +295,11 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--eval-every", type=int, default=2)
     p.add_argument("--procs", type=int, default=2)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where the edges train (fl-sim --device)")
+    p.add_argument("--jobs", type=int, default=1, help="federations run at once")
+    p.add_argument("--only", nargs="+", metavar="LABEL",
+                   help="run only these rows (e.g. fedsap pse-only fedsap-running)")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-fedsap")
     args = p.parse_args()
     source = SOURCES[args.dataset][0]
@@ -231,24 +317,37 @@ def main() -> int:
           f"momentum {args.momentum} batch {args.batch_size}, seeds {args.seeds}", flush=True)
 
     results: dict[tuple[str, str], list] = {}
-
-    def collect(config: Config, alpha: str, seeds: list[int]) -> None:
-        for seed in seeds:
-            results.setdefault((config.label, alpha), []).append(
-                figures(federate(args, config, alpha, seed)))
-
-    main_table = [*TABLE_IV, PSE_ONLY]
+    main_table = [*TABLE_IV, PSE_ONLY, FEDSAP_RUNNING]
+    jobs: list[tuple[Config, str, int]] = []
     if args.what in ("table", "all"):
-        for alpha in args.alphas:
-            for config in main_table:
-                collect(config, alpha, args.seeds)
+        jobs += [(c, a, s) for a in args.alphas for c in main_table for s in args.seeds]
     if args.what in ("ablations", "all"):
-        for config in ([*TABLE_IV[-1:], PSE_ONLY] if args.what == "ablations" else []) + ABLATIONS:
-            collect(config, "0.5", args.seeds if config.label == "fedsap" else args.seeds[:1])
+        extra = [*TABLE_IV[-1:], PSE_ONLY] if args.what == "ablations" else []
+        jobs += [(c, "0.5", s) for c in extra + ABLATIONS
+                 for s in (args.seeds if c.label in ("fedsap", "pse-only") else args.seeds[:1])]
+    if args.only:
+        jobs = [job for job in jobs if job[0].label in args.only]
+    for alpha, seed in dict.fromkeys((a, s) for _, a, s in jobs):
+        partition(args, alpha, seed)  # before the runs start: they share the partitions
+
+    def one(job: tuple[Config, str, int]) -> None:
+        config, alpha, seed = job
+        history = federate(args, config, alpha, seed)
+        data = partition(args, alpha, seed)
+        analysis = {**squeeze_dispersion(history.parent.parent, data, args.device),
+                    **reported_gsr(history)}
+        results.setdefault((config.label, alpha), []).append(figures(history, seed, analysis))
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        for future in [pool.submit(one, job) for job in jobs]:
+            future.result()
+    for runs in results.values():  # seed order, whatever order the jobs finished in
+        runs.sort(key=lambda r: r["seed"])
 
     paper = PAPER_TABLE_IV if args.dataset == "cifar10" else None
-    labels = [c.label for c in main_table]
+    labels = [c.label for c in main_table if any((c.label, a) in results for a in args.alphas)]
     print(table(results, labels, args.alphas, paper))
+    print(analysis_table(results, [c.label for c in main_table + ABLATIONS], args.alphas))
     if args.what in ("ablations", "all"):
         ablation_labels = ["fedsap", "pse-only", *[c.label for c in ABLATIONS]]
         print("\nablations, alpha 0.5 (paper, CIFAR-10 alpha 0.5: "

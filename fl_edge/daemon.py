@@ -407,7 +407,8 @@ class EdgeDaemon:
                                header.phase)
             metrics = {"train_loss": result.mean_loss, "last_epoch_loss": result.last_epoch_loss,
                        "train_seconds": result.seconds, "steps": float(result.steps),
-                       "samples_per_second": result.samples_per_second, "lr": lr}
+                       "samples_per_second": result.samples_per_second, "lr": lr,
+                       **algo.training_metrics()}
             self.metrics.train_seconds.set(result.seconds)
             self.metrics.samples_per_second.set(result.samples_per_second)
             log.info("round %d: trained %d steps in %.2fs (loss %.4f)", header.round,

@@ -129,10 +129,10 @@ def test_training_loss_is_ce_plus_lambda_gsr():
             assert losses[(target, lam)] == pytest.approx(ce)
         elif target == "l2":
             assert losses[(target, lam)] == pytest.approx(
-                ce + lam * float(gsr_loss(squeezes, zeros, "mean")), rel=1e-5)
+                ce + lam * float(gsr_loss(squeezes, zeros, "mean").detach()), rel=1e-5)
         else:
             assert losses[(target, lam)] == pytest.approx(
-                ce + lam * float(gsr_loss(squeezes, edge.target, "mean")), rel=1e-5)
+                ce + lam * float(gsr_loss(squeezes, edge.target, "mean").detach()), rel=1e-5)
     gsr_2 = losses[("global", 2.0)] - losses[("off", 2.0)]
     gsr_half = losses[("global", 0.5)] - losses[("off", 2.0)]
     assert gsr_2 == pytest.approx(4 * gsr_half, rel=1e-4)
@@ -150,7 +150,7 @@ def test_wait_for_stats_skips_gsr_until_the_first_statistics():
     assert faithful.edge(models, torch.device("cpu")).gsr_active()  # round 1 pulls toward 0
 
 
-@pytest.mark.parametrize("stats_mode", ["train", "eval"])
+@pytest.mark.parametrize("stats_mode", ["train", "eval", "eval-upload"])
 def test_statistics_are_the_mean_squeeze_over_the_training_set(stats_mode):
     method, models = fedsap(stats_mode=stats_mode)
     edge = method.edge(models, torch.device("cpu"))
@@ -158,6 +158,7 @@ def test_statistics_are_the_mean_squeeze_over_the_training_set(stats_mode):
     x = torch.randn(10, 1, 28, 28)
     buffers = {k: b.clone() for k, b in model.named_buffers()}
     edge.end_train([(x[:4], None), (x[4:], None)])
+    assert model.training  # the pass leaves the model in the mode it found
     # Train mode normalises each batch by its own statistics, yet BN's running
     # statistics are as before the pass.
     assert all(torch.equal(b, buffers[k]) for k, b in model.named_buffers())
@@ -292,6 +293,10 @@ def test_fedsap_over_grpc_keeps_se_excitation_home_and_reloads_it(tmp_path):
     record = engine.history["rounds"][-1]
     assert set(record["aggregate"]["cosine_similarity"]) == {"conv"}  # SE-E is not uploaded
     assert record["bytes"]["up"]["stat_vectors"]["raw"] == 2 * 112 * 4
+    # The round's GSR figures travel as monitoring scalars into the history.
+    metrics = record["train"]["edge_metrics"]
+    assert len(metrics) == 2
+    assert all(m["gsr_loss"] >= 0 and math.isfinite(m["stats_drift"]) for m in metrics.values())
     # Each edge's SE-E layers are in its private state, and they are its own.
     first = private_tensors(tools.from_state_dir(tmp_path / "state-0").algo)
     second = private_tensors(tools.from_state_dir(tmp_path / "state-1").algo)
@@ -351,3 +356,62 @@ def test_reduction_flag_switches_the_training_loss_to_eq6_as_printed():
     summed = float(gsr_loss(squeezes, edge.target, "sum").detach())
     assert loss == pytest.approx(ce + 2.0 * summed, rel=1e-5)
     assert summed > float(gsr_loss(squeezes, edge.target, "mean").detach())
+
+
+def test_eval_stats_mode_takes_gsr_under_running_statistics():
+    """stats_mode = "eval": CE from the training forward (batch statistics), GSR from a
+    second forward under BN's running statistics; the running statistics move once per
+    step, as without GSR, and every module's mode is restored."""
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 1, 28, 28) * 2 + 1, torch.randint(0, 10, (6,))
+    method, models = fedsap(stats_mode="eval", lam=2.0)
+    edge = method.edge(models, torch.device("cpu"))
+    model = edge.models["model"]
+    edge.target = {k: torch.full_like(v, 0.1) for k, v in edge.target.items()}
+    edge.train_mode()
+    before = {k: b.clone() for k, b in model.named_buffers()}
+    loss = edge.training_step((x, y))
+    assert model.training and all(m.training for m in model.modules())
+    after = {k: b.clone() for k, b in model.named_buffers()}
+
+    with torch.no_grad():
+        for k, b in model.named_buffers():
+            b.copy_(before[k])
+    logits = model(x)  # one training-mode forward moves the running statistics like this
+    assert all(torch.equal(b, after[k]) for k, b in model.named_buffers())
+    ce = nn.functional.cross_entropy(logits, y)
+    model.eval()
+    _, squeezes = edge.recorder.forward(model, x)
+    expected = ce + 2.0 * gsr_loss(squeezes, edge.target, "mean")
+    assert float(loss.detach()) == pytest.approx(float(expected.detach()), rel=1e-5)
+    model.train()
+    _, train_squeezes = edge.recorder.forward(model, x)
+    assert not torch.allclose(train_squeezes["features.3"].mean(0), squeezes["features.3"].mean(0))
+
+
+def test_training_metrics_report_the_mean_gsr_term_and_the_drift():
+    from fedattn_shared.data.npz import Split
+    from fedattn_shared.methods.fedsap import statistics_drift
+
+    # Drift, hand-computed: module a: ||[3,4]-[0,0]||... skipped (zero target);
+    # b: ||[1,1]-[1,0]|| / ||[1,0]|| = 1; c: ||[2,0]-[4,0]|| / 4 = 0.5 -> mean 0.75.
+    stats = {"a": torch.tensor([3.0, 4.0]), "b": torch.tensor([1.0, 1.0]), "c": torch.tensor([2.0, 0.0])}
+    target = {"a": torch.zeros(2), "b": torch.tensor([1.0, 0.0]), "c": torch.tensor([4.0, 0.0])}
+    assert statistics_drift(stats, target) == pytest.approx(0.75)
+
+    method, models = fedsap(lam=2.0)
+    edge = method.edge(models, torch.device("cpu"))
+    edge.receive("train", Payload([Section(Kind.STAT_VECTORS, STATS, {
+        k: torch.full_like(v, 0.2) for k, v in edge.target.items()})]), Payload())
+    seen = []
+    step = edge.training_step
+    edge.training_step = lambda batch: seen.append(
+        float(gsr_loss(edge.recorder.forward(edge.models["model"], batch[0])[1], edge.target,
+                       "mean").detach())) or step(batch)
+    data = Split(torch.randn(12, 1, 28, 28), torch.randint(0, 10, (12,)))
+    train_local(edge, data, 1, 4, seed=0, device=torch.device("cpu"), progress=False)
+    metrics = edge.training_metrics()
+    assert len(seen) == 3 and metrics["gsr_loss"] > 0
+    assert metrics["stats_drift"] == pytest.approx(statistics_drift(edge.own_stats, edge.target))
+    off, models = fedsap(target="off")
+    assert off.edge(models, torch.device("cpu")).training_metrics() == {}

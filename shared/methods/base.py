@@ -192,8 +192,8 @@ class EdgeAlgorithm:
     ``training_step`` -> backward -> ``post_backward`` (parameter-only terms as gradient
     post-processing, so they also survive DP-SGD's clipping) -> optimizer steps, then
     ``end_train`` (one pass over the data, if the method wants it) and ``after_train`` for
-    the upload. ``predict`` is the personalized model used for
-    evaluation and export.
+    the upload; ``training_metrics`` adds monitoring scalars to the result. ``predict`` is
+    the personalized model used for evaluation and export.
     """
 
     def __init__(self, method: Method, models: dict[str, nn.Module], device: torch.device):
@@ -281,6 +281,12 @@ class EdgeAlgorithm:
         """After the last epoch: ``batches`` walks the edge's training data once, in order,
         on the device (a method that needs a pass over it, as Fed-SAP's statistics, takes
         it; nothing is loaded unless iterated)."""
+
+    def training_metrics(self) -> dict[str, float]:
+        """Monitoring scalars of the round's training (e.g. a regularizer's mean value),
+        sent with the result beside the training loss and recorded per edge in the
+        server's history. Only figures that are safe to share belong here."""
+        return {}
 
     def predict(self, x: torch.Tensor) -> torch.Tensor:
         return self.models["model"](x)

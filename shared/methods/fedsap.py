@@ -9,10 +9,16 @@ Source: ../shared/papers/000_60973f2d73fb11ce.txt, section II; METHODS.md sectio
   STAT_VECTORS section. Each batch's loss is CE + lambda * sum_l ||s_batch,l - S_G,l||^2
   (eqs. 5-6), s_batch,l the batch mean of the l-th squeeze (the global average pool of
   the SE module's input, taken by a forward pre-hook, with autograd) and S_G a constant.
-* After local training, one no-grad pass over the edge's training data in eval mode gives
-  s_up,k (eq. 7; the mode is not stated in the paper: eval, as METHODS.md 3.2); the
-  server's weighted mean of the uploads is the next S_G (eq. 8), in the same streaming
-  weighted sum as the weights.
+* After local training, one no-grad pass over the edge's training data gives s_up,k
+  (eq. 7); the server's weighted mean of the uploads is the next S_G (eq. 8), in the same
+  streaming weighted sum as the weights.
+* Which BatchNorm statistics the squeezes are taken under is not stated in the paper
+  (``stats_mode``). With BN directly before every SE module (MobileNetV3, se-cnn) and BN
+  in training mode, each channel's batch mean before the activation is exactly BN's
+  shared beta, so the batch-mean squeezes of different edges barely differ (measured on
+  se-cnn, digits 0-2 vs 7-9: 1-3 % apart in training mode, up to 38 % under the running
+  statistics) and GSR has almost nothing to align. ``"eval"`` takes both s_batch and s_up
+  under the running statistics, where the local bias the paper describes shows.
 
 The paper's ablations are parameters: ``personalization`` (Table I), ``target``
 (Table III) and ``lam`` (Table II). The server records the mean pairwise cosine
@@ -22,8 +28,9 @@ uploaded under ``personalization = "fedavg"``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +57,7 @@ TARGETS = {
     "off": "no regularization (pSE alone)",
 }
 STATS = "gsr"  # name of the STAT_VECTORS section
+STATS_MODES = ("train", "eval", "eval-upload")
 
 
 @dataclass
@@ -60,9 +68,13 @@ class FedSAPParams:
     # S_G^0 is all zeros, so round 1's GSR pulls the statistics toward zero (faithful to
     # the paper). True skips GSR until a first target exists.
     wait_for_stats: bool = False
-    # BatchNorm mode of the statistics pass (eq. 7; the paper does not say). "train" uses
-    # batch statistics, the same quantity s_batch is during training (running statistics
-    # are restored afterwards); "eval" uses the running statistics.
+    # BatchNorm statistics the squeezes are taken under (the paper does not say):
+    #   "train"       batch statistics for s_batch (the training forward) and for s_up
+    #                 (the pass after training; running statistics restored afterwards);
+    #   "eval"        running statistics for both: GSR's s_batch comes from a second
+    #                 forward per batch with BN normalising by its running statistics
+    #                 (about 1.5x the step cost), s_up from an eval-mode pass;
+    #   "eval-upload" s_batch from the training forward, s_up in eval mode (mixes the two).
     stats_mode: str = "train"
     # Eq. 6 as printed sums the squared deviations over channels ("sum"). With lambda = 2
     # that term outweighs the cross-entropy by 10-20x (2,296 channels on MobileNetV3-small)
@@ -82,6 +94,27 @@ def gsr_loss(squeezes: dict[str, torch.Tensor], target: dict[str, torch.Tensor],
         squared = (s.float().mean(dim=0) - target[name]) ** 2
         terms.append(squared.sum() if reduction == "sum" else squared.mean())
     return torch.stack(terms).sum()
+
+
+@contextlib.contextmanager
+def running_statistics(model: nn.Module) -> Iterator[None]:
+    """Evaluation mode inside the block (BN normalises by its running statistics and leaves
+    them alone); every module's own mode is restored afterwards."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, mode in modes:
+            module.training = mode
+
+
+def statistics_drift(stats: dict[str, torch.Tensor], target: dict[str, torch.Tensor]) -> float:
+    """Mean over modules of ||stats_l - target_l|| / ||target_l|| (modules whose target is
+    all zero are skipped)."""
+    ratios = [float((stats[name] - t).norm() / t.norm()) for name, t in target.items()
+              if name in stats and t.norm() > 0]
+    return sum(ratios) / len(ratios) if ratios else float("nan")
 
 
 class SqueezeRecorder:
@@ -118,6 +151,9 @@ class FedSAPEdge(EdgeAlgorithm):
         self.target = zeros               # S_G, own previous statistics, or zeros (l2)
         self.has_target = False           # False while the target is still the all-zero start
         self.own_stats: dict[str, torch.Tensor] = {}  # s_up of the last training round
+        self._gsr_total = torch.zeros((), device=device)  # GSR terms summed over the round
+        self._gsr_batches = 0
+        self._drift: float | None = None
 
     @property
     def params(self) -> FedSAPParams:
@@ -134,6 +170,9 @@ class FedSAPEdge(EdgeAlgorithm):
     def begin_train(self) -> None:
         if self.params.target == "local-align" and self.own_stats:
             self.target, self.has_target = dict(self.own_stats), True
+        self._gsr_total.zero_()
+        self._gsr_batches = 0
+        self._drift = None
 
     def gsr_active(self) -> bool:
         p = self.params
@@ -146,9 +185,16 @@ class FedSAPEdge(EdgeAlgorithm):
         model = self.models["model"]
         if not self.gsr_active():
             return F.cross_entropy(model(x), y)
-        logits, squeezes = self.recorder.forward(model, x)
-        return F.cross_entropy(logits, y) + self.params.lam * gsr_loss(
-            squeezes, self.target, self.params.reduction)
+        if self.params.stats_mode == "eval":
+            logits = model(x)
+            with running_statistics(model):
+                _, squeezes = self.recorder.forward(model, x)
+        else:
+            logits, squeezes = self.recorder.forward(model, x)
+        gsr = gsr_loss(squeezes, self.target, self.params.reduction)
+        self._gsr_total += gsr.detach()
+        self._gsr_batches += 1
+        return F.cross_entropy(logits, y) + self.params.lam * gsr
 
     @torch.no_grad()
     def end_train(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -157,6 +203,7 @@ class FedSAPEdge(EdgeAlgorithm):
             return
         model = self.models["model"]
         train_mode = self.params.stats_mode == "train"
+        training = [(module, module.training) for module in model.modules()]
         buffers = {k: b.clone() for k, b in model.named_buffers()} if train_mode else {}
         model.train(train_mode)
         sums = {name: torch.zeros(c, dtype=torch.float64, device=self.device)
@@ -171,8 +218,23 @@ class FedSAPEdge(EdgeAlgorithm):
         for name, buffer in model.named_buffers():
             if name in buffers:  # the pass must not move BN's running statistics
                 buffer.copy_(buffers[name])
+        for module, mode in training:
+            module.training = mode
         if count:
             self.own_stats = {name: (total / count).float() for name, total in sums.items()}
+            if self.has_target:
+                self._drift = statistics_drift(self.own_stats, self.target)
+
+    def training_metrics(self) -> dict[str, float]:
+        """The mean GSR term of the round's batches (before lambda), and how far this
+        edge's statistics ended from the target (mean over modules of ||s_up - target|| /
+        ||target||)."""
+        metrics = {}
+        if self._gsr_batches:
+            metrics["gsr_loss"] = float(self._gsr_total) / self._gsr_batches
+        if self._drift is not None:
+            metrics["stats_drift"] = self._drift
+        return metrics
 
     def after_train(self, steps: int) -> Payload:
         upload = super().after_train(steps)
@@ -203,8 +265,9 @@ class FedSAP(Method):
             raise ValueError(f"fedsap.target: {p.target!r} is not one of {', '.join(TARGETS)}")
         if p.reduction not in ("sum", "mean"):
             raise ValueError(f"fedsap.reduction: {p.reduction!r} is not sum or mean")
-        if p.stats_mode not in ("train", "eval"):
-            raise ValueError(f"fedsap.stats_mode: {p.stats_mode!r} is not train or eval")
+        if p.stats_mode not in STATS_MODES:
+            raise ValueError(f"fedsap.stats_mode: {p.stats_mode!r} is not one of "
+                             f"{', '.join(STATS_MODES)}")
         if not 0 <= p.lam < float("inf"):
             raise ValueError(f"fedsap.lam must be a finite number >= 0, got {p.lam}")
         t = self.train
