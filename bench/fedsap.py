@@ -287,13 +287,14 @@ def main() -> int:
     p.add_argument("--model", default=None,
                    help="default se-cnn (CPU protocol), mobilenet-v3-small with --full")
     p.add_argument("--edges", type=int, default=10)
-    p.add_argument("--limit", type=int, default=4000, help="training images in all (CPU)")
-    p.add_argument("--rounds", type=int, default=16)
+    p.add_argument("--limit", type=int, default=None,
+                   help="training images in all (default 4000; all with --full)")
+    p.add_argument("--rounds", type=int, default=None, help="default 16; 50 with --full")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--eval-every", type=int, default=2)
+    p.add_argument("--eval-every", type=int, default=None, help="default 2; 5 with --full")
     p.add_argument("--procs", type=int, default=2)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="where the edges train (fl-sim --device)")
@@ -307,8 +308,9 @@ def main() -> int:
         print(f"bench/fedsap.py: {source} is missing (../shared/data is not beside the repo)",
               file=sys.stderr)
         return 2
-    if args.full:
-        args.limit, args.rounds, args.eval_every = 0, 50, 5
+    for name, cpu, full in (("limit", 4000, 0), ("rounds", 16, 50), ("eval_every", 2, 5)):
+        if getattr(args, name) is None:
+            setattr(args, name, full if args.full else cpu)
     args.model = args.model or ("mobilenet-v3-small" if args.full else "se-cnn")
     args.out = args.out.resolve()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -320,7 +322,8 @@ def main() -> int:
     main_table = [*TABLE_IV, PSE_ONLY, FEDSAP_RUNNING]
     jobs: list[tuple[Config, str, int]] = []
     if args.what in ("table", "all"):
-        jobs += [(c, a, s) for a in args.alphas for c in main_table for s in args.seeds]
+        # Seed by seed: every row of a seed finishes before the next seed starts.
+        jobs += [(c, a, s) for a in args.alphas for s in args.seeds for c in main_table]
     if args.what in ("ablations", "all"):
         extra = [*TABLE_IV[-1:], PSE_ONLY] if args.what == "ablations" else []
         jobs += [(c, "0.5", s) for c in extra + ABLATIONS
@@ -336,7 +339,11 @@ def main() -> int:
         data = partition(args, alpha, seed)
         analysis = {**squeeze_dispersion(history.parent.parent, data, args.device),
                     **reported_gsr(history)}
-        results.setdefault((config.label, alpha), []).append(figures(history, seed, analysis))
+        result = figures(history, seed, analysis)
+        results.setdefault((config.label, alpha), []).append(result)
+        print(f"  {config.label:<14} alpha {alpha:<4} seed {seed}: final local test "
+              f"{result['test']['final']:.1f}, global_test {result['global_test']['final']:.1f}",
+              flush=True)
 
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         for future in [pool.submit(one, job) for job in jobs]:

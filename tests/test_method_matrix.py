@@ -24,7 +24,7 @@ from fl_server.cli import ServerApp
 def run_federation(tmp_path, method_name: str, private: list[str] | None = None,
                    edges: int = 2, rounds: int = 2, sizes: list[int] | None = None,
                    lr: float = 0.05, init_weights: str = "", model: str = "lenet-bn",
-                   params: dict | None = None):
+                   params: dict | None = None, device: str = "cpu"):
     train = TrainConfig(private=private or [], lr=lr, model=model)
     cls = load_method(method_name)
     method = cls(MethodContext(train, cls.Params(**(params or {}))))
@@ -48,7 +48,7 @@ def run_federation(tmp_path, method_name: str, private: list[str] | None = None,
 
     def edge(i: int, data_dir):
         options = EdgeOptions(server=f"127.0.0.1:{port}", data_dir=data_dir,
-                              state_dir=tmp_path / f"state-{i}", name=f"e{i}", device="cpu",
+                              state_dir=tmp_path / f"state-{i}", name=f"e{i}", device=device,
                               retry_for=30, progress=False)
         results[f"e{i}"] = EdgeDaemon(options).run()
 

@@ -1,0 +1,81 @@
+"""Edges on a CUDA device: the same training as on the CPU, mixed precision, and a
+federation whose edges train on the GPU. Skipped without a CUDA device (CI has none; run
+these on a GPU box)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_method_matrix import run_federation
+
+from fedattn_shared.config import TrainConfig
+from fedattn_shared.data.npz import Split
+from fedattn_shared.methods import MethodContext, load_method
+from fedattn_shared.wire.codec import Kind
+from fl_edge.trainer import evaluate, train_local
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA device (run on a GPU box)")
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def fedsap_edges(stats_mode: str = "train"):
+    cls = load_method("fedsap")
+    method = cls(MethodContext(TrainConfig(model="se-cnn", lr=0.05), cls.Params(stats_mode=stats_mode)))
+    models = method.build_models()
+    return method.edge(copy.deepcopy(models), CPU), method.edge(models, CUDA)
+
+
+def data(n: int = 64) -> Split:
+    generator = torch.Generator().manual_seed(0)
+    return Split(torch.randn(n, 1, 28, 28, generator=generator),
+                 torch.randint(0, 10, (n,), generator=generator))
+
+
+@pytest.fixture
+def exact_float32():
+    """cuDNN and cuBLAS use TF32 for float32 by default on Ampere and later (about 1e-3
+    relative error): off for comparisons with the CPU."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@pytest.mark.parametrize("stats_mode", ["train", "eval"])
+def test_fedsap_epoch_on_cuda_matches_the_cpu(stats_mode, exact_float32):
+    cpu, gpu = fedsap_edges(stats_mode)
+    for edge in (cpu, gpu):
+        edge.target = {k: torch.full_like(v, 0.1) for k, v in edge.target.items()}
+        edge.has_target = True
+        train_local(edge, data(), 1, 16, seed=0, device=edge.device, progress=False)
+    for (name, a), (_, b) in zip(cpu.models["model"].state_dict().items(),
+                                 gpu.models["model"].state_dict().items(), strict=True):
+        assert b.is_cuda
+        assert torch.allclose(a, b.cpu(), atol=1e-4, rtol=1e-3), name
+    for name in cpu.own_stats:  # the statistics pass ran on the device too
+        assert torch.allclose(cpu.own_stats[name], gpu.own_stats[name].cpu(), atol=1e-4)
+    assert gpu.training_metrics()["gsr_loss"] == pytest.approx(
+        cpu.training_metrics()["gsr_loss"], rel=1e-3)
+
+
+def test_mixed_precision_on_cuda_trains_with_fp32_weights():
+    _, gpu = fedsap_edges()
+    split = data(128)
+    before = evaluate(gpu, split, "train", 10, 64, CUDA).loss_sum
+    for epoch in range(5):
+        result = train_local(gpu, split, 1, 32, seed=epoch, device=CUDA, progress=False, amp=True)
+        assert result.steps == 4
+    assert all(p.dtype == torch.float32 for p in gpu.models["model"].parameters())
+    assert evaluate(gpu, split, "train", 10, 64, CUDA).loss_sum < before
+
+
+def test_federation_with_edges_training_on_cuda(tmp_path):
+    received, engine = run_federation(tmp_path, "fedsap", model="se-cnn", rounds=2, device="cuda")
+    assert len(received) == 4
+    stats = engine.aggregator.state[(Kind.STAT_VECTORS, "gsr")]
+    assert all(not v.is_cuda and torch.isfinite(v).all() for v in stats.values())
+    summary = engine.history["rounds"][-1]["evaluation"]["summary"]["test"]
+    assert summary["mean_accuracy"] > 0
