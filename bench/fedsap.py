@@ -38,6 +38,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -86,6 +87,9 @@ ABLATIONS = [
     Config("local-align", "fedsap", {"target": "local-align"}),
     Config("l2", "fedsap", {"target": "l2"}),
     *[Config(f"lambda={lam}", "fedsap", {"lam": lam}) for lam in (0.1, 0.5, 1.0, 5.0)],
+    # GSR under running statistics, without round 1's pull toward S_G^0 = 0 / gentler.
+    Config("running-wait", "fedsap", {"stats_mode": "eval", "wait_for_stats": True}),
+    Config("running-lambda=0.5", "fedsap", {"stats_mode": "eval", "lam": 0.5}),
 ]
 
 
@@ -112,10 +116,12 @@ def partition(args, alpha: str, seed: int) -> Path:
 
 def federate(args, config: Config, alpha: str, seed: int) -> Path:
     _, channels, size = SOURCES[args.dataset]
-    out = args.out / "runs" / f"{args.dataset}-{alpha}" / f"{config.label}-s{seed}"
+    protocol = f"{args.dataset}-{alpha}-{args.model}-n{args.limit or 'all'}-b{args.batch_size}"
+    out = args.out / "runs" / protocol / f"{config.label}-s{seed}"
     history = out / "server" / "history.json"
     if history.exists() and len(json.loads(history.read_text())["rounds"]) == args.rounds:
         return history  # finished earlier: --out doubles as a cache
+    shutil.rmtree(out, ignore_errors=True)  # an unfinished run starts over
     data = partition(args, alpha, seed)
     sets = {"train.model": args.model, "train.in_channels": channels, "train.image_size": size,
             "train.lr": args.lr, "train.momentum": args.momentum, "train.batch_size": args.batch_size,
