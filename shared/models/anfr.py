@@ -11,15 +11,17 @@ GN-ResNet (the same with GroupNorm), SE-ResNet (``seresnet50``) and NF-ResNet
 Depths:
   * ``-50`` / ``-26``: the paper's models, exactly timm's (Table 6 parameter counts);
   * ``-compact``: the same blocks at one bottleneck per stage and a quarter of the width
-    (stem 16, bottleneck widths 16-32-64-128, stage outputs 64-128-256-512), for CPU runs
-    on 32x32 images. The BN/GN/SE baselines at compact depth use timm's ResNet with the
+    (7x7 stem of 64 channels, bottleneck widths 16-32-64-128, stage outputs 64-128-256-512),
+    for CPU runs on 32x32 images. The BN/GN/SE baselines at compact depth use timm's ResNet with the
     same stem, stage widths and depths, so every family differs only in normalisation and
     attention.
 
 timm's CBAM spatial branch is ``ConvNormAct(2, 1, 7, apply_act=False)``: a BatchNorm2d(1)
-in every block, so ``anfr-cbam-*`` is not strictly BN-free and Opacus refuses it. The
-``-gn`` variants replace each of those one-channel BatchNorms by GroupNorm(1, 1) (what
-Opacus' ``ModuleValidator.fix`` would do), a DP-clean form.
+in every block, so ``anfr-cbam-*`` is not strictly BN-free (and Opacus' validator, which
+matches exact types, does not notice: ``batchnorm_layers`` does). The ``-gn`` variants replace each of those one-channel BatchNorms by GroupNorm(1, 1) (what
+Opacus' ``ModuleValidator.fix`` would do), a DP-clean form: a per-sample standardisation of
+the spatial-attention logits, degenerate on a 1x1 map (the compact model's last stage at
+32 px), fine at the paper's 224 px.
 
 Everything is built with random initialisation: pretrained weights come in through
 ``fl-server --init-weights``.
@@ -34,7 +36,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 COMPACT_DEPTHS = (1, 1, 1, 1)
-COMPACT_STEM = 16
+COMPACT_STEM = 64                          # timm ResNet's 7x7 stem is always 64 wide
 COMPACT_CHANNELS = (64, 128, 256, 512)     # stage outputs; bottleneck width is a quarter
 COMPACT_GROUPS = 8                         # GroupNorm groups at compact width (16 channels min)
 RESNET50_GROUPS = 32                       # the usual GN-ResNet-50
@@ -51,6 +53,23 @@ def batchnorm_to_groupnorm(model: nn.Module) -> nn.Module:
         for child_name, child in list(module.named_children()):
             if isinstance(child, _BatchNorm):
                 setattr(module, child_name, nn.GroupNorm(1, child.num_features, eps=child.eps))
+    return model
+
+
+def batchnorm_layers(model: nn.Module) -> list[str]:
+    """Names of every BatchNorm layer, subclasses included. Opacus' ModuleValidator matches
+    exact types, so it passes timm's ``BatchNormAct2d`` (CBAM's spatial norm): a DP check
+    must ask this too, or batch statistics would mix samples under DP-SGD unnoticed."""
+    return [name for name, m in model.named_modules() if isinstance(m, _BatchNorm)]
+
+
+def disable_inplace_activations(model: nn.Module) -> nn.Module:
+    """Turn off in-place activations (timm's NF blocks apply ReLU in place to a conv's
+    output), which Opacus' per-sample-gradient backward hooks cannot follow. Same outputs,
+    a little more memory; DP-SGD needs it."""
+    for module in model.modules():
+        if getattr(module, "inplace", False) is True:
+            module.inplace = False
     return model
 
 
