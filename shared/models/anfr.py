@@ -18,9 +18,10 @@ Depths:
 
 timm's CBAM spatial branch is ``ConvNormAct(2, 1, 7, apply_act=False)``: a BatchNorm2d(1)
 in every block, so ``anfr-cbam-*`` is not strictly BN-free (and Opacus' validator, which
-matches exact types, does not notice: ``batchnorm_layers`` does). The ``-gn`` variants replace each of those one-channel BatchNorms by GroupNorm(1, 1) (what
-Opacus' ``ModuleValidator.fix`` would do), a DP-clean form: a per-sample standardisation of
-the spatial-attention logits, degenerate on a 1x1 map (the compact model's last stage at
+matches exact types, does not notice: ``batchnorm_layers`` does). The ``-gn`` variants
+replace each of those one-channel BatchNorms by GroupNorm(1, 1) (what Opacus'
+``ModuleValidator.fix`` would do), a DP-clean form: a per-sample standardisation of the
+spatial-attention logits, degenerate on a 1x1 map (the compact model's last stage at
 32 px), fine at the paper's 224 px.
 
 Everything is built with random initialisation: pretrained weights come in through
