@@ -18,7 +18,8 @@ local test split. Both columns are printed for every method.
 Protocols:
   default (CPU): compact depth (1 bottleneck per stage, quarter width; ~0.5 M parameters),
     5 edges x 4 classes, --limit 1,500 training images, 8 rounds of 1 local epoch, SGD
-    lr 0.03 with cosine decay (the paper's CIFAR-10 optimiser) momentum 0.9, batch 32,
+    lr 0.03 with cosine decay (the paper's CIFAR-10 optimiser) momentum 0.9 (0 under
+    SCAFFOLD, whose update assumes plain SGD), batch 32,
     seeds 0 1 2; every method on "shards", FedAvg also on Dirichlet(0.5). From scratch.
   --full: the -50 models (bn-resnet-50, gn-resnet-50, se-resnet-50, nf-resnet-50,
     anfr-se-50), 10 edges x 4 classes, all 50,000 images, 50 rounds (a GPU machine; the
@@ -97,7 +98,9 @@ def federate(args, scheme: str, arch: str, method: str, seed: int) -> Path:
     data = partition(args, scheme, seed)
     model = ARCHS[arch][1 if args.full else 0]
     sets = {"train.model": model, "train.in_channels": 3, "train.image_size": 32,
-            "train.lr": args.lr, "train.momentum": args.momentum, "train.batch_size": args.batch_size,
+            "train.lr": args.lr, "train.batch_size": args.batch_size,
+            # SCAFFOLD's control-variate update assumes plain SGD (and refuses momentum).
+            "train.momentum": 0.0 if method == "scaffold" else args.momentum,
             "train.local_epochs": args.epochs, "train.lr_schedule": "cosine",
             "server.eval_every": args.eval_every, "server.round_timeout": 3600}
     flags = [f"--set={k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in sets.items()]
