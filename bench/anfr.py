@@ -90,10 +90,14 @@ def run_dir(args, scheme: str, arch: str, method: str, seed: int) -> Path:
     return args.out / "runs" / scheme / f"{arch}-{method}-s{seed}"
 
 
+def finished(history: Path, rounds: int) -> bool:
+    return history.exists() and len(json.loads(history.read_text())["rounds"]) == rounds
+
+
 def federate(args, scheme: str, arch: str, method: str, seed: int) -> Path:
     out = run_dir(args, scheme, arch, method, seed)
     history = out / "server" / "history.json"
-    if history.exists() and len(json.loads(history.read_text())["rounds"]) == args.rounds:
+    if finished(history, args.rounds):
         return history  # finished earlier: --out doubles as a cache
     data = partition(args, scheme, seed)
     model = ARCHS[arch][1 if args.full else 0]
@@ -169,26 +173,36 @@ def attention_gates(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]
 @torch.no_grad()
 def attention_variability(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
                           num_classes: int, batch_size: int = 250) -> dict[str, float]:
-    """Figures of the last attention module's gate (the paper's Fig. 3): the per-class mean
-    gate vector A (classes x channels) over ``x``; ``class_std`` is the std across classes
-    per channel, averaged over channels (does attention still depend on the class?),
-    ``spread`` the std of all entries of A, ``mean`` its mean and ``saturated`` the share of
-    entries above 0.9 (gates saturating toward 1 make the module an identity map up to
-    scale)."""
-    name, gate = attention_gates(model)[-1]
-    captured: list[torch.Tensor] = []
-    handle = gate.register_forward_hook(lambda _m, _i, out: captured.append(out.flatten(1)))
+    """Figures of the attention gates (the paper's Fig. 3): per module, the per-class mean
+    gate vector A (classes x channels) over ``x``. For the last module: ``class_std``, the
+    std across classes per channel averaged over channels (does attention still depend on
+    the class?), ``spread`` the std of all entries of A, ``mean`` its mean and
+    ``saturated`` the share of entries above 0.9 (gates saturating toward 1 turn the module
+    into an identity map up to scale); ``class_std_all`` is ``class_std`` averaged over
+    every module."""
+    gates = attention_gates(model)
+    captured: dict[str, list[torch.Tensor]] = {name: [] for name, _ in gates}
+    handles = [gate.register_forward_hook(
+        lambda _m, _i, out, name=name: captured[name].append(out.flatten(1)))
+        for name, gate in gates]
     try:
         model.eval()
         for i in range(0, len(x), batch_size):
             model(x[i:i + batch_size])
     finally:
-        handle.remove()
-    gates = torch.cat(captured).double()
-    per_class = torch.stack([gates[y == c].mean(0) for c in range(num_classes) if (y == c).any()])
-    return {"module": name, "channels": per_class.shape[1],
-            "class_std": float(per_class.std(0).mean()), "spread": float(per_class.std()),
-            "mean": float(per_class.mean()), "saturated": float((per_class > 0.9).double().mean())}
+        for handle in handles:
+            handle.remove()
+    per_class = {}
+    for name, outputs in captured.items():
+        values = torch.cat(outputs).double()
+        per_class[name] = torch.stack([values[y == c].mean(0) for c in range(num_classes)
+                                       if (y == c).any()])
+    last_name = gates[-1][0]
+    last = per_class[last_name]
+    return {"module": last_name, "channels": last.shape[1],
+            "class_std": float(last.std(0).mean()), "spread": float(last.std()),
+            "mean": float(last.mean()), "saturated": float((last > 0.9).double().mean()),
+            "class_std_all": statistics.mean(float(a.std(0).mean()) for a in per_class.values())}
 
 
 def analyse_run(path: Path, data_dir: Path) -> dict[str, dict[str, float]]:
@@ -207,14 +221,16 @@ def analyse_run(path: Path, data_dir: Path) -> dict[str, dict[str, float]]:
 
 
 def attention_report(paths: list[Path], data_dir: Path) -> str:
-    lines = ["\nFig. 3: last channel-attention module's gates on the global_test set, per-class "
-             "mean vectors (before = seeded initial model, after = end of the run)",
-             "| run | channels | class std before -> after | spread before -> after | "
-             "mean gate before -> after | share > 0.9 before -> after |", "|---|---|---|---|---|---|"]
+    lines = ["\nFig. 3: channel-attention gates on the global_test set, per-class mean vectors "
+             "(before = the run's seeded initial model, after = the end of the run); last "
+             "module unless marked",
+             "| run | channels | class std before -> after | all modules' class std | "
+             "spread | mean gate | share > 0.9 |", "|---|---|---|---|---|---|---|"]
     for path in paths:
         f = analyse_run(path, data_dir)
         b, a = f["before"], f["after"]
         lines.append(f"| {path.name} | {a['channels']} | {b['class_std']:.4f} -> {a['class_std']:.4f}"
+                     f" | {b['class_std_all']:.4f} -> {a['class_std_all']:.4f}"
                      f" | {b['spread']:.4f} -> {a['spread']:.4f} | {b['mean']:.3f} -> {a['mean']:.3f}"
                      f" | {b['saturated']:.2f} -> {a['saturated']:.2f} |")
     return "\n".join(lines)
@@ -280,7 +296,7 @@ def main() -> int:
             for arch in ARCHS:
                 history = (run_dir(args, scheme, arch, method, seed) / "server" / "history.json"
                            if args.report_only else federate(args, scheme, arch, method, seed))
-                if history.exists():
+                if finished(history, args.rounds):
                     results.setdefault((scheme, arch, method), []).append(figures(history))
     for scheme in args.schemes:
         methods = [m for s, m in plan if s == scheme]
@@ -290,7 +306,7 @@ def main() -> int:
         print(table(results, scheme, methods, "test", paper=False))
     for seed in args.seeds:
         runs = [run_dir(args, "shards", arch, "fedavg", seed) for arch in ("SE-ResNet", "ANFR")]
-        if all((r / "server" / "history.json").exists() for r in runs):
+        if all(finished(r / "server" / "history.json", args.rounds) for r in runs):
             print(attention_report(runs, partition(args, "shards", seed) / "edge_00"))
     return 0
 
