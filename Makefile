@@ -43,6 +43,7 @@ bench-fedsap: setup
 	OMP_NUM_THREADS=1 $(PY) bench/fedsap.py
 
 # ANFR vs BN/GN/SE/NF-ResNet under five aggregators, label skew on CIFAR-10 from ../shared/data
-# (90 runs of compact models; about 2 h on 2 shared cores: see README).
+# (90 runs of compact models, 2-3.5 min each on the shared 2-core machine: several hours;
+# --methods fedavg --schemes shards is the 15-run headline row, about 40 min).
 bench-anfr: setup
 	OMP_NUM_THREADS=1 $(PY) bench/anfr.py
