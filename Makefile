@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # different (multi-GB) build. Override on other platforms, e.g. a Jetson's NVIDIA wheels.
 TORCH ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: setup demo test lint proto bench bench-fedsap clean
+.PHONY: setup demo test lint proto bench bench-fedsap bench-anfr clean
 
 setup: $(VENV)/.installed
 
@@ -41,3 +41,9 @@ bench: setup
 # Fed-SAP vs the baselines on CIFAR-10 from ../shared/data (about 35 min on 2 cores).
 bench-fedsap: setup
 	OMP_NUM_THREADS=1 $(PY) bench/fedsap.py
+
+# ANFR vs BN/GN/SE/NF-ResNet under five aggregators, label skew on CIFAR-10 from ../shared/data
+# (90 runs of compact models, 2-3.5 min each on the shared 2-core machine: several hours;
+# --methods fedavg --schemes shards is the 15-run headline row, about 40 min).
+bench-anfr: setup
+	OMP_NUM_THREADS=1 $(PY) bench/anfr.py

@@ -53,7 +53,7 @@ FLAG_TARGETS = {
     "insecure": ("server", "insecure"), "token": ("server", "join_token"),
     "chunk_bytes": ("server", "chunk_bytes"), "poll_timeout": ("server", "poll_timeout"),
     "max_concurrent_uploads": ("server", "max_concurrent_uploads"),
-    "init_weights": ("server", "init_weights"),
+    "init_weights": ("server", "init_weights"), "init_skip_head": ("server", "init_skip_head"),
     "model": ("train", "model"), "num_classes": ("train", "num_classes"),
     "in_channels": ("train", "in_channels"), "image_size": ("train", "image_size"),
     "local_epochs": ("train", "local_epochs"), "batch_size": ("train", "batch_size"),
@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     run.add_argument("--init-weights", help="start from pretrained weights (a safetensors file; "
                                             "keys as in the model's state dict)")
+    run.add_argument("--init-skip-head", action="store_true",
+                     help="with --init-weights: keep the model's fresh classifier head and "
+                          "ignore the file's (e.g. ImageNet weights, 1000 classes)")
     net = p.add_argument_group("network")
     net.add_argument("--host")
     net.add_argument("--port", type=int, help="gRPC port (0: any free port)")
@@ -132,15 +135,17 @@ def resolve(args: argparse.Namespace) -> tuple[ServerConfig, TrainConfig, Method
     merged = merge_sources((str(args.config), file_values), ("flags", flag_values),
                            ("--set", parse_set(args.set)))
     server, train = ServerConfig(), TrainConfig()
+    sources = {section: merged.pop(section, ("defaults", {})) for section in ("server", "train")}
     for section, obj in (("server", server), ("train", train)):
-        source, values = merged.pop(section, ("defaults", {}))
-        apply_values(obj, section, values, source)
-    server.validate()
-    train.validate()
+        apply_values(obj, section, sources[section][1], sources[section][0])
     try:
         method_cls = load_method(server.method)
     except ValueError as err:
         raise ConfigError(f"--method: {err}") from None
+    if method_cls.default_model and "model" not in sources["train"][1]:
+        train.model = method_cls.default_model
+    server.validate()
+    train.validate()
     params = method_cls.Params()
     source, values = merged.pop(method_cls.name or server.method, ("defaults", {}))
     apply_values(params, method_cls.name or server.method, values, source)

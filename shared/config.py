@@ -110,6 +110,7 @@ class ServerConfig:
     max_concurrent_uploads: int = 2  # uploads buffered at once: memory vs. slow uplinks
     keep_checkpoints: int = 2
     init_weights: str = ""     # safetensors file with pretrained weights for the models
+    init_skip_head: bool = False  # keep the fresh classifier head, ignore the file's
     poll_timeout: float = 20.0
 
     def validate(self) -> None:

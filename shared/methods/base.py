@@ -93,12 +93,29 @@ class Method:
     aggregator_kind: ClassVar[AggregatorKind] = AggregatorKind.STREAMING_SUM
     private_rules: ClassVar[tuple[str, ...]] = ()
     phases: ClassVar[tuple[str, ...]] = (TRAIN, EVALUATE)
+    # The model a run of this method uses when no source (file, flag, --set) names one.
+    default_model: ClassVar[str | None] = None
 
     def __init__(self, context: MethodContext):
         self.train = context.train
         self.params = context.params
         split.check_rules(self.train.private)
         self.head = model_spec(self.train.model).head
+        self.check_rules_apply(self.private_rules, where=f"method {self.name!r}")
+        self.check_rules_apply(tuple(self.train.private), where="train.private")
+
+    def probe_model(self) -> nn.Module:
+        """The run's model on the meta device: shapes and module types only, no memory and
+        no draw from the RNG."""
+        t = self.train
+        with torch.device("meta"):
+            return build_model(t.model, t.num_classes, t.in_channels, t.image_size)
+
+    def check_rules_apply(self, rules: tuple[str, ...], where: str) -> None:
+        """Refuse (ValueError, so fl-server exits 2) split rules that select nothing in the
+        run's model, e.g. FedBN or ``--private bn`` on a BatchNorm-free model."""
+        if rules:
+            split.check_rules_apply(self.probe_model(), rules, self.head, self.train.model, where)
 
     # ---- declarations -------------------------------------------------------------
     def model_names(self) -> tuple[str, ...]:

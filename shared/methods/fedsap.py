@@ -37,7 +37,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..models import build_model
 from ..wire.codec import Kind, Payload, Section
 from .base import TRAIN, EdgeAlgorithm, Method, MethodContext, SectionSpec, TensorSpec, qualified
 from .split import squeeze_excitation_modules
@@ -270,12 +269,9 @@ class FedSAP(Method):
                              f"{', '.join(STATS_MODES)}")
         if not 0 <= p.lam < float("inf"):
             raise ValueError(f"fedsap.lam must be a finite number >= 0, got {p.lam}")
-        t = self.train
-        with torch.device("meta"):  # shapes only: no memory, no draw from the RNG
-            probe = build_model(t.model, t.num_classes, t.in_channels, t.image_size)
-        if not squeeze_excitation_modules(probe):
-            raise ValueError(f"fedsap: model {t.model!r} has no squeeze-excitation modules "
-                             "(use mobilenet-v3-small or se-cnn)")
+        if not squeeze_excitation_modules(self.probe_model()):
+            raise ValueError(f"fedsap: model {self.train.model!r} has no squeeze-excitation "
+                             "modules (use mobilenet-v3-small, se-cnn, anfr-se-* or se-resnet-*)")
         self.private_rules = PERSONALIZATION[p.personalization]
 
     @property

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from .anfr import COMPACT_GROUPS, RESNET50_GROUPS, compact_nf, compact_resnet, timm_model
 from .lenet import LeNetBN
 from .resnet import cifar_resnet18
 from .secnn import SECNN
@@ -58,6 +59,39 @@ MODELS: dict[str, ModelSpec] = {
                   "ResNet-18 with a 3x3 stride-1 stem and no max-pool, for 32x32 inputs"),
         ModelSpec("nf-resnet26", _timm("nf_resnet26"), "head.fc",
                   "timm normalization-free ResNet-26 (random init)"),
+        # ANFR (METHODS.md 5.1) and the paper's baselines: models/anfr.py.
+        ModelSpec("anfr-se-26", timm_model("nf_seresnet26"), "head.fc",
+                  "ANFR(SE), timm nf_seresnet26: NF-ResNet-26 + 8 SE modules"),
+        ModelSpec("anfr-se-50", timm_model("nf_seresnet50"), "head.fc",
+                  "ANFR(SE), timm nf_seresnet50 (28.09 M parameters, 16 SE)"),
+        ModelSpec("anfr-eca-26", timm_model("nf_ecaresnet26"), "head.fc",
+                  "ANFR(ECA), timm nf_ecaresnet26"),
+        ModelSpec("anfr-eca-50", timm_model("nf_ecaresnet50"), "head.fc",
+                  "ANFR(ECA), timm nf_ecaresnet50 (25.56 M, 16 ECA)"),
+        ModelSpec("anfr-cbam-50", timm_model("nf_resnet50", attn_layer="cbam"), "head.fc",
+                  "ANFR(CBAM), timm nf_resnet50 + CBAM (28.07 M; one BatchNorm2d(1) per block)"),
+        ModelSpec("anfr-cbam-50-gn", timm_model("nf_resnet50", dp_clean=True, attn_layer="cbam"),
+                  "head.fc", "ANFR(CBAM) with CBAM's BatchNorm2d(1) as GroupNorm(1, 1): DP-clean"),
+        ModelSpec("bn-resnet-50", timm_model("resnet50"), "fc", "BN-ResNet-50, timm resnet50"),
+        ModelSpec("gn-resnet-50", timm_model("resnet50", gn_groups=RESNET50_GROUPS), "fc",
+                  f"GN-ResNet-50: timm resnet50 with GroupNorm({RESNET50_GROUPS})"),
+        ModelSpec("se-resnet-50", timm_model("seresnet50"), "fc",
+                  "SE-ResNet-50 (BN + SE), timm seresnet50"),
+        ModelSpec("nf-resnet-50", timm_model("nf_resnet50"), "head.fc",
+                  "NF-ResNet-50, timm nf_resnet50"),
+        ModelSpec("anfr-se-compact", compact_nf("se"), "head.fc",
+                  "ANFR(SE) at compact depth/width for CPU runs (1 block per stage, 1/4 width)"),
+        ModelSpec("anfr-eca-compact", compact_nf("eca"), "head.fc", "ANFR(ECA), compact"),
+        ModelSpec("anfr-cbam-compact", compact_nf("cbam"), "head.fc",
+                  "ANFR(CBAM), compact (one BatchNorm2d(1) per block)"),
+        ModelSpec("anfr-cbam-compact-gn", compact_nf("cbam", dp_clean=True), "head.fc",
+                  "ANFR(CBAM), compact, CBAM's BatchNorm2d(1) as GroupNorm(1, 1): DP-clean"),
+        ModelSpec("nf-resnet-compact", compact_nf(None), "head.fc", "NF-ResNet, compact"),
+        ModelSpec("bn-resnet-compact", compact_resnet("bn"), "fc", "BN-ResNet, compact"),
+        ModelSpec("gn-resnet-compact", compact_resnet("gn"), "fc",
+                  f"GN-ResNet, compact, GroupNorm({COMPACT_GROUPS})"),
+        ModelSpec("se-resnet-compact", compact_resnet("bn", "se"), "fc",
+                  "SE-ResNet (BN + SE), compact"),
     )
 }
 

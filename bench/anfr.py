@@ -1,0 +1,315 @@
+"""ANFR under label skew: BN / GN / SE / NF-ResNet and ANFR under FedAvg, FedProx, FedAdam,
+SCAFFOLD and FedPer (the paper's Tables 1-2 comparison), plus its Fig. 3 check (channel
+attention weights across classes after federated training, SE-ResNet vs ANFR), with real
+fl-server and fl-edge daemons (fl-sim) on loopback.
+
+Data: CIFAR-10 from ../shared/data/cifar-10, cut by fl-partition per seed into
+  * "shards" (the paper's 'split-2' style, Qu et al. 2022: every edge holds a few whole
+    classes and none of the others): --edges edges x --classes-per-edge classes;
+  * "dirichlet": Dirichlet(--alpha) label skew (Hsu et al.),
+each edge with a stratified 20 % local test split and the same balanced global_test set.
+A seed fixes partition and run, so every architecture sees the same partitions.
+
+Metrics: GFL methods (FedAvg, FedProx, FedAdam, SCAFFOLD) report the global model's
+accuracy on the shared balanced global_test set (the paper's metric: one global model);
+FedPer (pFL) reports the mean over edges of each edge's personalized model on its own
+local test split. Both columns are printed for every method.
+
+Protocols:
+  default (CPU): compact depth (1 bottleneck per stage, quarter width; ~0.5 M parameters),
+    5 edges x 4 classes, --limit 1,500 training images, 8 rounds of 1 local epoch, SGD
+    lr 0.03 with cosine decay (the paper's CIFAR-10 optimiser) momentum 0.9 (0 under
+    SCAFFOLD, whose update assumes plain SGD), batch 32,
+    seeds 0 1 2; every method on "shards", FedAvg also on Dirichlet(0.5). From scratch.
+  --full: the -50 models (bn-resnet-50, gn-resnet-50, se-resnet-50, nf-resnet-50,
+    anfr-se-50), 10 edges x 4 classes, all 50,000 images, 50 rounds (a GPU machine; the
+    paper trains 100 rounds from ImageNet weights at 224x224, which we cannot download).
+
+    .venv/bin/python bench/anfr.py                      # the CPU protocol
+    .venv/bin/python bench/anfr.py --full --device cuda
+    .venv/bin/python bench/anfr.py attention --data-dir EDGE_DIR RUN_DIR...  # Fig. 3 only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+CIFAR10 = ROOT.parent / "shared" / "data" / "cifar-10" / "cifar-10-batches-bin"
+ARCHS = {  # label -> (compact model, -50 model)
+    "BN-ResNet": ("bn-resnet-compact", "bn-resnet-50"),
+    "GN-ResNet": ("gn-resnet-compact", "gn-resnet-50"),
+    "SE-ResNet": ("se-resnet-compact", "se-resnet-50"),
+    "NF-ResNet": ("nf-resnet-compact", "nf-resnet-50"),
+    "ANFR": ("anfr-se-compact", "anfr-se-50"),
+}
+METHODS = ["fedavg", "fedprox", "fedadam", "scaffold", "fedper"]
+GFL = {"fedavg", "fedprox", "fedadam", "scaffold"}
+# Paper, CIFAR-10 split-2, pretrained -50 models at 224x224 (Table 1, GFL accuracy %): only
+# the figures its text keeps (METHODS.md 5.4).
+PAPER = {
+    ("ANFR", "fedavg"): 97.42, ("NF-ResNet", "fedavg"): 96.72, ("BN-ResNet", "fedavg"): 91.71,
+    ("ANFR", "fedprox"): 96.33, ("NF-ResNet", "fedprox"): 96.82, ("ANFR", "fedadam"): 96.93,
+    ("ANFR", "scaffold"): 97.38,
+}
+
+
+def run(cmd: list[str], log: Path) -> None:
+    with open(log, "wb") as handle:
+        code = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+    if code:
+        raise SystemExit(f"failed ({code}): {' '.join(cmd)}\n{log.read_text()[-3000:]}")
+
+
+def partition(args, scheme: str, seed: int) -> Path:
+    detail = (f"{args.classes_per_edge}c" if scheme == "shards" else f"a{args.alpha}")
+    out = args.out / "data" / f"{scheme}-{detail}-e{args.edges}-s{seed}-n{args.limit or 'all'}"
+    if (out / "partition.json").exists():
+        return out
+    options = (["--shards-per-edge", str(args.classes_per_edge)] if scheme == "shards"
+               else ["--alpha", str(args.alpha), "--min-per-edge", "20"])
+    limit = ["--limit", str(args.limit)] if args.limit else []
+    out.parent.mkdir(parents=True, exist_ok=True)
+    run([sys.executable, "-m", "fedattn_shared.data.partition", "--source", str(CIFAR10),
+         "--edges", str(args.edges), "--out", str(out), "--seed", str(seed), "--scheme", scheme,
+         "--global-test-per-class", str(args.global_test_per_class), *options, *limit],
+        args.out / f"partition-{out.name}.log")
+    return out
+
+
+def run_dir(args, scheme: str, arch: str, method: str, seed: int) -> Path:
+    return args.out / "runs" / scheme / f"{arch}-{method}-s{seed}"
+
+
+def finished(history: Path, rounds: int) -> bool:
+    return history.exists() and len(json.loads(history.read_text())["rounds"]) == rounds
+
+
+def federate(args, scheme: str, arch: str, method: str, seed: int) -> Path:
+    out = run_dir(args, scheme, arch, method, seed)
+    history = out / "server" / "history.json"
+    if finished(history, args.rounds):
+        return history  # finished earlier: --out doubles as a cache
+    data = partition(args, scheme, seed)
+    model = ARCHS[arch][1 if args.full else 0]
+    sets = {"train.model": model, "train.in_channels": 3, "train.image_size": 32,
+            "train.lr": args.lr, "train.batch_size": args.batch_size,
+            # SCAFFOLD's control-variate update assumes plain SGD (and refuses momentum).
+            "train.momentum": 0.0 if method == "scaffold" else args.momentum,
+            "train.local_epochs": args.epochs, "train.lr_schedule": "cosine",
+            "server.eval_every": args.eval_every, "server.round_timeout": 3600}
+    flags = [f"--set={k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in sets.items()]
+    started = time.time()
+    out.mkdir(parents=True, exist_ok=True)
+    run([sys.executable, "-m", "fl_edge.sim", "--method", method, "--edges", str(args.edges),
+         "--fraction", "1", "--rounds", str(args.rounds), "--procs", str(args.procs),
+         "--data-root", str(data), "--out", str(out), "--seed", str(seed), *flags],
+        out / "fl-sim.log")
+    print(f"  {scheme:<9} {arch:<9} {method:<8} seed {seed}: {time.time() - started:5.0f} s",
+          flush=True)
+    return history
+
+
+def figures(history_file: Path) -> dict[str, float]:
+    from fl_server.report import analyze_run, load_history
+
+    history = load_history(history_file)
+    out = {}
+    for split in ("test", "global_test"):
+        final = analyze_run(history_file, history, split)["final"]
+        out[split] = 100 * final["mean_accuracy"]
+    return out
+
+
+def pm(values: list[float]) -> str:
+    if len(values) < 2:
+        return f"{values[0]:.1f}" if values else "-"
+    return f"{statistics.mean(values):.1f} ± {statistics.stdev(values):.1f}"
+
+
+def table(results: dict, scheme: str, methods: list[str], split: str, paper: bool) -> str:
+    name = {"global_test": "global model on the shared balanced global_test",
+            "test": "mean over edges, each edge's model on its local test split"}[split]
+    lines = [f"\n{scheme}: final-round accuracy (%), {name}, mean ± std over seeds"
+             + (" [paper Table 1, pretrained -50 at 224 px]" if paper else ""),
+             "| architecture | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
+    for arch in ARCHS:
+        cells = []
+        for method in methods:
+            runs = results.get((scheme, arch, method), [])
+            cell = pm([r[split] for r in runs]) if runs else "-"
+            if paper and (arch, method) in PAPER:
+                cell += f" [{PAPER[arch, method]}]"
+            cells.append(cell)
+        lines.append(f"| {arch} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# ---- Fig. 3: channel-attention weights across classes ---------------------------------
+
+
+def attention_gates(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The sigmoid gate of every channel-attention module (timm SE/ECA: ``gate``; CBAM: its
+    channel branch's ``gate``), in forward order."""
+    from fedattn_shared.methods.split import attention_types
+
+    gates = []
+    for name, module in model.named_modules():
+        if isinstance(module, attention_types()):
+            owner = module.channel if hasattr(module, "channel") else module
+            gates.append((name, owner.gate))
+    return gates
+
+
+@torch.no_grad()
+def attention_variability(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+                          num_classes: int, batch_size: int = 250) -> dict[str, float]:
+    """Figures of the attention gates (the paper's Fig. 3): per module, the per-class mean
+    gate vector A (classes x channels) over ``x``. For the last module: ``class_std``, the
+    std across classes per channel averaged over channels (does attention still depend on
+    the class?), ``spread`` the std of all entries of A, ``mean`` its mean and
+    ``saturated`` the share of entries above 0.9 (gates saturating toward 1 turn the module
+    into an identity map up to scale); ``class_std_all`` is ``class_std`` averaged over
+    every module."""
+    gates = attention_gates(model)
+    captured: dict[str, list[torch.Tensor]] = {name: [] for name, _ in gates}
+    handles = [gate.register_forward_hook(
+        lambda _m, _i, out, name=name: captured[name].append(out.flatten(1)))
+        for name, gate in gates]
+    try:
+        model.eval()
+        for i in range(0, len(x), batch_size):
+            model(x[i:i + batch_size])
+    finally:
+        for handle in handles:
+            handle.remove()
+    per_class = {}
+    for name, outputs in captured.items():
+        values = torch.cat(outputs).double()
+        per_class[name] = torch.stack([values[y == c].mean(0) for c in range(num_classes)
+                                       if (y == c).any()])
+    last_name = gates[-1][0]
+    last = per_class[last_name]
+    return {"module": last_name, "channels": last.shape[1],
+            "class_std": float(last.std(0).mean()), "spread": float(last.std()),
+            "mean": float(last.mean()), "saturated": float((last > 0.9).double().mean()),
+            "class_std_all": statistics.mean(float(a.std(0).mean()) for a in per_class.values())}
+
+
+def analyse_run(path: Path, data_dir: Path) -> dict[str, dict[str, float]]:
+    """Before (the run's seeded initial model) and after (the first edge's model at the end,
+    global weights loaded) on the global_test images of ``data_dir``."""
+    from fedattn_shared.data import load_edge_data
+    from fl_edge import export as tools
+
+    after = tools.from_state_dir(sorted((path / "state").iterdir())[0])
+    data = load_edge_data(data_dir, after.train)
+    split = data.global_test or data.test
+    fresh = after.method.build_models()["model"]
+    return {"before": attention_variability(fresh, split.x, split.y, after.train.num_classes),
+            "after": attention_variability(after.algo.models["model"], split.x, split.y,
+                                           after.train.num_classes)}
+
+
+def attention_report(paths: list[Path], data_dir: Path) -> str:
+    lines = ["\nFig. 3: channel-attention gates on the global_test set, per-class mean vectors "
+             "(before = the run's seeded initial model, after = the end of the run); last "
+             "module unless marked",
+             "| run | channels | class std before -> after | all modules' class std | "
+             "spread | mean gate | share > 0.9 |", "|---|---|---|---|---|---|---|"]
+    for path in paths:
+        f = analyse_run(path, data_dir)
+        b, a = f["before"], f["after"]
+        lines.append(f"| {path.name} | {a['channels']} | {b['class_std']:.4f} -> {a['class_std']:.4f}"
+                     f" | {b['class_std_all']:.4f} -> {a['class_std_all']:.4f}"
+                     f" | {b['spread']:.4f} -> {a['spread']:.4f} | {b['mean']:.3f} -> {a['mean']:.3f}"
+                     f" | {b['saturated']:.2f} -> {a['saturated']:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "attention":
+        p = argparse.ArgumentParser(prog="bench/anfr.py attention",
+                                    description="Fig. 3 figures of finished runs (fl-sim --out)")
+        p.add_argument("--data-dir", type=Path, required=True,
+                       help="an edge data folder with global_test (fl-partition output)")
+        p.add_argument("runs", nargs="+", type=Path)
+        sub = p.parse_args(sys.argv[2:])
+        print(attention_report(sub.runs, sub.data_dir))
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--full", action="store_true", help="the -50 models on all data (GPU)")
+    p.add_argument("--schemes", nargs="+", default=["shards", "dirichlet"],
+                   choices=["shards", "dirichlet"])
+    p.add_argument("--methods", nargs="+", choices=METHODS,
+                   default=["fedavg", "fedper", "scaffold", "fedprox", "fedadam"],
+                   help="in the order they run (FedAvg first: the paper's headline)")
+    p.add_argument("--dirichlet-methods", nargs="+", default=["fedavg"], choices=METHODS,
+                   help="methods run on the Dirichlet partition (default FedAvg only)")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--edges", type=int, default=5)
+    p.add_argument("--classes-per-edge", type=int, default=4)
+    p.add_argument("--alpha", type=float, default=0.5)
+    p.add_argument("--limit", type=int, default=1500, help="training images in all (CPU)")
+    p.add_argument("--global-test-per-class", type=int, default=100)
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--lr", type=float, default=0.03)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--eval-every", type=int, default=4)
+    p.add_argument("--procs", type=int, default=2)
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-anfr")
+    p.add_argument("--report-only", action="store_true",
+                   help="print the tables from the finished runs under --out, run nothing")
+    args = p.parse_args()
+    if not CIFAR10.exists():
+        print(f"bench/anfr.py: {CIFAR10} is missing (../shared/data is not beside the repo)",
+              file=sys.stderr)
+        return 2
+    if args.full:
+        args.edges, args.limit, args.rounds = 10, 0, 50
+    args.out = args.out.resolve()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    depth = "-50" if args.full else "compact"
+    print(f"CIFAR-10, {args.edges} edges, {depth} models, {args.rounds} rounds x {args.epochs} "
+          f"epochs, {args.limit or 'all'} training images, SGD lr {args.lr} cosine momentum "
+          f"{args.momentum} batch {args.batch_size}, seeds {args.seeds}; shards: "
+          f"{args.classes_per_edge} classes per edge, dirichlet: alpha {args.alpha}", flush=True)
+
+    # Seed-major: every cell gets its first seed before any gets its second, so an
+    # interrupted run (rerun with --report-only) still covers the whole table.
+    plan = [(scheme, method) for scheme in args.schemes for method in args.methods
+            if scheme == "shards" or method in args.dirichlet_methods]
+    results: dict[tuple[str, str, str], list[dict]] = {}
+    for seed in args.seeds:
+        for scheme, method in plan:
+            for arch in ARCHS:
+                history = (run_dir(args, scheme, arch, method, seed) / "server" / "history.json"
+                           if args.report_only else federate(args, scheme, arch, method, seed))
+                if finished(history, args.rounds):
+                    results.setdefault((scheme, arch, method), []).append(figures(history))
+    for scheme in args.schemes:
+        methods = [m for s, m in plan if s == scheme]
+        gfl = [m for m in methods if m in GFL]
+        if gfl:
+            print(table(results, scheme, gfl, "global_test", paper=scheme == "shards"))
+        print(table(results, scheme, methods, "test", paper=False))
+    for seed in args.seeds:
+        runs = [run_dir(args, "shards", arch, "fedavg", seed) for arch in ("SE-ResNet", "ANFR")]
+        if all(finished(r / "server" / "history.json", args.rounds) for r in runs):
+            print(attention_report(runs, partition(args, "shards", seed) / "edge_00"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
