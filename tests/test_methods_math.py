@@ -25,8 +25,8 @@ SHARED = (Kind.SHARED_TENSORS, "")
 CONTROL = (Kind.CONTROL, "")
 CPU = torch.device("cpu")
 
-ALL_METHODS = ["ditto", "fedadam", "fedavg", "fedbn", "fedmedian", "fedper", "fedprox",
-               "fedsap", "local", "scaffold"]
+ALL_METHODS = ["ditto", "fedadam", "fedavg", "fedavgft", "fedbn", "fedmedian", "fedper",
+               "fedprox", "fedrep", "fedsap", "local", "pfedme", "scaffold"]
 
 
 class Tiny(nn.Module):
