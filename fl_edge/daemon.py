@@ -305,7 +305,7 @@ class EdgeDaemon:
         and the edge stops with the path named rather than training on without a record."""
         try:
             save(*args)
-        except OSError as err:
+        except (OSError, StateError) as err:
             raise EdgeExit(2, f"cannot write state under {self.opts.state_dir}: {err} "
                               "(the previous state files are intact)") from None
 
@@ -408,6 +408,9 @@ class EdgeDaemon:
             upload = algo.after_train(result.steps)
             self._write_behind(self.store.save, algo, self.fingerprint, header.round,
                                header.phase)
+            private_figures = algo.private_figures()
+            if private_figures:
+                self._write_behind(self.store.record_private, header.round, private_figures)
             metrics = {"train_loss": result.mean_loss, "last_epoch_loss": result.last_epoch_loss,
                        "train_seconds": result.seconds, "steps": float(result.steps),
                        "samples_per_second": result.samples_per_second, "lr": lr}

@@ -26,7 +26,7 @@ CONTROL = (Kind.CONTROL, "")
 CPU = torch.device("cpu")
 
 ALL_METHODS = ["ditto", "fedadam", "fedavg", "fedavgft", "fedbn", "fedmedian", "fedper",
-               "fedprox", "fedrep", "fedsap", "local", "pfedme", "scaffold"]
+               "fedprox", "fedrep", "fedsap", "local", "pfedla", "pfedme", "scaffold"]
 
 
 class Tiny(nn.Module):

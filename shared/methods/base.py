@@ -318,6 +318,19 @@ class EdgeAlgorithm:
         """The upload of a phase the method declares besides train and evaluate."""
         raise ValueError(f"method {self.method.name!r} declares no phase {phase!r}")
 
+    def private_figures(self) -> dict[str, Any]:
+        """Figures the edge records after each training phase in its own history file in
+        its state dir; they never leave the edge. By default: every module of the models
+        that has a ``private_figures()`` method (pFedLA's hybrid attention: its mixing
+        weights), keyed ``model/module``."""
+        figures: dict[str, Any] = {}
+        for model_name, model in self.models.items():
+            for module_name, module in model.named_modules():
+                report = getattr(module, "private_figures", None)
+                if callable(report):
+                    figures[qualified(model_name, module_name)] = report()
+        return figures
+
     # ---- private method state (besides model tensors and optimizer state) -------------
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {}
