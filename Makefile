@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # different (multi-GB) build. Override on other platforms, e.g. a Jetson's NVIDIA wheels.
 TORCH ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: setup demo test lint proto bench bench-fedsap bench-anfr clean
+.PHONY: setup demo test lint proto bench bench-fedsap bench-anfr bench-feature-shift clean
 
 setup: $(VENV)/.installed
 
@@ -47,3 +47,7 @@ bench-fedsap: setup
 # --methods fedavg --schemes shards is the 15-run headline row, about 40 min).
 bench-anfr: setup
 	OMP_NUM_THREADS=1 $(PY) bench/anfr.py
+# pFedLA's Table 1 on feature-shifted digits (5 hosts x 5 attention settings x 3 seeds:
+# 75 federations; hours on 2 shared cores, `--hosts fedavg fedbn` for the core comparison).
+bench-feature-shift: setup
+	OMP_NUM_THREADS=1 $(PY) bench/feature_shift.py

@@ -279,6 +279,9 @@ class EdgeDaemon:
             raise EdgeExit(2, f"this edge builds model fingerprint {local_fingerprint} but the "
                               f"server's is {fingerprint}: fedattn versions differ")
         algo = method.edge(models, self.device)
+        if algo.steps_per_batch > 1 and self.opts.grad_accum > 1:
+            raise EdgeExit(2, f"method {method.name!r} takes {algo.steps_per_batch} optimizer "
+                              "steps per batch and does not combine with --grad-accum")
         try:
             data = load_edge_data(self.opts.data_dir, train)
         except DataError as err:
@@ -302,7 +305,7 @@ class EdgeDaemon:
         and the edge stops with the path named rather than training on without a record."""
         try:
             save(*args)
-        except OSError as err:
+        except (OSError, StateError) as err:
             raise EdgeExit(2, f"cannot write state under {self.opts.state_dir}: {err} "
                               "(the previous state files are intact)") from None
 
@@ -394,10 +397,10 @@ class EdgeDaemon:
         evaluation: list[pb.ConfusionCounts] = []
         upload = Payload()
         num_examples = len(data.train)
+        spec = json.loads(header.spec_json or "{}")
+        lr = train.lr_at(header.round, int(spec.get("rounds", header.round)))
+        seed = loader_seed(train.seed, header.round, self.identity.edge_id)
         if header.phase == TRAIN:
-            spec = json.loads(header.spec_json or "{}")
-            lr = train.lr_at(header.round, int(spec.get("rounds", header.round)))
-            seed = loader_seed(train.seed, header.round, self.identity.edge_id)
             result = train_local(algo, data.train, train.local_epochs,
                                  self.opts.batch_size or train.batch_size, seed, self.device,
                                  self.opts.progress, lr=lr, amp=self.opts.amp,
@@ -405,6 +408,9 @@ class EdgeDaemon:
             upload = algo.after_train(result.steps)
             self._write_behind(self.store.save, algo, self.fingerprint, header.round,
                                header.phase)
+            private_figures = algo.private_figures()
+            if private_figures:
+                self._write_behind(self.store.record_private, header.round, private_figures)
             metrics = {"train_loss": result.mean_loss, "last_epoch_loss": result.last_epoch_loss,
                        "train_seconds": result.seconds, "steps": float(result.steps),
                        "samples_per_second": result.samples_per_second, "lr": lr,
@@ -414,10 +420,23 @@ class EdgeDaemon:
             log.info("round %d: trained %d steps in %.2fs (loss %.4f)", header.round,
                      result.steps, result.seconds, result.mean_loss)
         elif header.phase == EVALUATE:
+            scorer, finetune_epochs = algo.before_evaluate()
+            if finetune_epochs:
+                result = train_local(scorer, data.train, finetune_epochs,
+                                     self.opts.batch_size or train.batch_size, seed, self.device,
+                                     self.opts.progress, lr=lr, amp=self.opts.amp,
+                                     grad_accum=self.opts.grad_accum)
+                # The fine-tuned model is private state: export and predict score it too.
+                self._write_behind(self.store.save, algo, self.fingerprint, header.round,
+                                   header.phase)
+                metrics = {"finetune_loss": result.mean_loss,
+                           "finetune_seconds": result.seconds}
+                log.info("round %d: fine-tuned %d steps before evaluation", header.round,
+                         result.steps)
             splits = [("test", data.test)] + ([("global_test", data.global_test)]
                                               if data.global_test is not None else [])
             for split_name, split in splits:
-                counts = evaluate(algo, split, split_name, train.num_classes,
+                counts = evaluate(scorer, split, split_name, train.num_classes,
                                   self.opts.eval_batch_size, self.device)
                 evaluation.append(pb.ConfusionCounts(
                     split=split_name, num_classes=train.num_classes,

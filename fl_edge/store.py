@@ -33,6 +33,7 @@ from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire.codec import Payload, WireError, crc32, decode
 
 STATE_FORMAT = "fedattn-edge-state/1"
+PRIVATE_HISTORY_FORMAT = "fedattn-private-history/1"
 
 
 @dataclass
@@ -111,6 +112,7 @@ class PrivateStore:
         self.path = state_dir / "private.safetensors"
         self.global_path = state_dir / "global.safetensors"
         self.config_path = state_dir / "run-config.json"
+        self.private_history_path = state_dir / "private-history.json"
 
     def save_run_config(self, config_json: str, fingerprint: str) -> None:
         """The server's configuration, so the model can be rebuilt offline (export)."""
@@ -147,6 +149,25 @@ class PrivateStore:
             return decode(manifest, data)
         except (DecodeError, WireError, ValueError) as err:
             raise StateError(f"{self.global_path}: corrupt global downlink cache ({err})") from None
+
+    def record_private(self, round_number: int, figures: dict) -> None:
+        """Adds a round's private figures (``EdgeAlgorithm.private_figures``) to
+        ``private-history.json``: on this disk only, rewritten atomically, one entry per
+        round (a round repeated after a restart replaces its entry)."""
+        history = self.load_private_history()
+        rounds = [r for r in history["rounds"] if r["round"] != round_number]
+        rounds.append({"round": round_number, "figures": figures})
+        history["rounds"] = sorted(rounds, key=lambda r: r["round"])
+        atomic_write_json(self.private_history_path, history)
+
+    def load_private_history(self) -> dict:
+        if not self.private_history_path.exists():
+            return {"format": PRIVATE_HISTORY_FORMAT, "rounds": []}
+        data = read_json(self.private_history_path)
+        if not isinstance(data, dict) or data.get("format") != PRIVATE_HISTORY_FORMAT \
+                or not isinstance(data.get("rounds"), list):
+            raise StateError(f"{self.private_history_path}: not a fedattn private history")
+        return data
 
     def exists(self) -> bool:
         return self.path.exists()

@@ -60,9 +60,16 @@ def loader_seed(seed: int, round_number: int, edge_id: str) -> int:
 def train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, seed: int,
                 device: torch.device, progress: bool | None = None, lr: float | None = None,
                 amp: bool = False, grad_accum: int = 1) -> TrainResult:
-    """E local epochs over shuffled batches. ``grad_accum`` micro-batches make one optimizer
-    step (for small devices); ``amp`` runs the forward pass in half precision (fp16 with a
-    gradient scaler on CUDA, bf16 on CPU). ``steps`` counts optimizer steps."""
+    """E local epochs over shuffled batches (the algorithm may add epochs: FedRep's head
+    epochs). ``grad_accum`` micro-batches make one optimizer step (for small devices);
+    ``amp`` runs the forward pass in half precision (fp16 with a gradient scaler on CUDA,
+    bf16 on CPU). ``steps`` counts optimizer steps; an algorithm with ``steps_per_batch``
+    K > 1 takes K of them on every batch (pFedMe's inner solve)."""
+    repeats = algo.steps_per_batch
+    if repeats > 1 and grad_accum > 1:
+        raise ValueError(f"{algo.method.name} takes {repeats} optimizer steps per batch; "
+                         "that does not combine with gradient accumulation (grad_accum > 1)")
+    epochs = algo.local_epochs(epochs)
     generator = torch.Generator().manual_seed(seed)
     # A last batch of one sample would break BatchNorm's training-mode statistics.
     drop_last = len(data) % batch_size == 1 and len(data) > 1
@@ -96,21 +103,24 @@ def train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, 
     for opt in optimizers:
         opt.zero_grad(set_to_none=True)
     for epoch in range(epochs):
+        algo.begin_epoch(epoch)
         epoch_loss, epoch_batches = 0.0, 0
         batches = tqdm(loader, desc=f"epoch {epoch + 1}/{epochs}", leave=False, disable=not show)
         pending = 0
         for x, y in batches:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            with torch.autocast(device.type, dtype=autocast_dtype, enabled=amp):
-                loss = algo.training_step((x, y))
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"training loss became {loss.item()} at step {steps}")
-            scaler.scale(loss / grad_accum).backward()
-            pending += 1
-            if pending == grad_accum:
-                step()
-                steps += 1
-                pending = 0
+            for _ in range(repeats):
+                with torch.autocast(device.type, dtype=autocast_dtype, enabled=amp):
+                    loss = algo.training_step((x, y))
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"training loss became {loss.item()} at step {steps}")
+                scaler.scale(loss / grad_accum).backward()
+                pending += 1
+                if pending == grad_accum:
+                    step()
+                    steps += 1
+                    pending = 0
+            algo.after_batch()
             value = float(loss.detach())
             examples += int(y.shape[0])
             epoch_loss += value

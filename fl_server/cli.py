@@ -258,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.list_methods:
         for name in available_methods():
             cls = load_method(name)
-            fields = ", ".join(f"{f.name}={f.default}" for f in dataclasses.fields(cls.Params))
+            defaults = dataclasses.asdict(cls.Params())  # default_factory fields included
+            fields = ", ".join(f"{k}={v}" for k, v in defaults.items())
             print(f"{name:12s} {cls.aggregator_kind.value:24s} {fields}")
         return 0
     try:

@@ -3,6 +3,7 @@
 Usage::
 
     fl-report RUN_DIR [RUN_DIR ...] [--out DIR] [--split test|global_test]
+    fl-report --edge-state STATE_DIR [STATE_DIR ...] [--out DIR]
 
 A RUN_DIR is a server ``--checkpoint-dir`` (the one holding ``history.json``) or the path
 of a ``history.json`` itself. Output in ``--out``: ``summary.md``, ``summary.json``,
@@ -39,6 +40,10 @@ Conventions (as in the FedSTAR code base's metrics, where they overlap):
 - Bytes are the wire bytes (protobuf + gRPC prefix) per round, direction and payload kind
   as the server counted them (``rounds[i].bytes``). Participation is the ``train`` phase's
   selected, received and dropped edges.
+- ``--edge-state``: the edges' own state dirs (or their ``private-history.json``), copied
+  from the devices. Their private figures are merged into ``attention_weights.md``: the
+  hybrid attention weights per edge, mechanism and layer at each edge's last training round
+  (pFedLA's Table 5), layers in the backbone's order, with the mean over layers.
 """
 
 from __future__ import annotations
@@ -570,14 +575,81 @@ def write_report(runs: list[dict], groups: list[dict], split: str, out: Path) ->
     return table
 
 
+def _natural(name: str) -> list:
+    """features.3.1 before features.17.1 (the backbone's order, not the string order)."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def load_edge_history(arg: str | Path) -> tuple[str, dict]:
+    """(edge label, the last round's private figures) from a state dir or its file."""
+    path = Path(arg)
+    if path.is_dir():
+        path = path / "private-history.json"
+    if not path.is_file():
+        raise ReportError(f"{path}: no private history (an edge state dir holds "
+                          "private-history.json once the edge has trained a round)")
+    try:
+        history = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ReportError(f"{path}: unreadable private history ({exc})") from exc
+    rounds = history.get("rounds") if isinstance(history, dict) else None
+    if not rounds or not isinstance(rounds, list) or not isinstance(rounds[-1], dict):
+        raise ReportError(f"{path}: holds no round")
+    label = path.parent.name
+    identity = path.parent / "identity.json"
+    if identity.is_file():
+        try:
+            label = json.loads(identity.read_text())["edge_id"]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    return label, rounds[-1].get("figures", {})
+
+
+def attention_table(edges: list[tuple[str, dict]]) -> str:
+    """pFedLA's Table 5: per edge (and model, where a method keeps two), per mechanism,
+    the weight of each hybrid layer and their mean."""
+    blocks = []
+    for label, figures in edges:
+        by_model: dict[str, list[tuple[str, dict]]] = {}
+        for key, value in figures.items():
+            if isinstance(value, dict) and value and all(
+                    isinstance(v, (int, float)) for v in value.values()):
+                model, _, module = key.partition("/")
+                by_model.setdefault(model, []).append((module, value))
+        for model, layers in sorted(by_model.items()):
+            layers.sort(key=lambda item: _natural(item[0]))
+            name = label if len(by_model) == 1 else f"{label} ({model})"
+            blocks.append((name, layers))
+    if not blocks:
+        raise ReportError("no hybrid attention weights in the given edge histories")
+    width = max(len(layers) for _, layers in blocks)
+    header = ["edge", "att."] + [f"layer {j + 1}" for j in range(width)] + ["average"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name, layers in blocks:
+        order = ("se", "eca", "ca")  # the paper's rows; the history file sorts its keys
+        mechanisms = sorted(layers[0][1], key=lambda m: (order.index(m) if m in order else 3, m))
+        for i, mechanism in enumerate(mechanisms):
+            values = [layer[mechanism] for _, layer in layers]
+            cells = [name if i == 0 else "", mechanism.upper()]
+            cells += [f"{v:.4f}" for v in values] + [""] * (width - len(values))
+            cells.append(f"{sum(values) / len(values):.4f}")
+            lines.append("| " + " | ".join(cells) + " |")
+    layers_of = "; ".join(f"{name}: " + ", ".join(m for m, _ in layers) for name, layers in blocks[:1])
+    return ("## Hybrid attention weights (last training round)\n\n" + "\n".join(lines)
+            + f"\n\nLayers in order ({layers_of}).\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fl-report",
         description="Accuracy, F1, Brier, bytes and participation from fl-server history.json "
                     "files, recomputed from the per-edge confusion counts; runs that differ "
                     "only in the seed are summarised as mean ± std.")
-    parser.add_argument("runs", nargs="+", metavar="RUN_DIR",
+    parser.add_argument("runs", nargs="*", metavar="RUN_DIR",
                         help="a server --checkpoint-dir holding history.json, or a history.json path")
+    parser.add_argument("--edge-state", nargs="+", default=[], metavar="STATE_DIR",
+                        help="edge state dirs (or their private-history.json) whose hybrid "
+                             "attention weights go into attention_weights.md (pFedLA Table 5)")
     parser.add_argument("--out", type=Path, default=Path("report"),
                         help="output directory for summary.md, summary.json and the PNGs "
                              "(default: ./report)")
@@ -587,7 +659,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.runs and not args.edge_state:
+        parser.error("give at least one RUN_DIR or --edge-state")
+    if args.edge_state:
+        try:
+            table = attention_table([load_edge_history(a) for a in args.edge_state])
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "attention_weights.md").write_text(table)
+        except OSError as exc:
+            print(f"fl-report: {args.out}: cannot write the report ({exc})", file=sys.stderr)
+            return 2
+        except ReportError as exc:
+            print(f"fl-report: {exc}", file=sys.stderr)
+            return 2
+        sys.stdout.write(table)
+        if not args.runs:
+            return 0
     try:
         runs: list[dict] = []
         seen: set[Path] = set()

@@ -136,7 +136,7 @@ def test_plugin_method_with_its_own_phase_and_per_edge_downlink(tmp_path):
     assert record["bytes"]["up"]["scalar_summary"]["raw"] == 4 * 4  # census + echo, 2 edges
 
 
-@pytest.mark.parametrize("method_name", ["fedbn", "ditto"])
+@pytest.mark.parametrize("method_name", ["fedbn", "ditto", "pfedme", "fedavgft", "pfedla"])
 def test_export_and_predict_equal_the_edges_own_evaluation(tmp_path, method_name):
     from fedattn_shared.data import load_edge_data
     from fl_edge import export as tools

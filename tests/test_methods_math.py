@@ -25,8 +25,8 @@ SHARED = (Kind.SHARED_TENSORS, "")
 CONTROL = (Kind.CONTROL, "")
 CPU = torch.device("cpu")
 
-ALL_METHODS = ["anfr", "ditto", "fedadam", "fedavg", "fedbn", "fedmedian", "fedper", "fedprox",
-               "fedsap", "local", "scaffold"]
+ALL_METHODS = ["anfr", "ditto", "fedadam", "fedavg", "fedavgft", "fedbn", "fedmedian", "fedper",
+               "fedprox", "fedrep", "fedsap", "local", "pfedla", "pfedme", "scaffold"]
 
 
 class Tiny(nn.Module):

@@ -39,6 +39,12 @@ Schemes (``--scheme``), all driven by ``--seed``:
   its images (train and local test): original, rotate +15 deg, rotate +30 deg, invert
   (255 - x), dim (x * 0.5), gaussian noise (sigma 32, seeded by (seed, edge)). The
   global test set is NOT transformed.
+* ``digits``: the FedBN / pFedLA digits setting, one digit *dataset* per edge (feature
+  shift between real domains), 28x28 RGB: ``--source`` is a data root laid out as
+  ``../shared/data`` and ``--domains`` lists the edges' domains (default mnist, usps,
+  mnistm-style, synthdigits-style; the last two are stand-ins built the way MNIST-M and
+  SynthDigits were made, see :mod:`.digits`). Edge i gets ``--limit`` training images
+  (default 1,000) and ``--domain-test`` test images of domain i; no global test set.
 
 Each edge's share is split into local train/test per class (``--test-fraction``, at least
 one test sample for a class with two or more samples; 0 writes no test split, and the
@@ -63,9 +69,10 @@ from pathlib import Path
 
 import numpy as np
 
+from .digits import DIGIT_DOMAINS, STAND_INS, build_domains
 from .sources import RawDataset, SourceError, load_source
 
-SCHEMES = ("iid", "dirichlet", "shards", "domains")
+SCHEMES = ("iid", "dirichlet", "shards", "domains", "digits")
 FORMATS = ("npz", "folders")
 DOMAINS = ("original", "rotate+15", "rotate+30", "invert", "dim-0.5", "noise-32")
 MAX_TRIES = 100
@@ -93,6 +100,8 @@ class PartitionConfig:
     min_per_edge: int = 10
     class_names: str | None = None
     force: bool = False
+    domains: list[str] = field(default_factory=lambda: list(DIGIT_DOMAINS))  # digits only
+    domain_test: int = 500  # digits: test images per domain
 
 
 @dataclass
@@ -145,6 +154,16 @@ def validate(cfg: PartitionConfig) -> None:
         raise UsageError(f"--limit must be >= 1 (got {cfg.limit})")
     if cfg.min_per_edge < 0:
         raise UsageError(f"--min-per-edge must be >= 0 (got {cfg.min_per_edge})")
+    if cfg.scheme == "digits":
+        unknown = [d for d in cfg.domains if d not in DIGIT_DOMAINS]
+        if unknown or not cfg.domains:
+            raise UsageError(f"--domains must list some of {', '.join(DIGIT_DOMAINS)} "
+                             f"(got {','.join(cfg.domains)!r})")
+        if cfg.edges != len(cfg.domains):
+            raise UsageError(f"--edges {cfg.edges}: the digits scheme has one edge per domain "
+                             f"({len(cfg.domains)} domains)")
+        if cfg.domain_test < 1:
+            raise UsageError(f"--domain-test must be >= 1 (got {cfg.domain_test})")
     out = Path(cfg.out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: exists and is not a directory")
@@ -305,9 +324,43 @@ def arrays_sha256(x: np.ndarray, y: np.ndarray) -> str:
     return digest.hexdigest()
 
 
+def build_digits(cfg: PartitionConfig) -> tuple[list[EdgeShare], GlobalTest, dict]:
+    """One digit domain per edge (the ``digits`` scheme); nothing is written."""
+    n_train = cfg.limit or 1000
+    built = build_domains(Path(cfg.source), cfg.domains, n_train, cfg.domain_test, cfg.seed)
+    width = max(2, len(str(cfg.edges - 1)))
+    shares = [EdgeShare(f"edge_{e:0{width}d}", xtr, ytr, xte, yte, domain)
+              for e, (domain, xtr, ytr, xte, yte) in enumerate(built)]
+    names = [str(c) for c in range(10)]
+    gt = GlobalTest(np.zeros((0, 28, 28, 3), np.uint8), np.zeros(0, np.int64))
+    histogram = [{"edge": share.name, "domain": share.domain, "n_train": len(share.train_y),
+                  "n_test": len(share.test_y),
+                  "train_per_class": np.bincount(share.train_y, minlength=10).tolist(),
+                  "test_per_class": np.bincount(share.test_y, minlength=10).tolist(),
+                  "train_sha256": arrays_sha256(share.train_x, share.train_y)}
+                 for share in shares]
+    manifest = {
+        "tool": "fl-partition", "fedattn_version": _fedattn_version(),
+        "source": {"path": str(cfg.source), "kind": "digit domains", "limit": cfg.limit},
+        "scheme": "digits", "domains": list(cfg.domains),
+        "stand_ins": {d: f"{STAND_INS[d]}-style stand-in (see fedattn_shared.data.digits)"
+                      for d in cfg.domains if d in STAND_INS},
+        "seed": cfg.seed, "edges": cfg.edges, "format": cfg.format,
+        "test_fraction": None, "domain_test": cfg.domain_test, "image_shape": [28, 28, 3],
+        "num_classes": 10, "class_names": names,
+        "global_test": {"size": 0, "per_class": [0] * 10, "from_test_split": 0,
+                        "held_out_from_train": 0, "holdout_seed": GLOBAL_TEST_SEED},
+        "train_sha256_of": "sha256(x bytes, uint8 C order || y as little-endian int64)",
+        "histogram": histogram,
+    }
+    return shares, gt, manifest
+
+
 def build(cfg: PartitionConfig) -> tuple[list[EdgeShare], GlobalTest, dict]:
     """Load, hold out the global test set and partition; nothing is written."""
     validate(cfg)
+    if cfg.scheme == "digits":
+        return build_digits(cfg)
     data = load_source(cfg.source, cfg.limit)
     if len(data.train_y) == 0:
         raise SourceError(f"{data.path}: no training samples")
@@ -424,7 +477,7 @@ def write(cfg: PartitionConfig, shares: list[EdgeShare], gt: GlobalTest, manifes
         edge_dir = out / share.name
         edge_dir.mkdir()
         _write_split(edge_dir, "train", share.train_x, share.train_y, cfg.format, names)
-        if cfg.test_fraction > 0:
+        if cfg.test_fraction > 0 or cfg.scheme == "digits":
             _write_split(edge_dir, "test", share.test_x, share.test_y, cfg.format, names)
         if len(gt.y):
             _write_split(edge_dir, "global_test", gt.x, gt.y, cfg.format, names)
@@ -433,7 +486,7 @@ def write(cfg: PartitionConfig, shares: list[EdgeShare], gt: GlobalTest, manifes
 
 def format_table(manifest: dict) -> str:
     num_classes = manifest["num_classes"]
-    has_domain = manifest["scheme"] == "domains"
+    has_domain = manifest["scheme"] in ("domains", "digits")
     head = ["edge"] + (["domain"] if has_domain else []) + ["n_train", "n_test"]
     head += [str(c) for c in range(num_classes)]
     rows = [head]
@@ -481,6 +534,12 @@ domains (--scheme domains), cycled over edges (edge i gets number i mod 6):
   5 gaussian noise (sigma 32). Applied to the edge's train and test images; the global
   test set is NOT transformed.
 
+digits (--scheme digits): --source is a data root with mnist/, usps/ and cifar-10/ (as
+  ../shared/data); one edge per --domains entry (mnist, usps, mnistm-style,
+  synthdigits-style; the -style ones are stand-ins built the way MNIST-M and SynthDigits
+  were made), --limit training images (default 1000) and --domain-test test images per
+  domain, all 28x28 RGB; no global test set.
+
 output: OUT/edge_00, edge_01, ... each with train.npz, test.npz, global_test.npz
   (or train/<class>/NNNNN.png, test/..., global_test/... with --format folders), plus
   OUT/partition.json (settings, per-edge class histogram, sha256 of each edge's train
@@ -508,10 +567,16 @@ output: OUT/edge_00, edge_01, ... each with train.npz, test.npz, global_test.npz
     parser.add_argument("--global-test-per-class", type=int, default=100, metavar="M",
                         help="images per class in the shared global test set (default 100; see below)")
     parser.add_argument("--limit", type=int, metavar="N",
-                        help="use only the first N training samples (small demos)")
+                        help="use only the first N training samples (small demos); digits: "
+                             "training images per domain (default 1000)")
     parser.add_argument("--class-names", metavar="LIST",
                         help="comma-separated class names for folder names and partition.json, or "
                              "'source' for the dataset's own (CIFAR-10); default: class indices")
+    parser.add_argument("--domains", default=",".join(DIGIT_DOMAINS), metavar="LIST",
+                        help="digits: comma-separated domains, one per edge (default "
+                             f"{','.join(DIGIT_DOMAINS)})")
+    parser.add_argument("--domain-test", type=int, default=500, metavar="N",
+                        help="digits: test images per domain (default 500)")
     parser.add_argument("--force", action="store_true",
                         help="write into a non-empty --out, replacing its edge_* folders and "
                              "partition.json (other files are left alone)")
@@ -528,7 +593,8 @@ def main(argv: list[str] | None = None) -> int:
         source=args.source, out=args.out, edges=args.edges, seed=args.seed, scheme=args.scheme,
         alpha=args.alpha, shards_per_edge=args.shards_per_edge, format=args.format,
         test_fraction=args.test_fraction, global_test_per_class=args.global_test_per_class,
-        limit=args.limit, min_per_edge=args.min_per_edge, class_names=args.class_names, force=args.force)
+        limit=args.limit, min_per_edge=args.min_per_edge, class_names=args.class_names, force=args.force,
+        domains=[d.strip() for d in args.domains.split(",") if d.strip()], domain_test=args.domain_test)
     try:
         shares, gt, manifest = build(cfg)
         write(cfg, shares, gt, manifest)

@@ -205,13 +205,21 @@ class Method:
 class EdgeAlgorithm:
     """Edge-side hooks around the generic training loop in ``fl_edge.trainer``.
 
-    The loop calls, per round: ``receive`` (the downlink), then for every batch
-    ``training_step`` -> backward -> ``post_backward`` (parameter-only terms as gradient
-    post-processing, so they also survive DP-SGD's clipping) -> optimizer steps, then
-    ``end_train`` (one pass over the data, if the method wants it) and ``after_train`` for
-    the upload; ``training_metrics`` adds monitoring scalars to the result. ``predict`` is
-    the personalized model used for evaluation and export.
+    The loop calls, per round: ``receive`` (the downlink), ``begin_train``, then for each
+    of ``local_epochs(E)`` epochs ``begin_epoch`` and for every batch, ``steps_per_batch``
+    times, ``training_step`` -> backward -> ``post_backward`` (parameter-only terms as
+    gradient post-processing, so they also survive DP-SGD's clipping) -> optimizer steps,
+    then ``after_batch``; after the last epoch ``end_train`` (one pass over the data, if the
+    method wants it) and ``after_train`` for the upload; ``training_metrics`` adds
+    monitoring scalars to the result. ``predict`` is the personalized model used for
+    evaluation and export; ``before_evaluate`` may name another algorithm (a fine-tuned
+    copy) for evaluation to train first and score.
     """
+
+    #: Optimizer steps the loop takes on each batch before ``after_batch``: pFedMe solves
+    #: its personalized inner problem with K steps on one batch. 1 for most methods; more
+    #: than 1 does not combine with gradient accumulation (the edge refuses it at start).
+    steps_per_batch: int = 1
 
     def __init__(self, method: Method, models: dict[str, nn.Module], device: torch.device):
         self.method = method
@@ -283,8 +291,21 @@ class EdgeAlgorithm:
         x, y = batch
         return F.cross_entropy(self.models["model"](x), y)
 
+    def local_epochs(self, configured: int) -> int:
+        """How many epochs the loop runs this round, given the configured E (FedRep trains
+        its head for extra epochs before the E epochs of the body)."""
+        return configured
+
+    def begin_epoch(self, epoch: int) -> None:
+        """Before each epoch (0-based) of a training phase: FedRep switches between
+        training the head and the body here."""
+
     def post_backward(self) -> None:
         """Gradient post-processing for parameter-only terms (proximal pulls, corrections)."""
+
+    def after_batch(self) -> None:
+        """After the ``steps_per_batch`` optimizer steps on one batch (pFedMe's update of
+        the local model toward the personalized solution)."""
 
     def after_train(self, steps: int) -> Payload:
         """The training upload: by default the shared tensors, as views of the live model
@@ -308,9 +329,31 @@ class EdgeAlgorithm:
     def predict(self, x: torch.Tensor) -> torch.Tensor:
         return self.models["model"](x)
 
+    def before_evaluate(self) -> tuple[EdgeAlgorithm, int]:
+        """Called after ``receive`` in an evaluation phase: the algorithm whose ``predict``
+        evaluation scores, and how many epochs the one training loop first trains it on
+        the edge's training data (0: score as it is). FedAvg-FT returns a fine-tuner of a
+        private copy of the global model. What it trains must be private (a model whose
+        split rule is ``all``): the edge saves its private state after the fine-tuning, and
+        the next upload must be exactly what it would have been without it."""
+        return self, 0
+
     def phase_upload(self, phase: str) -> Payload:
         """The upload of a phase the method declares besides train and evaluate."""
         raise ValueError(f"method {self.method.name!r} declares no phase {phase!r}")
+
+    def private_figures(self) -> dict[str, Any]:
+        """Figures the edge records after each training phase in its own history file in
+        its state dir; they never leave the edge. By default: every module of the models
+        that has a ``private_figures()`` method (pFedLA's hybrid attention: its mixing
+        weights), keyed ``model/module``."""
+        figures: dict[str, Any] = {}
+        for model_name, model in self.models.items():
+            for module_name, module in model.named_modules():
+                report = getattr(module, "private_figures", None)
+                if callable(report):
+                    figures[qualified(model_name, module_name)] = report()
+        return figures
 
     # ---- private method state (besides model tensors and optimizer state) -------------
     def state_tensors(self) -> dict[str, torch.Tensor]:

@@ -29,3 +29,8 @@ class LeNetBN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(torch.flatten(self.features(x), 1))
+
+
+def lenet_attention_sites(model: nn.Module) -> list[tuple[str, int]]:
+    """After each conv block (pFedLA Table 7): the two max-pools, 6 and 16 channels."""
+    return [("features.3", 6), ("features.7", 16)]
