@@ -19,7 +19,7 @@ import functools
 import hashlib
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -70,10 +70,13 @@ class NoParams:
 
 @dataclass
 class MethodContext:
-    """What a method instance is built from: the run's training config and its own params."""
+    """What a method instance is built from: the run's training config and its own params.
+    ``probe`` builds the model the method will really hold, for the split-rule checks,
+    when that is not the registry's model (a wrapping method inserts layers)."""
 
     train: TrainConfig
     params: Any
+    probe: Callable[[], nn.Module] | None = None
 
 
 def qualified(model_name: str, key: str) -> str:
@@ -99,6 +102,7 @@ class Method:
     def __init__(self, context: MethodContext):
         self.train = context.train
         self.params = context.params
+        self._probe = context.probe
         split.check_rules(self.train.private)
         self.head = model_spec(self.train.model).head
         self.check_rules_apply(self.private_rules, where=f"method {self.name!r}")
@@ -109,6 +113,8 @@ class Method:
         no draw from the RNG."""
         t = self.train
         with torch.device("meta"):
+            if self._probe is not None:
+                return self._probe()
             return build_model(t.model, t.num_classes, t.in_channels, t.image_size)
 
     def check_rules_apply(self, rules: tuple[str, ...], where: str) -> None:

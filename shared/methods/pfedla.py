@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ..config import apply_values, parse_set
-from ..models import MODELS, model_spec
+from ..models import MODELS, build_model, model_spec
 from ..models.attention import KINDS, AttentionSpec, insert_attention
 from .base import Method, MethodContext, TensorSpec
 from .registry import load_method
@@ -86,7 +86,7 @@ class PFedLA(Method):
         if not p.share_attention and "attention" not in private:
             private.append("attention")
         self.host = host_cls(MethodContext(dataclasses.replace(self.train, private=private),
-                                           host_params))
+                                           host_params, probe=self._model_with_attention))
         self.aggregator_kind = self.host.aggregator_kind
         self.phases = self.host.phases
 
@@ -103,6 +103,13 @@ class PFedLA(Method):
             torch.manual_seed(self.train.seed + 1)
             insert_attention(model, sites(model), self.attention.build)
         return models
+
+    def _model_with_attention(self) -> nn.Module:
+        """One model as the host will hold it (the host checks its split rules on it)."""
+        t = self.train
+        model = build_model(t.model, t.num_classes, t.in_channels, t.image_size)
+        insert_attention(model, model_spec(t.model).attention_sites(model), self.attention.build)
+        return model
 
     def split_rules(self) -> dict[str, tuple[str, ...]]:
         return self.host.split_rules()
