@@ -25,8 +25,8 @@ SHARED = (Kind.SHARED_TENSORS, "")
 CONTROL = (Kind.CONTROL, "")
 CPU = torch.device("cpu")
 
-ALL_METHODS = ["ditto", "fedadam", "fedavg", "fedbn", "fedmedian", "fedper", "fedprox",
-               "fedproto", "fedsap", "fedstar", "local", "scaffold"]
+ALL_METHODS = ["ditto", "fedadam", "fedavg", "fedbn", "fedmedian", "fedper", "fedproto",
+               "fedprox", "fedsap", "fedstar", "local", "scaffold"]
 
 
 class Tiny(nn.Module):
