@@ -30,6 +30,7 @@ def worker(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="fl-sim worker")
     p.add_argument("--server", required=True)
     p.add_argument("--state-root", required=True, type=Path)
+    p.add_argument("--device", default="cpu")
     p.add_argument("data_dirs", nargs="+", type=Path)
     args = p.parse_args(argv)
     setup_logging("WARNING")
@@ -39,7 +40,7 @@ def worker(argv: list[str]) -> int:
     def run(data_dir: Path) -> None:
         options = EdgeOptions(server=args.server, data_dir=data_dir,
                               state_dir=args.state_root / data_dir.name, name=data_dir.name,
-                              device="cpu", progress=False, retry_for=120)
+                              device=args.device, progress=False, retry_for=120)
         try:
             codes[data_dir.name] = EdgeDaemon(options).run()
         except EdgeExit as err:
@@ -69,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server", help="HOST:PORT of a running fl-server (default: start one)")
     p.add_argument("--out", type=Path, default=None, help="run folder (default runs/sim-METHOD)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="the edges' torch device (cpu, cuda, ...)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="passed to the fl-server it starts")
     return p
@@ -140,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             address = f"127.0.0.1:{json.loads(ready.read_text())['port']}"
         groups = [data_dirs[i :: args.procs] for i in range(args.procs)]
         workers = [spawn(["-m", "fl_edge.sim", "worker", "--server", address, "--state-root",
-                          str(out / "state"), *map(str, group)], f"worker-{i}.log")
+                          str(out / "state"), "--device", args.device, *map(str, group)], f"worker-{i}.log")
                    for i, group in enumerate(groups) if group]
         print(f"fl-sim: {args.edges} edges in {len(workers)} processes against {address}")
         codes = [w.wait() for w in workers]
