@@ -78,6 +78,12 @@ CONFIGS = [
     Config("ditto", "ditto"),
     Config("fedrep", "fedrep"),
 ]
+# Diagnostics, run only when named in --methods: FedSTAR without L_shared, and the
+# ablation with L_shared instead of FedProto's MSE.
+EXTRA = [
+    Config("fedstar-no-shared", "fedstar", {"lambda_shared": 0.0}),
+    Config("ablation-shared", "fedstar", {"variant": "ablation", "ablation_loss": "shared"}),
+]
 
 
 def registered(method: str) -> bool:
@@ -258,7 +264,7 @@ def main() -> int:
     p.add_argument("--datasets", nargs="+", choices=sorted(SOURCES), default=["mnist", "cifar10"])
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--methods", nargs="+", default=[c.label for c in CONFIGS],
-                   help="labels: " + " ".join(c.label for c in CONFIGS))
+                   help="labels: " + " ".join(c.label for c in CONFIGS + EXTRA))
     p.add_argument("--full", action="store_true",
                    help="the paper's protocol: 100 edges, 200 rounds, all data, eval every 5")
     p.add_argument("--model", default="mobilenet-v3-compact")
@@ -287,7 +293,7 @@ def main() -> int:
         args.epochs = 5
     args.out = args.out.resolve()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    configs = [c for c in CONFIGS if c.label in args.methods]
+    configs = [c for c in CONFIGS + EXTRA if c.label in args.methods]
     for config in list(configs):
         if not registered(config.method):
             print(f"note: {config.method!r} is not a registered method here; {config.label} is "

@@ -386,12 +386,16 @@ def test_only_the_edges_own_class_prototypes_travel_and_the_server_survives_a_re
     """3 edges with different label sets, 2 trained per round (--fraction 0.5), 3 rounds.
     The server receives one PROTOTYPES section per upload, with exactly the classes the
     edge has; every edge is evaluated, including one that has not trained yet. A restarted
-    server (--resume) holds the aggregator state bit for bit and continues identically."""
+    server (--resume) holds the aggregator state bit for bit and continues identically.
+    The exported model (style vectors included) predicts what the edge evaluated."""
+    from fedattn_shared.data import load_edge_data
+    from fl_edge import export as tools
     from fl_server.cli import ServerApp
 
     classes = [[0, 1, 2], [2, 3], [5, 6, 7, 8]]
     received, engine = run_federation(tmp_path, "fedstar", model=COMPACT, edges=3, rounds=3,
-                                      fraction=0.5, classes=classes, sizes=[60, 60, 60])
+                                      fraction=0.5, classes=classes, sizes=[60, 60, 60],
+                                      params={"predict": "predicted-style"})
     train_rounds = [r["train"]["received"] for r in engine.history["rounds"]]
     assert all(len(r) == 2 for r in train_rounds)
     assert len(received) == 6
@@ -407,6 +411,18 @@ def test_only_the_edges_own_class_prototypes_travel_and_the_server_survives_a_re
     participated = sorted({e for r in train_rounds for e in r})
     assert sorted(aggregator.client_rows) == participated
     assert set(aggregator.state[GLOBAL]) == {str(c) for e in participated for c in classes[int(e[1:])]}
+
+    trained = sorted(participated)[0]
+    out = tmp_path / "exported.safetensors"
+    tools.export(tmp_path / f"state-{trained[1:]}", out)
+    exported = tools.from_export(out)
+    assert exported.algo.personal.style.abs().sum() > 0
+    test = load_edge_data(tmp_path / f"classes-{trained[1:]}" / "data-0", exported.train).test
+    predicted = tools.predict(exported, test.x).argmax(1)
+    confusion = torch.zeros(10, 10, dtype=torch.int64)
+    confusion.index_put_((test.y, predicted), torch.tensor(1), accumulate=True)
+    evaluated = engine.history["rounds"][-1]["evaluation"]["per_edge"][trained]["test"]
+    assert confusion.tolist() == evaluated["confusion"]
 
     cfg = ServerConfig(method="fedstar", rounds=3, checkpoint_dir=str(tmp_path / "server"),
                        insecure=True, port=0, fraction=0.5, resume=True)
