@@ -453,3 +453,23 @@ def test_fedproto_sends_counts_and_the_ablation_does_not(tmp_path, name, params,
         own = {"e0": ["0", "1"], "e1": ["1", "4"]}[edge]
         assert all(names == own for names in uploaded.values())
     assert set(engine.aggregator.state[GLOBAL]) == {"0", "1", "4"}
+
+
+def test_the_server_refuses_an_upload_that_fails_the_methods_check(tmp_path):
+    """FedProto's counts must name exactly its prototypes' classes: the engine turns the
+    method's ValueError into a refusal that drops the task, before the aggregator sees it."""
+    import asyncio
+
+    from fedattn_shared.wire import fedattn_pb2 as pb
+    from fl_server.engine import Phase, Refused, Task
+
+    engine = engine_for(tmp_path, "fedproto", COMPACT)
+    engine.aggregator.begin_round(1, ["e0"], 1)
+    phase = Phase(name="train", round=1, tasks={"e0": Task(1, "e0")}, quorum=1, common_id="c",
+                  common=encode(Payload()), common_frames=[], personal={}, spec_json="{}")
+    header = pb.SubmitHeader(edge_id="e0", num_examples=10)
+    with pytest.raises(Refused, match="class_counts must name exactly") as refused:
+        asyncio.run(engine.accept(phase, header, upload({1: [0.0] * 128}, {2: 10})))
+    assert refused.value.drop and engine.aggregator.uploads == {}
+    asyncio.run(engine.accept(phase, header, upload({1: [0.0] * 128}, {1: 10})))
+    assert list(engine.aggregator.uploads) == ["e0"]
