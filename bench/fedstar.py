@@ -212,9 +212,10 @@ def table(results: dict, labels: list[str], dataset: str) -> str:
         paper = PAPER_TABLE_1.get(label)
         paper_cell = (f"{paper[0]:.4f} / {paper[1]:.4f} / {paper[2]:.4f} / {paper[3]}"
                       if paper else "-")
+        edge_std = statistics.mean(r["edge_std"] for r in runs)
         lines.append(
             f"| {label} | {pm([r['accuracy'] for r in runs])} ({rounds}) "
-            f"| {pm([r['edge_mean'] for r in runs], 3)} ± {statistics.mean(r['edge_std'] for r in runs):.3f} "
+            f"| {pm([r['edge_mean'] for r in runs], 3)} (edges ± {edge_std:.3f}) "
             f"| {pm([r['weighted_f1'] for r in runs])} | {pm([r['macro_f1'] for r in runs])} "
             f"| {pm([r['brier'] for r in runs])} | {pm([r['convergence'] for r in runs], 1)} "
             f"| {human(per_round)} ({human(up)}) | {ratio} | {paper_cell} |")
