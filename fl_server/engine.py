@@ -315,9 +315,10 @@ class Engine:
             seen.add(key)
             specs = expected[key].tensors
             names = [t.name for t in section.tensors]
-            if set(names) != set(specs) or len(names) != len(specs):
-                missing = sorted(set(specs) - set(names))[:3]
-                extra = sorted(set(names) - set(specs))[:3]
+            # Every required tensor exactly once; optional ones (a per-class subset) at most once.
+            missing = sorted(expected[key].required - set(names))[:3]
+            extra = sorted(set(names) - set(specs))[:3]
+            if missing or extra or len(set(names)) != len(names):
                 raise Refused(f"section {label}: tensor names differ from the schema "
                               f"(missing {missing}, unexpected {extra})", drop=True)
             for meta in section.tensors:
@@ -353,6 +354,10 @@ class Engine:
 
     async def accept(self, phase: Phase, header: pb.SubmitHeader, payload: Payload) -> None:
         edge = header.edge_id
+        try:
+            self.method.check_upload(phase.name, payload)
+        except ValueError as err:
+            raise Refused(str(err), drop=True) from None
         async with self.agg_lock:
             if phase.closed or edge not in phase.pending():
                 raise Refused("the phase closed before the upload completed")

@@ -208,8 +208,9 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
     async def _receive(self, header: pb.SubmitHeader, schema: list[SectionSpec], context,
                        edge: str):
         # check_submission matched the manifest to the schema, so the sizes come from it.
-        nbytes = {(int(spec.kind), spec.name): spec.nbytes for spec in schema}
-        sizes = [nbytes[(s.kind, s.name)] for s in header.payload.sections]
+        specs = {(int(spec.kind), spec.name): spec for spec in schema}
+        sizes = [specs[(s.kind, s.name)].nbytes_of(t.name for t in s.tensors)
+                 for s in header.payload.sections]
         async with self.upload_slots:
             assembler = PayloadAssembler(header.payload, max_bytes=sum(sizes),
                                          max_chunk_bytes=MAX_MESSAGE_BYTES, pool=self.buffers,

@@ -24,13 +24,16 @@ from fl_server.cli import ServerApp
 def run_federation(tmp_path, method_name: str, private: list[str] | None = None,
                    edges: int = 2, rounds: int = 2, sizes: list[int] | None = None,
                    lr: float = 0.05, init_weights: str = "", model: str = "lenet-bn",
-                   params: dict | None = None, device: str = "cpu"):
+                   params: dict | None = None, device: str = "cpu", fraction: float = 1.0,
+                   classes: list[list[int]] | None = None):
+    """``classes``: the labels each edge's generated data draws from (all by default)."""
     train = TrainConfig(private=private or [], lr=lr, model=model)
     cls = load_method(method_name)
     method = cls(MethodContext(train, cls.Params(**(params or {}))))
     server_cfg = ServerConfig(method=method_name, rounds=rounds, min_edges=edges, host="127.0.0.1",
                               port=0, checkpoint_dir=str(tmp_path / "server"), insecure=True,
-                              poll_timeout=2.0, round_timeout=60, init_weights=init_weights)
+                              poll_timeout=2.0, round_timeout=60, init_weights=init_weights,
+                              fraction=fraction)
     app = ServerApp(server_cfg, train, method)
     received: list[tuple[str, dict]] = []
     accept = app.engine.aggregator.accept
@@ -52,8 +55,10 @@ def run_federation(tmp_path, method_name: str, private: list[str] | None = None,
                               retry_for=30, progress=False)
         results[f"e{i}"] = EdgeDaemon(options).run()
 
-    threads = [threading.Thread(target=edge, args=(i, d))
-               for i, d in enumerate(write_edge_dirs(tmp_path, edges, sizes or 120))]
+    per_edge = sizes or [120] * edges
+    dirs = ([write_edge_dirs(tmp_path / f"classes-{i}", 1, [per_edge[i]], classes=c)[0]
+             for i, c in enumerate(classes)] if classes else write_edge_dirs(tmp_path, edges, per_edge))
+    threads = [threading.Thread(target=edge, args=(i, d)) for i, d in enumerate(dirs)]
     for t in threads:
         t.start()
     for t in threads:

@@ -50,17 +50,38 @@ class TensorSpec:
     dtype: torch.dtype
     shape: tuple[int, ...]
     is_buffer: bool = False  # float buffers (BN running statistics) are averaged, not stepped
+    # An optional tensor may be left out of an upload (FedSTAR's prototypes: one per class
+    # the edge has); every tensor that is sent still has to match its spec exactly.
+    optional: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
 class SectionSpec:
+    """One upload section: its kind, name and tensors. By default an upload carries exactly
+    these tensors; tensors marked ``optional`` may be absent (a per-class subset)."""
+
     kind: Kind
     name: str
     tensors: dict[str, TensorSpec]
 
     @functools.cached_property
     def nbytes(self) -> int:
-        return sum(math.prod(t.shape) * t.dtype.itemsize for t in self.tensors.values())
+        """Bytes of the full section (every tensor, optional ones included)."""
+        return sum(t.nbytes for t in self.tensors.values())
+
+    @functools.cached_property
+    def required(self) -> frozenset[str]:
+        return frozenset(name for name, t in self.tensors.items() if not t.optional)
+
+    def nbytes_of(self, names: Iterable[str]) -> int:
+        """Bytes of an upload of this section carrying ``names`` (all in the spec)."""
+        if len(self.required) == len(self.tensors):
+            return self.nbytes  # every tensor is required, so an accepted upload has them all
+        return sum(self.tensors[name].nbytes for name in names)
 
 
 @dataclass
@@ -168,6 +189,22 @@ class Method:
             return []
         shared = self.shared_specs(models)
         return [SectionSpec(Kind.SHARED_TENSORS, "", shared)] if shared else []
+
+    def check_upload(self, phase: str, upload: Payload) -> None:
+        """Checks the schema cannot express (consistency between sections, value ranges),
+        on a decoded upload that matched the schema, before it reaches the aggregator.
+        Raise ValueError with the reason: the server refuses the upload and drops the task."""
+
+    def summable_sections(self, phase: str, models: dict[str, nn.Module]) -> set[tuple[Kind, str]]:
+        """Upload sections of ``phase`` that the server only ever needs as their weighted
+        sum over the round's edges, so secure aggregation could mask them (the server
+        unmasks only the sum). Default: every section for the streaming-sum and
+        server-optimizer aggregators, none for collect-then-learn (it needs each upload).
+        A method mixing both declares the exact set; a secure-aggregation transport must
+        refuse a method whose uploads are not all summable."""
+        if self.aggregator_kind == AggregatorKind.COLLECT:
+            return set()
+        return {(spec.kind, spec.name) for spec in self.uplink_schema(phase, models)}
 
     def similarity_groups(self, models: dict[str, nn.Module]) -> dict[str, list[str]]:
         """Groups of shared tensors (qualified names) whose mean pairwise cosine similarity

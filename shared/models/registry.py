@@ -14,6 +14,7 @@ from torch import nn
 from .alexnet import AlexNetBN, alexnet_attention_sites
 from .anfr import COMPACT_GROUPS, RESNET50_GROUPS, compact_nf, compact_resnet, timm_model
 from .lenet import LeNetBN, lenet_attention_sites
+from .mobilenet_compact import MobileNetV3Compact
 from .resnet import cifar_resnet18
 from .secnn import SECNN
 
@@ -94,6 +95,8 @@ MODELS: dict[str, ModelSpec] = {
                   "a small 3-block CNN with 3 SE modules, for tests and the demo"),
         ModelSpec("mobilenet-v3-small", _mobilenet_v3_small, "classifier.3",
                   "torchvision mobilenet_v3_small, 9 SE modules (the Fed-SAP backbone)"),
+        ModelSpec("mobilenet-v3-compact", MobileNetV3Compact, "fc",
+                  "the FedSTAR authors' compact MobileNetV3-style encoder, d = 128 (METHODS.md 2.1)"),
         ModelSpec("resnet18-cifar", cifar_resnet18, "fc",
                   "ResNet-18 with a 3x3 stride-1 stem and no max-pool, for 32x32 inputs"),
         ModelSpec("nf-resnet26", _timm("nf_resnet26"), "head.fc",

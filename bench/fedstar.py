@@ -1,0 +1,327 @@
+"""FedSTAR reproduction: FedProto, the attention-only ablation and FedSTAR (the paper's
+Table 1 and ablation study), with FedAvg / Ditto (and FedRep once it is a registered
+method) as references, all on the same compact backbone, with real fl-server and fl-edge
+daemons (fl-sim: many edges in 2 processes) on loopback.
+
+Data: MNIST (../shared/data/mnist) and CIFAR-10 (../shared/data/cifar-10); the paper's
+Fashion-MNIST images are not available to us. fl-partition cuts each into --edges
+folders per seed with Dirichlet(alpha = 0.1) label skew (the paper's alpha) and a
+stratified 20 % local test split per edge; no shared global test set (the paper scores
+each client's own test split). A seed fixes the partition, the client sampling and the
+initialisation, so every method sees the same partitions.
+
+Metrics (the paper's Table 1, METHODS.md 2.3): per evaluated round, on the pooled local
+test splits of all edges: accuracy (total correct / total samples; "mean over edges" and
+its std beside it), weighted and macro F1, Brier score (mean over samples of
+sum_c (p_c - y_c)^2); best accuracy and F1 over rounds (the round in parentheses), minimum
+Brier, and the convergence round (first evaluated round whose pooled accuracy reaches
+95 % of that run's maximum). Bytes: the mean wire bytes per round (up + down, all kinds,
+evaluation included) and its ratio to FedAvg's on the same backbone and data.
+
+Protocols:
+  default (CPU, the comparison of record): 20 edges, 30 % sampled per round (--fraction
+    0.3, the paper's join ratio), --limit training images per dataset, --rounds rounds
+    of --epochs local epochs, SGD lr 0.01 momentum 0.9 batch 32, seeds 0 1 2;
+  --full: the paper's 100 edges and 200 rounds on all training images, evaluation every
+    5 rounds, the edges on --device (a GPU machine).
+
+    .venv/bin/python bench/fedstar.py                       # both datasets, 3 seeds
+    .venv/bin/python bench/fedstar.py --datasets mnist --seeds 0
+    .venv/bin/python bench/fedstar.py --full --device cuda
+
+It prints one Table 1-like table per dataset (mean +- std over seeds) beside the paper's
+Fashion-MNIST figures, whether FedSTAR > ablation > FedProto holds, and writes accuracy
+curves (PNG) and every run under --out (a finished run is reused).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED_DATA = ROOT.parent / "shared" / "data"
+SOURCES = {
+    "mnist": (SHARED_DATA / "mnist", 1, 28),
+    "cifar10": (SHARED_DATA / "cifar-10" / "cifar-10-batches-bin", 3, 32),
+}
+# Table 1 (Fashion-MNIST, 100 clients, alpha 0.1, 200 rounds): best test accuracy, best
+# F1, min Brier, convergence round.
+PAPER_TABLE_1 = {
+    "fedproto": (0.8580, 0.8578, 0.2288, 105),
+    "ablation": (0.8657, 0.8657, 0.2173, 200),
+    "fedstar": (0.8937, 0.8936, 0.3488, 55),
+    "ditto": (0.8310, 0.8306, 0.4393, 155),
+    "fedrep": (0.8436, 0.8430, 0.2442, 165),
+}
+
+
+@dataclass
+class Config:
+    label: str
+    method: str
+    params: dict[str, object] = field(default_factory=dict)
+
+
+CONFIGS = [
+    Config("fedproto", "fedproto"),
+    Config("ablation", "fedstar", {"variant": "ablation"}),
+    Config("fedstar", "fedstar"),
+    Config("fedavg", "fedavg"),
+    Config("ditto", "ditto"),
+    Config("fedrep", "fedrep"),
+]
+# Diagnostics, run only when named in --methods: FedSTAR without L_shared, and the
+# ablation with L_shared instead of FedProto's MSE.
+EXTRA = [
+    Config("fedstar-no-shared", "fedstar", {"lambda_shared": 0.0}),
+    Config("ablation-shared", "fedstar", {"variant": "ablation", "ablation_loss": "shared"}),
+]
+
+
+def registered(method: str) -> bool:
+    from fedattn_shared.methods.registry import available_methods
+
+    return method in available_methods()
+
+
+def run(cmd: list[str], log: Path) -> None:
+    with open(log, "wb") as handle:
+        code = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+    if code:
+        raise SystemExit(f"failed ({code}): {' '.join(cmd)}\n{log.read_text()[-3000:]}")
+
+
+def partition(args, dataset: str, seed: int) -> Path:
+    source, _, _ = SOURCES[dataset]
+    out = (args.out / "data" / f"{dataset}-a{args.alpha}-e{args.edges}-s{seed}"
+           f"-n{args.limit or 'all'}")
+    if (out / "partition.json").exists():
+        return out
+    limit = ["--limit", str(args.limit)] if args.limit else []
+    out.parent.mkdir(parents=True, exist_ok=True)
+    run([sys.executable, "-m", "fedattn_shared.data.partition", "--source", str(source),
+         "--edges", str(args.edges), "--out", str(out), "--seed", str(seed),
+         "--scheme", "dirichlet", "--alpha", str(args.alpha), "--min-per-edge",
+         str(args.min_per_edge), "--global-test-per-class", "0", *limit],
+        args.out / f"partition-{out.name}.log")
+    return out
+
+
+def federate(args, config: Config, dataset: str, seed: int) -> Path:
+    _, channels, size = SOURCES[dataset]
+    out = args.out / "runs" / dataset / f"{config.label}-s{seed}"
+    history = out / "server" / "history.json"
+    if history.exists() and len(json.loads(history.read_text())["rounds"]) == args.rounds:
+        return history  # finished earlier: --out doubles as a cache
+    data = partition(args, dataset, seed)
+    sets = {"train.model": args.model, "train.in_channels": channels, "train.image_size": size,
+            "train.lr": args.lr, "train.momentum": args.momentum,
+            "train.batch_size": args.batch_size, "train.local_epochs": args.epochs,
+            "train.lr_schedule": "constant", "server.eval_every": args.eval_every,
+            **{f"{config.method}.{k}": v for k, v in config.params.items()}}
+    flags = [f"--set={k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in sets.items()]
+    if out.exists():  # an unfinished run: start it again from scratch
+        subprocess.run(["rm", "-rf", str(out)], check=True)
+    out.mkdir(parents=True)
+    started = time.time()
+    run([sys.executable, "-m", "fl_edge.sim", "--method", config.method, "--edges",
+         str(args.edges), "--fraction", str(args.fraction), "--rounds", str(args.rounds),
+         "--procs", str(args.procs), "--data-root", str(data), "--out", str(out),
+         "--seed", str(seed), "--device", args.device, *flags], out / "fl-sim.log")
+    print(f"  {dataset:<8} {config.label:<9} seed {seed}: {time.time() - started:6.0f} s",
+          flush=True)
+    return history
+
+
+def figures(history_file: Path) -> dict:
+    """Table 1's figures of one run, on the pooled local test splits."""
+    from fl_server.report import convergence_round, load_history, round_figures
+
+    history = load_history(history_file)
+    rounds = []
+    for record in history["rounds"]:
+        per_edge = (record.get("evaluation") or {}).get("per_edge") or {}
+        evaluated = round_figures(per_edge, "test")
+        if evaluated is not None:
+            rounds.append({"round": record["round"], **evaluated})
+    numbers = [r["round"] for r in rounds]
+
+    def best(key: str, lowest: bool = False) -> tuple[float, int]:
+        pick = min if lowest else max
+        value = pick(r[key] for r in rounds)
+        return value, next(r["round"] for r in rounds if r[key] == value)
+
+    accuracy, at = best("pooled_accuracy")
+    at_best = next(r for r in rounds if r["round"] == at)
+    wire = [sum(tally["wire"] for kinds in record["bytes"].values() for tally in kinds.values())
+            for record in history["rounds"]]
+    up = [sum(tally["wire"] for tally in record["bytes"].get("up", {}).values())
+          for record in history["rounds"]]
+    return {
+        "accuracy": accuracy, "accuracy_round": at,
+        "edge_mean": at_best["mean_accuracy"], "edge_std": at_best["std_accuracy"],
+        "best_edge_mean": best("mean_accuracy")[0],
+        "weighted_f1": best("weighted_f1")[0], "macro_f1": best("macro_f1")[0],
+        "brier": best("brier", lowest=True)[0],
+        "convergence": convergence_round(numbers, [r["pooled_accuracy"] for r in rounds]),
+        "bytes_per_round": statistics.mean(wire), "up_per_round": statistics.mean(up),
+        "curve": [(r["round"], r["pooled_accuracy"]) for r in rounds],
+    }
+
+
+def pm(values: list[float], digits: int = 4) -> str:
+    if not values:
+        return "-"
+    if len(values) < 2:
+        return f"{values[0]:.{digits}f}"
+    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def table(results: dict, labels: list[str], dataset: str) -> str:
+    reference = results.get(("fedavg", dataset), [])
+    fedavg_bytes = statistics.mean(r["bytes_per_round"] for r in reference) if reference else None
+    lines = [f"\n{dataset}: best pooled test accuracy (round) | mean ± std over edges at that "
+             "round | best weighted F1 | best macro F1 | min Brier | conv. round | wire bytes "
+             "per round (up) | vs FedAvg   [paper, Fashion-MNIST: acc / F1 / Brier / conv.]",
+             "| method | accuracy | over edges | weighted F1 | macro F1 | Brier | conv. | "
+             "bytes/round (up) | ratio | paper |", "|---" * 10 + "|"]
+    for label in labels:
+        runs = results.get((label, dataset), [])
+        if not runs:
+            continue
+        rounds = ",".join(str(r["accuracy_round"]) for r in runs)
+        per_round = statistics.mean(r["bytes_per_round"] for r in runs)
+        up = statistics.mean(r["up_per_round"] for r in runs)
+        ratio = f"{per_round / fedavg_bytes:.4f}" if fedavg_bytes else "-"
+        paper = PAPER_TABLE_1.get(label)
+        paper_cell = (f"{paper[0]:.4f} / {paper[1]:.4f} / {paper[2]:.4f} / {paper[3]}"
+                      if paper else "-")
+        edge_std = statistics.mean(r["edge_std"] for r in runs)
+        lines.append(
+            f"| {label} | {pm([r['accuracy'] for r in runs])} ({rounds}) "
+            f"| {pm([r['edge_mean'] for r in runs], 3)} (edges ± {edge_std:.3f}) "
+            f"| {pm([r['weighted_f1'] for r in runs])} | {pm([r['macro_f1'] for r in runs])} "
+            f"| {pm([r['brier'] for r in runs])} | {pm([r['convergence'] for r in runs], 1)} "
+            f"| {human(per_round)} ({human(up)}) | {ratio} | {paper_cell} |")
+    return "\n".join(lines)
+
+
+def ordering(results: dict, dataset: str, seeds: list[int]) -> str:
+    names = ("fedstar", "ablation", "fedproto")
+    runs = {n: results.get((n, dataset), []) for n in names}
+    if any(len(runs[n]) != len(seeds) for n in names):
+        return f"{dataset}: FedSTAR > ablation > FedProto not checked (runs missing)"
+    means = {n: statistics.mean(r["accuracy"] for r in runs[n]) for n in names}
+    holds = means["fedstar"] > means["ablation"] > means["fedproto"]
+    per_seed = [runs["fedstar"][i]["accuracy"] > runs["ablation"][i]["accuracy"]
+                > runs["fedproto"][i]["accuracy"] for i in range(len(seeds))]
+    return (f"{dataset}: FedSTAR > ablation > FedProto (best pooled accuracy, mean over seeds: "
+            f"{means['fedstar']:.4f} / {means['ablation']:.4f} / {means['fedproto']:.4f}): "
+            f"{'holds' if holds else 'does NOT hold'}; per seed: {per_seed}")
+
+
+def plot(results: dict, labels: list[str], dataset: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label in labels:
+        runs = results.get((label, dataset), [])
+        if not runs:
+            continue
+        rounds = [r for r, _ in runs[0]["curve"]]
+        mean = [statistics.mean(run["curve"][i][1] for run in runs) for i in range(len(rounds))]
+        ax.plot(rounds, mean, label=label)
+    ax.set_title(f"{dataset}, Dirichlet 0.1: pooled local-test accuracy (mean over seeds)")
+    ax.set_xlabel("round")
+    ax.set_ylabel("accuracy")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--datasets", nargs="+", choices=sorted(SOURCES), default=["mnist", "cifar10"])
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--methods", nargs="+", default=[c.label for c in CONFIGS],
+                   help="labels: " + " ".join(c.label for c in CONFIGS + EXTRA))
+    p.add_argument("--full", action="store_true",
+                   help="the paper's protocol: 100 edges, 200 rounds, all data, eval every 5")
+    p.add_argument("--model", default="mobilenet-v3-compact")
+    p.add_argument("--edges", type=int, default=20)
+    p.add_argument("--fraction", type=float, default=0.3)
+    p.add_argument("--alpha", type=float, default=0.1)
+    p.add_argument("--limit", type=int, default=4000, help="training images per dataset (CPU)")
+    p.add_argument("--min-per-edge", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--eval-every", type=int, default=3)
+    p.add_argument("--procs", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="the edges' device (cuda with --full)")
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-fedstar")
+    args = p.parse_args()
+    for dataset in args.datasets:
+        if not SOURCES[dataset][0].exists():
+            print(f"bench/fedstar.py: {SOURCES[dataset][0]} is missing (../shared/data is not "
+                  "beside the repo)", file=sys.stderr)
+            return 2
+    if args.full:
+        args.edges, args.limit, args.rounds, args.eval_every, args.min_per_edge = 100, 0, 200, 5, 50
+        args.epochs = 5
+    args.out = args.out.resolve()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    configs = [c for c in CONFIGS + EXTRA if c.label in args.methods]
+    for config in list(configs):
+        if not registered(config.method):
+            print(f"note: {config.method!r} is not a registered method here; {config.label} is "
+                  "skipped")
+            configs.remove(config)
+    print(f"{', '.join(args.datasets)}: {args.edges} edges, {args.fraction:.0%} per round, "
+          f"Dirichlet {args.alpha}, {args.model}, {args.rounds} rounds x {args.epochs} epochs, "
+          f"{args.limit or 'all'} training images, lr {args.lr} momentum {args.momentum} batch "
+          f"{args.batch_size}, eval every {args.eval_every}, seeds {args.seeds}", flush=True)
+    results: dict[tuple[str, str], list] = {}
+    for dataset in args.datasets:
+        for seed in args.seeds:
+            for config in configs:
+                results.setdefault((config.label, dataset), []).append(
+                    figures(federate(args, config, dataset, seed)))
+    labels = [c.label for c in configs]
+    for dataset in args.datasets:
+        print(table(results, labels, dataset))
+    print()
+    for dataset in args.datasets:
+        print(ordering(results, dataset, args.seeds))
+    for dataset in args.datasets:
+        path = args.out / f"accuracy-{dataset}.png"
+        plot(results, labels, dataset, path)
+        print(f"accuracy curves: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
