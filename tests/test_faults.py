@@ -56,18 +56,20 @@ def test_slow_edge_is_dropped_at_the_deadline_and_comes_back(cluster, tmp_path):
     fast = write_edge_dirs(tmp_path, 2, per_edge=40)
     # ~1900 local steps against a 4 s deadline: always late, whatever the machine's load.
     slow = write_edge_dirs(tmp_path / "slow", 1, per_edge=30000)[0]
-    server = cluster.server("--method", "fedavg", "--rounds", "2", "--min-edges", "3",
+    # More rounds than the test waits for: the server is still running (and refusing) when
+    # the slow edge finally submits, however long a loaded machine makes it take.
+    server = cluster.server("--method", "fedavg", "--rounds", "1000", "--min-edges", "3",
                             "--round-timeout", "4", "--local-epochs", "2")
     edges = [cluster.edge(d, f"fast{i}") for i, d in enumerate(fast)] + [cluster.edge(slow, "slow")]
-    assert [e.wait(timeout=180) for e in edges[:2]] == [0, 0]
-    assert server.wait() == 0
-    # Its late result was refused, not aggregated; the run ended while it still trained.
-    edges[2].wait_log("result refused")
-    edges[2].kill()
+    # Its late result is refused, not aggregated; rounds went on while it trained.
+    edges[2].wait_log("result refused", timeout=240)
+    server.kill()
+    assert server.popen.returncode != 0 and all(e.popen.poll() is None for e in edges[:2])
     history = read_history(tmp_path / "server-state")
+    assert history["rounds"]
     assert all(r["train"]["dropped"].get("slow") == "deadline" for r in history["rounds"])
-    assert history["rounds"][-1]["train"]["received"] == ["fast0", "fast1"]
-    assert history["rounds"][-1]["aggregate"]["aggregated"] == 2
+    assert all(r["train"]["received"] == ["fast0", "fast1"] for r in history["rounds"])
+    assert all(r["aggregate"]["aggregated"] == 2 for r in history["rounds"])
 
 
 def test_unwritable_state_dir_is_a_clear_error(tmp_path):
