@@ -128,7 +128,7 @@ def federate(args, config: Config, alpha: str, seed: int) -> Path:
             "train.local_epochs": args.epochs, "server.eval_every": args.eval_every,
             "train.lr_schedule": "constant",
             **{f"{config.method}.{k}": v for k, v in config.params.items()}}
-    flags = [f"--set={k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in sets.items()]
+    flags = [f"--set={k}={json.dumps(v)}" for k, v in sets.items()]  # JSON scalars are TOML
     started = time.time()
     out.mkdir(parents=True, exist_ok=True)
     run([sys.executable, "-m", "fl_edge.sim", "--method", config.method, "--edges",
