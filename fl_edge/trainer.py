@@ -70,6 +70,7 @@ def train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, 
                         generator=generator, num_workers=0, drop_last=drop_last)
     show = sys.stderr.isatty() if progress is None else progress
     algo.train_mode()
+    algo.num_examples = len(data)
     algo.begin_train()
     optimizers = algo.optimizers()
     if lr is not None:
@@ -97,6 +98,7 @@ def train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, 
         opt.zero_grad(set_to_none=True)
     for epoch in range(epochs):
         epoch_loss, epoch_batches = 0.0, 0
+        algo.begin_epoch(epoch)
         batches = tqdm(loader, desc=f"epoch {epoch + 1}/{epochs}", leave=False, disable=not show)
         pending = 0
         for x, y in batches:

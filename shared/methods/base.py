@@ -188,12 +188,14 @@ class Method:
 class EdgeAlgorithm:
     """Edge-side hooks around the generic training loop in ``fl_edge.trainer``.
 
-    The loop calls, per round: ``receive`` (the downlink), then for every batch
-    ``training_step`` -> backward -> ``post_backward`` (parameter-only terms as gradient
-    post-processing, so they also survive DP-SGD's clipping) -> optimizer steps, then
-    ``end_train`` (one pass over the data, if the method wants it) and ``after_train`` for
-    the upload. ``predict`` is the personalized model used for
-    evaluation and export.
+    The loop calls, per round: ``receive`` (the downlink), ``begin_train``, then at the
+    start of every epoch ``begin_epoch`` and for every batch ``training_step`` -> backward
+    -> ``post_backward`` (parameter-only terms as gradient post-processing, so they also
+    survive DP-SGD's clipping) -> optimizer steps, then ``end_train`` (one pass over the
+    data, if the method wants it) and ``after_train`` for the upload. ``predict`` is the
+    personalized model used for evaluation and export. ``num_examples`` is the size of the
+    training split of the current training phase (the loop sets it before
+    ``begin_train``).
     """
 
     def __init__(self, method: Method, models: dict[str, nn.Module], device: torch.device):
@@ -204,6 +206,7 @@ class EdgeAlgorithm:
         self.global_tensors: dict[str, torch.Tensor] = {}
         self._optimizers: list[torch.optim.Optimizer] | None = None
         self._state_tensors: dict[str, torch.Tensor] | None = None
+        self.num_examples = 0
 
     # ---- tensors --------------------------------------------------------------------
     def state_tensor(self, name: str) -> torch.Tensor:
@@ -261,6 +264,10 @@ class EdgeAlgorithm:
 
     def begin_train(self) -> None:
         """Called after ``receive`` and before the first batch of a training phase."""
+
+    def begin_epoch(self, epoch: int) -> None:
+        """Called before the first batch of each local epoch (0-based), e.g. to keep
+        figures of the last epoch only."""
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch

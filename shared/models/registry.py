@@ -9,10 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from .lenet import LeNetBN
-from .resnet import cifar_resnet18
+from .resnet import cifar_resnet18, compact_cifar_resnet, resnet_tokens
 from .secnn import SECNN
 
 
@@ -22,6 +23,9 @@ class ModelSpec:
     build: Callable[[int, int, int], nn.Module]
     head: str  # state-dict prefix of the final classifier layer
     description: str
+    # (model, x) -> (B, N, d) last-stage feature tokens, for methods that attend over
+    # them (pFedKA); the model's forward is then its head on the tokens' mean.
+    tokens: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
 
 
 def _mobilenet_v3_small(num_classes: int, in_channels: int, image_size: int) -> nn.Module:
@@ -55,7 +59,11 @@ MODELS: dict[str, ModelSpec] = {
         ModelSpec("mobilenet-v3-small", _mobilenet_v3_small, "classifier.3",
                   "torchvision mobilenet_v3_small, 9 SE modules (the Fed-SAP backbone)"),
         ModelSpec("resnet18-cifar", cifar_resnet18, "fc",
-                  "ResNet-18 with a 3x3 stride-1 stem and no max-pool, for 32x32 inputs"),
+                  "ResNet-18 with a 3x3 stride-1 stem and no max-pool, for 32x32 inputs",
+                  resnet_tokens),
+        ModelSpec("resnet10-cifar-compact", compact_cifar_resnet, "fc",
+                  "CIFAR-stem ResNet-10 (one BasicBlock per stage, widths 16-32-64-128), "
+                  "for CPU runs", resnet_tokens),
         ModelSpec("nf-resnet26", _timm("nf_resnet26"), "head.fc",
                   "timm normalization-free ResNet-26 (random init)"),
     )
