@@ -133,7 +133,7 @@ def federate(args, config: Config, alpha: str, seed: int, rounds: int | None = N
          str(args.edges), "--fraction", str(args.fraction), "--rounds", str(rounds), "--procs",
          str(args.procs), "--data-root", str(data), "--out", str(out), "--seed", str(seed),
          *flags], out / "fl-sim.log")
-    print(f"  {config.label:<18} alpha {alpha:<4} seed {seed}: {time.time() - started:6.0f} s",
+    print(f"  {config.label + tag:<18} alpha {alpha:<4} seed {seed}: {time.time() - started:6.0f} s",
           flush=True)
     return out
 
@@ -335,13 +335,13 @@ def main() -> int:
                    help="default resnet10-cifar-compact (CPU), resnet18-cifar with --full")
     p.add_argument("--edges", type=int, default=10)
     p.add_argument("--fraction", type=float, default=0.5)
-    p.add_argument("--limit", type=int, default=3000, help="training images in all (CPU)")
-    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--limit", type=int, default=2400, help="training images in all (CPU)")
+    p.add_argument("--rounds", type=int, default=16)
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--eval-every", type=int, default=5)
+    p.add_argument("--eval-every", type=int, default=4)
     p.add_argument("--procs", type=int, default=2)
     p.add_argument("--step-reps", type=int, default=30)
     p.add_argument("--device", default="cpu", help="for the step-time measurement")

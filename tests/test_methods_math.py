@@ -26,7 +26,7 @@ CONTROL = (Kind.CONTROL, "")
 CPU = torch.device("cpu")
 
 ALL_METHODS = ["ditto", "fedadam", "fedavg", "fedbn", "fedmedian", "fedper", "fedprox",
-               "fedsap", "local", "scaffold"]
+               "fedsap", "local", "pfedka", "scaffold"]
 
 
 class Tiny(nn.Module):

@@ -111,6 +111,17 @@ def test_backbones_expose_enough_tokens_and_bad_setups_are_refused_by_name():
         pfedka(gru_hidden=0)
 
 
+@pytest.mark.parametrize("name", [MODEL, "resnet18-cifar"])
+def test_the_models_forward_is_its_head_on_the_mean_token(name):
+    from fedattn_shared.models import build_model, model_spec
+
+    model = build_model(name, 10, 3, 32).eval()
+    x = torch.randn(2, 3, 32, 32)
+    tokens = model_spec(name).tokens(model, x)
+    assert tokens.shape[1:] == ((16, 128) if name == MODEL else (16, 512))
+    assert torch.allclose(model.fc(tokens.mean(1)), model(x), atol=1e-5)
+
+
 @pytest.mark.parametrize("residual", [True, False])
 def test_gradients_reach_student_encoder_and_projections_never_the_teacher(residual):
     """On the benchmark backbone at the benchmark input size (32x32 RGB)."""
