@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # different (multi-GB) build. Override on other platforms, e.g. a Jetson's NVIDIA wheels.
 TORCH ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: setup demo test lint proto bench bench-fedsap clean
+.PHONY: setup demo test lint proto bench bench-fedsap bench-pfedka clean
 
 setup: $(VENV)/.installed
 
@@ -41,3 +41,8 @@ bench: setup
 # Fed-SAP vs the baselines on CIFAR-10 from ../shared/data (about 35 min on 2 cores).
 bench-fedsap: setup
 	OMP_NUM_THREADS=1 $(PY) bench/fedsap.py
+
+# pFedKA vs the baselines and its ablations on CIFAR-10 from ../shared/data (about 35 min on
+# 2 idle cores; several hours on a busy shared machine), traffic and step time.
+bench-pfedka: setup
+	OMP_NUM_THREADS=1 $(PY) bench/pfedka.py
