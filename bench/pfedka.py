@@ -73,7 +73,10 @@ BASELINES = [Config("fedavg", "fedavg"), Config("fedprox", "fedprox"), Config("d
 PFEDKA = Config("pfedka", "pfedka")
 ABLATIONS = [Config("w/o KD", "pfedka", {"kd": False}),
              Config("w/o CA", "pfedka", {"cross_attention": False}),
-             Config("w/o GA", "pfedka", {"gating": False})]
+             Config("w/o GA", "pfedka", {"gating": False}),
+             # At lr 1e-3 the GRU moves alpha by well under a point in a CPU-sized run;
+             # a faster GRU shows what the gating does once it departs from FedAvg.
+             Config("GA gru_lr=0.05", "pfedka", {"gru_lr": 0.05})]
 # The default (pfedka) against the other reading of eq. 11; FedAvg for the teacher.
 OTHER_RESIDUAL = not PFedKAParams().ca_residual
 RESIDUAL = [Config("fedavg", "fedavg"), PFEDKA,
