@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # different (multi-GB) build. Override on other platforms, e.g. a Jetson's NVIDIA wheels.
 TORCH ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: setup demo test lint proto bench bench-fedsap bench-anfr bench-feature-shift bench-fedstar clean
+.PHONY: setup demo test lint proto bench bench-fedsap bench-anfr bench-feature-shift bench-fedstar bench-pfedka clean
 
 setup: $(VENV)/.installed
 
@@ -55,3 +55,7 @@ bench-feature-shift: setup
 # 20 edges at 30 % per round, 3 seeds (CPU protocol; --full is the paper's, for a GPU).
 bench-fedstar: setup
 	OMP_NUM_THREADS=1 $(PY) bench/fedstar.py
+# pFedKA vs the baselines and its ablations on CIFAR-10 from ../shared/data (about 35 min on
+# 2 idle cores; several hours on a busy shared machine), traffic and step time.
+bench-pfedka: setup
+	OMP_NUM_THREADS=1 $(PY) bench/pfedka.py

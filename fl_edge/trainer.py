@@ -77,6 +77,7 @@ def train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, 
                         generator=generator, num_workers=0, drop_last=drop_last)
     show = sys.stderr.isatty() if progress is None else progress
     algo.train_mode()
+    algo.num_examples = len(data)
     algo.begin_train()
     optimizers = algo.optimizers()
     if lr is not None:

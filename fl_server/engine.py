@@ -363,8 +363,11 @@ class Engine:
                 raise Refused("the phase closed before the upload completed")
             if phase.name != EVALUATE:
                 weight = self.method.aggregation_weight(int(header.num_examples))
-                await asyncio.to_thread(self.aggregator.accept_phase, phase.name, edge, payload,
-                                        weight)
+                try:
+                    await asyncio.to_thread(self.aggregator.accept_phase, phase.name, edge,
+                                            payload, weight)
+                except ValueError as err:  # values the method cannot use: the edge's fault
+                    raise Refused(f"{phase.name} upload: {err}", drop=True) from None
             phase.received[edge] = {
                 "num_examples": int(header.num_examples),
                 # Monitoring figures only; non-finite ones would make history.json invalid JSON.

@@ -26,8 +26,8 @@ CONTROL = (Kind.CONTROL, "")
 CPU = torch.device("cpu")
 
 ALL_METHODS = ["anfr", "ditto", "fedadam", "fedavg", "fedavgft", "fedbn", "fedmedian", "fedper",
-               "fedproto", "fedprox", "fedrep", "fedsap", "fedstar", "local", "pfedla", "pfedme",
-               "scaffold"]
+               "fedproto", "fedprox", "fedrep", "fedsap", "fedstar", "local", "pfedka", "pfedla",
+               "pfedme", "scaffold"]
 
 
 class Tiny(nn.Module):

@@ -87,7 +87,9 @@ class Aggregator(abc.ABC):
     @abc.abstractmethod
     def accept(self, edge_id: str, upload: Payload, weight: float) -> None:
         """Take one validated upload into the round's aggregate. The upload's tensors view
-        a receive buffer that is reused once this returns: copy whatever you keep."""
+        a receive buffer that is reused once this returns: copy whatever you keep. Values
+        the method cannot use raise ValueError before any state changes: the server
+        refuses the upload with that message and drops the edge from the phase."""
 
     @abc.abstractmethod
     def finish(self) -> dict[str, Any]:

@@ -257,6 +257,8 @@ class EdgeAlgorithm:
     monitoring scalars to the result. ``predict`` is the personalized model used for
     evaluation and export; ``before_evaluate`` may name another algorithm (a fine-tuned
     copy) for evaluation to train first and score.
+    ``num_examples`` is the size of the training split of the current training phase (the
+    loop sets it before ``begin_train``).
     """
 
     #: Optimizer steps the loop takes on each batch before ``after_batch``: pFedMe solves
@@ -272,6 +274,7 @@ class EdgeAlgorithm:
         self.global_tensors: dict[str, torch.Tensor] = {}
         self._optimizers: list[torch.optim.Optimizer] | None = None
         self._state_tensors: dict[str, torch.Tensor] | None = None
+        self.num_examples = 0
 
     # ---- tensors --------------------------------------------------------------------
     def state_tensor(self, name: str) -> torch.Tensor:
@@ -341,7 +344,7 @@ class EdgeAlgorithm:
 
     def begin_epoch(self, epoch: int) -> None:
         """Before each epoch (0-based) of a training phase: FedRep switches between
-        training the head and the body here."""
+        training the head and the body here; pFedKA keeps figures of the last epoch only."""
 
     def post_backward(self) -> None:
         """Gradient post-processing for parameter-only terms (proximal pulls, corrections)."""

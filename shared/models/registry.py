@@ -9,13 +9,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from .alexnet import AlexNetBN, alexnet_attention_sites
 from .anfr import COMPACT_GROUPS, RESNET50_GROUPS, compact_nf, compact_resnet, timm_model
 from .lenet import LeNetBN, lenet_attention_sites
 from .mobilenet_compact import MobileNetV3Compact
-from .resnet import cifar_resnet18
+from .resnet import cifar_resnet18, compact_cifar_resnet, resnet_tokens
 from .secnn import SECNN
 
 AttentionSites = Callable[[nn.Module], list[tuple[str, int]]]
@@ -31,6 +32,9 @@ class ModelSpec:
     # modules after which one is inserted; None for backbones without such sites.
     attention_sites: AttentionSites | None = None
     se_reduction: int = 4  # the SE reduction pFedLA's parameter counts pin for this backbone
+    # (model, x) -> (B, N, d) last-stage feature tokens, for methods that attend over
+    # them (pFedKA); the model's forward is then its head on the tokens' mean.
+    tokens: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
 
 
 def _mobilenet_v3_small(num_classes: int, in_channels: int, image_size: int) -> nn.Module:
@@ -98,7 +102,11 @@ MODELS: dict[str, ModelSpec] = {
         ModelSpec("mobilenet-v3-compact", MobileNetV3Compact, "fc",
                   "the FedSTAR authors' compact MobileNetV3-style encoder, d = 128 (METHODS.md 2.1)"),
         ModelSpec("resnet18-cifar", cifar_resnet18, "fc",
-                  "ResNet-18 with a 3x3 stride-1 stem and no max-pool, for 32x32 inputs"),
+                  "ResNet-18 with a 3x3 stride-1 stem and no max-pool, for 32x32 inputs",
+                  tokens=resnet_tokens),
+        ModelSpec("resnet10-cifar-compact", compact_cifar_resnet, "fc",
+                  "CIFAR-stem ResNet-10 (one BasicBlock per stage, widths 16-32-64-128), "
+                  "for CPU runs", tokens=resnet_tokens),
         ModelSpec("nf-resnet26", _timm("nf_resnet26"), "head.fc",
                   "timm normalization-free ResNet-26 (random init)"),
         # ANFR (METHODS.md 5.1) and the paper's baselines: models/anfr.py.
