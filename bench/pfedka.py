@@ -69,7 +69,7 @@ class Config:
 
 
 BASELINES = [Config("fedavg", "fedavg"), Config("fedprox", "fedprox"), Config("ditto", "ditto"),
-             Config("fedrep", "fedrep"), Config("fedavg-ft", "fedavg-ft")]
+             Config("fedrep", "fedrep"), Config("fedavg-ft", "fedavgft")]
 PFEDKA = Config("pfedka", "pfedka")
 ABLATIONS = [Config("w/o KD", "pfedka", {"kd": False}),
              Config("w/o CA", "pfedka", {"cross_attention": False}),
@@ -350,6 +350,8 @@ def main() -> int:
     p.add_argument("--procs", type=int, default=2)
     p.add_argument("--step-reps", type=int, default=30)
     p.add_argument("--device", default="cpu", help="for the step-time measurement")
+    p.add_argument("--only", nargs="+", metavar="LABEL",
+                   help="run only these baselines of the table (pFedKA always runs)")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-pfedka")
     args = p.parse_args()
     if not CIFAR.exists():
@@ -374,7 +376,8 @@ def main() -> int:
     for config in BASELINES:
         if config.method not in registered:
             print(f"note: {config.method} is not registered in this checkout; skipped")
-    baselines = [c for c in BASELINES if c.method in registered]
+    baselines = [c for c in BASELINES if c.method in registered
+                 and (not args.only or c.label in args.only)]
 
     results: dict[tuple[str, str], list] = {}
 
