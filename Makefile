@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # different (multi-GB) build. Override on other platforms, e.g. a Jetson's NVIDIA wheels.
 TORCH ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: setup demo test lint proto bench bench-fedsap bench-anfr bench-feature-shift bench-fedstar bench-pfedka clean
+.PHONY: setup demo test lint proto bench bench-fedsap bench-anfr bench-feature-shift bench-fedstar bench-pfedka bench-load clean
 
 setup: $(VENV)/.installed
 
@@ -59,3 +59,7 @@ bench-fedstar: setup
 # 2 idle cores; several hours on a busy shared machine), traffic and step time.
 bench-pfedka: setup
 	OMP_NUM_THREADS=1 $(PY) bench/pfedka.py
+# One fl-server and 100 / 300 fl-sim edges on loopback (lenet-bn), then a soak with random
+# edge and server kills (about 15 min on 2 idle cores; --full adds 1000 edges).
+bench-load: setup
+	OMP_NUM_THREADS=1 $(PY) bench/load.py

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import resource
 import socket
 import tempfile
 import threading
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import grpc
 import torch
-from prometheus_client import CollectorRegistry, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from fedattn_shared import PROTOCOL_VERSION
 from fedattn_shared.config import ConfigError, TrainConfig, apply_values
@@ -106,6 +107,39 @@ class EdgeMetrics:
                               registry=registry)
         self.loss = Gauge("fedattn_edge_loss", "Last evaluation mean loss", ["split"],
                           registry=registry)
+        self.info = Gauge("fedattn_edge_info", "1, labelled with this edge's id and device",
+                          ["edge", "device"], registry=registry)
+        self.trained_samples = Counter("fedattn_edge_trained_samples",
+                                       "Samples seen in local training", registry=registry)
+        self.last_success_round = Gauge("fedattn_edge_last_success_round",
+                                        "Last round whose result the server accepted",
+                                        registry=registry)
+        self.last_success_time = Gauge("fedattn_edge_last_success_timestamp_seconds",
+                                       "Unix time of the last accepted result", registry=registry)
+        self.submissions = Counter("fedattn_edge_submissions", "Results sent, by the server's answer",
+                                   ["phase", "result"], registry=registry)
+        self.retries = Counter("fedattn_edge_rpc_retries", "Server calls failed and retried",
+                               ["code"], registry=registry)
+        self.private_state_bytes = Gauge("fedattn_edge_private_state_bytes",
+                                         "Size of the private state file", registry=registry)
+        self.peak_rss_bytes = Gauge("fedattn_edge_peak_rss_bytes",
+                                    "Peak resident memory of the edge process", registry=registry)
+        self.gpu_peak_bytes = Gauge("fedattn_edge_gpu_memory_peak_bytes",
+                                    "Peak CUDA memory allocated by the last local training",
+                                    ["device"], registry=registry)
+        self.gpu_reserved_bytes = Gauge("fedattn_edge_gpu_memory_reserved_bytes",
+                                        "CUDA memory held by the caching allocator", ["device"],
+                                        registry=registry)
+
+    def observe_training(self, result, device: torch.device) -> None:
+        """Throughput and memory after a local training (the caller resets CUDA's peak)."""
+        self.train_seconds.set(result.seconds)
+        self.samples_per_second.set(result.samples_per_second)
+        self.trained_samples.inc(result.examples)
+        self.peak_rss_bytes.set(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        if device.type == "cuda":
+            self.gpu_peak_bytes.labels(str(device)).set(torch.cuda.max_memory_allocated(device))
+            self.gpu_reserved_bytes.labels(str(device)).set(torch.cuda.memory_reserved(device))
 
 
 def pick_device(name: str) -> torch.device:
@@ -131,6 +165,7 @@ class EdgeDaemon:
         self.registry = CollectorRegistry()
         self.meter = ByteMeter(self.registry)
         self.metrics = EdgeMetrics(self.registry)
+        self.metrics.info.labels(self.identity.edge_id, str(self.device)).set(1)
         self.config_json: str | None = None
         self.fingerprint = ""
         self.method: Method | None = None
@@ -174,6 +209,7 @@ class EdgeDaemon:
                 log.warning("server %s unavailable (%s); retrying in %.1fs", self.opts.server,
                             code.name if code else err, delay)
                 self.metrics.connected.set(0)
+                self.metrics.retries.labels(code.name if code else "UNKNOWN").inc()
                 time.sleep(delay)
                 backoff = min(backoff * 2, self.opts.max_backoff)
                 continue
@@ -308,6 +344,8 @@ class EdgeDaemon:
         except (OSError, StateError) as err:
             raise EdgeExit(2, f"cannot write state under {self.opts.state_dir}: {err} "
                               "(the previous state files are intact)") from None
+        if save == self.store.save:
+            self.metrics.private_state_bytes.set(self.store.path.stat().st_size)
 
     def _write_behind(self, save, *args) -> None:
         """A state write that overlaps the upload. What it saves stays untouched until
@@ -401,6 +439,8 @@ class EdgeDaemon:
         lr = train.lr_at(header.round, int(spec.get("rounds", header.round)))
         seed = loader_seed(train.seed, header.round, self.identity.edge_id)
         if header.phase == TRAIN:
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
             result = train_local(algo, data.train, train.local_epochs,
                                  self.opts.batch_size or train.batch_size, seed, self.device,
                                  self.opts.progress, lr=lr, amp=self.opts.amp,
@@ -415,8 +455,7 @@ class EdgeDaemon:
                        "train_seconds": result.seconds, "steps": float(result.steps),
                        "samples_per_second": result.samples_per_second, "lr": lr,
                        **algo.training_metrics()}
-            self.metrics.train_seconds.set(result.seconds)
-            self.metrics.samples_per_second.set(result.samples_per_second)
+            self.metrics.observe_training(result, self.device)
             log.info("round %d: trained %d steps in %.2fs (loss %.4f)", header.round,
                      result.steps, result.seconds, result.mean_loss)
         elif header.phase == EVALUATE:
@@ -473,5 +512,9 @@ class EdgeDaemon:
 
         reply = self._call(stub.Submit, messages(), timeout=600)
         self.meter.count_message(DOWN, reply, kind=META)
-        if not reply.accepted:
+        self.metrics.submissions.labels(task.phase, "accepted" if reply.accepted else "refused").inc()
+        if reply.accepted:
+            self.metrics.last_success_round.set(task.round)
+            self.metrics.last_success_time.set_to_current_time()
+        else:
             log.warning("round %d %s result refused: %s", task.round, task.phase, reply.reason)

@@ -46,7 +46,7 @@ from fedattn_shared.wire.transport import data_frame
 
 from .checkpoint import CheckpointStore
 from .evaluation import split_figures, summarize
-from .metrics import ServerMetrics
+from .metrics import ServerMetrics, drop_reason_label
 from .registry import EdgeRegistry
 
 log = logging.getLogger("fl_server")
@@ -253,7 +253,11 @@ class Engine:
 
     async def checkpoint(self) -> None:
         """A round is complete once its checkpoint is on disk: the next one starts after."""
+        started = time.monotonic()
         await asyncio.to_thread(self.write_checkpoint, *self.snapshot())
+        self.metrics.checkpoint_seconds.observe(time.monotonic() - started)
+        self.metrics.checkpoint_round.set(self.round)
+        self.metrics.checkpoint_timestamp.set_to_current_time()
 
     # ---- edges ------------------------------------------------------------------------
     def edge_lost(self, edge_id: str, reason: str) -> None:
@@ -263,7 +267,7 @@ class Engine:
 
     def drop(self, phase: Phase, edge_id: str, reason: str) -> None:
         phase.dropped[edge_id] = reason
-        self.metrics.dropouts.labels(reason.split(":")[0]).inc()
+        self.metrics.dropped.labels(phase.name, drop_reason_label(reason)).inc()
         log.warning("round %d %s: dropped %s (%s)", phase.round, phase.name, edge_id, reason)
         phase.maybe_close()
 
@@ -363,21 +367,29 @@ class Engine:
                 raise Refused("the phase closed before the upload completed")
             if phase.name != EVALUATE:
                 weight = self.method.aggregation_weight(int(header.num_examples))
+                started = time.monotonic()
                 try:
                     await asyncio.to_thread(self.aggregator.accept_phase, phase.name, edge,
                                             payload, weight)
                 except ValueError as err:  # values the method cannot use: the edge's fault
                     raise Refused(f"{phase.name} upload: {err}", drop=True) from None
+                self.metrics.aggregation_seconds.labels(phase.name, "accept").observe(
+                    time.monotonic() - started)
+            # Monitoring figures only; non-finite ones would make history.json invalid JSON.
+            figures = {k: v for k, v in header.metrics.items() if math.isfinite(v)}
             phase.received[edge] = {
                 "num_examples": int(header.num_examples),
-                # Monitoring figures only; non-finite ones would make history.json invalid JSON.
-                "metrics": {k: v for k, v in header.metrics.items() if math.isfinite(v)},
+                "metrics": figures,
                 "evaluation": {
                     e.split: split_figures(np.array(e.counts, dtype=np.int64).reshape(
                         e.num_classes, e.num_classes), e.loss_sum, e.brier_sum)
                     for e in header.evaluation
                 },
             }
+            self.metrics.reported.labels(phase.name).inc()
+            self.metrics.edge_last_round.labels(edge).set(phase.round)
+            for name, value in figures.items():
+                self.metrics.edge_result.labels(edge, name).set(value)
             phase.maybe_close()
 
     # ---- rounds -------------------------------------------------------------------------
@@ -391,6 +403,9 @@ class Engine:
             await asyncio.sleep(0.1)
 
     async def run(self) -> None:
+        self.metrics.rounds_planned.set(self.cfg.rounds)
+        self.metrics.init_phases(list(self.method.phases))
+        self.metrics.round.set(self.round)
         while self.round < self.cfg.rounds:
             # Every round starts with at least --min-edges connected (as Flower's
             # min_available_clients); stragglers inside a round are what --quorum tolerates.
@@ -428,7 +443,10 @@ class Engine:
             quorum = min(self.cfg.quorum or len(participants), len(participants))
             phase = await self.run_phase(name, round_number, participants, quorum)
             async with self.agg_lock:
+                closing = time.monotonic()
                 figures = await asyncio.to_thread(self.aggregator.close_phase, name)
+                self.metrics.aggregation_seconds.labels(name, "close").observe(
+                    time.monotonic() - closing)
                 if figures.get("aggregated"):
                     self.state_version += 1
             record[name] = self.phase_record(phase)
@@ -440,6 +458,7 @@ class Engine:
         self.history["rounds"].append(record)
         await self.checkpoint()
         self.metrics.round.set(round_number)
+        self.metrics.rounds_completed.inc()
         self.metrics.round_seconds.observe(record["seconds"])
         summary = record.get("evaluation", {}).get("summary", {}).get("test", {})
         log.info("round %d done in %.2fs: %d/%d results, mean test accuracy %s", round_number,
@@ -463,6 +482,8 @@ class Engine:
                 self.metrics.loss.labels(edge, split).set(figures["loss"])
         for split, figures in summary.items():
             self.metrics.mean_accuracy.labels(split).set(figures["mean_accuracy"])
+            self.metrics.pooled_accuracy.labels(split).set(figures["pooled_accuracy"])
+            self.metrics.mean_loss.labels(split).set(figures["mean_loss"])
 
     def personal_downlink(self, edge_id: str, phase: str) -> Payload:
         payload = self.aggregator.personal(edge_id, phase)
@@ -495,6 +516,7 @@ class Engine:
             spec_json=json.dumps({"round": round_number, "rounds": self.cfg.rounds, "phase": name}),
         )
         self.phase = phase
+        self.metrics.selected.labels(name).inc(len(tasks))
         log.info("round %d %s: %d task(s), quorum %d", round_number, name, len(tasks), quorum)
         for edge in edges:
             self.registry.records[edge].wakeup.set()
@@ -502,14 +524,16 @@ class Engine:
         try:
             await asyncio.wait_for(phase.done.wait(), timeout=self.cfg.round_timeout)
         except asyncio.TimeoutError:
+            self.metrics.phase_timeouts.labels(name).inc()
             for edge in phase.pending():
                 self.drop(phase, edge, "deadline")
         async with self.agg_lock:
             phase.closed = True
         for edge in phase.pending():
             phase.dropped[edge] = "phase closed at quorum"
+            self.metrics.dropped.labels(name, drop_reason_label("phase closed at quorum")).inc()
         # Edges still streaming hold their own reference; the phase no longer needs a copy.
         phase.common_frames = []
         self.metrics.participants.labels(name).set(len(phase.received))
-        self.metrics.phase_seconds.labels(name).set(time.monotonic() - phase.started)
+        self.metrics.phase_seconds.labels(name).observe(time.monotonic() - phase.started)
         return phase

@@ -1,33 +1,115 @@
-"""Prometheus metrics of the server (bytes are in ``ByteMeter``)."""
+"""Prometheus metrics of the server (bytes are in ``ByteMeter``).
+
+Conventions (https://prometheus.io/docs/practices/naming/): counters end in ``_total``
+(prometheus_client appends it), sizes are ``_bytes``, durations ``_seconds``; labels have
+bounded values: ``edge`` (one per enrolled edge), ``phase`` (the method's phase names),
+``split``, ``reason`` (the fixed set in ``DROP_REASONS``). The round number is never a
+label: it is the value of ``fedattn_round``.
+
+Where later features plug in (not on this branch): DP-SGD's privacy budget is a gauge
+``fedattn_dp_epsilon{edge}`` set from the epsilon an edge reports with its training result
+(already visible generically as ``fedattn_edge_result{edge,name="dp_epsilon"}`` when the edge
+algorithm returns it from ``training_metrics()``); secure aggregation's phase timings are a
+histogram ``fedattn_secagg_phase_seconds{step}`` observed by the secure-aggregation server.
+Both belong in this class, and the dashboard's "Privacy" row in deploy/grafana/.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+# Round and phase times span a loopback test (tenths of a second) to a Jetson federation
+# (tens of minutes).
+DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+# Aggregation and checkpoint writes: milliseconds for a small model, seconds for a large one.
+FAST_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+# Every reason the engine drops a task for, as a bounded label value.
+DROP_REASONS = {
+    "deadline": "deadline",
+    "disconnected": "disconnected",
+    "rejoined": "rejoined",
+    "left": "left",
+    "bad upload": "bad_upload",
+    "phase closed at quorum": "closed_at_quorum",
+}
+
+
+def drop_reason_label(reason: str) -> str:
+    """The label value for a free-text drop reason ("bad upload: <details>" -> bad_upload)."""
+    return DROP_REASONS.get(reason.split(":")[0].strip(), "other")
+
 
 class ServerMetrics:
     def __init__(self, registry: CollectorRegistry):
-        self.round = Gauge("fedattn_round", "Last completed round", registry=registry)
-        self.connected = Gauge("fedattn_connected_edges", "Edges with an open session",
-                               registry=registry)
-        self.participants = Gauge("fedattn_round_participants",
+        def counter(name: str, doc: str, labels=()) -> Counter:
+            return Counter(name, doc, labels, registry=registry)
+
+        def gauge(name: str, doc: str, labels=()) -> Gauge:
+            return Gauge(name, doc, labels, registry=registry)
+
+        def histogram(name: str, doc: str, labels=(), buckets=DURATION_BUCKETS) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=registry)
+
+        # rounds
+        self.round = gauge("fedattn_round", "Last completed round")
+        self.rounds_planned = gauge("fedattn_rounds_planned", "Rounds this run is configured for")
+        self.rounds_completed = counter("fedattn_rounds_completed",
+                                        "Rounds completed by this process (checkpoint written)")
+        self.round_seconds = histogram("fedattn_round_seconds",
+                                       "Round wall time, task hand-out to checkpoint")
+        self.phase_seconds = histogram("fedattn_phase_seconds",
+                                       "Phase wall time, task hand-out to close", ["phase"])
+        self.phase_timeouts = counter("fedattn_phase_timeouts",
+                                      "Phases closed by their deadline rather than a quorum",
+                                      ["phase"])
+        self.aggregation_seconds = histogram(
+            "fedattn_aggregation_seconds",
+            "Server aggregation time per call: stage=accept folds one upload in, stage=close "
+            "finishes the phase", ["phase", "stage"], buckets=FAST_BUCKETS)
+        self.checkpoint_seconds = histogram("fedattn_checkpoint_seconds",
+                                            "Checkpoint write time (history + state)",
+                                            buckets=FAST_BUCKETS)
+        self.checkpoint_round = gauge("fedattn_checkpoint_round", "Round of the last checkpoint")
+        self.checkpoint_timestamp = gauge("fedattn_checkpoint_timestamp_seconds",
+                                          "Unix time of the last checkpoint write")
+        # participation
+        self.connected = gauge("fedattn_connected_edges", "Edges with an open session")
+        self.joins = counter("fedattn_edges_joined", "Accepted joins (first joins and rejoins)")
+        self.selected = counter("fedattn_edges_selected", "Tasks handed out", ["phase"])
+        self.reported = counter("fedattn_edges_reported", "Results accepted", ["phase"])
+        self.dropped = counter("fedattn_edges_dropped", "Tasks dropped, by reason",
+                               ["phase", "reason"])
+        self.participants = gauge("fedattn_round_participants",
                                   "Edges whose results were used in the last round's phase",
-                                  ["phase"], registry=registry)
-        self.dropouts = Counter("fedattn_dropouts", "Tasks dropped, by reason", ["reason"],
-                                registry=registry)
-        self.refused = Counter("fedattn_refused_submissions", "Submissions refused", ["edge"],
-                               registry=registry)
-        self.round_seconds = Histogram(
-            "fedattn_round_seconds", "Round wall time",
-            buckets=(0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800), registry=registry)
-        self.phase_seconds = Gauge("fedattn_phase_seconds", "Last phase wall time", ["phase"],
-                                   registry=registry)
-        self.accuracy = Gauge("fedattn_eval_accuracy", "Last evaluation accuracy per edge",
-                              ["edge", "split"], registry=registry)
-        self.mean_accuracy = Gauge("fedattn_eval_accuracy_mean",
-                                   "Mean over edges of the last evaluation accuracy", ["split"],
-                                   registry=registry)
-        self.loss = Gauge("fedattn_eval_loss", "Last evaluation mean loss per edge",
-                          ["edge", "split"], registry=registry)
-        self.train_seconds = Gauge("fedattn_edge_train_seconds", "Last local training time",
-                                   ["edge"], registry=registry)
+                                  ["phase"])
+        self.refused = counter("fedattn_refused_submissions", "Submissions refused", ["edge"])
+        self.edge_last_round = gauge("fedattn_edge_last_reported_round",
+                                     "Last round in which the edge's result was accepted",
+                                     ["edge"])
+        self.edge_result = gauge("fedattn_edge_result",
+                                 "Last value of each figure an edge reported with its result "
+                                 "(train_loss, train_seconds, samples_per_second, method figures)",
+                                 ["edge", "name"])
+        # evaluation
+        self.accuracy = gauge("fedattn_eval_accuracy", "Last evaluation accuracy per edge",
+                              ["edge", "split"])
+        self.mean_accuracy = gauge("fedattn_eval_accuracy_mean",
+                                   "Mean over edges of the last evaluation accuracy", ["split"])
+        self.pooled_accuracy = gauge("fedattn_eval_accuracy_pooled",
+                                     "Accuracy over all edges' samples of the last evaluation",
+                                     ["split"])
+        self.loss = gauge("fedattn_eval_loss", "Last evaluation mean loss per edge",
+                          ["edge", "split"])
+        self.mean_loss = gauge("fedattn_eval_loss_mean",
+                               "Mean over edges of the last evaluation mean loss", ["split"])
+
+    def init_phases(self, phases: list[str]) -> None:
+        """Exports every per-phase series at 0 from the start, so a rate or an alert over
+        them is defined before the first task, timeout or drop (Prometheus' advice for
+        labels whose values are known)."""
+        for phase in phases:
+            for metric in (self.selected, self.reported, self.phase_timeouts):
+                metric.labels(phase)
+            for reason in sorted(set(DROP_REASONS.values()) | {"other"}):
+                self.dropped.labels(phase, reason)

@@ -80,6 +80,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
             log.warning("join refused: %s", err)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(err))
         record.needs_init = not request.state_fingerprint
+        self.engine.metrics.joins.inc()
         # A new session replaces any older one: its outstanding task is gone with it.
         self.engine.edge_lost(record.edge_id, "rejoined")
         log.info("edge %s joined (%s)", record.edge_id,

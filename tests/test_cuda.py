@@ -79,3 +79,22 @@ def test_federation_with_edges_training_on_cuda(tmp_path):
     assert all(not v.is_cuda and torch.isfinite(v).all() for v in stats.values())
     summary = engine.history["rounds"][-1]["evaluation"]["summary"]["test"]
     assert summary["mean_accuracy"] > 0
+
+
+def test_edge_exports_gpu_memory_after_training_on_cuda():
+    from prometheus_client import CollectorRegistry
+
+    from fl_edge.daemon import EdgeMetrics
+    from fl_edge.trainer import TrainResult
+
+    registry = CollectorRegistry()
+    metrics = EdgeMetrics(registry)
+    device = torch.device("cuda")
+    torch.cuda.reset_peak_memory_stats(device)
+    block = torch.empty(64 << 20, dtype=torch.uint8, device=device)
+    metrics.observe_training(TrainResult(steps=1, examples=10, mean_loss=0.0, last_epoch_loss=0.0,
+                                         seconds=1.0), device)
+    labels = {"device": str(device)}
+    assert registry.get_sample_value("fedattn_edge_gpu_memory_peak_bytes", labels) >= block.numel()
+    assert registry.get_sample_value("fedattn_edge_gpu_memory_reserved_bytes", labels) >= block.numel()
+    assert registry.get_sample_value("fedattn_edge_samples_per_second") == 10

@@ -55,15 +55,36 @@ def test_prometheus_counts_bytes_by_kind_direction_edge(cluster, tmp_path):
     dirs = write_edge_dirs(tmp_path, 2)
     server = cluster.server("--method", "fedavg", "--rounds", "3", "--min-edges", "2",
                             "--metrics-port", "0")
-    edges = [cluster.edge(d, f"e{i}") for i, d in enumerate(dirs)]
+    edges = [cluster.edge(d, f"e{i}", "--metrics-port", "0") for i, d in enumerate(dirs)]
     server.wait_log("round 2 done")
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read().decode()
+    edge_port = re.search(r"metrics on :(\d+)", edges[0].log()).group(1)
+    edge_text = urllib.request.urlopen(f"http://127.0.0.1:{edge_port}/metrics").read().decode()
     wire = {m.group(1): float(m.group(2)) for m in re.finditer(
         r'fedattn_wire_bytes_total\{direction="up",edge="e0",kind="shared_tensors"\}() (\S+)', text)}
     assert wire and wire[""] > 0
     assert 'fedattn_raw_tensor_bytes_total{direction="down",edge="e1",kind="shared_tensors"}' in text
     assert 'fedattn_eval_accuracy_mean{split="test"}' in text
     assert "round=" not in text  # the round is never a label
+    # Participation, aggregation and checkpoint figures (names per Prometheus conventions).
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+               for line in text.splitlines() if line and not line.startswith("#")}
+    assert samples['fedattn_edges_selected_total{phase="train"}'] >= 4
+    assert samples['fedattn_edges_reported_total{phase="evaluate"}'] >= 4
+    assert samples['fedattn_edges_dropped_total{phase="train",reason="deadline"}'] == 0
+    assert samples['fedattn_phase_timeouts_total{phase="train"}'] == 0
+    assert samples["fedattn_checkpoint_seconds_count"] >= 2 <= samples["fedattn_checkpoint_round"]
+    assert samples['fedattn_aggregation_seconds_count{phase="train",stage="accept"}'] >= 4
+    assert samples['fedattn_edge_last_reported_round{edge="e1"}'] >= 2
+    assert samples['fedattn_edge_result{edge="e0",name="samples_per_second"}'] > 0
+    edge = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in edge_text.splitlines() if line and not line.startswith("#")}
+    assert edge['fedattn_edge_info{device="cpu",edge="e0"}'] == 1
+    assert edge["fedattn_edge_last_success_round"] >= 2
+    assert edge['fedattn_edge_submissions_total{phase="train",result="accepted"}'] >= 2
+    assert edge["fedattn_edge_private_state_bytes"] > 0
+    assert edge["fedattn_edge_peak_rss_bytes"] > 50e6 and edge["fedattn_edge_trained_samples_total"] > 0
+    assert not any(name.startswith("fedattn_edge_gpu_memory") for name in edge)  # CUDA only
     assert [e.wait() for e in edges] == [0, 0]
     assert server.wait() == 0
 

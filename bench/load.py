@@ -1,0 +1,353 @@
+"""Load and soak on loopback: one real fl-server, many real edges (fl-sim: every edge a full
+EdgeDaemon with its own identity, gRPC channel and state dir), a tiny model.
+
+Load (--edges, default 100 300; --full adds 1000): FedAvg with lenet-bn on MNIST cut IID
+into N edge folders (../shared/data/mnist when present, else the bundled 4,000-image
+subset), --fraction of the edges trained per round, evaluation on every edge in the last
+round only. Printed per N: time until all N edges joined, train-round time (median over
+the rounds without evaluation), the last round (train + evaluation on all N), server CPU
+seconds per round and peak RSS (from wait4 on the server process), failed RPCs (edge calls
+that failed and were retried, from the fl-sim logs; submissions the server refused; tasks
+dropped), and the machine's load average before and after.
+
+Soak (--soak): --soak-edges edges in worker processes of --soak-edges-per-worker each
+(fl-sim's worker), --soak-rounds rounds. Every few seconds a random worker is SIGKILLed
+(all its edges die mid-whatever) and restarted a moment later from the same state dirs;
+once, a third of the way in, the server is SIGKILLed and restarted with --resume on the
+same port. Printed: rounds completed, kills, tasks dropped by reason, and the checks that
+no checkpoint was lost (history holds every round once, in order; the manifest names the
+last round; the checkpoint loads) and that every edge's private state file still loads.
+
+    .venv/bin/python bench/load.py                      # 100 and 300 edges, then the soak
+    .venv/bin/python bench/load.py --full               # adds 1000 edges
+    .venv/bin/python bench/load.py --edges 50 --no-soak # a quick look
+
+Figures are printed, never asserted; bounded in time (--deadline per run), loopback only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import resource
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED_DATA = ROOT.parent / "shared" / "data"
+PY = sys.executable
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def mnist_source() -> Path:
+    shared = SHARED_DATA / "mnist"
+    if (shared / "train-images-idx3-ubyte.gz").exists():
+        return shared
+    from fl_server.demo import bundled_mnist
+
+    return bundled_mnist()
+
+
+def partition(edges: int, out: Path, seed: int = 0) -> None:
+    subprocess.run([PY, "-m", "fedattn_shared.data.partition", "--source", str(mnist_source()),
+                    "--edges", str(edges), "--scheme", "iid", "--seed", str(seed),
+                    "--global-test-per-class", "0", "--out", str(out)],
+                   check=True, env=ENV, stdout=subprocess.DEVNULL)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(work: Path, args: list[str], port: int, resume: bool = False) -> subprocess.Popen:
+    ready = work / "server.ready.json"
+    ready.unlink(missing_ok=True)
+    log = open(work / "server.log", "ab")
+    proc = subprocess.Popen(
+        [PY, "-m", "fl_server", "--insecure", "--host", "127.0.0.1", "--port", str(port),
+         "--ready-file", str(ready), "--checkpoint-dir", str(work / "server"),
+         "--method", "fedavg", "--model", "lenet-bn", "--local-epochs", "1",
+         *(["--resume"] if resume else []), *args],
+        stdout=log, stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit("fl-server did not start:\n" + (work / "server.log").read_text()[-2000:])
+        time.sleep(0.1)
+    return proc
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a live process so far (/proc/PID/stat fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_rusage(proc: subprocess.Popen, timeout: float) -> tuple[int, resource.struct_rusage]:
+    """wait4 on the server: its own CPU time and peak RSS, nobody else's."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            return proc.returncode, usage
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            _, status, usage = os.wait4(proc.pid, 0)
+            proc.returncode = -9
+            return -9, usage
+        time.sleep(0.2)
+
+
+def count_failed_rpcs(log_dir: Path) -> dict[str, int]:
+    """Edge-side failures in fl-sim's worker logs (they log at WARNING and above)."""
+    counts = {"retried": 0, "refused": 0, "edge errors": 0}
+    for log in log_dir.glob("worker-*.log"):
+        text = log.read_text(errors="replace")
+        counts["retried"] += len(re.findall(r"unavailable \(\w+\); retrying", text))
+        counts["refused"] += text.count("result refused")
+        counts["edge errors"] += len(re.findall(r" ERROR ", text))
+    return counts
+
+
+def dropped_by_reason(history: dict) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for record in history["rounds"]:
+        for phase in ("train", "evaluate"):
+            for reason in record.get(phase, {}).get("dropped", {}).values():
+                key = reason.split(":")[0]
+                out[key] = out.get(key, 0) + 1
+    return out
+
+
+def load_run(edges: int, args, work: Path) -> dict:
+    work.mkdir(parents=True, exist_ok=True)
+    data = work / "data"
+    started = time.monotonic()
+    partition(edges, data, args.seed)
+    partition_seconds = time.monotonic() - started
+    load_before = os.getloadavg()[0]
+    port = free_port()
+    t0 = time.time()
+    server = start_server(work, ["--rounds", str(args.rounds), "--fraction", str(args.fraction),
+                                 "--min-edges", str(edges), "--eval-every", str(args.rounds),
+                                 "--round-timeout", str(args.round_timeout),
+                                 "--seed", str(args.seed)], port)
+    startup_cpu = cpu_seconds(server.pid)  # imports and model build, before any edge
+    sim = subprocess.Popen([PY, "-m", "fl_edge.sim", "--server", f"127.0.0.1:{port}",
+                            "--data-root", str(data), "--edges", str(edges), "--procs",
+                            str(args.procs), "--out", str(work / "sim")],
+                           env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                           start_new_session=True)
+    code, usage = wait_rusage(server, args.deadline)
+    try:
+        sim_code = sim.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(sim.pid, signal.SIGKILL)
+        sim_code = sim.wait()
+    load_after = os.getloadavg()[0]
+    history = json.loads((work / "server" / "history.json").read_text())
+    rounds = history["rounds"]
+    train_rounds = [r["seconds"] for r in rounds if "evaluation" not in r]
+    eval_rounds = [r for r in rounds if "evaluation" in r]
+    cpu = usage.ru_utime + usage.ru_stime
+    return {
+        "edges": edges, "server_rc": code, "sim_rc": sim_code,
+        "partition_s": partition_seconds,
+        "join_s": rounds[0]["started"] - t0 if rounds else float("nan"),
+        "rounds": len(rounds),
+        "train_round_s": statistics.median(train_rounds) if train_rounds else float("nan"),
+        "eval_round_s": eval_rounds[-1]["seconds"] if eval_rounds else float("nan"),
+        "trained_per_round": statistics.mean(len(r["train"]["received"]) for r in rounds)
+        if rounds else 0,
+        "evaluated": len(eval_rounds[-1]["evaluate"]["received"]) if eval_rounds else 0,
+        "server_cpu_s": cpu, "server_startup_cpu_s": startup_cpu,
+        "server_cpu_per_round_s": (cpu - startup_cpu) / max(len(rounds), 1),
+        "server_peak_rss_mib": usage.ru_maxrss / 1024,
+        "rpc": count_failed_rpcs(work / "sim" / "logs"),
+        "dropped": dropped_by_reason(history),
+        "load_before": load_before, "load_after": load_after,
+        "mean_accuracy": (eval_rounds[-1]["evaluation"]["summary"].get("test", {})
+                          .get("mean_accuracy", float("nan")) if eval_rounds else float("nan")),
+    }
+
+
+def soak(args, work: Path, say) -> dict:
+    work.mkdir(parents=True, exist_ok=True)
+    data = work / "data"
+    partition(args.soak_edges, data, args.seed)
+    dirs = sorted(p for p in data.iterdir() if p.is_dir())
+    groups = [dirs[i:i + args.soak_edges_per_worker]
+              for i in range(0, len(dirs), args.soak_edges_per_worker)]
+    (work / "logs").mkdir(exist_ok=True)
+    port = free_port()
+    server_args = ["--rounds", str(args.soak_rounds), "--fraction", "0.5",
+                   "--min-edges", str(max(2, args.soak_edges // 2)), "--eval-every", "5",
+                   "--round-timeout", "30", "--seed", str(args.seed)]
+    rng = random.Random(args.seed)
+
+    def start_worker(i: int) -> subprocess.Popen:
+        log = open(work / "logs" / f"worker-{i}.log", "ab")
+        return subprocess.Popen([PY, "-m", "fl_edge.sim", "worker", "--server", f"127.0.0.1:{port}",
+                                 "--state-root", str(work / "state"), *map(str, groups[i])],
+                                stdout=log, stderr=subprocess.STDOUT, env=ENV,
+                                start_new_session=True)
+
+    def rounds_done() -> int:
+        manifest = work / "server" / "manifest.json"
+        return json.loads(manifest.read_text())["round"] if manifest.exists() else 0
+
+    server = start_server(work, server_args, port)
+    workers = [start_worker(i) for i in range(len(groups))]
+    kills = {"worker": 0, "server": 0}
+    server_killed_at = None
+    started = time.monotonic()
+    next_kill = started + rng.uniform(3, 8)
+    try:
+        while server.poll() is None or server_killed_at is not None:
+            now = time.monotonic()
+            if now - started > args.deadline:
+                say(f"soak: deadline of {args.deadline:.0f}s reached")
+                break
+            done = rounds_done()
+            if server_killed_at is None and kills["server"] == 0 and done >= args.soak_rounds // 3:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
+                kills["server"] += 1
+                server_killed_at = now
+                say(f"soak: SIGKILL fl-server after round {done}")
+            if server_killed_at is not None and now - server_killed_at > 3:
+                server = start_server(work, server_args, port, resume=True)
+                server_killed_at = None
+                say(f"soak: fl-server restarted with --resume (checkpoint round {rounds_done()})")
+            if now >= next_kill:
+                i = rng.randrange(len(workers))
+                if workers[i].poll() is None:
+                    os.killpg(workers[i].pid, signal.SIGKILL)
+                    workers[i].wait()
+                    kills["worker"] += 1
+                    time.sleep(rng.uniform(0.5, 3))
+                    workers[i] = start_worker(i)
+                next_kill = time.monotonic() + rng.uniform(3, 8)
+            time.sleep(0.2)
+        server_rc = server.wait(timeout=60) if server.poll() is None else server.returncode
+        # Edges hear "run over" on their next poll; one restarted after the server's last
+        # answer keeps retrying (fl-sim: for 120 s), so the workers get a short grace only.
+        grace = time.monotonic() + 20
+        while time.monotonic() < grace and any(w.poll() is None for w in workers):
+            time.sleep(0.5)
+        worker_rcs = [w.poll() for w in workers]
+    finally:
+        for proc in [server, *workers]:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    elapsed = time.monotonic() - started
+
+    from fedattn_shared.state import load_tensors
+    from fl_server.checkpoint import CheckpointStore
+
+    history = json.loads((work / "server" / "history.json").read_text())
+    numbers = [r["round"] for r in history["rounds"]]
+    checkpoint_round, tensors, _ = CheckpointStore(work / "server", 2).load()
+    states = sorted((work / "state").glob("*/private.safetensors"))
+    unreadable = []
+    for path in states:
+        try:
+            load_tensors(path)
+        except Exception as err:  # noqa: BLE001 - reported, not raised
+            unreadable.append(f"{path}: {err}")
+    return {
+        "elapsed_s": elapsed, "server_rc": server_rc,
+        "workers_exited_0": sum(rc == 0 for rc in worker_rcs), "workers": len(worker_rcs),
+        "rounds_completed": len(numbers), "rounds_planned": args.soak_rounds, "kills": kills,
+        "history_contiguous": numbers == list(range(1, len(numbers) + 1)),
+        "checkpoint_round": checkpoint_round, "checkpoint_tensors": len(tensors),
+        "dropped": dropped_by_reason(history),
+        "edge_states": len(states), "edge_states_unreadable": unreadable,
+        "rpc": count_failed_rpcs(work / "logs"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--edges", type=int, nargs="+", default=[100, 300])
+    p.add_argument("--full", action="store_true", help="also 1000 edges")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--fraction", type=float, default=0.1)
+    p.add_argument("--procs", type=int, default=2, help="fl-sim worker processes")
+    p.add_argument("--round-timeout", type=float, default=600)
+    p.add_argument("--deadline", type=float, default=1800, help="seconds per run at most")
+    p.add_argument("--no-soak", dest="soak", action="store_false")
+    p.add_argument("--soak-only", action="store_true")
+    p.add_argument("--soak-edges", type=int, default=12)
+    p.add_argument("--soak-edges-per-worker", type=int, default=3)
+    p.add_argument("--soak-rounds", type=int, default=30)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None, help="results file (default: print only)")
+    p.add_argument("--work", type=Path, default=None, help="keep runs here (default: a temp dir)")
+    args = p.parse_args(argv)
+    sizes = [] if args.soak_only else sorted(set(args.edges + ([1000] if args.full else [])))
+    lines: list[str] = []
+
+    def say(line: str = "") -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    say(f"$ {' '.join(['bench/load.py', *(argv if argv is not None else sys.argv[1:])])}")
+    say(f"{time.strftime('%Y-%m-%d %H:%M:%S')}, {os.cpu_count()} cores, load average "
+        f"{' '.join(f'{v:.2f}' for v in os.getloadavg())}, data {mnist_source()}")
+    with tempfile.TemporaryDirectory(prefix="fedattn-load-") as tmp:
+        work = args.work or Path(tmp)
+        results = []
+        for edges in sizes:
+            say(f"\n-- {edges} edges, {args.rounds} rounds, fraction {args.fraction}, "
+                f"{args.procs} fl-sim processes")
+            r = load_run(edges, args, work / f"load-{edges}")
+            results.append(r)
+            say(json.dumps(r, sort_keys=True))
+        if results:
+            say("\n| edges | all joined after | train round (median) | last round (train + eval "
+                "on all) | server CPU per round (joins included) | server peak RSS | edge RPCs "
+                "retried / results refused | tasks dropped | load avg before → after |")
+            say("|---|---|---|---|---|---|---|---|---|")
+            for r in results:
+                dropped = ", ".join(f"{k} {v}" for k, v in sorted(r["dropped"].items())) or "0"
+                say(f"| {r['edges']} | {r['join_s']:.1f} s | {r['train_round_s']:.2f} s "
+                    f"({r['trained_per_round']:.0f} trained) | {r['eval_round_s']:.2f} s "
+                    f"({r['evaluated']} evaluated) | {r['server_cpu_per_round_s']:.2f} s | "
+                    f"{r['server_peak_rss_mib']:.0f} MiB | {r['rpc']['retried']} / "
+                    f"{r['rpc']['refused']} | {dropped} | {r['load_before']:.1f} → "
+                    f"{r['load_after']:.1f} |")
+        if args.soak or args.soak_only:
+            say(f"\n-- soak: {args.soak_edges} edges in workers of {args.soak_edges_per_worker}, "
+                f"{args.soak_rounds} rounds, random worker SIGKILLs, one server SIGKILL + --resume")
+            s = soak(args, work / "soak", say)
+            say(json.dumps(s, sort_keys=True))
+            lost = not (s["history_contiguous"] and s["checkpoint_round"] == s["rounds_completed"])
+            say(f"soak: {s['rounds_completed']}/{s['rounds_planned']} rounds in {s['elapsed_s']:.0f} s, "
+                f"{s['kills']['worker']} worker kills ({args.soak_edges_per_worker} edges each), "
+                f"{s['kills']['server']} server kill; tasks dropped {s['dropped']}; "
+                f"checkpoint lost: {'YES' if lost else 'no'} (history rounds contiguous: "
+                f"{s['history_contiguous']}, manifest round {s['checkpoint_round']}); edge private "
+                f"states readable: {s['edge_states'] - len(s['edge_states_unreadable'])}/{s['edge_states']}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("\n".join(lines) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
