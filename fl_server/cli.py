@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -43,6 +44,9 @@ from .service import FederatedLearningService, service_handler
 log = logging.getLogger("fl_server")
 
 # flag dest -> (config section, key)
+# How long a finished server waits for connected edges to hear that the run is over.
+RUN_OVER_LINGER = 30.0
+
 FLAG_TARGETS = {
     "method": ("server", "method"), "rounds": ("server", "rounds"),
     "min_edges": ("server", "min_edges"), "quorum": ("server", "quorum"),
@@ -217,14 +221,26 @@ class ServerApp:
         try:
             if run_task in done:
                 run_task.result()
-                # Let polling edges hear that the run is over before the port closes.
-                await asyncio.sleep(min(2.0, self.cfg.poll_timeout))
+                await self._tell_edges_run_over()
             else:
                 log.info("stopping on request; the last completed round stays checkpointed")
                 run_task.cancel()
         finally:
             stop_task.cancel()
             await self.stop()
+
+    async def _tell_edges_run_over(self) -> None:
+        """Keep the port open until every connected edge has been told that the run is
+        over (an edge still uploading a late result asks for its next task only after the
+        upload), at most RUN_OVER_LINGER seconds: an edge that misses it would retry until
+        its --retry-for and exit with an error."""
+        deadline = time.monotonic() + RUN_OVER_LINGER
+        records = self.engine.registry.records.values()
+        while time.monotonic() < deadline:
+            if all(r.heard_run_over for r in records if r.connected):
+                return
+            await asyncio.sleep(0.1)
+        log.info("exiting without telling every connected edge that the run is over")
 
     async def stop(self) -> None:
         if self._health is not None:

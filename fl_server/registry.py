@@ -36,6 +36,7 @@ class EdgeRecord:
     info: dict[str, str] = field(default_factory=dict)
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     needs_init: bool = False  # joined without private state: send the initial models once
+    heard_run_over: bool = False  # has been told the run is over (the server waits for it)
 
 
 class EdgeRegistry:

@@ -120,6 +120,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         deadline = time.monotonic() + self.poll_timeout
         while True:
             if self.engine.finished:
+                record.heard_run_over = True
                 yield self._meta(edge, pb.TaskMessage(header=pb.TaskHeader(
                     status=pb.TaskHeader.DONE, round=self.engine.round)))
                 return
