@@ -48,6 +48,7 @@ from fedattn_shared.wire.transport import (
     serialize,
 )
 
+from .secagg import EdgeSecAgg, SecAggError, is_secagg_phase, strip_secagg
 from .store import PrivateStore, load_or_create_identity, private_digest
 from .trainer import evaluate, loader_seed, train_local
 
@@ -128,6 +129,7 @@ class EdgeDaemon:
         except (StateError, OSError) as err:
             raise EdgeExit(2, f"state dir {options.state_dir}: {err}") from None
         self.store = PrivateStore(options.state_dir)
+        self.secagg = EdgeSecAgg(options.state_dir, self.identity.edge_id)
         self.registry = CollectorRegistry()
         self.meter = ByteMeter(self.registry)
         self.metrics = EdgeMetrics(self.registry)
@@ -392,6 +394,17 @@ class EdgeDaemon:
             algo.load_shared(init.tensors)
             personal = Payload([s for s in personal.sections if s is not init])
             log.info("loaded the server's initial weights (%d tensors)", len(init.tensors))
+        if is_secagg_phase(header.phase):  # a step of secure aggregation, not the method's
+            try:
+                upload = self.secagg.step(header.phase, header.round, personal)
+            except SecAggError as err:
+                log.error("round %d %s: %s; this edge sits the step out", header.round,
+                          header.phase, err)
+                upload = Payload()
+            self._submit(stub, header, upload, 0, [], {})
+            return
+        masked = personal.get(Kind.SECAGG, "request") is not None
+        personal = strip_secagg(personal)
         algo.receive(header.phase, received.common, personal)
         metrics: dict[str, float] = {}
         evaluation: list[pb.ConfusionCounts] = []
@@ -452,6 +465,17 @@ class EdgeDaemon:
             except ValueError as err:
                 raise EdgeExit(2, f"server asked for phase {header.phase!r}: {err} "
                                   "(fedattn versions differ?)") from None
+        if masked:  # the server sees only the sum: mask weight * upload, send no n_k or loss
+            try:
+                upload = self.secagg.mask(header.round, header.phase, received.personal, upload,
+                                          algo.upload_weight(header.phase, num_examples),
+                                          self.method, algo.models)
+            except (SecAggError, ValueError) as err:
+                log.error("round %d %s: not masking this upload: %s", header.round,
+                          header.phase, err)
+                upload = Payload()
+            num_examples = 0
+            metrics = {k: v for k, v in metrics.items() if k in ("train_seconds", "steps", "lr")}
         self._submit(stub, header, upload, num_examples, evaluation, metrics)
 
     def _submit(self, stub, task: pb.TaskHeader, upload: Payload, num_examples: int,

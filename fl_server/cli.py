@@ -54,6 +54,7 @@ FLAG_TARGETS = {
     "chunk_bytes": ("server", "chunk_bytes"), "poll_timeout": ("server", "poll_timeout"),
     "max_concurrent_uploads": ("server", "max_concurrent_uploads"),
     "init_weights": ("server", "init_weights"), "init_skip_head": ("server", "init_skip_head"),
+    "secagg": ("server", "secagg"), "secagg_graph": ("server", "secagg_graph"),
     "model": ("train", "model"), "num_classes": ("train", "num_classes"),
     "in_channels": ("train", "in_channels"), "image_size": ("train", "image_size"),
     "local_epochs": ("train", "local_epochs"), "batch_size": ("train", "batch_size"),
@@ -91,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--init-skip-head", action="store_true",
                      help="with --init-weights: keep the model's fresh classifier head and "
                           "ignore the file's (e.g. ImageNet weights, 1000 classes)")
+    run.add_argument("--secagg", action="store_true",
+                     help="secure aggregation (SecAgg+): the server sees only the sum; "
+                          "tune with --set server.secagg_degree/threshold/clip/max_weight/timeout")
+    run.add_argument("--secagg-graph", choices=["sparse", "full"],
+                     help="SecAgg+ neighbour graph: sparse k-regular (default) or full")
     net = p.add_argument_group("network")
     net.add_argument("--host")
     net.add_argument("--port", type=int, help="gRPC port (0: any free port)")

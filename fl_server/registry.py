@@ -36,6 +36,7 @@ class EdgeRecord:
     info: dict[str, str] = field(default_factory=dict)
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     needs_init: bool = False  # joined without private state: send the initial models once
+    signing_key: str = ""  # hex Ed25519 key bound on the edge's first SecAgg advert
 
 
 class EdgeRegistry:
@@ -74,7 +75,8 @@ class EdgeRegistry:
             record.wakeup.set()
 
     def to_json(self) -> dict:
-        return {e: {"secret_sha256": r.secret_hash, "first_seen": r.first_seen}
+        return {e: {"secret_sha256": r.secret_hash, "first_seen": r.first_seen,
+                    **({"signing_key": r.signing_key} if r.signing_key else {})}
                 for e, r in sorted(self.records.items())}
 
     @classmethod
@@ -82,5 +84,6 @@ class EdgeRegistry:
         registry = cls()
         for edge_id, entry in data.items():
             registry.records[edge_id] = EdgeRecord(edge_id, entry["secret_sha256"],
-                                                   entry["first_seen"])
+                                                   entry["first_seen"],
+                                                   signing_key=entry.get("signing_key", ""))
         return registry

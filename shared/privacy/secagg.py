@@ -34,9 +34,10 @@ import random
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 from cryptography.exceptions import InvalidSignature, InvalidTag
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -44,6 +45,14 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from ..methods.base import EVALUATE, SectionSpec
+from ..wire.codec import Payload, Section
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ..methods.base import Method
 
 PRIME = 2**521 - 1          # a Mersenne prime: the field holds every 256-bit secret
 SHARE_BYTES = 66            # ceil(521 / 8)
@@ -54,6 +63,24 @@ CIPHERTEXT_BYTES = NONCE_BYTES + 2 * SHARE_BYTES + 16  # nonce | b share | s sha
 SIGNATURE_BYTES = 64
 RING_BITS = 32
 LIMIT = 2**31 - 1           # |sum of quantized values| must stay below this
+
+
+ADVERTISE, SHARE, UNMASK = "secagg-advertise", "secagg-share", "secagg-unmask"
+
+
+def protocol_step(name: str) -> tuple[str, str] | None:
+    """("secagg-share", "train") for the phase "secagg-share:train"; None for any phase
+    that is not a step of the protocol."""
+    step, sep, masked = name.partition(":")
+    return (step, masked) if sep and step in (ADVERTISE, SHARE, UNMASK) else None
+
+
+def as_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.contiguous().numpy().tobytes()
+
+
+def as_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 class SecAggError(ValueError):
@@ -410,7 +437,7 @@ class ServerRound:
     round: int
     phase: str
     length: int                 # words of each masked vector (values + the weight)
-    degree: int                 # 0: the full graph
+    degree: int                 # 0: auto_degree(n); -1: the full graph
     threshold_fraction: float
     signing_keys: dict[str, bytes]   # edge -> Ed25519 public key bound to its identity
     rng: random.Random = field(default_factory=lambda: random.Random(secrets.randbits(64)))
@@ -443,7 +470,7 @@ class ServerRound:
 
     def close_advertise(self) -> None:
         parties = sorted(self.adverts)
-        degree = self.degree if self.degree else len(parties)
+        degree = {0: auto_degree(len(parties)), -1: len(parties)}.get(self.degree, self.degree)
         self.graph = neighbour_graph(parties, degree, self.rng)
         self.index = {p: i + 1 for i, p in enumerate(parties)}
         holders = min((len(n) + 1 for n in self.graph.values()), default=0)
@@ -562,3 +589,74 @@ class ServerRound:
 
 def dumps(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True).encode()
+
+
+# ---- which uploads are masked, and their layout as one vector ----------------------------
+def masked_phases(method: Method, models: dict[str, nn.Module]) -> dict[str, list[SectionSpec]]:
+    """The phases whose uploads secure aggregation masks, each with its sections (all of
+    that phase's uploads, summed in schema order). A section the aggregator needs edge by
+    edge is refused, naming it -- unless the method sends it in the clear on purpose
+    (``Method.secagg_clear_sections``)."""
+    out: dict[str, list[SectionSpec]] = {}
+    for phase in method.phases:
+        if phase == EVALUATE:
+            continue
+        schema = method.uplink_schema(phase, models)
+        summable = method.summable_sections(phase, models)
+        clear = method.secagg_clear_sections(phase, models)
+        masked = []
+        for spec in schema:
+            key = (spec.kind, spec.name)
+            label = f"{spec.kind.name}:{spec.name!r}"
+            if key in clear:
+                continue
+            if key not in summable:
+                raise ValueError(f"--secagg: method {method.name!r} uploads section {label} in "
+                                 f"phase {phase!r}, which its aggregator needs edge by edge (not "
+                                 "a weighted sum); secure aggregation cannot hide it")
+            if spec.required != set(spec.tensors):
+                raise ValueError(f"--secagg: section {label} of method {method.name!r} has "
+                                 "optional tensors; a masked vector needs a fixed layout")
+            masked.append(spec)
+        if masked and len(masked) != len(schema):
+            raise ValueError(f"--secagg: phase {phase!r} of method {method.name!r} mixes masked "
+                             "and clear sections; a masked phase must be all summable")
+        if masked:
+            out[phase] = masked
+    if not out:
+        raise ValueError(f"--secagg: method {method.name!r} uploads nothing that is summed; "
+                         "secure aggregation has nothing to protect")
+    return out
+
+
+def vector_length(specs: list[SectionSpec]) -> int:
+    """Words of a masked vector: every value of the sections, then the weight."""
+    return sum(math.prod(t.shape) for s in specs for t in s.tensors.values()) + 1
+
+
+def flatten_upload(specs: list[SectionSpec], upload: Payload) -> np.ndarray:
+    parts = []
+    for spec in specs:
+        section = upload.get(spec.kind, spec.name)
+        if section is None:
+            raise SecAggError(f"the upload lacks section {spec.kind.name}:{spec.name!r}")
+        for name, tensor_spec in spec.tensors.items():
+            tensor = section.tensors[name]
+            if tuple(tensor.shape) != tensor_spec.shape:
+                raise SecAggError(f"{name}: shape {list(tensor.shape)}, expected "
+                                  f"{list(tensor_spec.shape)}")
+            parts.append(tensor.detach().reshape(-1).to("cpu", torch.float64).numpy())
+    return np.concatenate(parts) if parts else np.zeros(0)
+
+
+def unflatten_sum(specs: list[SectionSpec], values: np.ndarray) -> Payload:
+    sections, start = [], 0
+    flat = torch.from_numpy(values.astype(np.float32))
+    for spec in specs:
+        tensors = {}
+        for name, tensor_spec in spec.tensors.items():
+            n = math.prod(tensor_spec.shape)
+            tensors[name] = flat[start:start + n].view(tensor_spec.shape)
+            start += n
+        sections.append(Section(spec.kind, spec.name, tensors))
+    return Payload(sections)
