@@ -436,3 +436,17 @@ def test_secagg_settings_are_validated():
         ServerConfig(secagg_threshold=1.0).validate()
     with pytest.raises(ConfigError, match="secagg_clip"):
         ServerConfig(secagg_clip=0.0).validate()
+
+
+@pytest.mark.parametrize("method_name", ["fedavg", "fedprox", "fedbn", "fedper", "fedrep",
+                                         "fedavgft", "ditto", "fedadam", "scaffold", "pfedme",
+                                         "anfr", "pfedla", "fedsap"])
+def test_weighted_sum_methods_run_under_secagg(method_name):
+    cls = load_method(method_name)
+    model = cls.default_model or ("se-cnn" if method_name == "fedsap" else "lenet-bn")
+    method = cls(MethodContext(TrainConfig(model=model), cls.Params()))
+    models = method.build_models()
+    phases = masked_phases(method, models)
+    assert "train" in phases
+    assert {(s.kind, s.name) for s in phases["train"]} == {
+        (s.kind, s.name) for s in method.uplink_schema("train", models)}
