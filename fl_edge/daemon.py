@@ -29,6 +29,7 @@ from fedattn_shared.data import DataError, EdgeData, load_edge_data
 from fedattn_shared.methods import load_method
 from fedattn_shared.methods.base import EVALUATE, TRAIN, EdgeAlgorithm, Method, MethodContext
 from fedattn_shared.state import StateError
+from fedattn_shared.tls import edge_credentials
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire import fedattn_pb2_grpc as pb_grpc
 from fedattn_shared.wire.accounting import (
@@ -85,6 +86,8 @@ class EdgeOptions:
     batch_size: int | None = None  # overrides the server's train.batch_size on this device
     amp: bool = False
     grad_accum: int = 1
+    tls_dir: Path | None = None   # mutual TLS; its certificate names the edge id
+    tls_server_name: str = ""
 
 
 @dataclass
@@ -121,6 +124,17 @@ class EdgeDaemon:
     def __init__(self, options: EdgeOptions):
         self.opts = options
         self.device = pick_device(options.device)
+        self.credentials = None
+        if options.tls_dir is not None:
+            try:
+                self.credentials, token, certified = edge_credentials(options.tls_dir)
+            except StateError as err:
+                raise EdgeExit(2, str(err)) from None
+            if options.name and options.name != certified:
+                raise EdgeExit(2, f"--name {options.name}: the certificate in "
+                                  f"{options.tls_dir} is for edge {certified}")
+            options.name = certified
+            options.join_token = token  # under mutual TLS the join carries the enrollment token
         try:
             self.identity = load_or_create_identity(options.state_dir, options.name)
             # Fail at start, not after the first round of training, if state cannot be saved.
@@ -184,7 +198,14 @@ class EdgeDaemon:
             backoff, unreachable_since = 0.5, None
 
     def _session(self) -> None:
-        with grpc.insecure_channel(self.opts.server, options=channel_options()) as channel:
+        if self.credentials is not None:
+            override = ([("grpc.ssl_target_name_override", self.opts.tls_server_name)]
+                        if self.opts.tls_server_name else [])
+            channel = grpc.secure_channel(self.opts.server, self.credentials,
+                                          options=channel_options() + override)
+        else:
+            channel = grpc.insecure_channel(self.opts.server, options=channel_options())
+        with channel:
             stub = pb_grpc.FederatedLearningStub(channel)
             # Data chunks travel as pre-built frames and arrive as views (transport.py).
             stub.NextTask = channel.unary_stream(

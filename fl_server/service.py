@@ -16,6 +16,7 @@ import grpc
 
 from fedattn_shared import PROTOCOL_VERSION
 from fedattn_shared.methods.base import SectionSpec
+from fedattn_shared.tls import Enrollment
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire import fedattn_pb2_grpc as pb_grpc
 from fedattn_shared.wire.accounting import DOWN, GRPC_FRAME_PREFIX, UP, ByteMeter, data_message_wire_bytes
@@ -38,7 +39,8 @@ PRESENCE_INTERVAL = 10.0
 
 class FederatedLearningService(pb_grpc.FederatedLearningServicer):
     def __init__(self, engine: Engine, meter: ByteMeter, join_token: str, chunk_bytes: int,
-                 poll_timeout: float, max_concurrent_uploads: int):
+                 poll_timeout: float, max_concurrent_uploads: int,
+                 enrollment: Enrollment | None = None):
         self.engine = engine
         self.meter = meter
         self.join_token = join_token
@@ -46,8 +48,24 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         self.poll_timeout = poll_timeout
         self.upload_slots = asyncio.Semaphore(max_concurrent_uploads)
         self.buffers = BufferPool(keep=max_concurrent_uploads + 1)
+        self.enrollment = enrollment  # mutual TLS: the enrolled edges
+
+    def _identity_refusal(self, edge_id: str, context, token: str | None = None) -> str:
+        """Under mutual TLS: '' when the peer's certificate names ``edge_id`` and the edge is
+        enrolled (with ``token``, when given) and not revoked; else the reason."""
+        if self.enrollment is None:
+            return ""
+        names = context.auth_context().get("x509_common_name") or [b""]
+        certified = names[0].decode(errors="replace")
+        if certified != edge_id:
+            return f"the client certificate is for {certified!r}, not edge {edge_id!r}"
+        return self.enrollment.check(edge_id, token)
 
     async def _auth(self, edge_id: str, session: str, context) -> None:
+        refusal = self._identity_refusal(edge_id, context)
+        if refusal:
+            log.warning("refused %s from %s: %s", edge_id, context.peer(), refusal)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
         try:
             self.engine.registry.check(edge_id, session)
         except AuthError as err:
@@ -62,7 +80,13 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"protocol version {request.protocol_version} is not supported "
                                 f"(server speaks {PROTOCOL_VERSION})")
-        if self.join_token and not hmac.compare_digest(request.join_token, self.join_token):
+        refusal = self._identity_refusal(request.edge_id, context, token=request.join_token)
+        if refusal:
+            log.warning("join refused for %r from %s: %s", request.edge_id, context.peer(),
+                        refusal)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
+        if (self.join_token and self.enrollment is None
+                and not hmac.compare_digest(request.join_token, self.join_token)):
             log.warning("join refused for %r: bad join token", request.edge_id)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "bad join token")
         fingerprint = self.engine.fingerprint
@@ -175,6 +199,9 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
                 self.engine.registry.check(edge, header.session)
             except AuthError as err:
                 raise Refused(str(err)) from None
+            refusal = self._identity_refusal(edge, context)
+            if refusal:
+                raise Refused(refusal)
             try:
                 phase, schema = self.engine.check_submission(header)
             except Refused as err:

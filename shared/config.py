@@ -105,6 +105,7 @@ class ServerConfig:
     checkpoint_dir: str = "./server-state"
     resume: bool = False
     insecure: bool = False
+    tls_dir: str = ""          # mutual TLS: the folder `fl-server certs init` made
     join_token: str = ""
     chunk_bytes: int = 1 << 20
     max_concurrent_uploads: int = 2  # uploads buffered at once: memory vs. slow uplinks
