@@ -8,6 +8,7 @@ atomically after every local training, before the upload.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import random
@@ -41,6 +42,7 @@ from fedattn_shared.wire.accounting import (
     data_message_wire_bytes,
 )
 from fedattn_shared.wire.codec import BufferPool, Kind, Payload, PayloadAssembler, WireError, encode
+from fedattn_shared.wire.signing import sign_submission
 from fedattn_shared.wire.transport import (
     MAX_MESSAGE_BYTES,
     channel_options,
@@ -50,7 +52,12 @@ from fedattn_shared.wire.transport import (
 )
 
 from .secagg import EdgeSecAgg, SecAggError, is_secagg_phase, strip_secagg
-from .store import PrivateStore, load_or_create_identity, private_digest
+from .store import (
+    PrivateStore,
+    load_or_create_identity,
+    load_or_create_signing_key,
+    private_digest,
+)
 from .trainer import evaluate, loader_seed, train_local
 
 log = logging.getLogger("fl_edge")
@@ -137,13 +144,14 @@ class EdgeDaemon:
             options.join_token = token  # under mutual TLS the join carries the enrollment token
         try:
             self.identity = load_or_create_identity(options.state_dir, options.name)
+            self.signing_key = load_or_create_signing_key(options.state_dir)
             # Fail at start, not after the first round of training, if state cannot be saved.
             with tempfile.NamedTemporaryFile(dir=options.state_dir, prefix=".write-check-"):
                 pass
         except (StateError, OSError) as err:
             raise EdgeExit(2, f"state dir {options.state_dir}: {err}") from None
         self.store = PrivateStore(options.state_dir)
-        self.secagg = EdgeSecAgg(options.state_dir, self.identity.edge_id)
+        self.secagg = EdgeSecAgg(options.state_dir, self.identity.edge_id, self.signing_key)
         self.registry = CollectorRegistry()
         self.meter = ByteMeter(self.registry)
         self.metrics = EdgeMetrics(self.registry)
@@ -241,6 +249,7 @@ class EdgeDaemon:
             info={"hostname": socket.gethostname(), "device": str(self.device),
                   "torch": torch.__version__},
             state_fingerprint=self.fingerprint or (self.store.stored_fingerprint() or ""),
+            signing_key=self.signing_key.public_key().public_bytes_raw(),
         )
         self.meter.count_message(UP, request)
         try:
@@ -506,7 +515,11 @@ class EdgeDaemon:
             protocol_version=PROTOCOL_VERSION, edge_id=self.identity.edge_id,
             session=self.session, round=task.round, task_id=task.task_id, phase=task.phase,
             num_examples=num_examples, payload=encoded.manifest, evaluation=evaluation,
-            metrics=metrics))
+            metrics=metrics, task_nonce=task.task_nonce))
+        body = hashlib.sha256()
+        for _, chunk in encoded.chunks(self.chunk_bytes):
+            body.update(chunk)
+        header.header.signature = sign_submission(self.signing_key, header.header, body.digest())
 
         def messages():
             self.meter.count_message(UP, header)

@@ -5,8 +5,8 @@ neighbours) live in ``secagg-round.json`` in the state dir, mode 0600, written a
 after every step and before the step's upload: a restart inside a round neither loses
 them (a later step loads them) nor makes the edge mask twice (the step is recorded). The
 file is deleted once the unmask step is answered; the next round's advertise replaces
-any leftover. The Ed25519 identity key that signs the adverts is ``secagg-signing.key``
-(0600), created once and bound to the edge id by the server on first use.
+any leftover. The adverts are signed with the edge's signing key (``signing.key``, bound
+to the edge id by the server at the edge's first join).
 """
 
 from __future__ import annotations
@@ -30,15 +30,13 @@ from fedattn_shared.privacy.secagg import (
     flatten_upload,
     masked_phases,
     protocol_step,
-    raw_private,
 )
-from fedattn_shared.state import StateError, atomic_write, atomic_write_json, read_json
+from fedattn_shared.state import StateError, atomic_write_json, read_json
 from fedattn_shared.wire.codec import Kind, Payload, Section
 
 log = logging.getLogger("fl_edge")
 
 ROUND_FILE = "secagg-round.json"
-SIGNING_FILE = "secagg-signing.key"
 
 
 def is_secagg_phase(name: str) -> bool:
@@ -59,18 +57,10 @@ def _request(personal: Payload) -> tuple[dict, dict[str, bytes]]:
 
 
 class EdgeSecAgg:
-    def __init__(self, state_dir: Path, edge_id: str):
-        self.state_dir = state_dir
+    def __init__(self, state_dir: Path, edge_id: str, signing_key: Ed25519PrivateKey):
         self.edge_id = edge_id
+        self.signing_key = signing_key
         self.path = state_dir / ROUND_FILE
-
-    def signing_key(self) -> Ed25519PrivateKey:
-        path = self.state_dir / SIGNING_FILE
-        if path.exists():
-            return Ed25519PrivateKey.from_private_bytes(path.read_bytes())
-        key = Ed25519PrivateKey.generate()
-        atomic_write(path, raw_private(key), mode=0o600)
-        return key
 
     def _load(self, round_number: int, phase: str) -> ClientRound:
         if not self.path.exists():
@@ -93,7 +83,7 @@ class EdgeSecAgg:
         step, phase = protocol_step(name)
         if step == ADVERTISE:
             state = ClientRound.fresh(round_number, phase, self.edge_id)
-            advert = state.advertise(self.signing_key())
+            advert = state.advertise(self.signing_key)
             self._save(state)
             return Payload([Section(Kind.SECAGG, "advert",
                                     {k: as_tensor(v) for k, v in advert.items()})])

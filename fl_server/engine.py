@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import json
 import logging
 import math
@@ -58,6 +59,7 @@ class Task:
     task_id: int
     edge_id: str
     delivered: bool = False
+    nonce: bytes = field(default_factory=lambda: secrets.token_bytes(16))
 
 
 @dataclass
@@ -289,6 +291,8 @@ class Engine:
             raise Refused(f"stale or wrong task (round {header.round}, task {header.task_id}, "
                           f"phase {header.phase!r}; open: round {phase.round}, task "
                           f"{task.task_id}, phase {phase.name!r})")
+        if not hmac.compare_digest(header.task_nonce, task.nonce):
+            raise Refused(f"task nonce does not match task {task.task_id} (a replay?)")
         if edge in phase.received:
             raise Refused(f"duplicate submission for task {task.task_id}")
         if edge in phase.dropped:

@@ -36,25 +36,33 @@ class EdgeRecord:
     info: dict[str, str] = field(default_factory=dict)
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     needs_init: bool = False  # joined without private state: send the initial models once
-    signing_key: str = ""  # hex Ed25519 key bound on the edge's first SecAgg advert
+    signing_key: str = ""  # hex Ed25519 public key, bound to the id at the first join
 
 
 class EdgeRegistry:
     def __init__(self) -> None:
         self.records: dict[str, EdgeRecord] = {}
 
-    def join(self, edge_id: str, secret: str, info: dict[str, str]) -> EdgeRecord:
+    def join(self, edge_id: str, secret: str, info: dict[str, str],
+             signing_key: bytes = b"") -> EdgeRecord:
         if not EDGE_ID.match(edge_id):
             raise AuthError(f"edge id {edge_id!r} is not valid (letters, digits, . _ -; "
                             "at most 64)", permanent=True)
         if len(secret) < 16:
             raise AuthError(f"edge {edge_id}: edge_secret too short", permanent=True)
+        if len(signing_key) != 32:
+            raise AuthError(f"edge {edge_id}: signing_key must be a 32-byte Ed25519 public key",
+                            permanent=True)
         record = self.records.get(edge_id)
         if record is None:
             record = EdgeRecord(edge_id, _hash(secret), time.time())
             self.records[edge_id] = record
         elif not hmac.compare_digest(record.secret_hash, _hash(secret)):
             raise AuthError(f"edge id {edge_id} is bound to a different secret", permanent=True)
+        if record.signing_key and record.signing_key != signing_key.hex():
+            raise AuthError(f"edge id {edge_id} is bound to a different signing key",
+                            permanent=True)
+        record.signing_key = signing_key.hex()
         record.session = secrets.token_hex(16)
         record.info = dict(info)
         return record

@@ -66,7 +66,6 @@ class SecAggDriver:
         self.lengths = {p: vector_length(specs) for p, specs in self.masked.items()}
         self.rounds: dict[str, ServerRound] = {}
         self.quantizers: dict[str, Quantizer] = {}
-        self.registry: EdgeRegistry | None = None
 
     # ---- the round's phases ----------------------------------------------------------
     def expand(self, phases: tuple[str, ...]) -> list[str]:
@@ -91,7 +90,6 @@ class SecAggDriver:
         return self.cfg.secagg_timeout if protocol_step(name) else default
 
     def begin_round(self, round_number: int, registry: EdgeRegistry) -> None:
-        self.registry = registry
         keys = {e: bytes.fromhex(r.signing_key) for e, r in registry.records.items()
                 if r.signing_key}
         self.rounds = {}
@@ -172,10 +170,6 @@ class SecAggDriver:
         phase = self.base_phase(name)
         if step == ADVERTISE:
             state.close_advertise()
-            for edge, key in state.signing_keys.items():
-                record = self.registry.records.get(edge) if self.registry else None
-                if record is not None and not record.signing_key:
-                    record.signing_key = key.hex()  # bound to the id from now on
             figures = {"parties": len(state.adverts), "threshold": state.threshold,
                        "degree": min((len(n) for n in state.graph.values()), default=0)}
         elif step == SHARE:

@@ -8,6 +8,7 @@ costs the sender its task, never the server its state.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import logging
 import time
@@ -27,6 +28,7 @@ from fedattn_shared.wire.codec import (
     WireError,
     nonfinite_tensors,
 )
+from fedattn_shared.wire.signing import verify_submission
 from fedattn_shared.wire.transport import MAX_MESSAGE_BYTES, data_frame, deserializer, serialize
 
 from .engine import Engine, Refused
@@ -99,7 +101,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
                 f"fingerprint {request.state_fingerprint}, this run is {fingerprint}")
         try:
             record = self.engine.registry.join(request.edge_id, request.edge_secret,
-                                               dict(request.info))
+                                               dict(request.info), request.signing_key)
         except AuthError as err:
             log.warning("join refused: %s", err)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(err))
@@ -165,7 +167,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         header = pb.TaskHeader(
             status=pb.TaskHeader.TASK, round=phase.round, task_id=task.task_id, phase=phase.name,
             spec_json=phase.spec_json, common_id=phase.common_id, common_cached=cached,
-            common=phase.common.manifest, personal=personal.manifest)
+            common=phase.common.manifest, personal=personal.manifest, task_nonce=task.nonce)
         yield self._meta(edge, pb.TaskMessage(header=header))
         personal_frames = [(kind, data_frame(chunk), len(chunk))
                            for kind, chunk in personal.chunks(self.chunk_bytes)]
@@ -208,8 +210,12 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
                 if err.drop and self.engine.phase is not None:
                     phase = self.engine.phase
                 raise
-            assembler = await self._receive(header, schema, context, edge)
+            assembler, body = await self._receive(header, schema, context, edge)
             try:
+                key = bytes.fromhex(self.engine.registry.records[edge].signing_key)
+                if not verify_submission(key, header, body):
+                    raise Refused("the signature does not verify over this header and body "
+                                  "with the edge's signing key", drop=True)
                 payload, bad = await asyncio.to_thread(_decode_checked, assembler)
                 if bad:
                     raise Refused(f"non-finite values in {bad[:3]}", drop=True)
@@ -242,6 +248,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
             assembler = PayloadAssembler(header.payload, max_bytes=sum(sizes),
                                          max_chunk_bytes=MAX_MESSAGE_BYTES, pool=self.buffers,
                                          sizes=sizes)
+            body = hashlib.sha256()
             while not assembler.complete:
                 message = await context.read()
                 if message is grpc.aio.EOF:
@@ -250,13 +257,14 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
                 if not isinstance(message, memoryview):
                     raise WireError("a second header inside one upload")
                 kind = assembler.add(message)
+                body.update(message)
                 size = len(message)
                 self.meter.count(UP, kind.label, data_message_wire_bytes(size), size, edge)
             extra = await context.read()
             if extra is not grpc.aio.EOF:
                 self.buffers.give(assembler.buffer)
                 raise WireError("data beyond the declared payload")
-            return assembler
+            return assembler, body.digest()
 
     # ---- Leave ------------------------------------------------------------------------
     async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveReply:

@@ -30,9 +30,10 @@ from fedattn_shared.privacy.secagg import (
     shamir_split,
 )
 from fedattn_shared.wire.codec import Kind, Payload, Section
-from fl_edge.secagg import ROUND_FILE, SIGNING_FILE, EdgeSecAgg
+from fl_edge.secagg import ROUND_FILE, EdgeSecAgg
+from fl_edge.store import load_or_create_signing_key
 from fl_server.cli import main as server_main
-from fl_server.registry import EdgeRegistry
+from fl_server.registry import AuthError, EdgeRegistry
 
 # ---- Shamir ------------------------------------------------------------------------------
 
@@ -140,13 +141,17 @@ def test_neighbour_graph_is_k_regular_and_symmetric():
 # ---- the protocol in process -----------------------------------------------------------
 
 
+def public(keys: dict[str, Ed25519PrivateKey]) -> dict[str, bytes]:
+    return {e: k.public_key().public_bytes_raw() for e, k in keys.items()}
+
+
 def protocol(n=6, length=400, degree=-1, drop=None, tamper=None, seed=0):
     """One masked phase with dropouts ``drop = {step: [edges]}``; returns the server's
     unmasked (values, weight) and the expected pair over the survivors."""
     drop = drop or {}
     ids = [f"e{i}" for i in range(n)]
     keys = {e: Ed25519PrivateKey.generate() for e in ids}
-    server = ServerRound(1, "train", length + 1, degree, 0.5, {}, rng=random.Random(seed))
+    server = ServerRound(1, "train", length + 1, degree, 0.5, public(keys), rng=random.Random(seed))
     clients = {e: ClientRound.fresh(1, "train", e) for e in ids}
     for e in ids:
         if e not in drop.get("advertise", ()):
@@ -225,7 +230,7 @@ def test_a_tampered_share_is_detected_by_its_receiver():
 def test_a_tampered_revealed_share_is_detected_by_the_server():
     ids = [f"e{i}" for i in range(4)]
     keys = {e: Ed25519PrivateKey.generate() for e in ids}
-    server = ServerRound(1, "train", 9, -1, 0.5, {})
+    server = ServerRound(1, "train", 9, -1, 0.5, public(keys))
     clients = {e: ClientRound.fresh(1, "train", e) for e in ids}
     for e in ids:
         server.accept_advert(e, clients[e].advertise(keys[e]))
@@ -271,7 +276,7 @@ def test_t_minus_one_colluders_learn_nothing_of_a_masked_vector():
     n, length = 7, 50_000
     ids = [f"e{i}" for i in range(n)]
     keys = {e: Ed25519PrivateKey.generate() for e in ids}
-    server = ServerRound(1, "train", length + 1, -1, 0.5, {})
+    server = ServerRound(1, "train", length + 1, -1, 0.5, public(keys))
     clients = {e: ClientRound.fresh(1, "train", e) for e in ids}
     for e in ids:
         server.accept_advert(e, clients[e].advertise(keys[e]))
@@ -331,10 +336,11 @@ def test_an_edge_never_reveals_both_shares_nor_unmasks_too_few():
 
 def test_round_secrets_survive_a_restart_in_0600_files_and_are_deleted_after_unmask(tmp_path):
     ids = ["a", "b", "c"]
-    edges = {e: EdgeSecAgg(tmp_path / e, e) for e in ids}
     for e in ids:
         (tmp_path / e).mkdir()
-    server = ServerRound(3, "train", 5, -1, 0.5, {})
+    keys = {e: load_or_create_signing_key(tmp_path / e) for e in ids}
+    edges = {e: EdgeSecAgg(tmp_path / e, e, keys[e]) for e in ids}
+    server = ServerRound(3, "train", 5, -1, 0.5, public(keys))
 
     def bytes_of(payload: Payload) -> dict[str, bytes]:
         return {k: t.numpy().tobytes() for k, t in payload.sections[0].tensors.items()}
@@ -348,16 +354,18 @@ def test_round_secrets_survive_a_restart_in_0600_files_and_are_deleted_after_unm
         server.accept_advert(e, bytes_of(advert))
     for e in ids:
         assert os.stat(tmp_path / e / ROUND_FILE).st_mode & 0o777 == 0o600
-        assert os.stat(tmp_path / e / SIGNING_FILE).st_mode & 0o777 == 0o600
+        assert os.stat(tmp_path / e / "signing.key").st_mode & 0o777 == 0o600
     server.close_advertise()
-    edges = {e: EdgeSecAgg(tmp_path / e, e) for e in ids}  # every edge restarts here
+    edges = {e: EdgeSecAgg(tmp_path / e, e, load_or_create_signing_key(tmp_path / e))
+             for e in ids}  # every edge restarts here
     for e in ids:
         info, adverts = server.share_request(e)
         shares = edges[e].step("secagg-share:train", 3, request(info, {
             f"{v}/{k}": b for v, a in adverts.items() for k, b in a.items()}))
         assert all(t.numel() == CIPHERTEXT_BYTES for t in shares.sections[0].tensors.values())
         server.accept_shares(e, bytes_of(shares))
-    edges = {e: EdgeSecAgg(tmp_path / e, e) for e in ids}  # and again
+    edges = {e: EdgeSecAgg(tmp_path / e, e, load_or_create_signing_key(tmp_path / e))
+             for e in ids}  # and again
     method_cls = load_method("fedavg")
     method = method_cls(MethodContext(TrainConfig(model="lenet-bn"), method_cls.Params()))
     models = method.build_models()
@@ -374,7 +382,7 @@ def test_round_secrets_survive_a_restart_in_0600_files_and_are_deleted_after_unm
                                method, models)
         server.accept_masked(e, masked.sections[0].tensors["y"].numpy().view(np.uint32))
         with pytest.raises(SecAggError, match="masks once"):  # not even after a restart
-            EdgeSecAgg(tmp_path / e, e).mask(3, "train", request(
+            EdgeSecAgg(tmp_path / e, e, keys[e]).mask(3, "train", request(
                 {"survivors": survivors, **quantizer_info}, cts),
                 Payload([Section(Kind.SHARED_TENSORS, "", tensors)]), 2.0, method, models)
     for e in ids:
@@ -388,10 +396,13 @@ def test_round_secrets_survive_a_restart_in_0600_files_and_are_deleted_after_unm
 
 def test_the_signing_key_binding_survives_a_server_restart():
     registry = EdgeRegistry()
-    registry.join("edge-1", "s" * 32, {})
-    registry.records["edge-1"].signing_key = "ab" * 32
+    registry.join("edge-1", "s" * 32, {}, signing_key=b"\xab" * 32)
     restored = EdgeRegistry.from_json(registry.to_json())
     assert restored.records["edge-1"].signing_key == "ab" * 32
+    with pytest.raises(AuthError, match="different signing key"):
+        restored.join("edge-1", "s" * 32, {}, signing_key=b"\xcd" * 32)
+    with pytest.raises(AuthError, match="32-byte"):
+        restored.join("edge-2", "s" * 32, {})
 
 
 # ---- refusals at start -----------------------------------------------------------------

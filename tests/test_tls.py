@@ -14,6 +14,7 @@ import threading
 import grpc
 import pytest
 from conftest import write_edge_dirs
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from fedattn_shared import PROTOCOL_VERSION
 from fedattn_shared.config import ServerConfig, TrainConfig
@@ -115,7 +116,8 @@ def raw_join(port, tls_dir, edge_id, token=None):
         stub = pb_grpc.FederatedLearningStub(channel)
         return stub.Join(pb.JoinRequest(
             protocol_version=PROTOCOL_VERSION, edge_id=edge_id, edge_secret="s" * 32,
-            join_token=enrolled_token if token is None else token), timeout=20)
+            join_token=enrolled_token if token is None else token,
+            signing_key=Ed25519PrivateKey.generate().public_key().public_bytes_raw()), timeout=20)
 
 
 def test_identity_refusals(tmp_path, ca, caplog):

@@ -439,7 +439,7 @@ class ServerRound:
     length: int                 # words of each masked vector (values + the weight)
     degree: int                 # 0: auto_degree(n); -1: the full graph
     threshold_fraction: float
-    signing_keys: dict[str, bytes]   # edge -> Ed25519 public key bound to its identity
+    signing_keys: dict[str, bytes]   # edge -> Ed25519 public key bound to its id at join
     rng: random.Random = field(default_factory=lambda: random.Random(secrets.randbits(64)))
     adverts: dict[str, dict[str, bytes]] = field(default_factory=dict)
     graph: dict[str, list[str]] = field(default_factory=dict)
@@ -455,8 +455,7 @@ class ServerRound:
     # ---- step 1 ----------------------------------------------------------------------
     def accept_advert(self, edge: str, advert: dict[str, bytes]) -> None:
         key = advert["sign_pk"]
-        bound = self.signing_keys.get(edge)
-        if bound is not None and bound != key:
+        if self.signing_keys.get(edge) != key:
             raise SecAggError(f"edge {edge}: advert signed with a key other than the identity "
                               "key bound to this edge")
         verify_advert(self.round, self.phase, edge, advert, key)
@@ -465,7 +464,6 @@ class ServerRound:
                 X25519PublicKey.from_public_bytes(advert[name])
             except ValueError:
                 raise SecAggError(f"edge {edge}: {name} is not an X25519 public key") from None
-        self.signing_keys[edge] = key
         self.adverts[edge] = dict(advert)
 
     def close_advertise(self) -> None:
