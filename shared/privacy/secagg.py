@@ -27,6 +27,7 @@ holds any 256-bit secret whole.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -144,8 +145,15 @@ def prg_words(seed: bytes, length: int) -> np.ndarray:
     if len(seed) != SEED_BYTES:
         raise ValueError(f"a mask seed must be {SEED_BYTES} bytes")
     encryptor = Cipher(algorithms.AES(seed), modes.CTR(bytes(16))).encryptor()
-    stream = encryptor.update(bytes(4 * length)) + encryptor.finalize()
-    return np.frombuffer(stream, dtype="<u4").astype(np.uint32, copy=False)
+    out = bytearray(4 * length + 15)  # update_into wants a block's worth of spare room
+    encryptor.update_into(_zeros(4 * length), out)
+    return np.frombuffer(out, dtype="<u4", count=length)
+
+
+@functools.lru_cache(maxsize=4)
+def _zeros(size: int) -> bytes:
+    """The plaintext of a keystream (immutable; one per vector length in use)."""
+    return bytes(size)
 
 
 def hkdf(secret: bytes, info: bytes) -> bytes:
