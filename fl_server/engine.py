@@ -201,7 +201,8 @@ class Engine:
             phase: method.uplink_schema(phase, self.models) for phase in method.phases}
         self.registry = EdgeRegistry()
         # Secure aggregation: refuses (ValueError, exit 2) a method it cannot serve.
-        self.secagg = SecAggDriver(server, method, self.models) if server.secagg else None
+        self.secagg = (SecAggDriver(server, method, self.models, self.aggregator)
+                       if server.secagg else None)
         self.store = CheckpointStore(Path(server.checkpoint_dir), server.keep_checkpoints)
         self.history_path = Path(server.checkpoint_dir) / "history.json"
         self.history: dict[str, Any] = {"manifest": run_manifest(server, train, method),
@@ -458,9 +459,8 @@ class Engine:
                     quorum = len(participants)  # protocol steps wait for every edge
             phase = await self.run_phase(name, round_number, participants, quorum, timeout)
             async with self.agg_lock:
-                figures = await asyncio.to_thread(
-                    self.secagg.close if secured else self.aggregator.close_phase,
-                    *((name, self.aggregator) if secured else (name,)))
+                close = self.secagg.close if secured else self.aggregator.close_phase
+                figures = await asyncio.to_thread(close, name)
                 if figures.get("aggregated"):
                     self.state_version += 1
             record[name] = self.phase_record(phase)

@@ -60,8 +60,10 @@ def _bytes_spec(size: int, optional: bool = False) -> TensorSpec:
 
 
 class SecAggDriver:
-    def __init__(self, cfg: ServerConfig, method: Method, models: dict[str, nn.Module]):
+    def __init__(self, cfg: ServerConfig, method: Method, models: dict[str, nn.Module],
+                 aggregator: Aggregator):
         self.cfg = cfg
+        self.aggregator = aggregator
         self.masked = masked_phases(method, models)  # ValueError names a refused section
         self.lengths = {p: vector_length(specs) for p, specs in self.masked.items()}
         self.rounds: dict[str, ServerRound] = {}
@@ -162,12 +164,13 @@ class SecAggDriver:
         else:
             state.accept_masked(edge, section.tensors["y"].numpy().view(np.uint32))
 
-    def close(self, name: str, aggregator: Aggregator) -> dict[str, Any]:
+    def close(self, name: str) -> dict[str, Any]:
         """After each phase. Closing the unmask step unmasks the sum and hands it to the
         aggregator, then closes the masked phase in the aggregator (a round whose protocol
         aborted closes it with nothing: the global state stays as it was)."""
         step, state = self._round(name)
         phase = self.base_phase(name)
+        aggregator = self.aggregator
         if step == ADVERTISE:
             state.close_advertise()
             figures = {"parties": len(state.adverts), "threshold": state.threshold,
