@@ -37,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Prometheus port (0: any free port; default: off)")
     parser.add_argument("--insecure", action="store_true",
                         help="plaintext gRPC (required until TLS is configured)")
+    parser.add_argument("--tls-dir", type=Path, default=None,
+                        help="mutual TLS: the folder `fl-server certs issue` wrote for this edge "
+                             "(ca.pem, edge.pem, edge.key, token)")
+    parser.add_argument("--tls-server-name", default="",
+                        help="the name in the server's certificate, when --server uses another")
     parser.add_argument("--retry-for", type=float, default=0.0,
                         help="give up after this many seconds without the server (0: never)")
     small = parser.add_argument_group("small devices")
@@ -111,9 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         argv = argv[1:]
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
-    if not args.insecure:
-        print("fl-edge: error: TLS is not configured yet; pass --insecure for plaintext gRPC",
-              file=sys.stderr)
+    if args.insecure == bool(args.tls_dir):
+        print("fl-edge: error: pass --tls-dir DIR (the folder `fl-server certs issue` wrote) "
+              "for mutual TLS or --insecure for plaintext gRPC, not both", file=sys.stderr)
         return 2
     if not args.data_dir.is_dir():
         print(f"fl-edge: error: --data-dir {args.data_dir} is not a directory", file=sys.stderr)
@@ -128,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         name=args.name, device=args.device, metrics_port=args.metrics_port,
         progress={"auto": None, "on": True, "off": False}[args.progress],
         retry_for=args.retry_for, batch_size=args.batch_size, amp=args.amp,
-        grad_accum=args.grad_accum)
+        grad_accum=args.grad_accum, tls_dir=args.tls_dir, tls_server_name=args.tls_server_name)
     try:
         return EdgeDaemon(options).run()
     except EdgeExit as err:

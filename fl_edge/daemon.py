@@ -8,6 +8,7 @@ atomically after every local training, before the upload.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import random
@@ -30,6 +31,7 @@ from fedattn_shared.data import DataError, EdgeData, load_edge_data
 from fedattn_shared.methods import load_method
 from fedattn_shared.methods.base import EVALUATE, TRAIN, EdgeAlgorithm, Method, MethodContext
 from fedattn_shared.state import StateError
+from fedattn_shared.tls import edge_credentials
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire import fedattn_pb2_grpc as pb_grpc
 from fedattn_shared.wire.accounting import (
@@ -41,6 +43,7 @@ from fedattn_shared.wire.accounting import (
     data_message_wire_bytes,
 )
 from fedattn_shared.wire.codec import BufferPool, Kind, Payload, PayloadAssembler, WireError, encode
+from fedattn_shared.wire.signing import sign_submission
 from fedattn_shared.wire.transport import (
     MAX_MESSAGE_BYTES,
     channel_options,
@@ -49,7 +52,13 @@ from fedattn_shared.wire.transport import (
     serialize,
 )
 
-from .store import PrivateStore, load_or_create_identity, private_digest
+from .secagg import EdgeSecAgg, SecAggError, is_secagg_phase, strip_secagg
+from .store import (
+    PrivateStore,
+    load_or_create_identity,
+    load_or_create_signing_key,
+    private_digest,
+)
 from .trainer import evaluate, loader_seed, train_local
 
 log = logging.getLogger("fl_edge")
@@ -85,6 +94,8 @@ class EdgeOptions:
     batch_size: int | None = None  # overrides the server's train.batch_size on this device
     amp: bool = False
     grad_accum: int = 1
+    tls_dir: Path | None = None   # mutual TLS; its certificate names the edge id
+    tls_server_name: str = ""
 
 
 @dataclass
@@ -154,14 +165,27 @@ class EdgeDaemon:
     def __init__(self, options: EdgeOptions):
         self.opts = options
         self.device = pick_device(options.device)
+        self.credentials = None
+        if options.tls_dir is not None:
+            try:
+                self.credentials, token, certified = edge_credentials(options.tls_dir)
+            except StateError as err:
+                raise EdgeExit(2, str(err)) from None
+            if options.name and options.name != certified:
+                raise EdgeExit(2, f"--name {options.name}: the certificate in "
+                                  f"{options.tls_dir} is for edge {certified}")
+            options.name = certified
+            options.join_token = token  # under mutual TLS the join carries the enrollment token
         try:
             self.identity = load_or_create_identity(options.state_dir, options.name)
+            self.signing_key = load_or_create_signing_key(options.state_dir)
             # Fail at start, not after the first round of training, if state cannot be saved.
             with tempfile.NamedTemporaryFile(dir=options.state_dir, prefix=".write-check-"):
                 pass
         except (StateError, OSError) as err:
             raise EdgeExit(2, f"state dir {options.state_dir}: {err}") from None
         self.store = PrivateStore(options.state_dir)
+        self.secagg = EdgeSecAgg(options.state_dir, self.identity.edge_id, self.signing_key)
         self.registry = CollectorRegistry()
         self.meter = ByteMeter(self.registry)
         self.metrics = EdgeMetrics(self.registry)
@@ -218,7 +242,14 @@ class EdgeDaemon:
             backoff, unreachable_since = 0.5, None
 
     def _session(self) -> None:
-        with grpc.insecure_channel(self.opts.server, options=channel_options()) as channel:
+        if self.credentials is not None:
+            override = ([("grpc.ssl_target_name_override", self.opts.tls_server_name)]
+                        if self.opts.tls_server_name else [])
+            channel = grpc.secure_channel(self.opts.server, self.credentials,
+                                          options=channel_options() + override)
+        else:
+            channel = grpc.insecure_channel(self.opts.server, options=channel_options())
+        with channel:
             stub = pb_grpc.FederatedLearningStub(channel)
             # Data chunks travel as pre-built frames and arrive as views (transport.py).
             stub.NextTask = channel.unary_stream(
@@ -254,6 +285,7 @@ class EdgeDaemon:
             info={"hostname": socket.gethostname(), "device": str(self.device),
                   "torch": torch.__version__},
             state_fingerprint=self.fingerprint or (self.store.stored_fingerprint() or ""),
+            signing_key=self.signing_key.public_key().public_bytes_raw(),
         )
         self.meter.count_message(UP, request)
         try:
@@ -430,6 +462,17 @@ class EdgeDaemon:
             algo.load_shared(init.tensors)
             personal = Payload([s for s in personal.sections if s is not init])
             log.info("loaded the server's initial weights (%d tensors)", len(init.tensors))
+        if is_secagg_phase(header.phase):  # a step of secure aggregation, not the method's
+            try:
+                upload = self.secagg.step(header.phase, header.round, personal)
+            except SecAggError as err:
+                log.error("round %d %s: %s; this edge sits the step out", header.round,
+                          header.phase, err)
+                upload = Payload()
+            self._submit(stub, header, upload, 0, [], {})
+            return
+        masked = personal.get(Kind.SECAGG, "request") is not None
+        personal = strip_secagg(personal)
         algo.receive(header.phase, received.common, personal)
         metrics: dict[str, float] = {}
         evaluation: list[pb.ConfusionCounts] = []
@@ -491,6 +534,17 @@ class EdgeDaemon:
             except ValueError as err:
                 raise EdgeExit(2, f"server asked for phase {header.phase!r}: {err} "
                                   "(fedattn versions differ?)") from None
+        if masked:  # the server sees only the sum: mask weight * upload, send no n_k or loss
+            try:
+                upload = self.secagg.mask(header.round, header.phase, received.personal, upload,
+                                          algo.upload_weight(header.phase, num_examples),
+                                          self.method, algo.models)
+            except (SecAggError, ValueError) as err:
+                log.error("round %d %s: not masking this upload: %s", header.round,
+                          header.phase, err)
+                upload = Payload()
+            num_examples = 0
+            metrics = {k: v for k, v in metrics.items() if k in ("train_seconds", "steps", "lr")}
         self._submit(stub, header, upload, num_examples, evaluation, metrics)
 
     def _submit(self, stub, task: pb.TaskHeader, upload: Payload, num_examples: int,
@@ -500,7 +554,11 @@ class EdgeDaemon:
             protocol_version=PROTOCOL_VERSION, edge_id=self.identity.edge_id,
             session=self.session, round=task.round, task_id=task.task_id, phase=task.phase,
             num_examples=num_examples, payload=encoded.manifest, evaluation=evaluation,
-            metrics=metrics))
+            metrics=metrics, task_nonce=task.task_nonce))
+        body = hashlib.sha256()
+        for _, chunk in encoded.chunks(self.chunk_bytes):
+            body.update(chunk)
+        header.header.signature = sign_submission(self.signing_key, header.header, body.digest())
 
         def messages():
             self.meter.count_message(UP, header)

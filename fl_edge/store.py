@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from google.protobuf.message import DecodeError
 
 from fedattn_shared.methods.base import EdgeAlgorithm
@@ -60,6 +62,22 @@ def load_or_create_identity(state_dir: Path, name: str | None = None) -> Identit
     identity = Identity(name or f"edge-{uuid.uuid4().hex[:12]}", secrets.token_hex(32))
     atomic_write_json(path, {"edge_id": identity.edge_id, "secret": identity.secret})
     return identity
+
+
+def load_or_create_signing_key(state_dir: Path) -> Ed25519PrivateKey:
+    """The edge's Ed25519 signing key (``signing.key``, 0600): it signs every submission
+    and the SecAgg adverts; the server binds its public half to the edge id at first join."""
+    path = state_dir / "signing.key"
+    if path.exists():
+        try:
+            return Ed25519PrivateKey.from_private_bytes(path.read_bytes())
+        except ValueError as err:
+            raise StateError(f"{path}: not an Ed25519 private key ({err})") from None
+    key = Ed25519PrivateKey.generate()
+    atomic_write(path, key.private_bytes(serialization.Encoding.Raw,
+                                         serialization.PrivateFormat.Raw,
+                                         serialization.NoEncryption()), mode=0o600)
+    return key
 
 
 def _optimizer_tensors(algo: EdgeAlgorithm) -> tuple[dict[str, torch.Tensor], list]:

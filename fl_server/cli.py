@@ -34,6 +34,7 @@ from fedattn_shared.methods import available_methods, load_method
 from fedattn_shared.methods.base import Method, MethodContext
 from fedattn_shared.models import MODELS
 from fedattn_shared.state import StateError, atomic_write_json
+from fedattn_shared.tls import ENROLLED, Enrollment, init_ca, issue_edge, revoke_edge, server_credentials
 from fedattn_shared.wire.accounting import ByteMeter
 from fedattn_shared.wire.transport import server_options
 
@@ -55,9 +56,11 @@ FLAG_TARGETS = {
     "port": ("server", "port"), "metrics_port": ("server", "metrics_port"),
     "checkpoint_dir": ("server", "checkpoint_dir"), "resume": ("server", "resume"),
     "insecure": ("server", "insecure"), "token": ("server", "join_token"),
+    "tls_dir": ("server", "tls_dir"),
     "chunk_bytes": ("server", "chunk_bytes"), "poll_timeout": ("server", "poll_timeout"),
     "max_concurrent_uploads": ("server", "max_concurrent_uploads"),
     "init_weights": ("server", "init_weights"), "init_skip_head": ("server", "init_skip_head"),
+    "secagg": ("server", "secagg"), "secagg_graph": ("server", "secagg_graph"),
     "model": ("train", "model"), "num_classes": ("train", "num_classes"),
     "in_channels": ("train", "in_channels"), "image_size": ("train", "image_size"),
     "local_epochs": ("train", "local_epochs"), "batch_size": ("train", "batch_size"),
@@ -95,12 +98,19 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--init-skip-head", action="store_true",
                      help="with --init-weights: keep the model's fresh classifier head and "
                           "ignore the file's (e.g. ImageNet weights, 1000 classes)")
+    run.add_argument("--secagg", action="store_true",
+                     help="secure aggregation (SecAgg+): the server sees only the sum; "
+                          "tune with --set server.secagg_degree/threshold/clip/max_weight/timeout")
+    run.add_argument("--secagg-graph", choices=["sparse", "full"],
+                     help="SecAgg+ neighbour graph: sparse k-regular (default) or full")
     net = p.add_argument_group("network")
     net.add_argument("--host")
     net.add_argument("--port", type=int, help="gRPC port (0: any free port)")
     net.add_argument("--metrics-port", type=int, help="Prometheus port (0: any free port)")
     net.add_argument("--insecure", action="store_true",
-                     help="plaintext gRPC (required until TLS is configured)")
+                     help="plaintext gRPC (only when asked for: the default is mutual TLS)")
+    net.add_argument("--tls-dir", help="mutual TLS with the CA, server certificate and "
+                                       "enrollment list `fl-server certs init` wrote here")
     net.add_argument("--token", help="cluster join token edges must present "
                                      "(default: $FEDATTN_TOKEN)")
     net.add_argument("--chunk-bytes", type=int, help="data chunk size on the wire")
@@ -193,12 +203,16 @@ class ServerApp:
                              "continue it or choose an empty --checkpoint-dir")
         Path(cfg.checkpoint_dir).mkdir(parents=True, exist_ok=True)
         self._grpc = grpc.aio.server(options=server_options())
+        enrollment = Enrollment(Path(cfg.tls_dir) / ENROLLED) if cfg.tls_dir else None
         service = FederatedLearningService(engine, self.meter, cfg.join_token, cfg.chunk_bytes,
-                                           cfg.poll_timeout, cfg.max_concurrent_uploads)
+                                           cfg.poll_timeout, cfg.max_concurrent_uploads,
+                                           enrollment)
         self._grpc.add_generic_rpc_handlers((service_handler(service),))
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
-        self.port = self._grpc.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        address = f"{cfg.host}:{cfg.port}"
+        self.port = (self._grpc.add_secure_port(address, server_credentials(Path(cfg.tls_dir)))
+                     if cfg.tls_dir else self._grpc.add_insecure_port(address))
         if self.port == 0:
             raise UsageError(f"cannot listen on {cfg.host}:{cfg.port}")
         await self._grpc.start()
@@ -267,7 +281,44 @@ async def serve(server_cfg: ServerConfig, train: TrainConfig, method: Method,
     return 0
 
 
+def certs_main(argv: list[str]) -> int:
+    """``fl-server certs init DIR [--hosts ...] | issue DIR EDGE | revoke DIR EDGE``."""
+    parser = argparse.ArgumentParser(prog="fl-server certs",
+                                     description="the CA for mutual TLS and edge enrollment")
+    sub = parser.add_subparsers(dest="action", required=True)
+    init = sub.add_parser("init", help="create the CA and the server certificate")
+    init.add_argument("dir", type=Path)
+    init.add_argument("--hosts", type=lambda s: [h for h in s.split(",") if h],
+                      help="server names/addresses for its certificate "
+                           "(default: localhost,127.0.0.1,this host's name)")
+    issue = sub.add_parser("issue", help="enroll an edge: certificate, key and token")
+    issue.add_argument("dir", type=Path)
+    issue.add_argument("edge")
+    revoke = sub.add_parser("revoke", help="refuse an enrolled edge from now on")
+    revoke.add_argument("dir", type=Path)
+    revoke.add_argument("edge")
+    args = parser.parse_args(argv)
+    try:
+        if args.action == "init":
+            init_ca(args.dir, args.hosts)
+            print(f"CA and server certificate in {args.dir}; serve with --tls-dir {args.dir}")
+        elif args.action == "issue":
+            out = issue_edge(args.dir, args.edge)
+            print(f"edge {args.edge}: copy {out} to the device and run "
+                  f"fl-edge --tls-dir <that folder> --name {args.edge}")
+        else:
+            revoke_edge(args.dir, args.edge)
+            print(f"edge {args.edge} revoked")
+    except StateError as err:
+        print(f"fl-server certs: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["certs"]:
+        return certs_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
@@ -280,8 +331,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         server_cfg, train, method = resolve(args)
-        if not server_cfg.insecure:
-            raise ConfigError("TLS is not configured yet; pass --insecure for plaintext gRPC")
+        if server_cfg.insecure == bool(server_cfg.tls_dir):
+            raise ConfigError("pass --tls-dir DIR for mutual TLS (make DIR with `fl-server "
+                              "certs init DIR`) or --insecure for plaintext gRPC, not both")
         return asyncio.run(serve(server_cfg, train, method, args.ready_file))
     except (ConfigError, UsageError, StateError, ValueError) as err:
         print(f"fl-server: error: {err}", file=sys.stderr)

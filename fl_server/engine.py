@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import json
 import logging
 import math
@@ -48,6 +49,7 @@ from .checkpoint import CheckpointStore
 from .evaluation import split_figures, summarize
 from .metrics import ServerMetrics, drop_reason_label
 from .registry import EdgeRegistry
+from .secagg import SecAggDriver
 
 log = logging.getLogger("fl_server")
 
@@ -57,6 +59,7 @@ class Task:
     task_id: int
     edge_id: str
     delivered: bool = False
+    nonce: bytes = field(default_factory=lambda: secrets.token_bytes(16))
 
 
 @dataclass
@@ -197,6 +200,9 @@ class Engine:
         self.schemas: dict[str, list[SectionSpec]] = {
             phase: method.uplink_schema(phase, self.models) for phase in method.phases}
         self.registry = EdgeRegistry()
+        # Secure aggregation: refuses (ValueError, exit 2) a method it cannot serve.
+        self.secagg = (SecAggDriver(server, method, self.models, self.aggregator)
+                       if server.secagg else None)
         self.store = CheckpointStore(Path(server.checkpoint_dir), server.keep_checkpoints)
         self.history_path = Path(server.checkpoint_dir) / "history.json"
         self.history: dict[str, Any] = {"manifest": run_manifest(server, train, method),
@@ -290,17 +296,23 @@ class Engine:
             raise Refused(f"stale or wrong task (round {header.round}, task {header.task_id}, "
                           f"phase {header.phase!r}; open: round {phase.round}, task "
                           f"{task.task_id}, phase {phase.name!r})")
+        if not hmac.compare_digest(header.task_nonce, task.nonce):
+            raise Refused(f"task nonce does not match task {task.task_id} (a replay?)")
         if edge in phase.received:
             raise Refused(f"duplicate submission for task {task.task_id}")
         if edge in phase.dropped:
             raise Refused(f"task {task.task_id} was already dropped ({phase.dropped[edge]})")
         schema = self.schemas.get(phase.name, [])
         self.validate_manifest(header.payload, schema, edge)
-        if phase.name == TRAIN and header.num_examples < 1:
+        if phase.name == TRAIN and header.num_examples < 1 and not self.secured(phase.name):
             raise Refused("num_examples must be >= 1 for a training result", drop=True)
         if phase.name == EVALUATE:
             self.validate_evaluation(header)
         return phase, schema
+
+    def secured(self, phase: str) -> bool:
+        """Whether secure aggregation handles this phase's uploads (not the method)."""
+        return self.secagg is not None and self.secagg.owns(phase)
 
     def validate_manifest(self, manifest: pb.PayloadManifest, schema: list[SectionSpec],
                           edge: str) -> None:
@@ -358,14 +370,21 @@ class Engine:
 
     async def accept(self, phase: Phase, header: pb.SubmitHeader, payload: Payload) -> None:
         edge = header.edge_id
+        secured = self.secured(phase.name)
         try:
-            self.method.check_upload(phase.name, payload)
+            if not secured:
+                self.method.check_upload(phase.name, payload)
         except ValueError as err:
             raise Refused(str(err), drop=True) from None
         async with self.agg_lock:
             if phase.closed or edge not in phase.pending():
                 raise Refused("the phase closed before the upload completed")
-            if phase.name != EVALUATE:
+            if secured:
+                try:
+                    await asyncio.to_thread(self.secagg.accept, phase.name, edge, payload)
+                except ValueError as err:
+                    raise Refused(f"{phase.name} upload: {err}", drop=True) from None
+            elif phase.name != EVALUATE:
                 weight = self.method.aggregation_weight(int(header.num_examples))
                 started = time.monotonic()
                 try:
@@ -424,13 +443,16 @@ class Engine:
         selected = select_edges(self.registry.connected_ids(), self.cfg.fraction,
                                 self.train.seed, round_number)
         self.aggregator.begin_round(round_number, selected, len(self.registry.records))
+        if self.secagg is not None:
+            self.secagg.begin_round(round_number, self.registry)
         # Wall-clock start: consecutive starts give the full round period, checkpoint included.
         record: dict[str, Any] = {"round": round_number, "started": time.time(), "aggregate": {}}
         participants = list(selected)
         eval_every = self.cfg.eval_every
         eval_due = bool(eval_every) and (round_number % eval_every == 0
                                          or round_number == self.cfg.rounds)
-        for name in self.method.phases:
+        phases = self.secagg.expand(self.method.phases) if self.secagg else self.method.phases
+        for name in phases:
             if name == EVALUATE:
                 if eval_due:
                     edges = self.registry.connected_ids()
@@ -440,11 +462,21 @@ class Engine:
                     record["evaluation"] = {"per_edge": per_edge, "summary": summarize(per_edge)}
                     self.publish_evaluation(per_edge, record["evaluation"]["summary"])
                 continue
+            secured = self.secured(name)
+            if secured and self.secagg.skip(name):
+                continue  # the protocol aborted: the aggregator closed with nothing
             quorum = min(self.cfg.quorum or len(participants), len(participants))
-            phase = await self.run_phase(name, round_number, participants, quorum)
+            timeout = self.cfg.round_timeout
+            if secured:
+                self.schemas[name] = self.secagg.schema(name)
+                timeout = self.secagg.deadline(name, timeout)
+                if name not in self.method.phases:
+                    quorum = len(participants)  # protocol steps wait for every edge
+            phase = await self.run_phase(name, round_number, participants, quorum, timeout)
             async with self.agg_lock:
                 closing = time.monotonic()
-                figures = await asyncio.to_thread(self.aggregator.close_phase, name)
+                close = self.secagg.close if secured else self.aggregator.close_phase
+                figures = await asyncio.to_thread(close, name)
                 self.metrics.aggregation_seconds.labels(name, "close").observe(
                     time.monotonic() - closing)
                 if figures.get("aggregated"):
@@ -487,14 +519,18 @@ class Engine:
 
     def personal_downlink(self, edge_id: str, phase: str) -> Payload:
         payload = self.aggregator.personal(edge_id, phase)
+        if self.secured(phase):
+            payload = Payload(payload.sections + self.secagg.personal(edge_id, phase).sections)
         record = self.registry.records[edge_id]
         if record.needs_init and self.init_payload is not None:
             record.needs_init = False
             payload = Payload(self.init_payload.sections + payload.sections)
         return payload
 
-    async def run_phase(self, name: str, round_number: int, edges: list[str], quorum: int) -> Phase:
-        common_payload = self.aggregator.broadcast(name)
+    async def run_phase(self, name: str, round_number: int, edges: list[str], quorum: int,
+                        timeout: float | None = None) -> Phase:
+        common_payload = self.aggregator.broadcast(
+            self.secagg.base_phase(name) if self.secagg else name)
         common = await asyncio.to_thread(encode, common_payload)
         frames = await asyncio.to_thread(lambda: [
             (kind, data_frame(chunk), len(chunk))
@@ -522,7 +558,7 @@ class Engine:
             self.registry.records[edge].wakeup.set()
         phase.maybe_close()
         try:
-            await asyncio.wait_for(phase.done.wait(), timeout=self.cfg.round_timeout)
+            await asyncio.wait_for(phase.done.wait(), timeout=timeout or self.cfg.round_timeout)
         except asyncio.TimeoutError:
             self.metrics.phase_timeouts.labels(name).inc()
             for edge in phase.pending():

@@ -37,24 +37,33 @@ class EdgeRecord:
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     needs_init: bool = False  # joined without private state: send the initial models once
     heard_run_over: bool = False  # has been told the run is over (the server waits for it)
+    signing_key: str = ""  # hex Ed25519 public key, bound to the id at the first join
 
 
 class EdgeRegistry:
     def __init__(self) -> None:
         self.records: dict[str, EdgeRecord] = {}
 
-    def join(self, edge_id: str, secret: str, info: dict[str, str]) -> EdgeRecord:
+    def join(self, edge_id: str, secret: str, info: dict[str, str],
+             signing_key: bytes = b"") -> EdgeRecord:
         if not EDGE_ID.match(edge_id):
             raise AuthError(f"edge id {edge_id!r} is not valid (letters, digits, . _ -; "
                             "at most 64)", permanent=True)
         if len(secret) < 16:
             raise AuthError(f"edge {edge_id}: edge_secret too short", permanent=True)
+        if len(signing_key) != 32:
+            raise AuthError(f"edge {edge_id}: signing_key must be a 32-byte Ed25519 public key",
+                            permanent=True)
         record = self.records.get(edge_id)
         if record is None:
             record = EdgeRecord(edge_id, _hash(secret), time.time())
             self.records[edge_id] = record
         elif not hmac.compare_digest(record.secret_hash, _hash(secret)):
             raise AuthError(f"edge id {edge_id} is bound to a different secret", permanent=True)
+        if record.signing_key and record.signing_key != signing_key.hex():
+            raise AuthError(f"edge id {edge_id} is bound to a different signing key",
+                            permanent=True)
+        record.signing_key = signing_key.hex()
         record.session = secrets.token_hex(16)
         record.info = dict(info)
         return record
@@ -75,7 +84,8 @@ class EdgeRegistry:
             record.wakeup.set()
 
     def to_json(self) -> dict:
-        return {e: {"secret_sha256": r.secret_hash, "first_seen": r.first_seen}
+        return {e: {"secret_sha256": r.secret_hash, "first_seen": r.first_seen,
+                    **({"signing_key": r.signing_key} if r.signing_key else {})}
                 for e, r in sorted(self.records.items())}
 
     @classmethod
@@ -83,5 +93,6 @@ class EdgeRegistry:
         registry = cls()
         for edge_id, entry in data.items():
             registry.records[edge_id] = EdgeRecord(edge_id, entry["secret_sha256"],
-                                                   entry["first_seen"])
+                                                   entry["first_seen"],
+                                                   signing_key=entry.get("signing_key", ""))
         return registry

@@ -8,6 +8,7 @@ costs the sender its task, never the server its state.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import logging
 import time
@@ -16,6 +17,7 @@ import grpc
 
 from fedattn_shared import PROTOCOL_VERSION
 from fedattn_shared.methods.base import SectionSpec
+from fedattn_shared.tls import Enrollment
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire import fedattn_pb2_grpc as pb_grpc
 from fedattn_shared.wire.accounting import DOWN, GRPC_FRAME_PREFIX, UP, ByteMeter, data_message_wire_bytes
@@ -26,6 +28,7 @@ from fedattn_shared.wire.codec import (
     WireError,
     nonfinite_tensors,
 )
+from fedattn_shared.wire.signing import verify_submission
 from fedattn_shared.wire.transport import MAX_MESSAGE_BYTES, data_frame, deserializer, serialize
 
 from .engine import Engine, Refused
@@ -38,7 +41,8 @@ PRESENCE_INTERVAL = 10.0
 
 class FederatedLearningService(pb_grpc.FederatedLearningServicer):
     def __init__(self, engine: Engine, meter: ByteMeter, join_token: str, chunk_bytes: int,
-                 poll_timeout: float, max_concurrent_uploads: int):
+                 poll_timeout: float, max_concurrent_uploads: int,
+                 enrollment: Enrollment | None = None):
         self.engine = engine
         self.meter = meter
         self.join_token = join_token
@@ -46,8 +50,24 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         self.poll_timeout = poll_timeout
         self.upload_slots = asyncio.Semaphore(max_concurrent_uploads)
         self.buffers = BufferPool(keep=max_concurrent_uploads + 1)
+        self.enrollment = enrollment  # mutual TLS: the enrolled edges
+
+    def _identity_refusal(self, edge_id: str, context, token: str | None = None) -> str:
+        """Under mutual TLS: '' when the peer's certificate names ``edge_id`` and the edge is
+        enrolled (with ``token``, when given) and not revoked; else the reason."""
+        if self.enrollment is None:
+            return ""
+        names = context.auth_context().get("x509_common_name") or [b""]
+        certified = names[0].decode(errors="replace")
+        if certified != edge_id:
+            return f"the client certificate is for {certified!r}, not edge {edge_id!r}"
+        return self.enrollment.check(edge_id, token)
 
     async def _auth(self, edge_id: str, session: str, context) -> None:
+        refusal = self._identity_refusal(edge_id, context)
+        if refusal:
+            log.warning("refused %s from %s: %s", edge_id, context.peer(), refusal)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
         try:
             self.engine.registry.check(edge_id, session)
         except AuthError as err:
@@ -62,7 +82,13 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"protocol version {request.protocol_version} is not supported "
                                 f"(server speaks {PROTOCOL_VERSION})")
-        if self.join_token and not hmac.compare_digest(request.join_token, self.join_token):
+        refusal = self._identity_refusal(request.edge_id, context, token=request.join_token)
+        if refusal:
+            log.warning("join refused for %r from %s: %s", request.edge_id, context.peer(),
+                        refusal)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
+        if (self.join_token and self.enrollment is None
+                and not hmac.compare_digest(request.join_token, self.join_token)):
             log.warning("join refused for %r: bad join token", request.edge_id)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "bad join token")
         fingerprint = self.engine.fingerprint
@@ -75,7 +101,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
                 f"fingerprint {request.state_fingerprint}, this run is {fingerprint}")
         try:
             record = self.engine.registry.join(request.edge_id, request.edge_secret,
-                                               dict(request.info))
+                                               dict(request.info), request.signing_key)
         except AuthError as err:
             log.warning("join refused: %s", err)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(err))
@@ -143,7 +169,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         header = pb.TaskHeader(
             status=pb.TaskHeader.TASK, round=phase.round, task_id=task.task_id, phase=phase.name,
             spec_json=phase.spec_json, common_id=phase.common_id, common_cached=cached,
-            common=phase.common.manifest, personal=personal.manifest)
+            common=phase.common.manifest, personal=personal.manifest, task_nonce=task.nonce)
         yield self._meta(edge, pb.TaskMessage(header=header))
         personal_frames = [(kind, data_frame(chunk), len(chunk))
                            for kind, chunk in personal.chunks(self.chunk_bytes)]
@@ -177,14 +203,21 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
                 self.engine.registry.check(edge, header.session)
             except AuthError as err:
                 raise Refused(str(err)) from None
+            refusal = self._identity_refusal(edge, context)
+            if refusal:
+                raise Refused(refusal)
             try:
                 phase, schema = self.engine.check_submission(header)
             except Refused as err:
                 if err.drop and self.engine.phase is not None:
                     phase = self.engine.phase
                 raise
-            assembler = await self._receive(header, schema, context, edge)
+            assembler, body = await self._receive(header, schema, context, edge)
             try:
+                key = bytes.fromhex(self.engine.registry.records[edge].signing_key)
+                if not verify_submission(key, header, body):
+                    raise Refused("the signature does not verify over this header and body "
+                                  "with the edge's signing key", drop=True)
                 payload, bad = await asyncio.to_thread(_decode_checked, assembler)
                 if bad:
                     raise Refused(f"non-finite values in {bad[:3]}", drop=True)
@@ -217,6 +250,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
             assembler = PayloadAssembler(header.payload, max_bytes=sum(sizes),
                                          max_chunk_bytes=MAX_MESSAGE_BYTES, pool=self.buffers,
                                          sizes=sizes)
+            body = hashlib.sha256()
             while not assembler.complete:
                 message = await context.read()
                 if message is grpc.aio.EOF:
@@ -225,13 +259,14 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
                 if not isinstance(message, memoryview):
                     raise WireError("a second header inside one upload")
                 kind = assembler.add(message)
+                body.update(message)
                 size = len(message)
                 self.meter.count(UP, kind.label, data_message_wire_bytes(size), size, edge)
             extra = await context.read()
             if extra is not grpc.aio.EOF:
                 self.buffers.give(assembler.buffer)
                 raise WireError("data beyond the declared payload")
-            return assembler
+            return assembler, body.digest()
 
     # ---- Leave ------------------------------------------------------------------------
     async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveReply:

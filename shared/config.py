@@ -105,6 +105,7 @@ class ServerConfig:
     checkpoint_dir: str = "./server-state"
     resume: bool = False
     insecure: bool = False
+    tls_dir: str = ""          # mutual TLS: the folder `fl-server certs init` made
     join_token: str = ""
     chunk_bytes: int = 1 << 20
     max_concurrent_uploads: int = 2  # uploads buffered at once: memory vs. slow uplinks
@@ -112,6 +113,14 @@ class ServerConfig:
     init_weights: str = ""     # safetensors file with pretrained weights for the models
     init_skip_head: bool = False  # keep the fresh classifier head, ignore the file's
     poll_timeout: float = 20.0
+    # Secure aggregation (SecAgg+): the server learns only the weighted sum.
+    secagg: bool = False
+    secagg_graph: str = "sparse"      # sparse: k-regular, k = secagg_degree; full: everyone
+    secagg_degree: int = 0            # 0: the smallest even k >= 3 log2(n) [reconstructed]
+    secagg_threshold: float = 0.5     # t = floor(fraction * holders) + 1
+    secagg_clip: float = 16.0         # |value| bound the edge checks before masking
+    secagg_max_weight: float = 65536.0  # bound on an edge's weight (n_k) in the fixed point
+    secagg_timeout: float = 60.0      # deadline of the advertise, share and unmask phases
 
     def validate(self) -> None:
         if self.rounds < 1:
@@ -138,6 +147,18 @@ class ServerConfig:
             raise ConfigError(f"server.metrics_port out of range: {self.metrics_port}")
         if self.eval_every < 0:
             raise ConfigError(f"server.eval_every must be >= 0, got {self.eval_every}")
+        if self.secagg_graph not in ("sparse", "full"):
+            raise ConfigError(f"server.secagg_graph must be sparse or full, got "
+                              f"{self.secagg_graph!r}")
+        if self.secagg_degree < 0:
+            raise ConfigError(f"server.secagg_degree must be >= 0, got {self.secagg_degree}")
+        if not 0 < self.secagg_threshold < 1:
+            raise ConfigError(f"server.secagg_threshold must be in (0, 1), got "
+                              f"{self.secagg_threshold}")
+        for name in ("secagg_clip", "secagg_max_weight", "secagg_timeout"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ConfigError(f"server.{name} must be > 0 and finite, got "
+                                  f"{getattr(self, name)}")
 
 
 def _check_type(where: str, value: Any, annotation: Any) -> Any:

@@ -15,6 +15,7 @@ One server process serves the whole module, one scenario per round.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 import threading
@@ -26,12 +27,14 @@ import grpc
 import pytest
 import torch
 from conftest import Cluster, Proc, wait_for
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fedattn_shared import PROTOCOL_VERSION
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire import fedattn_pb2_grpc as pb_grpc
 from fedattn_shared.wire.codec import Kind, Payload, PayloadAssembler, Section, encode
+from fedattn_shared.wire.signing import sign_submission
 from fedattn_shared.wire.transport import MAX_MESSAGE_BYTES, channel_options
 
 ROUNDS = 200             # more than the suite uses: the run must still be going at the end
@@ -60,6 +63,7 @@ class RawEdge:
         self.stub = pb_grpc.FederatedLearningStub(self.channel)
         self.edge_id = f"{prefix}-{secrets.token_hex(4)}"
         self.secret = secrets.token_hex(32)
+        self.signing_key = Ed25519PrivateKey.generate()
         self.session = ""
         self.present = threading.Event()
         self._presence_call = None
@@ -67,7 +71,8 @@ class RawEdge:
 
     def join(self, **overrides) -> pb.JoinReply:
         fields = {"protocol_version": PROTOCOL_VERSION, "edge_id": self.edge_id,
-                  "edge_secret": self.secret, "info": {"hostname": "bad-input-suite"}}
+                  "edge_secret": self.secret, "info": {"hostname": "bad-input-suite"},
+                  "signing_key": self.signing_key.public_key().public_bytes_raw()}
         fields.update(overrides)
         return self.stub.Join(pb.JoinRequest(**fields), timeout=10)
 
@@ -118,12 +123,24 @@ class RawEdge:
         raise AssertionError(f"no task for {self.edge_id} within {timeout}s")
 
     def submit(self, messages: list[pb.SubmitMessage]) -> pb.SubmitReply:
+        """Signs an unsigned header over itself and the data that follows, as an edge does."""
+        if messages and messages[0].HasField("header") and not messages[0].header.signature:
+            self.sign(messages, self.signing_key)
         return self.stub.Submit(iter(messages), timeout=30)
+
+    @staticmethod
+    def sign(messages: list[pb.SubmitMessage], key: Ed25519PrivateKey) -> None:
+        body = hashlib.sha256()
+        for message in messages[1:]:
+            body.update(message.data)
+        header = messages[0].header
+        header.signature = sign_submission(key, header, body.digest())
 
     def header(self, task: Task, manifest: pb.PayloadManifest, **overrides) -> pb.SubmitHeader:
         fields = {"protocol_version": PROTOCOL_VERSION, "edge_id": self.edge_id,
                   "session": self.session, "round": task.header.round,
                   "task_id": task.header.task_id, "phase": task.header.phase,
+                  "task_nonce": task.header.task_nonce,
                   "num_examples": NUM_EXAMPLES, "payload": manifest}
         fields.update(overrides)
         return pb.SubmitHeader(**fields)
@@ -404,6 +421,19 @@ def zero_examples(edge: RawEdge, task: Task) -> list[pb.SubmitMessage]:
     return train_messages(edge, task, shifted(task.globals, 1.0), num_examples=0)
 
 
+def forged_signature(edge: RawEdge, task: Task) -> list[pb.SubmitMessage]:
+    messages = train_messages(edge, task, shifted(task.globals, 1.0))
+    RawEdge.sign(messages, Ed25519PrivateKey.generate())  # not the key bound at join
+    return messages
+
+
+def altered_after_signing(edge: RawEdge, task: Task) -> list[pb.SubmitMessage]:
+    messages = train_messages(edge, task, shifted(task.globals, 1.0))
+    RawEdge.sign(messages, edge.signing_key)
+    messages[0].header.num_examples = 10 * NUM_EXAMPLES  # a relay rewrites the weight
+    return messages
+
+
 DROPPING: list[tuple[str, Builder, tuple[str, ...]]] = [
     ("second-header", second_header, ("second header",)),
     ("chunk-across-section-end", chunk_across_section_end, ("crosses the end of section",)),
@@ -419,6 +449,8 @@ DROPPING: list[tuple[str, Builder, tuple[str, ...]]] = [
     ("undeclared-section-kind", undeclared_section, ("section", "STAT_VECTORS", "schema")),
     ("missing-tensor", missing_tensor, ("tensor names", TARGET)),
     ("zero-examples", zero_examples, ("num_examples",)),
+    ("forged-signature", forged_signature, ("signature does not verify",)),
+    ("altered-after-signing", altered_after_signing, ("signature does not verify",)),
 ]
 
 
@@ -527,6 +559,10 @@ def wrong_phase(suite: Suite, task: Task) -> list[pb.SubmitMessage]:
     return train_messages(suite.edge, task, shifted(task.globals, 100.0), phase="evaluate")
 
 
+def wrong_nonce(suite: Suite, task: Task) -> list[pb.SubmitMessage]:
+    return train_messages(suite.edge, task, shifted(task.globals, 100.0), task_nonce=b"\x00" * 16)
+
+
 def unknown_edge(suite: Suite, task: Task) -> list[pb.SubmitMessage]:
     return train_messages(suite.edge, task, shifted(task.globals, 100.0), edge_id=GHOST)
 
@@ -554,6 +590,7 @@ KEEPING: list[tuple[str, Callable, object, tuple[str, ...]]] = [
     ("future-round", future_round, SELF, ("stale or wrong task", "round")),
     ("wrong-task-id", wrong_task_id, SELF, ("stale or wrong task", "task")),
     ("wrong-phase", wrong_phase, SELF, ("stale or wrong task", "phase 'evaluate'")),
+    ("wrong-task-nonce", wrong_nonce, SELF, ("task nonce does not match",)),
     ("unknown-edge", unknown_edge, GHOST, ("unknown edge", GHOST)),
     ("bad-session", bad_session, SELF, ("session",)),
     ("no-session", no_session, SELF, ("session",)),

@@ -27,27 +27,30 @@ def test_evaluation_figures_from_confusion_counts():
     assert summary["edges"] == 2
 
 
+KEY = b"k" * 32  # the edge's Ed25519 public key, bound at its first join
+
+
 def test_registry_binds_id_to_secret_and_sessions_expire():
     registry = EdgeRegistry()
-    first = registry.join("cam1", "s" * 32, {})
+    first = registry.join("cam1", "s" * 32, {}, KEY)
     session = first.session
     assert registry.check("cam1", session) is first
     try:
-        registry.join("cam1", "t" * 32, {})
+        registry.join("cam1", "t" * 32, {}, KEY)
         raise AssertionError("another secret was accepted")
     except AuthError as err:
         assert err.permanent
-    registry.join("cam1", "s" * 32, {})  # a restart of the same edge: new session
+    registry.join("cam1", "s" * 32, {}, KEY)  # a restart of the same edge: new session
     try:
         registry.check("cam1", session)
         raise AssertionError("an old session was accepted")
     except AuthError as err:
         assert not err.permanent
     restored = EdgeRegistry.from_json(registry.to_json())
-    assert restored.join("cam1", "s" * 32, {}).edge_id == "cam1"
+    assert restored.join("cam1", "s" * 32, {}, KEY).edge_id == "cam1"
     for bad in ("", "a b", "x" * 65, "../etc"):
         try:
-            registry.join(bad, "s" * 32, {})
+            registry.join(bad, "s" * 32, {}, KEY)
             raise AssertionError(f"edge id {bad!r} accepted")
         except AuthError:
             pass

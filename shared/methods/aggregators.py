@@ -95,6 +95,12 @@ class Aggregator(abc.ABC):
     def finish(self) -> dict[str, Any]:
         """Close the round: update the global state; returns figures for the history."""
 
+    def accept_sum(self, phase: str, sums: Payload, total_weight: float, count: int) -> None:
+        """Take the weighted sum over ``count`` edges of ``phase``'s uploads, sum_k w_k x_k
+        with total weight sum_k w_k, as secure aggregation delivers it (no single upload is
+        ever seen). Only aggregators that need nothing but that sum implement it."""
+        raise ValueError(f"{type(self).__name__} needs individual uploads, not their sum")
+
     # ---- phases beyond train (methods that declare them override these) -----------------
     def accept_phase(self, phase: str, edge_id: str, upload: Payload, weight: float) -> None:
         if phase != TRAIN:
@@ -192,6 +198,17 @@ class StreamingMean(Aggregator):
                 self._cosine.add(section.tensors)
         self._weight += weight
         self._count += 1
+
+    def accept_sum(self, phase: str, sums: Payload, total_weight: float, count: int) -> None:
+        if not total_weight > 0:
+            raise ValueError(f"the summed aggregation weight must be > 0, got {total_weight}")
+        for section in sums.sections:
+            key = (section.kind, section.name)
+            self._layout[key] = [(name, tuple(t.shape)) for name, t in section.tensors.items()]
+            self._sum[key] = torch.cat([t.reshape(-1).to(torch.float32)
+                                        for t in section.tensors.values()])
+        self._weight += total_weight
+        self._count += count
 
     def means(self) -> dict[SectionKey, dict[str, torch.Tensor]]:
         out = {}

@@ -206,6 +206,13 @@ class Method:
             return set()
         return {(spec.kind, spec.name) for spec in self.uplink_schema(phase, models)}
 
+    def secagg_clear_sections(self, phase: str, models: dict[str, nn.Module]) -> set[tuple[Kind, str]]:
+        """Upload sections of ``phase`` that this method's secure-aggregation-compatible
+        path sends in the clear although they are not summable (pFedKA's scalars, from which
+        the server computes each edge's weight before any tensor is masked). Secure
+        aggregation refuses a method with any other non-summable section. Default: none."""
+        return set()
+
     def similarity_groups(self, models: dict[str, nn.Module]) -> dict[str, list[str]]:
         """Groups of shared tensors (qualified names) whose mean pairwise cosine similarity
         across the round's uploads the server records per round (none by default)."""
@@ -383,6 +390,13 @@ class EdgeAlgorithm:
         split rule is ``all``): the edge saves its private state after the fine-tuning, and
         the next upload must be exactly what it would have been without it."""
         return self, 0
+
+    def upload_weight(self, phase: str, num_examples: int) -> float:
+        """The weight the server gives this edge's upload of ``phase`` in its weighted sum.
+        Secure aggregation multiplies the upload by it on the edge (the server only sees
+        the sum); a method whose server computes the weight tells the edge (pFedKA's
+        alpha_k) and returns it here."""
+        return self.method.aggregation_weight(num_examples)
 
     def phase_upload(self, phase: str) -> Payload:
         """The upload of a phase the method declares besides train and evaluate."""

@@ -287,6 +287,13 @@ class PFedKAEdge(EdgeAlgorithm):
             return super().phase_upload(phase)
         return super().after_train(0)  # the student's shared tensors, as live views
 
+    def upload_weight(self, phase: str, num_examples: int) -> float:
+        if phase == UPLOAD:
+            if self.alpha is None:
+                raise ValueError("the server sent no alpha_k for this edge's upload")
+            return self.alpha
+        return super().upload_weight(phase, num_examples)
+
     def predict(self, x: torch.Tensor) -> torch.Tensor:
         teacher_tokens, _ = self._teacher_forward(x)
         return self.student(x, teacher_tokens)
@@ -522,6 +529,17 @@ class PFedKA(Method):
         if phase == UPLOAD:
             return super().uplink_schema(TRAIN, models)
         return []
+
+    def summable_sections(self, phase: str, models: dict[str, nn.Module]) -> set[tuple[Kind, str]]:
+        """The students are summed with weights alpha_k; the scalars feed the GRU one by one."""
+        if phase == UPLOAD:
+            return {(s.kind, s.name) for s in self.uplink_schema(UPLOAD, models)}
+        return set()
+
+    def secagg_clear_sections(self, phase: str, models: dict[str, nn.Module]) -> set[tuple[Kind, str]]:
+        """The SecAgg-compatible path: {n_k, l_k} in the clear first, alpha_k back to each
+        edge, which then masks alpha_k * theta_k."""
+        return {SCALARS} if phase == TRAIN else set()
 
     def edge(self, models: dict[str, nn.Module], device: torch.device) -> PFedKAEdge:
         return PFedKAEdge(self, models, device)

@@ -78,7 +78,7 @@ class PayloadManifest(_message.Message):
     def __init__(self, sections: _Optional[_Iterable[_Union[SectionMeta, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("protocol_version", "edge_id", "edge_secret", "join_token", "info", "state_fingerprint")
+    __slots__ = ("protocol_version", "edge_id", "edge_secret", "join_token", "info", "state_fingerprint", "signing_key")
     class InfoEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -92,13 +92,15 @@ class JoinRequest(_message.Message):
     JOIN_TOKEN_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
     STATE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    SIGNING_KEY_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     edge_id: str
     edge_secret: str
     join_token: str
     info: _containers.ScalarMap[str, str]
     state_fingerprint: str
-    def __init__(self, protocol_version: _Optional[int] = ..., edge_id: _Optional[str] = ..., edge_secret: _Optional[str] = ..., join_token: _Optional[str] = ..., info: _Optional[_Mapping[str, str]] = ..., state_fingerprint: _Optional[str] = ...) -> None: ...
+    signing_key: bytes
+    def __init__(self, protocol_version: _Optional[int] = ..., edge_id: _Optional[str] = ..., edge_secret: _Optional[str] = ..., join_token: _Optional[str] = ..., info: _Optional[_Mapping[str, str]] = ..., state_fingerprint: _Optional[str] = ..., signing_key: _Optional[bytes] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("protocol_version", "session", "config_json", "fingerprint", "chunk_bytes")
@@ -139,7 +141,7 @@ class TaskRequest(_message.Message):
     def __init__(self, edge_id: _Optional[str] = ..., session: _Optional[str] = ..., cached_common: _Optional[str] = ...) -> None: ...
 
 class TaskHeader(_message.Message):
-    __slots__ = ("status", "round", "task_id", "phase", "spec_json", "common_id", "common_cached", "common", "personal")
+    __slots__ = ("status", "round", "task_id", "phase", "spec_json", "common_id", "common_cached", "common", "personal", "task_nonce")
     class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATUS_UNSPECIFIED: _ClassVar[TaskHeader.Status]
@@ -159,6 +161,7 @@ class TaskHeader(_message.Message):
     COMMON_CACHED_FIELD_NUMBER: _ClassVar[int]
     COMMON_FIELD_NUMBER: _ClassVar[int]
     PERSONAL_FIELD_NUMBER: _ClassVar[int]
+    TASK_NONCE_FIELD_NUMBER: _ClassVar[int]
     status: TaskHeader.Status
     round: int
     task_id: int
@@ -168,7 +171,8 @@ class TaskHeader(_message.Message):
     common_cached: bool
     common: PayloadManifest
     personal: PayloadManifest
-    def __init__(self, status: _Optional[_Union[TaskHeader.Status, str]] = ..., round: _Optional[int] = ..., task_id: _Optional[int] = ..., phase: _Optional[str] = ..., spec_json: _Optional[str] = ..., common_id: _Optional[str] = ..., common_cached: _Optional[bool] = ..., common: _Optional[_Union[PayloadManifest, _Mapping]] = ..., personal: _Optional[_Union[PayloadManifest, _Mapping]] = ...) -> None: ...
+    task_nonce: bytes
+    def __init__(self, status: _Optional[_Union[TaskHeader.Status, str]] = ..., round: _Optional[int] = ..., task_id: _Optional[int] = ..., phase: _Optional[str] = ..., spec_json: _Optional[str] = ..., common_id: _Optional[str] = ..., common_cached: _Optional[bool] = ..., common: _Optional[_Union[PayloadManifest, _Mapping]] = ..., personal: _Optional[_Union[PayloadManifest, _Mapping]] = ..., task_nonce: _Optional[bytes] = ...) -> None: ...
 
 class TaskMessage(_message.Message):
     __slots__ = ("header", "data")
@@ -193,7 +197,7 @@ class ConfusionCounts(_message.Message):
     def __init__(self, split: _Optional[str] = ..., num_classes: _Optional[int] = ..., counts: _Optional[_Iterable[int]] = ..., loss_sum: _Optional[float] = ..., brier_sum: _Optional[float] = ...) -> None: ...
 
 class SubmitHeader(_message.Message):
-    __slots__ = ("protocol_version", "edge_id", "session", "round", "task_id", "phase", "num_examples", "payload", "evaluation", "metrics")
+    __slots__ = ("protocol_version", "edge_id", "session", "round", "task_id", "phase", "num_examples", "payload", "evaluation", "metrics", "task_nonce", "signature")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +215,8 @@ class SubmitHeader(_message.Message):
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     EVALUATION_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    TASK_NONCE_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     edge_id: str
     session: str
@@ -221,7 +227,9 @@ class SubmitHeader(_message.Message):
     payload: PayloadManifest
     evaluation: _containers.RepeatedCompositeFieldContainer[ConfusionCounts]
     metrics: _containers.ScalarMap[str, float]
-    def __init__(self, protocol_version: _Optional[int] = ..., edge_id: _Optional[str] = ..., session: _Optional[str] = ..., round: _Optional[int] = ..., task_id: _Optional[int] = ..., phase: _Optional[str] = ..., num_examples: _Optional[int] = ..., payload: _Optional[_Union[PayloadManifest, _Mapping]] = ..., evaluation: _Optional[_Iterable[_Union[ConfusionCounts, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    task_nonce: bytes
+    signature: bytes
+    def __init__(self, protocol_version: _Optional[int] = ..., edge_id: _Optional[str] = ..., session: _Optional[str] = ..., round: _Optional[int] = ..., task_id: _Optional[int] = ..., phase: _Optional[str] = ..., num_examples: _Optional[int] = ..., payload: _Optional[_Union[PayloadManifest, _Mapping]] = ..., evaluation: _Optional[_Iterable[_Union[ConfusionCounts, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., task_nonce: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class SubmitMessage(_message.Message):
     __slots__ = ("header", "data")

@@ -1,0 +1,212 @@
+"""Secure aggregation on the server: SecAgg+ as transport-layer phases of a round.
+
+Each phase whose uploads are summed ("masked phase", e.g. ``train``) becomes four:
+``secagg-advertise:P``, ``secagg-share:P``, ``P`` itself (the edges upload masked
+vectors) and ``secagg-unmask:P``, each with its own deadline. The engine asks this
+driver for the phases' schemas, personal downlinks and what to do with an upload; the
+method's aggregator receives only the unmasked weighted sum (``Aggregator.accept_sum``).
+Every protocol byte travels in SECAGG sections.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedattn_shared.config import ServerConfig
+from fedattn_shared.methods.aggregators import Aggregator
+from fedattn_shared.methods.base import Method, SectionSpec, TensorSpec
+from fedattn_shared.privacy.secagg import (
+    ADVERTISE,
+    CIPHERTEXT_BYTES,
+    SHARE,
+    SHARE_BYTES,
+    UNMASK,
+    Quantizer,
+    SecAggError,
+    ServerRound,
+    as_bytes,
+    as_tensor,
+    masked_phases,
+    protocol_step,
+    unflatten_sum,
+    vector_length,
+)
+from fedattn_shared.wire.codec import Kind, Payload, Section
+
+from .registry import EdgeRegistry
+
+log = logging.getLogger("fl_server")
+
+ADVERT_FIELDS = {"c_pk": 32, "s_pk": 32, "commit": 32, "sig": 64, "sign_pk": 32}
+
+def json_tensor(obj: Any) -> torch.Tensor:
+    return as_tensor(json.dumps(obj, sort_keys=True).encode())
+
+
+def request(info: dict[str, Any], tensors: dict[str, bytes] | None = None) -> Payload:
+    body = {"info": json_tensor(info), **{k: as_tensor(v) for k, v in (tensors or {}).items()}}
+    return Payload([Section(Kind.SECAGG, "request", body)])
+
+
+def _bytes_spec(size: int, optional: bool = False) -> TensorSpec:
+    return TensorSpec(torch.uint8, (size,), optional=optional)
+
+
+class SecAggDriver:
+    def __init__(self, cfg: ServerConfig, method: Method, models: dict[str, nn.Module],
+                 aggregator: Aggregator):
+        self.cfg = cfg
+        self.aggregator = aggregator
+        self.masked = masked_phases(method, models)  # ValueError names a refused section
+        self.lengths = {p: vector_length(specs) for p, specs in self.masked.items()}
+        self.rounds: dict[str, ServerRound] = {}
+        self.quantizers: dict[str, Quantizer] = {}
+
+    # ---- the round's phases ----------------------------------------------------------
+    def expand(self, phases: tuple[str, ...]) -> list[str]:
+        out = []
+        for phase in phases:
+            if phase in self.masked:
+                out += [f"{ADVERTISE}:{phase}", f"{SHARE}:{phase}", phase, f"{UNMASK}:{phase}"]
+            else:
+                out.append(phase)
+        return out
+
+    def owns(self, name: str) -> bool:
+        return name in self.masked or protocol_step(name) is not None
+
+    def base_phase(self, name: str) -> str:
+        """The phase whose common downlink (the global model) a protocol phase carries:
+        the same bytes, so the edges' cached copy serves and nothing is sent twice."""
+        step = protocol_step(name)
+        return step[1] if step else name
+
+    def deadline(self, name: str, default: float) -> float:
+        return self.cfg.secagg_timeout if protocol_step(name) else default
+
+    def begin_round(self, round_number: int, registry: EdgeRegistry) -> None:
+        keys = {e: bytes.fromhex(r.signing_key) for e, r in registry.records.items()
+                if r.signing_key}
+        self.rounds = {}
+        for phase in self.masked:
+            full = self.cfg.secagg_graph == "full"
+            self.rounds[phase] = ServerRound(round_number, phase, self.lengths[phase],
+                                             -1 if full else self.cfg.secagg_degree,
+                                             self.cfg.secagg_threshold, dict(keys))
+        self.quantizers = {}
+
+    def _round(self, name: str) -> tuple[str, ServerRound]:
+        step = protocol_step(name)
+        phase = step[1] if step else name
+        return (step[0] if step else "masked"), self.rounds[phase]
+
+    def skip(self, name: str) -> bool:
+        """A round whose protocol aborted runs none of its remaining phases."""
+        return bool(self._round(name)[1].abort_reason)
+
+    # ---- schemas and downlinks --------------------------------------------------------
+    def schema(self, name: str) -> list[SectionSpec]:
+        step, state = self._round(name)
+        if step == ADVERTISE:
+            return [SectionSpec(Kind.SECAGG, "advert",
+                                {k: _bytes_spec(n) for k, n in ADVERT_FIELDS.items()})]
+        if step == SHARE:
+            return [SectionSpec(Kind.SECAGG, "shares", {
+                e: _bytes_spec(CIPHERTEXT_BYTES, optional=True) for e in state.adverts})]
+        if step == UNMASK:
+            return [SectionSpec(Kind.SECAGG, "reveal", {
+                f"{kind}:{e}": _bytes_spec(SHARE_BYTES, optional=True)
+                for e in state.sharers for kind in "bs"})]
+        return [SectionSpec(Kind.SECAGG, "masked",
+                            {"y": TensorSpec(torch.int32, (state.length,))})]
+
+    def personal(self, edge: str, name: str) -> Payload:
+        step, state = self._round(name)
+        if step == ADVERTISE:
+            return Payload()
+        if step == SHARE:
+            info, adverts = state.share_request(edge)
+            return request(info, {f"{v}/{k}": blob for v, advert in adverts.items()
+                                  for k, blob in advert.items()})
+        if step == UNMASK:
+            return request(state.unmask_request(edge))
+        survivors, ciphertexts = state.mask_request(edge)
+        quantizer = self.quantizer(name)
+        return request({"survivors": survivors, "parties": quantizer.parties,
+                        "clip": quantizer.clip, "max_weight": quantizer.max_weight},
+                       ciphertexts)
+
+    def quantizer(self, phase: str) -> Quantizer:
+        if phase not in self.quantizers:
+            self.quantizers[phase] = Quantizer(self.cfg.secagg_clip, self.cfg.secagg_max_weight,
+                                               max(len(self.rounds[phase].adverts), 1))
+        return self.quantizers[phase]
+
+    # ---- uploads ----------------------------------------------------------------------
+    def accept(self, name: str, edge: str, upload: Payload) -> None:
+        """Raises ValueError (SecAggError) for a bad protocol message: the engine refuses
+        it and drops the edge from the phase."""
+        step, state = self._round(name)
+        section = upload.sections[0]
+        if step == ADVERTISE:
+            state.accept_advert(edge, {k: as_bytes(t) for k, t in section.tensors.items()})
+        elif step == SHARE:
+            state.accept_shares(edge, {k: as_bytes(t) for k, t in section.tensors.items()})
+        elif step == UNMASK:
+            state.accept_reveal(edge, {k: as_bytes(t) for k, t in section.tensors.items()})
+        else:
+            state.accept_masked(edge, section.tensors["y"].numpy().view(np.uint32))
+
+    def close(self, name: str) -> dict[str, Any]:
+        """After each phase. Closing the unmask step unmasks the sum and hands it to the
+        aggregator, then closes the masked phase in the aggregator (a round whose protocol
+        aborted closes it with nothing: the global state stays as it was)."""
+        step, state = self._round(name)
+        phase = self.base_phase(name)
+        aggregator = self.aggregator
+        if step == ADVERTISE:
+            state.close_advertise()
+            figures = {"parties": len(state.adverts), "threshold": state.threshold,
+                       "degree": min((len(n) for n in state.graph.values()), default=0)}
+        elif step == SHARE:
+            state.close_share()
+            figures = {"shared": len(state.sharers)}
+        elif step == "masked":
+            state.close_masked()
+            figures = {"masked": len(state.masked)}
+        else:
+            figures = self._unmask(phase, state, aggregator)
+            figures.update(aggregator.close_phase(phase))
+            return figures
+        out = {f"secagg-{step.removeprefix('secagg-')}": figures}
+        if state.abort_reason:
+            log.warning("round %d %s: secure aggregation aborted: %s", state.round, phase,
+                        state.abort_reason)
+            out["secagg-aborted"] = state.abort_reason
+            out.update(aggregator.close_phase(phase))
+        return out
+
+    def _unmask(self, phase: str, state: ServerRound, aggregator: Aggregator) -> dict[str, Any]:
+        started = time.perf_counter()
+        try:
+            total = state.unmask()
+        except SecAggError as err:
+            log.warning("round %d %s: secure aggregation aborted: %s", state.round, phase, err)
+            return {"secagg-aborted": str(err)}
+        values, weight = self.quantizer(phase).dequantize(total)
+        aggregator.accept_sum(phase, unflatten_sum(self.masked[phase], values), weight,
+                              len(state.masked))
+        seconds = time.perf_counter() - started
+        log.info("round %d %s: unmasked the sum of %d edges (%d dropped after sharing) in "
+                 "%.3fs", state.round, phase, len(state.masked),
+                 len(state.sharers - state.masked), seconds)
+        return {"secagg-unmask": {"unmasked": len(state.masked),
+                                  "recovered_dropouts": len(state.sharers - state.masked),
+                                  "unmask_seconds": seconds}}

@@ -1,0 +1,1 @@
+"""Transport-layer privacy: secure aggregation (``secagg``)."""

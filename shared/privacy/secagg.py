@@ -1,0 +1,668 @@
+"""SecAgg+ (Bell et al., CCS 2020): secure aggregation that survives dropouts.
+
+The server learns the sum over the round's surviving edges of each edge's quantized,
+weighted vector and nothing else about any single one. One masked phase runs four steps:
+
+1. advertise -- each edge u makes two X25519 key pairs (c: encryption of shares, s: mask
+   agreement) and a 256-bit self-mask seed b_u, and uploads c_pk, s_pk and a commitment
+   to b_u, signed with its Ed25519 identity key (bound to its edge id on the server).
+2. share -- the server draws the neighbour graph over the advertisers U1 (SecAgg+'s
+   random k-regular Harary graph, or the full graph) and relays each edge its neighbours'
+   signed adverts; u verifies them, Shamir-shares b_u and s_sk_u (threshold t) among its
+   neighbours and itself, and uploads each neighbour's pair of shares AES-GCM-encrypted
+   under a key that only u and that neighbour can derive (X25519 + HKDF).
+3. masked input -- the server relays each edge the ciphertexts addressed to it and the
+   list U2 of neighbours that shared; u uploads
+   y_u = q_u + PRG(b_u) + sum_{v in N(u) & U2} sign(u, v) PRG(s_uv)  (mod 2^32),
+   q_u its fixed-point vector; the pairwise terms cancel in the sum.
+4. unmask -- for each neighbour in U3 (those whose masked input arrived) an edge reveals
+   its share of b, for each in U2 \\ U3 its share of s_sk, never both for one edge; with t
+   shares of each the server removes every self mask and the pairwise masks that dropped
+   edges left behind, and learns sum_u q_u.
+
+Masks come from AES-256-CTR keystreams keyed by the full 256-bit seed (never a
+general-purpose RNG). Shamir's scheme is written here over GF(2^521 - 1); the field
+holds any 256-bit secret whole.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import random
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from cryptography.exceptions import InvalidSignature, InvalidTag
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from ..methods.base import EVALUATE, SectionSpec
+from ..wire.codec import Payload, Section
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ..methods.base import Method
+
+PRIME = 2**521 - 1          # a Mersenne prime: the field holds every 256-bit secret
+SHARE_BYTES = 66            # ceil(521 / 8)
+SEED_BYTES = 32
+KEY_BYTES = 32
+NONCE_BYTES = 12
+CIPHERTEXT_BYTES = NONCE_BYTES + 2 * SHARE_BYTES + 16  # nonce | b share | s share | tag
+SIGNATURE_BYTES = 64
+RING_BITS = 32
+LIMIT = 2**31 - 1           # |sum of quantized values| must stay below this
+
+
+ADVERTISE, SHARE, UNMASK = "secagg-advertise", "secagg-share", "secagg-unmask"
+
+
+def protocol_step(name: str) -> tuple[str, str] | None:
+    """("secagg-share", "train") for the phase "secagg-share:train"; None for any phase
+    that is not a step of the protocol."""
+    step, sep, masked = name.partition(":")
+    return (step, masked) if sep and step in (ADVERTISE, SHARE, UNMASK) else None
+
+
+def as_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.contiguous().numpy().tobytes()
+
+
+def as_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+class SecAggError(ValueError):
+    """A protocol step that cannot go on (bad signature, tampered share, too few
+    survivors); the message names the edge or the condition."""
+
+
+# ---- Shamir secret sharing over GF(p) ----------------------------------------------------
+def shamir_split(secret: int, threshold: int, xs: list[int], prime: int = PRIME) -> dict[int, int]:
+    """Shares f(x) for each x in ``xs`` of a random polynomial f of degree threshold - 1
+    with f(0) = secret: any ``threshold`` shares give the secret, fewer say nothing."""
+    if not 0 <= secret < prime:
+        raise ValueError("the secret must lie in [0, prime)")
+    if not 1 <= threshold <= len(xs):
+        raise ValueError(f"threshold {threshold} must be in [1, {len(xs)}] (the holders)")
+    if len(set(xs)) != len(xs) or any(not 0 < x < prime for x in xs):
+        raise ValueError("share points must be distinct and non-zero")
+    coefficients = [secret] + [secrets.randbelow(prime) for _ in range(threshold - 1)]
+    shares = {}
+    for x in xs:
+        value = 0
+        for c in reversed(coefficients):  # Horner
+            value = (value * x + c) % prime
+        shares[x] = value
+    return shares
+
+
+def shamir_combine(shares: Mapping[int, int], prime: int = PRIME) -> int:
+    """f(0) by Lagrange interpolation through the given points."""
+    points = list(shares.items())
+    if not points:
+        raise ValueError("no shares to combine")
+    secret = 0
+    for i, (xi, yi) in enumerate(points):
+        numerator, denominator = 1, 1
+        for j, (xj, _) in enumerate(points):
+            if i != j:
+                numerator = numerator * (-xj) % prime
+                denominator = denominator * (xi - xj) % prime
+        secret = (secret + yi * numerator * pow(denominator, -1, prime)) % prime
+    return secret
+
+
+def int_to_share(value: int) -> bytes:
+    return value.to_bytes(SHARE_BYTES, "big")
+
+
+def share_to_int(data: bytes) -> int:
+    if len(data) != SHARE_BYTES:
+        raise SecAggError(f"a share must be {SHARE_BYTES} bytes, got {len(data)}")
+    value = int.from_bytes(data, "big")
+    if value >= PRIME:
+        raise SecAggError("a share lies outside the field")
+    return value
+
+
+# ---- primitives ------------------------------------------------------------------------
+def prg_words(seed: bytes, length: int) -> np.ndarray:
+    """``length`` uniform 32-bit words: the AES-256-CTR keystream of the 256-bit seed.
+    Every seed keys one stream only (seeds are fresh per round), so the zero IV is safe."""
+    if len(seed) != SEED_BYTES:
+        raise ValueError(f"a mask seed must be {SEED_BYTES} bytes")
+    encryptor = Cipher(algorithms.AES(seed), modes.CTR(bytes(16))).encryptor()
+    out = bytearray(4 * length + 15)  # update_into wants a block's worth of spare room
+    encryptor.update_into(_zeros(4 * length), out)
+    return np.frombuffer(out, dtype="<u4", count=length)
+
+
+@functools.lru_cache(maxsize=4)
+def _zeros(size: int) -> bytes:
+    """The plaintext of a keystream (immutable; one per vector length in use)."""
+    return bytes(size)
+
+
+def hkdf(secret: bytes, info: bytes) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=None, info=info).derive(secret)
+
+
+def agree(private: X25519PrivateKey, peer_public: bytes, info: bytes) -> bytes:
+    """A 256-bit key both ends of an X25519 pair derive (HKDF-SHA256 over the shared
+    point, bound to ``info``)."""
+    try:
+        shared = private.exchange(X25519PublicKey.from_public_bytes(peer_public))
+    except ValueError as err:
+        raise SecAggError(f"bad X25519 public key: {err}") from None
+    return hkdf(shared, info)
+
+
+def raw_public(key: X25519PrivateKey | Ed25519PrivateKey) -> bytes:
+    return key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+def raw_private(key: X25519PrivateKey | Ed25519PrivateKey) -> bytes:
+    return key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
+                             serialization.NoEncryption())
+
+
+def pair_info(label: str, round_number: int, phase: str, u: str, v: str) -> bytes:
+    a, b = sorted((u, v))
+    return f"fedattn-secagg/{label}|{round_number}|{phase}|{a}|{b}".encode()
+
+
+def advert_message(round_number: int, phase: str, edge: str, c_pk: bytes, s_pk: bytes,
+                   commitment: bytes) -> bytes:
+    """What an edge signs: its keys for exactly this round, phase and identity."""
+    return (f"fedattn-secagg/advert|{round_number}|{phase}|{edge}|".encode()
+            + c_pk + s_pk + commitment)
+
+
+def seed_commitment(round_number: int, phase: str, edge: str, seed: bytes) -> bytes:
+    return hashlib.sha256(f"fedattn-secagg/b|{round_number}|{phase}|{edge}|".encode()
+                          + seed).digest()
+
+
+def verify_advert(round_number: int, phase: str, edge: str, advert: Mapping[str, bytes],
+                  signing_key: bytes) -> None:
+    try:
+        Ed25519PublicKey.from_public_bytes(signing_key).verify(
+            advert["sig"], advert_message(round_number, phase, edge, advert["c_pk"],
+                                          advert["s_pk"], advert["commit"]))
+    except (InvalidSignature, ValueError):
+        raise SecAggError(f"edge {edge}: the advertised keys are not signed by its "
+                          "identity key") from None
+
+
+# ---- fixed-point quantization into Z_2^32 --------------------------------------------------
+@dataclass(frozen=True)
+class Quantizer:
+    """Fixed point for ``parties`` summands: each edge sends round(w * x * scale) with
+    |x| <= clip and 0 < w <= max_weight, so |sum| <= parties * max_weight * clip * scale
+    + parties / 2 < 2^31 and the sum never wraps. The weight itself travels as one extra
+    coordinate, round(w * weight_scale). The error of the weighted mean is at most
+    parties / (2 * scale * total weight) per coordinate."""
+
+    clip: float
+    max_weight: float
+    parties: int
+
+    @property
+    def scale(self) -> float:
+        return (LIMIT - self.parties) / (self.parties * self.max_weight * self.clip)
+
+    @property
+    def weight_scale(self) -> float:
+        return (LIMIT - self.parties) / (self.parties * self.max_weight)
+
+    def quantize(self, values: np.ndarray, weight: float, names: str = "the upload") -> np.ndarray:
+        """The edge's check before masking (the server cannot check masked values):
+        finite, within the clip range, a weight in (0, max_weight]."""
+        if not (math.isfinite(weight) and 0 < weight <= self.max_weight):
+            raise SecAggError(f"aggregation weight {weight} is outside (0, {self.max_weight}] "
+                              "(server.secagg_max_weight)")
+        if not np.all(np.isfinite(values)):
+            raise SecAggError(f"non-finite values in {names}")
+        peak = float(np.max(np.abs(values))) if values.size else 0.0
+        if peak > self.clip:
+            raise SecAggError(f"{names}: |value| {peak:.4g} exceeds the clip range "
+                              f"{self.clip} (server.secagg_clip)")
+        out = np.empty(values.size + 1, dtype=np.int64)
+        out[:-1] = np.rint(values.astype(np.float64) * (weight * self.scale))
+        out[-1] = round(weight * self.weight_scale)
+        return out.astype(np.uint32)  # two's complement: negatives wrap into the ring
+
+    def dequantize(self, total: np.ndarray) -> tuple[np.ndarray, float]:
+        """(sum_u w_u x_u, sum_u w_u) from the unmasked ring sum."""
+        signed = total.view(np.int32).astype(np.float64)
+        return signed[:-1] / self.scale, float(signed[-1]) / self.weight_scale
+
+
+# ---- the neighbour graph ---------------------------------------------------------------------
+def auto_degree(parties: int) -> int:
+    """SecAgg+'s O(log n) degree [reconstructed: the paper's constant depends on its
+    security parameters]: the smallest even number >= 3 log2(n)."""
+    return 2 * math.ceil(1.5 * math.log2(max(parties, 2)))
+
+
+def neighbour_graph(parties: list[str], degree: int, rng: random.Random) -> dict[str, list[str]]:
+    """A Harary graph H(k, n) over a random ordering of the parties (SecAgg+): each node
+    joined to the k/2 nearest on either side; k >= n - 1 gives the full graph."""
+    n = len(parties)
+    if degree <= 0 or degree >= n - 1:
+        return {p: sorted(q for q in parties if q != p) for p in parties}
+    order = list(parties)
+    rng.shuffle(order)
+    half = (degree + 1) // 2
+    graph: dict[str, set[str]] = {p: set() for p in parties}
+    for i, p in enumerate(order):
+        for step in range(1, half + 1):
+            q = order[(i + step) % n]
+            graph[p].add(q)
+            graph[q].add(p)
+    return {p: sorted(q) for p, q in graph.items()}
+
+
+def holder_threshold(holders: int, fraction: float) -> int:
+    """t for ``holders`` share holders (the neighbours and the edge itself)."""
+    return max(2, math.floor(fraction * holders) + 1)
+
+
+# ---- the edge ---------------------------------------------------------------------------------
+def _hex(data: bytes) -> str:
+    return data.hex()
+
+
+@dataclass
+class ClientRound:
+    """An edge's secrets for one masked phase; ``to_json`` is what it keeps on disk (0600)
+    between the protocol's phases, so a restart inside a round loses nothing."""
+
+    round: int
+    phase: str
+    edge: str
+    c_sk: bytes
+    s_sk: bytes
+    seed: bytes
+    step: str = "advertised"           # advertised | shared | masked | done
+    threshold: int = 0
+    index: dict[str, int] = field(default_factory=dict)
+    neighbours: list[str] = field(default_factory=list)
+    adverts: dict[str, dict[str, str]] = field(default_factory=dict)  # neighbour -> hex keys
+    own_shares: tuple[str, str] = ("", "")
+    held: dict[str, tuple[str, str]] = field(default_factory=dict)     # from -> (b, s) hex
+    survivors: list[str] = field(default_factory=list)                # U2 neighbours
+
+    @classmethod
+    def fresh(cls, round_number: int, phase: str, edge: str) -> ClientRound:
+        return cls(round_number, phase, edge, raw_private(X25519PrivateKey.generate()),
+                   raw_private(X25519PrivateKey.generate()), secrets.token_bytes(SEED_BYTES))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"round": self.round, "phase": self.phase, "edge": self.edge,
+                "c_sk": _hex(self.c_sk), "s_sk": _hex(self.s_sk), "seed": _hex(self.seed),
+                "step": self.step, "threshold": self.threshold, "index": self.index,
+                "neighbours": self.neighbours, "adverts": self.adverts,
+                "own_shares": list(self.own_shares),
+                "held": {k: list(v) for k, v in self.held.items()}, "survivors": self.survivors}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ClientRound:
+        return cls(int(data["round"]), data["phase"], data["edge"], bytes.fromhex(data["c_sk"]),
+                   bytes.fromhex(data["s_sk"]), bytes.fromhex(data["seed"]), data["step"],
+                   int(data["threshold"]), dict(data["index"]), list(data["neighbours"]),
+                   dict(data["adverts"]), tuple(data["own_shares"]),
+                   {k: tuple(v) for k, v in data["held"].items()}, list(data["survivors"]))
+
+    # ---- step 1 ----------------------------------------------------------------------
+    def advertise(self, signing_key: Ed25519PrivateKey) -> dict[str, bytes]:
+        c_pk = raw_public(X25519PrivateKey.from_private_bytes(self.c_sk))
+        s_pk = raw_public(X25519PrivateKey.from_private_bytes(self.s_sk))
+        commit = seed_commitment(self.round, self.phase, self.edge, self.seed)
+        sig = signing_key.sign(advert_message(self.round, self.phase, self.edge, c_pk, s_pk,
+                                              commit))
+        return {"c_pk": c_pk, "s_pk": s_pk, "commit": commit, "sig": sig,
+                "sign_pk": raw_public(signing_key)}
+
+    # ---- step 2 ----------------------------------------------------------------------
+    def share(self, threshold: int, index: dict[str, int], adverts: dict[str, dict[str, bytes]],
+              signing_keys: dict[str, bytes]) -> dict[str, bytes]:
+        """Verify the neighbours' signed adverts, then encrypt each neighbour its shares."""
+        if self.step != "advertised":
+            raise SecAggError(f"share step asked twice (state {self.step})")
+        if self.edge not in index or set(adverts) - set(index) or self.edge in adverts:
+            raise SecAggError("the server's share request is inconsistent")
+        holders = [self.edge, *sorted(adverts)]
+        if not 2 <= threshold <= len(holders):
+            raise SecAggError(f"threshold {threshold} is not in [2, {len(holders)}]")
+        for v, advert in adverts.items():
+            verify_advert(self.round, self.phase, v, advert, signing_keys[v])
+        xs = [index[h] for h in holders]
+        b_shares = shamir_split(int.from_bytes(self.seed, "big"), threshold, xs)
+        s_shares = shamir_split(int.from_bytes(self.s_sk, "big"), threshold, xs)
+        c_key = X25519PrivateKey.from_private_bytes(self.c_sk)
+        out = {}
+        for v in holders[1:]:
+            key = agree(c_key, adverts[v]["c_pk"], pair_info("enc", self.round, self.phase,
+                                                             self.edge, v))
+            nonce = secrets.token_bytes(NONCE_BYTES)
+            plain = int_to_share(b_shares[index[v]]) + int_to_share(s_shares[index[v]])
+            out[v] = nonce + AESGCM(key).encrypt(nonce, plain, self._aad(self.edge, v))
+        self.threshold, self.index = threshold, dict(index)
+        self.neighbours = holders[1:]
+        self.adverts = {v: {k: a[k].hex() for k in ("c_pk", "s_pk")} for v, a in adverts.items()}
+        own = index[self.edge]
+        self.own_shares = (int_to_share(b_shares[own]).hex(), int_to_share(s_shares[own]).hex())
+        self.step = "shared"
+        return out
+
+    def _aad(self, sender: str, receiver: str) -> bytes:
+        return f"fedattn-secagg/share|{self.round}|{self.phase}|{sender}->{receiver}".encode()
+
+    # ---- step 3 ----------------------------------------------------------------------
+    def mask(self, survivors: list[str], ciphertexts: dict[str, bytes], values: np.ndarray,
+             weight: float, quantizer: Quantizer) -> np.ndarray:
+        """Decrypt the shares addressed to this edge (a tampered one is refused, naming its
+        sender), then the masked vector y_u. ``survivors``: neighbours in U2."""
+        if self.step != "shared":
+            raise SecAggError(f"masked input asked in state {self.step}: an edge masks once")
+        if set(survivors) - set(self.neighbours) or set(ciphertexts) != set(survivors):
+            raise SecAggError("the server's masking request names edges that are not "
+                              "this edge's neighbours, or shares do not match them")
+        if len(survivors) + 1 < self.threshold:
+            raise SecAggError(f"only {len(survivors)} neighbours shared keys; fewer than the "
+                              f"threshold {self.threshold} could ever unmask")
+        c_key = X25519PrivateKey.from_private_bytes(self.c_sk)
+        held = {}
+        for u in survivors:
+            blob = ciphertexts[u]
+            key = agree(c_key, bytes.fromhex(self.adverts[u]["c_pk"]),
+                        pair_info("enc", self.round, self.phase, u, self.edge))
+            try:
+                plain = AESGCM(key).decrypt(blob[:NONCE_BYTES], blob[NONCE_BYTES:],
+                                            self._aad(u, self.edge))
+            except (InvalidTag, ValueError):
+                raise SecAggError(f"the share from edge {u} failed authentication "
+                                  "(tampered or misrouted)") from None
+            held[u] = (plain[:SHARE_BYTES].hex(), plain[SHARE_BYTES:].hex())
+        q = quantizer.quantize(values, weight)
+        y = q + prg_words(self.seed, q.size)
+        s_key = X25519PrivateKey.from_private_bytes(self.s_sk)
+        for v in survivors:
+            seed = agree(s_key, bytes.fromhex(self.adverts[v]["s_pk"]),
+                         pair_info("mask", self.round, self.phase, self.edge, v))
+            if v > self.edge:
+                y += prg_words(seed, q.size)
+            else:
+                y -= prg_words(seed, q.size)
+        self.held, self.survivors, self.step = held, sorted(survivors), "masked"
+        return y
+
+    # ---- step 4 ----------------------------------------------------------------------
+    def unmask(self, alive: list[str], dropped: list[str], survivors: int) -> dict[str, bytes]:
+        """Reveal b shares of ``alive`` and s_sk shares of ``dropped``, never both for one
+        edge, and nothing when fewer than t edges survived."""
+        if self.step not in ("shared", "masked"):
+            raise SecAggError(f"unmask asked in state {self.step}")
+        if set(alive) & set(dropped):
+            raise SecAggError(f"the server asks for both shares of {sorted(set(alive) & set(dropped))}")
+        holders = set(self.held) | {self.edge}
+        if set(alive) - holders or set(dropped) - holders:
+            raise SecAggError("the server asks for shares this edge does not hold")
+        if survivors < self.threshold:
+            raise SecAggError(f"only {survivors} edges survived, fewer than the threshold "
+                              f"{self.threshold}: refusing to unmask")
+        out = {}
+        for u in alive:
+            b = self.own_shares[0] if u == self.edge else self.held[u][0]
+            out[f"b:{u}"] = bytes.fromhex(b)
+        for u in dropped:
+            s = self.own_shares[1] if u == self.edge else self.held[u][1]
+            out[f"s:{u}"] = bytes.fromhex(s)
+        self.step = "done"
+        return out
+
+
+# ---- the server ------------------------------------------------------------------------------
+@dataclass
+class ServerRound:
+    """The server's side of one masked phase. It never sees a seed or a private key
+    except those that the unmask step reconstructs for exactly the sum's needs."""
+
+    round: int
+    phase: str
+    length: int                 # words of each masked vector (values + the weight)
+    degree: int                 # 0: auto_degree(n); -1: the full graph
+    threshold_fraction: float
+    signing_keys: dict[str, bytes]   # edge -> Ed25519 public key bound to its id at join
+    rng: random.Random = field(default_factory=lambda: random.Random(secrets.randbits(64)))
+    adverts: dict[str, dict[str, bytes]] = field(default_factory=dict)
+    graph: dict[str, list[str]] = field(default_factory=dict)
+    index: dict[str, int] = field(default_factory=dict)
+    threshold: int = 0
+    shares: dict[str, dict[str, bytes]] = field(default_factory=dict)   # to -> from -> ct
+    sharers: set[str] = field(default_factory=set)
+    total: np.ndarray | None = None
+    masked: set[str] = field(default_factory=set)
+    reveals: dict[str, dict[str, bytes]] = field(default_factory=dict)  # holder -> reveals
+    abort_reason: str = ""
+
+    # ---- step 1 ----------------------------------------------------------------------
+    def accept_advert(self, edge: str, advert: dict[str, bytes]) -> None:
+        key = advert["sign_pk"]
+        if self.signing_keys.get(edge) != key:
+            raise SecAggError(f"edge {edge}: advert signed with a key other than the identity "
+                              "key bound to this edge")
+        verify_advert(self.round, self.phase, edge, advert, key)
+        for name in ("c_pk", "s_pk"):
+            try:
+                X25519PublicKey.from_public_bytes(advert[name])
+            except ValueError:
+                raise SecAggError(f"edge {edge}: {name} is not an X25519 public key") from None
+        self.adverts[edge] = dict(advert)
+
+    def close_advertise(self) -> None:
+        parties = sorted(self.adverts)
+        degree = {0: auto_degree(len(parties)), -1: len(parties)}.get(self.degree, self.degree)
+        self.graph = neighbour_graph(parties, degree, self.rng)
+        self.index = {p: i + 1 for i, p in enumerate(parties)}
+        holders = min((len(n) + 1 for n in self.graph.values()), default=0)
+        self.threshold = holder_threshold(holders, self.threshold_fraction)
+        if len(parties) < 2 or self.threshold > holders:
+            self.abort_reason = (f"{len(parties)} edge(s) advertised keys: too few for a "
+                                 f"threshold of {self.threshold}")
+
+    def share_request(self, edge: str) -> tuple[dict[str, Any], dict[str, dict[str, bytes]]]:
+        neighbours = self.graph[edge]
+        info = {"threshold": self.threshold, "parties": len(self.adverts),
+                "index": {p: self.index[p] for p in [edge, *neighbours]}}
+        return info, {v: self.adverts[v] for v in neighbours}
+
+    # ---- step 2 ----------------------------------------------------------------------
+    def accept_shares(self, edge: str, ciphertexts: dict[str, bytes]) -> None:
+        if set(ciphertexts) != set(self.graph.get(edge, ())):
+            raise SecAggError(f"edge {edge}: shares must go to exactly its neighbours")
+        for to, blob in ciphertexts.items():
+            self.shares.setdefault(to, {})[edge] = blob
+        self.sharers.add(edge)
+
+    def close_share(self) -> None:
+        if len(self.sharers) < self.threshold:
+            self.abort_reason = (f"{len(self.sharers)} edge(s) shared keys, fewer than the "
+                                 f"threshold {self.threshold}")
+
+    def mask_request(self, edge: str) -> tuple[list[str], dict[str, bytes]]:
+        survivors = [u for u in self.graph[edge] if u in self.sharers]
+        return survivors, {u: self.shares[edge][u] for u in survivors}
+
+    # ---- step 3 ----------------------------------------------------------------------
+    def accept_masked(self, edge: str, y: np.ndarray) -> None:
+        if edge not in self.sharers:
+            raise SecAggError(f"edge {edge} did not share keys this round")
+        if y.shape != (self.length,):
+            raise SecAggError(f"masked vector of {y.shape} words, expected {self.length}")
+        y = y.view(np.uint32) if y.dtype != np.uint32 else y
+        if self.total is None:
+            self.total = y.copy()
+        else:
+            self.total += y
+        self.masked.add(edge)
+
+    def close_masked(self) -> None:
+        if len(self.masked) < self.threshold:
+            self.abort_reason = (f"{len(self.masked)} masked input(s) arrived, fewer than the "
+                                 f"threshold {self.threshold}: nothing is unmasked")
+
+    def unmask_request(self, edge: str) -> dict[str, Any]:
+        held = [u for u in self.graph[edge] if u in self.sharers] + [edge]
+        return {"alive": sorted(u for u in held if u in self.masked),
+                "dropped": sorted(u for u in held if u not in self.masked),
+                "survivors": len(self.masked)}
+
+    # ---- step 4 ----------------------------------------------------------------------
+    def accept_reveal(self, edge: str, revealed: dict[str, bytes]) -> None:
+        request = self.unmask_request(edge)
+        expected = {f"b:{u}" for u in request["alive"]} | {f"s:{u}" for u in request["dropped"]}
+        if set(revealed) != expected:
+            raise SecAggError(f"edge {edge}: revealed shares differ from the request")
+        for blob in revealed.values():
+            share_to_int(blob)
+        self.reveals[edge] = dict(revealed)
+
+    def _reconstruct(self, kind: str, u: str) -> bytes:
+        points = {self.index[h]: share_to_int(r[f"{kind}:{u}"])
+                  for h, r in self.reveals.items() if f"{kind}:{u}" in r}
+        if len(points) < self.threshold:
+            raise SecAggError(f"only {len(points)} of the threshold {self.threshold} shares of "
+                              f"edge {u}'s {'self-mask seed' if kind == 'b' else 'mask key'} "
+                              "arrived: the round is aborted, nothing is unmasked")
+        # t points determine the polynomial; the rest must agree with it (a share that does
+        # not is tampered: refuse rather than guess which one).
+        chosen = dict(list(points.items())[: self.threshold])
+        secret = shamir_combine(chosen)
+        if len(points) > self.threshold and shamir_combine(
+                dict(list(points.items())[-self.threshold:])) != secret:
+            raise SecAggError(f"the revealed shares of edge {u} are inconsistent (tampered)")
+        if secret >= 2 ** (8 * SEED_BYTES):
+            raise SecAggError(f"the revealed shares of edge {u} do not form a 256-bit secret")
+        return secret.to_bytes(SEED_BYTES, "big")
+
+    def unmask(self) -> np.ndarray:
+        """sum_u q_u over U3 (mod 2^32); raises SecAggError (nothing unmasked) when a
+        needed secret cannot be reconstructed or fails its commitment."""
+        if self.abort_reason:
+            raise SecAggError(self.abort_reason)
+        if self.total is None:
+            raise SecAggError("no masked input arrived")
+        total = self.total.copy()
+        for u in sorted(self.masked):
+            seed = self._reconstruct("b", u)
+            if seed_commitment(self.round, self.phase, u, seed) != self.adverts[u]["commit"]:
+                raise SecAggError(f"edge {u}'s reconstructed self-mask seed does not match its "
+                                  "commitment (a tampered share)")
+            total -= prg_words(seed, self.length)
+        for u in sorted(self.sharers - self.masked):
+            s_sk = self._reconstruct("s", u)
+            key = X25519PrivateKey.from_private_bytes(s_sk)
+            if raw_public(key) != self.adverts[u]["s_pk"]:
+                raise SecAggError(f"edge {u}'s reconstructed mask key does not match its "
+                                  "advertised public key (a tampered share)")
+            for v in self.graph[u]:
+                if v not in self.masked:
+                    continue
+                seed = agree(key, self.adverts[v]["s_pk"],
+                             pair_info("mask", self.round, self.phase, u, v))
+                # What u would have added, so that v's opposite term cancels.
+                if v > u:
+                    total += prg_words(seed, self.length)
+                else:
+                    total -= prg_words(seed, self.length)
+        return total
+
+
+def dumps(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True).encode()
+
+
+# ---- which uploads are masked, and their layout as one vector ----------------------------
+def masked_phases(method: Method, models: dict[str, nn.Module]) -> dict[str, list[SectionSpec]]:
+    """The phases whose uploads secure aggregation masks, each with its sections (all of
+    that phase's uploads, summed in schema order). A section the aggregator needs edge by
+    edge is refused, naming it -- unless the method sends it in the clear on purpose
+    (``Method.secagg_clear_sections``)."""
+    out: dict[str, list[SectionSpec]] = {}
+    for phase in method.phases:
+        if phase == EVALUATE:
+            continue
+        schema = method.uplink_schema(phase, models)
+        summable = method.summable_sections(phase, models)
+        clear = method.secagg_clear_sections(phase, models)
+        masked = []
+        for spec in schema:
+            key = (spec.kind, spec.name)
+            label = f"{spec.kind.name}:{spec.name!r}"
+            if key in clear:
+                continue
+            if key not in summable:
+                raise ValueError(f"--secagg: method {method.name!r} uploads section {label} in "
+                                 f"phase {phase!r}, which its aggregator needs edge by edge (not "
+                                 "a weighted sum); secure aggregation cannot hide it")
+            if spec.required != set(spec.tensors):
+                raise ValueError(f"--secagg: section {label} of method {method.name!r} has "
+                                 "optional tensors; a masked vector needs a fixed layout")
+            masked.append(spec)
+        if masked and len(masked) != len(schema):
+            raise ValueError(f"--secagg: phase {phase!r} of method {method.name!r} mixes masked "
+                             "and clear sections; a masked phase must be all summable")
+        if masked:
+            out[phase] = masked
+    if not out:
+        raise ValueError(f"--secagg: method {method.name!r} uploads nothing that is summed; "
+                         "secure aggregation has nothing to protect")
+    return out
+
+
+def vector_length(specs: list[SectionSpec]) -> int:
+    """Words of a masked vector: every value of the sections, then the weight."""
+    return sum(math.prod(t.shape) for s in specs for t in s.tensors.values()) + 1
+
+
+def flatten_upload(specs: list[SectionSpec], upload: Payload) -> np.ndarray:
+    parts = []
+    for spec in specs:
+        section = upload.get(spec.kind, spec.name)
+        if section is None:
+            raise SecAggError(f"the upload lacks section {spec.kind.name}:{spec.name!r}")
+        for name, tensor_spec in spec.tensors.items():
+            tensor = section.tensors[name]
+            if tuple(tensor.shape) != tensor_spec.shape:
+                raise SecAggError(f"{name}: shape {list(tensor.shape)}, expected "
+                                  f"{list(tensor_spec.shape)}")
+            parts.append(tensor.detach().reshape(-1).to("cpu", torch.float64).numpy())
+    return np.concatenate(parts) if parts else np.zeros(0)
+
+
+def unflatten_sum(specs: list[SectionSpec], values: np.ndarray) -> Payload:
+    sections, start = [], 0
+    flat = torch.from_numpy(values.astype(np.float32))
+    for spec in specs:
+        tensors = {}
+        for name, tensor_spec in spec.tensors.items():
+            n = math.prod(tensor_spec.shape)
+            tensors[name] = flat[start:start + n].view(tensor_spec.shape)
+            start += n
+        sections.append(Section(spec.kind, spec.name, tensors))
+    return Payload(sections)
