@@ -24,10 +24,11 @@ import torch
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from fedattn_shared import PROTOCOL_VERSION
-from fedattn_shared.config import ConfigError, TrainConfig, apply_values
+from fedattn_shared.config import ConfigError, DPConfig, TrainConfig, apply_values
 from fedattn_shared.data import DataError, EdgeData, load_edge_data
 from fedattn_shared.methods import load_method
 from fedattn_shared.methods.base import EVALUATE, TRAIN, EdgeAlgorithm, Method, MethodContext
+from fedattn_shared.privacy.dp import BudgetSpent, PrivateTraining, check_dp
 from fedattn_shared.state import StateError
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire import fedattn_pb2_grpc as pb_grpc
@@ -106,6 +107,9 @@ class EdgeMetrics:
                               registry=registry)
         self.loss = Gauge("fedattn_edge_loss", "Last evaluation mean loss", ["split"],
                           registry=registry)
+        self.dp_epsilon = Gauge("fedattn_edge_dp_epsilon",
+                                "Privacy spent by DP-SGD so far (epsilon at the ledger's delta)",
+                                registry=registry)
 
 
 def pick_device(name: str) -> torch.device:
@@ -137,6 +141,7 @@ class EdgeDaemon:
         self.algo: EdgeAlgorithm | None = None
         self.data: EdgeData | None = None
         self.train_cfg: TrainConfig | None = None
+        self.privacy: PrivateTraining | None = None
         self.chunk_bytes = 1 << 20
         self.cached_common: tuple[str, Payload, bytearray] | None = None
         self.buffers = BufferPool(keep=1)
@@ -270,9 +275,14 @@ class EdgeDaemon:
             method_cls = load_method(config["method"])
             params = method_cls.Params()
             apply_values(params, config["method"], config.get("params", {}), "server config")
+            dp = None
+            if "dp" in config:
+                dp = DPConfig()
+                apply_values(dp, "dp", config["dp"], "server config")
+                dp.validate()
         except (ConfigError, ValueError, KeyError) as err:
             raise EdgeExit(2, f"cannot use the server's configuration: {err}") from None
-        method = method_cls(MethodContext(train, params))
+        method = method_cls(MethodContext(train, params, dp=dp))
         models = method.build_models()
         local_fingerprint = method.fingerprint(models)
         if local_fingerprint != fingerprint:
@@ -293,12 +303,36 @@ class EdgeDaemon:
                 raise EdgeExit(2, str(err)) from None
             log.info("resumed private state from %s (round %s, phase %s, digest %s)",
                      self.store.path, meta.get("round"), meta.get("phase"), private_digest(algo))
+        self.privacy = self._private_training(method, algo, len(data.train),
+                                              self.opts.batch_size or train.batch_size)
         self.method, self.algo, self.data, self.train_cfg = method, algo, data, train
         self.config_json, self.fingerprint = config_json, fingerprint
         self._write(self.store.save_run_config, config_json, fingerprint)
         self.cached_common = None
         log.info("data: %d train, %d test, %s global-test samples", len(data.train),
                  len(data.test), len(data.global_test) if data.global_test else "no")
+
+    def _private_training(self, method: Method, algo: EdgeAlgorithm, num_examples: int,
+                          batch_size: int) -> PrivateTraining | None:
+        """DP-SGD for the run (once: the models are wrapped for good), calibrated to this
+        edge's data, continuing the ledger on disk."""
+        if method.dp is None:
+            return None
+        if self.opts.amp or self.opts.grad_accum > 1:
+            raise EdgeExit(2, "the server runs DP-SGD: --amp and --grad-accum do not combine "
+                              "with it (dp.max_physical_batch bounds memory instead)")
+        try:
+            check_dp(method)
+            privacy = PrivateTraining(algo, method.dp, num_examples, batch_size,
+                                      self.store.load_ledger())
+        except (ValueError, StateError) as err:
+            raise EdgeExit(2, f"{err} ({self.store.ledger_path})") from None
+        self.metrics.dp_epsilon.set(privacy.spent())
+        log.info("DP-SGD: sigma %.4g, q %.4g, delta %.3g, C %g, %d steps per round, epsilon "
+                 "spent so far %.4g of %s", privacy.noise_multiplier, privacy.sample_rate,
+                 privacy.delta, method.dp.max_grad_norm, privacy.batches_per_round,
+                 privacy.spent(), f"{privacy.budget:g}")
+        return privacy
 
     def _write(self, save, *args) -> None:
         """State writes are atomic: on a read-only or full disk the old files stay intact
@@ -401,11 +435,26 @@ class EdgeDaemon:
         lr = train.lr_at(header.round, int(spec.get("rounds", header.round)))
         seed = loader_seed(train.seed, header.round, self.identity.edge_id)
         if header.phase == TRAIN:
+            privacy = self.privacy
+            if privacy is not None:
+                try:
+                    privacy.check_budget()
+                except BudgetSpent as err:
+                    log.error("%s", err)
+                    self._leave(stub, str(err))
+                    raise EdgeExit(3, str(err)) from None
             result = train_local(algo, data.train, train.local_epochs,
                                  self.opts.batch_size or train.batch_size, seed, self.device,
                                  self.opts.progress, lr=lr, amp=self.opts.amp,
-                                 grad_accum=self.opts.grad_accum)
+                                 grad_accum=self.opts.grad_accum, privacy=privacy)
             upload = algo.after_train(result.steps)
+            dp_figures: dict[str, float] = {}
+            if privacy is not None:
+                upload = privacy.privatize_upload(header.phase, upload)
+                dp_figures = privacy.end_round(header.round)
+                # Before anything of this round leaves the edge: the budget survives a crash.
+                self._write(self.store.save_ledger, privacy.ledger())
+                self.metrics.dp_epsilon.set(dp_figures["dp_epsilon"])
             self._write_behind(self.store.save, algo, self.fingerprint, header.round,
                                header.phase)
             private_figures = algo.private_figures()
@@ -414,7 +463,7 @@ class EdgeDaemon:
             metrics = {"train_loss": result.mean_loss, "last_epoch_loss": result.last_epoch_loss,
                        "train_seconds": result.seconds, "steps": float(result.steps),
                        "samples_per_second": result.samples_per_second, "lr": lr,
-                       **algo.training_metrics()}
+                       **algo.training_metrics(), **dp_figures}
             self.metrics.train_seconds.set(result.seconds)
             self.metrics.samples_per_second.set(result.samples_per_second)
             log.info("round %d: trained %d steps in %.2fs (loss %.4f)", header.round,

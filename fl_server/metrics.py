@@ -31,3 +31,6 @@ class ServerMetrics:
                           ["edge", "split"], registry=registry)
         self.train_seconds = Gauge("fedattn_edge_train_seconds", "Last local training time",
                                    ["edge"], registry=registry)
+        self.dp_epsilon = Gauge("fedattn_dp_epsilon",
+                                "Privacy an edge's DP-SGD has spent so far (its ledger's epsilon)",
+                                ["edge"], registry=registry)

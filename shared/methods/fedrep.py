@@ -49,6 +49,7 @@ class FedRepEdge(EdgeAlgorithm):
 
 class FedRep(Method):
     name = "fedrep"
+    dp_support = True  # cross-entropy only; parameter-only terms are post_backward
     Params = FedRepParams
     private_rules = ("head",)
 

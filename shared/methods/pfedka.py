@@ -465,6 +465,7 @@ CHOICES = {
 
 class PFedKA(Method):
     name = "pfedka"
+    dp_support = True  # CE + lambda * KD, both batch means of per-sample terms
     Params = PFedKAParams
     phases = (TRAIN, UPLOAD, EVALUATE)
 
@@ -522,6 +523,10 @@ class PFedKA(Method):
         if phase == UPLOAD:
             return super().uplink_schema(TRAIN, models)
         return []
+
+    def dp_public_tensors(self, phase: str) -> set[tuple[Kind, str, str]]:
+        # n is the header's num_examples again; ce is a statistic of the training data.
+        return {(*SCALARS, "n")} if phase == TRAIN else set()
 
     def edge(self, models: dict[str, nn.Module], device: torch.device) -> PFedKAEdge:
         return PFedKAEdge(self, models, device)

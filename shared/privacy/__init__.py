@@ -1,0 +1,1 @@
+"""Transport-layer privacy hooks: sample-level DP-SGD (``dp``)."""
