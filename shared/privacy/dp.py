@@ -29,6 +29,7 @@ one wrapping per run, and the privacy ledger.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable, Iterable
@@ -38,6 +39,7 @@ from opacus import GradSampleModule
 from opacus.accountants import IAccountant, create_accountant
 from opacus.accountants.utils import get_noise_multiplier
 from opacus.data_loader import DPDataLoader
+from opacus.grad_sample.functorch import prepare_layer
 from opacus.optimizers import DPOptimizer
 from opacus.utils.batch_memory_manager import wrap_data_loader
 from opacus.validators import ModuleValidator
@@ -124,6 +126,41 @@ def epsilon(history: History, delta: float, accountant: str = "rdp") -> float:
     return float(acc.get_epsilon(delta=delta))
 
 
+class OutputHookGradSampleModule(GradSampleModule):
+    """Opacus' per-sample gradients with the gradient of each layer's output taken by a
+    tensor hook set in the forward pass, instead of a full backward hook. A full backward
+    hook hands the parent module a view that must not be modified in place, and residual
+    blocks add their shortcut in place (timm's ResNet ``x += shortcut``, torchvision's
+    BasicBlock and MobileNetV3); a tensor hook receives the gradient of the output as the
+    layer produced it, whatever happens to it afterwards. The hook is only set when the
+    layer's activations were captured, so a layer frozen for a while (FedRep's head during
+    the body's epochs) is skipped in both directions."""
+
+    def add_hooks(self, *, loss_reduction: str = "mean", batch_first: bool = True,
+                  force_functorch: bool = False) -> None:
+        if hasattr(self._module, "autograd_grad_sample_hooks"):
+            raise ValueError("Trying to add hooks twice to the same model")
+        self._module.autograd_grad_sample_hooks = []
+        self.autograd_grad_sample_hooks = self._module.autograd_grad_sample_hooks
+        for module in self.iterate_submodules(self._module):
+            if force_functorch or type(module) not in self.GRAD_SAMPLERS:
+                prepare_layer(module, batch_first=batch_first)
+            hook = functools.partial(self._forward_hook, loss_reduction=loss_reduction,
+                                     batch_first=batch_first)
+            self.autograd_grad_sample_hooks.append(module.register_forward_hook(hook))
+        self.enable_hooks()
+
+    def _forward_hook(self, module: nn.Module, inputs, output, *, loss_reduction: str,
+                      batch_first: bool) -> None:
+        captured = len(getattr(module, "activations", ()))
+        self.capture_activations_hook(module, inputs, output)
+        if len(getattr(module, "activations", ())) == captured:
+            return  # frozen, evaluation mode, no grad or hooks off: nothing to pair with
+        first = output[0] if isinstance(output, (tuple, list)) else output
+        first.register_hook(lambda grad: self.capture_backprops_hook(
+            module, inputs, (grad,), loss_reduction=loss_reduction, batch_first=batch_first))
+
+
 class BudgetSpent(Exception):
     """The next round would spend past the edge's privacy budget."""
 
@@ -184,8 +221,8 @@ class PrivateTraining:
                 disable_inplace_activations(model)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # its notes on the functorch fallback
-                    self.wrapped.append(GradSampleModule(model, batch_first=True,
-                                                         loss_reduction="mean", strict=True))
+                    self.wrapped.append(OutputHookGradSampleModule(
+                        model, batch_first=True, loss_reduction="mean", strict=True))
         return DPOptimizer(optimizer, noise_multiplier=self.noise_multiplier,
                            max_grad_norm=self.dp.max_grad_norm,
                            expected_batch_size=self.expected_batch, loss_reduction="mean")
