@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # different (multi-GB) build. Override on other platforms, e.g. a Jetson's NVIDIA wheels.
 TORCH ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: setup demo test lint proto bench bench-fedsap bench-anfr bench-feature-shift bench-fedstar bench-pfedka clean
+.PHONY: setup demo test lint proto bench bench-fedsap bench-anfr bench-feature-shift bench-fedstar bench-pfedka bench-dp clean
 
 setup: $(VENV)/.installed
 
@@ -59,3 +59,7 @@ bench-fedstar: setup
 # 2 idle cores; several hours on a busy shared machine), traffic and step time.
 bench-pfedka: setup
 	OMP_NUM_THREADS=1 $(PY) bench/pfedka.py
+# DP-SGD: GN-ResNet vs compact ANFR at epsilon inf / 1 / 8 on CIFAR-10 from ../shared/data,
+# accuracy and DP step-time overhead (6 federations; about 30 min on a busy 2-core machine).
+bench-dp: setup
+	OMP_NUM_THREADS=1 $(PY) bench/dp.py

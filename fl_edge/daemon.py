@@ -460,10 +460,13 @@ class EdgeDaemon:
             private_figures = algo.private_figures()
             if private_figures:
                 self._write_behind(self.store.record_private, header.round, private_figures)
-            metrics = {"train_loss": result.mean_loss, "last_epoch_loss": result.last_epoch_loss,
-                       "train_seconds": result.seconds, "steps": float(result.steps),
-                       "samples_per_second": result.samples_per_second, "lr": lr,
-                       **algo.training_metrics(), **dp_figures}
+            metrics = {"train_seconds": result.seconds, "steps": float(result.steps),
+                       "samples_per_second": result.samples_per_second, "lr": lr, **dp_figures}
+            if privacy is None:
+                # Losses are statistics of the training data: under DP they stay home.
+                metrics.update({"train_loss": result.mean_loss,
+                                "last_epoch_loss": result.last_epoch_loss,
+                                **algo.training_metrics()})
             self.metrics.train_seconds.set(result.seconds)
             self.metrics.samples_per_second.set(result.samples_per_second)
             log.info("round %d: trained %d steps in %.2fs (loss %.4f)", header.round,

@@ -339,6 +339,7 @@ def test_fedsap_per_sample_gsr_over_grpc_with_noised_statistics(tmp_path):
     metrics = engine.history["rounds"][-1]["train"]["edge_metrics"]
     for figures in metrics.values():
         assert figures["dp_epsilon"] > 0 and figures["dp_stats_epsilon"] > 0
+        assert not {"train_loss", "last_epoch_loss", "gsr_loss"} & set(figures)  # data stats
         assert figures["dp_total_epsilon_rdp"] > figures["dp_stats_epsilon"]
     ledger = json.loads((tmp_path / "state-0" / "privacy-ledger.json").read_text())
     assert len(ledger["rounds"]) == 2
