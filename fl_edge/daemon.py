@@ -447,14 +447,7 @@ class EdgeDaemon:
                                  self.opts.batch_size or train.batch_size, seed, self.device,
                                  self.opts.progress, lr=lr, amp=self.opts.amp,
                                  grad_accum=self.opts.grad_accum, privacy=privacy)
-            upload = algo.after_train(result.steps)
-            dp_figures: dict[str, float] = {}
-            if privacy is not None:
-                upload = privacy.privatize_upload(header.phase, upload)
-                dp_figures = privacy.end_round(header.round)
-                # Before anything of this round leaves the edge: the budget survives a crash.
-                self._write(self.store.save_ledger, privacy.ledger())
-                self.metrics.dp_epsilon.set(dp_figures["dp_epsilon"])
+            upload, dp_figures = self._book_privacy(header, algo.after_train(result.steps))
             self._write_behind(self.store.save, algo, self.fingerprint, header.round,
                                header.phase)
             private_figures = algo.private_figures()
@@ -504,7 +497,21 @@ class EdgeDaemon:
             except ValueError as err:
                 raise EdgeExit(2, f"server asked for phase {header.phase!r}: {err} "
                                   "(fedattn versions differ?)") from None
+            upload, metrics = self._book_privacy(header, upload)
         self._submit(stub, header, upload, num_examples, evaluation, metrics)
+
+    def _book_privacy(self, header: pb.TaskHeader, upload: Payload) -> tuple[Payload, dict]:
+        """Under DP: the upload with its statistics noised, the phase's DP-SGD steps and
+        releases booked, and the ledger written, before anything of it leaves the edge
+        (the budget survives a crash). Returns the upload and the figures to report."""
+        privacy = self.privacy
+        if privacy is None:
+            return upload, {}
+        upload = privacy.privatize_upload(header.phase, upload)
+        figures = privacy.end_round(header.round, header.phase)
+        self._write(self.store.save_ledger, privacy.ledger())
+        self.metrics.dp_epsilon.set(figures["dp_epsilon"])
+        return upload, figures
 
     def _submit(self, stub, task: pb.TaskHeader, upload: Payload, num_examples: int,
                 evaluation: list, metrics: dict[str, float]) -> None:

@@ -11,6 +11,7 @@ import sys
 import time
 import zlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -20,7 +21,9 @@ from tqdm import tqdm
 
 from fedattn_shared.data.npz import Split
 from fedattn_shared.methods.base import EdgeAlgorithm
-from fedattn_shared.privacy.dp import PrivateTraining
+
+if TYPE_CHECKING:
+    from fedattn_shared.privacy.dp import PrivateTraining
 
 log = logging.getLogger("fl_edge.trainer")
 

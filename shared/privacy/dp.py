@@ -29,26 +29,18 @@ one wrapping per run, and the privacy ledger.
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
-from opacus import GradSampleModule
-from opacus.accountants import IAccountant, create_accountant
-from opacus.accountants.utils import get_noise_multiplier
-from opacus.data_loader import DPDataLoader
-from opacus.grad_sample.functorch import prepare_layer
-from opacus.optimizers import DPOptimizer
-from opacus.utils.batch_memory_manager import wrap_data_loader
-from opacus.validators import ModuleValidator
 from torch import nn
 from torch.utils.data import TensorDataset
 
 from ..config import DPConfig
 from ..data.npz import Split
-from ..methods.base import EVALUATE, EdgeAlgorithm, Method
+from ..methods.base import EVALUATE, TRAIN, EdgeAlgorithm, Method
 from ..models.anfr import batchnorm_layers, disable_inplace_activations
 from ..state import StateError
 from ..wire.codec import Kind, Payload, Section
@@ -56,6 +48,12 @@ from ..wire.codec import Kind, Payload, Section
 LEDGER_FORMAT = "fedattn-privacy-ledger/1"
 STATS_KINDS = (Kind.STAT_VECTORS, Kind.PROTOTYPES, Kind.SCALAR_SUMMARY)
 History = list[tuple[float, float, int]]  # (noise multiplier, sample rate, steps)
+
+if TYPE_CHECKING:
+    from opacus.optimizers import DPOptimizer
+
+# Opacus is imported where it is used: a run without --dp never loads it (it adds seconds
+# to every process start on a small device).
 
 
 def statistics_sections(method: Method, models: dict[str, nn.Module]) -> list[str]:
@@ -82,6 +80,8 @@ def check_dp(method: Method) -> None:
     dp = method.dp
     if dp is None:
         return
+    from opacus.validators import ModuleValidator
+
     refusal = method.dp_refusal()
     if refusal:
         raise ValueError(f"--dp: {refusal}")
@@ -119,46 +119,13 @@ def _merge(history: History, entry: tuple[float, float, int]) -> None:
 
 def epsilon(history: History, delta: float, accountant: str = "rdp") -> float:
     """The epsilon a history of (sigma, q, steps) spends at ``delta``."""
+    from opacus.accountants import create_accountant
+
     if not history:
         return 0.0
-    acc: IAccountant = create_accountant(mechanism=accountant)
+    acc = create_accountant(mechanism=accountant)
     acc.history = list(history)
     return float(acc.get_epsilon(delta=delta))
-
-
-class OutputHookGradSampleModule(GradSampleModule):
-    """Opacus' per-sample gradients with the gradient of each layer's output taken by a
-    tensor hook set in the forward pass, instead of a full backward hook. A full backward
-    hook hands the parent module a view that must not be modified in place, and residual
-    blocks add their shortcut in place (timm's ResNet ``x += shortcut``, torchvision's
-    BasicBlock and MobileNetV3); a tensor hook receives the gradient of the output as the
-    layer produced it, whatever happens to it afterwards. The hook is only set when the
-    layer's activations were captured, so a layer frozen for a while (FedRep's head during
-    the body's epochs) is skipped in both directions."""
-
-    def add_hooks(self, *, loss_reduction: str = "mean", batch_first: bool = True,
-                  force_functorch: bool = False) -> None:
-        if hasattr(self._module, "autograd_grad_sample_hooks"):
-            raise ValueError("Trying to add hooks twice to the same model")
-        self._module.autograd_grad_sample_hooks = []
-        self.autograd_grad_sample_hooks = self._module.autograd_grad_sample_hooks
-        for module in self.iterate_submodules(self._module):
-            if force_functorch or type(module) not in self.GRAD_SAMPLERS:
-                prepare_layer(module, batch_first=batch_first)
-            hook = functools.partial(self._forward_hook, loss_reduction=loss_reduction,
-                                     batch_first=batch_first)
-            self.autograd_grad_sample_hooks.append(module.register_forward_hook(hook))
-        self.enable_hooks()
-
-    def _forward_hook(self, module: nn.Module, inputs, output, *, loss_reduction: str,
-                      batch_first: bool) -> None:
-        captured = len(getattr(module, "activations", ()))
-        self.capture_activations_hook(module, inputs, output)
-        if len(getattr(module, "activations", ())) == captured:
-            return  # frozen, evaluation mode, no grad or hooks off: nothing to pair with
-        first = output[0] if isinstance(output, (tuple, list)) else output
-        first.register_hook(lambda grad: self.capture_backprops_hook(
-            module, inputs, (grad,), loss_reduction=loss_reduction, batch_first=batch_first))
 
 
 class BudgetSpent(Exception):
@@ -189,6 +156,8 @@ class PrivateTraining:
         if dp.noise_multiplier > 0:
             self.noise_multiplier = dp.noise_multiplier
         else:
+            from opacus.accountants.utils import get_noise_multiplier
+
             planned = max(dp.planned_rounds * self.batches_per_round, 1)
             per_batch = get_noise_multiplier(
                 target_epsilon=dp.target_epsilon, target_delta=self.delta,
@@ -207,6 +176,10 @@ class PrivateTraining:
         self._stats_released = 0
 
     def _wrap(self) -> DPOptimizer:
+        from opacus.optimizers import DPOptimizer
+
+        from .per_sample import OutputHookGradSampleModule
+
         optimizers = self.algo.optimizers()
         if len(optimizers) != 1:
             raise ValueError(f"--dp: method {self.algo.method.name!r} uses {len(optimizers)} "
@@ -231,6 +204,9 @@ class PrivateTraining:
     def loader(self, data: Split, generator: torch.Generator) -> Iterable:
         """Poisson-sampled batches (int(1/q) per epoch, sizes vary, possibly empty), split
         into physical batches of at most ``max_physical_batch`` when set."""
+        from opacus.data_loader import DPDataLoader
+        from opacus.utils.batch_memory_manager import wrap_data_loader
+
         loader = DPDataLoader(TensorDataset(data.x, data.y), sample_rate=self.sample_rate,
                               generator=generator)
         if self.dp.max_physical_batch:
@@ -295,8 +271,8 @@ class PrivateTraining:
             sections.append(Section(section.kind, section.name, tensors))
         return Payload(sections)
 
-    def end_round(self, round_number: int) -> dict[str, float]:
-        """Book the round's DP-SGD steps and statistics releases; the figures it returns
+    def end_round(self, round_number: int, phase: str = TRAIN) -> dict[str, float]:
+        """Book the phase's DP-SGD steps and statistics releases; the figures it returns
         go to the server with the result (and into its history)."""
         batches = self._steps // self.repeats
         if batches:
@@ -308,7 +284,7 @@ class PrivateTraining:
         if self.stats_history:
             figures["dp_stats_epsilon"] = epsilon(self.stats_history, self.delta)
             figures["dp_total_epsilon_rdp"] = epsilon(self.history + self.stats_history, self.delta)
-        self.rounds.append({"round": round_number, **figures})
+        self.rounds.append({"round": round_number, "phase": phase, **figures})
         self._steps = self._stats_released = 0
         return figures
 
