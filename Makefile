@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # different (multi-GB) build. Override on other platforms, e.g. a Jetson's NVIDIA wheels.
 TORCH ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: setup demo test lint proto bench bench-fedsap bench-anfr bench-feature-shift bench-fedstar bench-pfedka bench-load bench-secagg clean
+.PHONY: setup demo test lint proto bench bench-fedsap bench-anfr bench-feature-shift bench-fedstar bench-pfedka bench-load bench-secagg bench-dp clean
 
 setup: $(VENV)/.installed
 
@@ -67,3 +67,7 @@ bench-load: setup
 # times, 8/32/100 edges, 0 and 10 % dropouts, MobileNetV3-small (1.53 M parameters).
 bench-secagg: setup
 	OMP_NUM_THREADS=1 $(PY) bench/secagg.py --out bench/results/secagg-$$(date +%F).txt
+# DP-SGD: GN-ResNet vs compact ANFR at epsilon inf / 1 / 8 on CIFAR-10 from ../shared/data,
+# accuracy and DP step-time overhead (6 federations; about 30 min on a busy 2-core machine).
+bench-dp: setup
+	OMP_NUM_THREADS=1 $(PY) bench/dp.py

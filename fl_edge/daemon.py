@@ -26,10 +26,11 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from fedattn_shared import PROTOCOL_VERSION
-from fedattn_shared.config import ConfigError, TrainConfig, apply_values
+from fedattn_shared.config import ConfigError, DPConfig, TrainConfig, apply_values
 from fedattn_shared.data import DataError, EdgeData, load_edge_data
 from fedattn_shared.methods import load_method
 from fedattn_shared.methods.base import EVALUATE, TRAIN, EdgeAlgorithm, Method, MethodContext
+from fedattn_shared.privacy.dp import BudgetSpent, PrivateTraining, check_dp
 from fedattn_shared.state import StateError
 from fedattn_shared.tls import edge_credentials
 from fedattn_shared.wire import fedattn_pb2 as pb
@@ -141,6 +142,9 @@ class EdgeMetrics:
         self.gpu_reserved_bytes = Gauge("fedattn_edge_gpu_memory_reserved_bytes",
                                         "CUDA memory held by the caching allocator", ["device"],
                                         registry=registry)
+        self.dp_epsilon = Gauge("fedattn_edge_dp_epsilon",
+                                "Privacy spent by DP-SGD so far (epsilon at the ledger's delta)",
+                                registry=registry)
 
     def observe_training(self, result, device: torch.device) -> None:
         """Throughput and memory after a local training (the caller resets CUDA's peak)."""
@@ -196,6 +200,7 @@ class EdgeDaemon:
         self.algo: EdgeAlgorithm | None = None
         self.data: EdgeData | None = None
         self.train_cfg: TrainConfig | None = None
+        self.privacy: PrivateTraining | None = None
         self.chunk_bytes = 1 << 20
         self.cached_common: tuple[str, Payload, bytearray] | None = None
         self.buffers = BufferPool(keep=1)
@@ -338,9 +343,14 @@ class EdgeDaemon:
             method_cls = load_method(config["method"])
             params = method_cls.Params()
             apply_values(params, config["method"], config.get("params", {}), "server config")
+            dp = None
+            if "dp" in config:
+                dp = DPConfig()
+                apply_values(dp, "dp", config["dp"], "server config")
+                dp.validate()
         except (ConfigError, ValueError, KeyError) as err:
             raise EdgeExit(2, f"cannot use the server's configuration: {err}") from None
-        method = method_cls(MethodContext(train, params))
+        method = method_cls(MethodContext(train, params, dp=dp))
         models = method.build_models()
         local_fingerprint = method.fingerprint(models)
         if local_fingerprint != fingerprint:
@@ -361,12 +371,36 @@ class EdgeDaemon:
                 raise EdgeExit(2, str(err)) from None
             log.info("resumed private state from %s (round %s, phase %s, digest %s)",
                      self.store.path, meta.get("round"), meta.get("phase"), private_digest(algo))
+        self.privacy = self._private_training(method, algo, len(data.train),
+                                              self.opts.batch_size or train.batch_size)
         self.method, self.algo, self.data, self.train_cfg = method, algo, data, train
         self.config_json, self.fingerprint = config_json, fingerprint
         self._write(self.store.save_run_config, config_json, fingerprint)
         self.cached_common = None
         log.info("data: %d train, %d test, %s global-test samples", len(data.train),
                  len(data.test), len(data.global_test) if data.global_test else "no")
+
+    def _private_training(self, method: Method, algo: EdgeAlgorithm, num_examples: int,
+                          batch_size: int) -> PrivateTraining | None:
+        """DP-SGD for the run (once: the models are wrapped for good), calibrated to this
+        edge's data, continuing the ledger on disk."""
+        if method.dp is None:
+            return None
+        if self.opts.amp or self.opts.grad_accum > 1:
+            raise EdgeExit(2, "the server runs DP-SGD: --amp and --grad-accum do not combine "
+                              "with it (dp.max_physical_batch bounds memory instead)")
+        try:
+            check_dp(method)
+            privacy = PrivateTraining(algo, method.dp, num_examples, batch_size,
+                                      self.store.load_ledger())
+        except (ValueError, StateError) as err:
+            raise EdgeExit(2, f"{err} ({self.store.ledger_path})") from None
+        self.metrics.dp_epsilon.set(privacy.spent())
+        log.info("DP-SGD: sigma %.4g, q %.4g, delta %.3g, C %g, %d steps per round, epsilon "
+                 "spent so far %.4g of %s", privacy.noise_multiplier, privacy.sample_rate,
+                 privacy.delta, method.dp.max_grad_norm, privacy.batches_per_round,
+                 privacy.spent(), f"{privacy.budget:g}")
+        return privacy
 
     def _write(self, save, *args) -> None:
         """State writes are atomic: on a read-only or full disk the old files stay intact
@@ -484,20 +518,31 @@ class EdgeDaemon:
         if header.phase == TRAIN:
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
+            privacy = self.privacy
+            if privacy is not None:
+                try:
+                    privacy.check_budget()
+                except BudgetSpent as err:
+                    log.error("%s", err)
+                    self._leave(stub, str(err))
+                    raise EdgeExit(3, str(err)) from None
             result = train_local(algo, data.train, train.local_epochs,
                                  self.opts.batch_size or train.batch_size, seed, self.device,
                                  self.opts.progress, lr=lr, amp=self.opts.amp,
-                                 grad_accum=self.opts.grad_accum)
-            upload = algo.after_train(result.steps)
+                                 grad_accum=self.opts.grad_accum, privacy=privacy)
+            upload, dp_figures = self._book_privacy(header, algo.after_train(result.steps))
             self._write_behind(self.store.save, algo, self.fingerprint, header.round,
                                header.phase)
             private_figures = algo.private_figures()
             if private_figures:
                 self._write_behind(self.store.record_private, header.round, private_figures)
-            metrics = {"train_loss": result.mean_loss, "last_epoch_loss": result.last_epoch_loss,
-                       "train_seconds": result.seconds, "steps": float(result.steps),
-                       "samples_per_second": result.samples_per_second, "lr": lr,
-                       **algo.training_metrics()}
+            metrics = {"train_seconds": result.seconds, "steps": float(result.steps),
+                       "samples_per_second": result.samples_per_second, "lr": lr, **dp_figures}
+            if privacy is None:
+                # Losses are statistics of the training data: under DP they stay home.
+                metrics.update({"train_loss": result.mean_loss,
+                                "last_epoch_loss": result.last_epoch_loss,
+                                **algo.training_metrics()})
             self.metrics.observe_training(result, self.device)
             log.info("round %d: trained %d steps in %.2fs (loss %.4f)", header.round,
                      result.steps, result.seconds, result.mean_loss)
@@ -534,6 +579,7 @@ class EdgeDaemon:
             except ValueError as err:
                 raise EdgeExit(2, f"server asked for phase {header.phase!r}: {err} "
                                   "(fedattn versions differ?)") from None
+            upload, metrics = self._book_privacy(header, upload)
         if masked:  # the server sees only the sum: mask weight * upload, send no n_k or loss
             try:
                 upload = self.secagg.mask(header.round, header.phase, received.personal, upload,
@@ -544,8 +590,22 @@ class EdgeDaemon:
                           header.phase, err)
                 upload = Payload()
             num_examples = 0
-            metrics = {k: v for k, v in metrics.items() if k in ("train_seconds", "steps", "lr")}
+            metrics = {k: v for k, v in metrics.items()
+                       if k in ("train_seconds", "steps", "lr") or k.startswith("dp_")}
         self._submit(stub, header, upload, num_examples, evaluation, metrics)
+
+    def _book_privacy(self, header: pb.TaskHeader, upload: Payload) -> tuple[Payload, dict]:
+        """Under DP: the upload with its statistics noised, the phase's DP-SGD steps and
+        releases booked, and the ledger written, before anything of it leaves the edge
+        (the budget survives a crash). Returns the upload and the figures to report."""
+        privacy = self.privacy
+        if privacy is None:
+            return upload, {}
+        upload = privacy.privatize_upload(header.phase, upload)
+        figures = privacy.end_round(header.round, header.phase)
+        self._write(self.store.save_ledger, privacy.ledger())
+        self.metrics.dp_epsilon.set(figures["dp_epsilon"])
+        return upload, figures
 
     def _submit(self, stub, task: pb.TaskHeader, upload: Payload, num_examples: int,
                 evaluation: list, metrics: dict[str, float]) -> None:

@@ -131,6 +131,7 @@ class PrivateStore:
         self.global_path = state_dir / "global.safetensors"
         self.config_path = state_dir / "run-config.json"
         self.private_history_path = state_dir / "private-history.json"
+        self.ledger_path = state_dir / "privacy-ledger.json"
 
     def save_run_config(self, config_json: str, fingerprint: str) -> None:
         """The server's configuration, so the model can be rebuilt offline (export)."""
@@ -185,6 +186,19 @@ class PrivateStore:
         if not isinstance(data, dict) or data.get("format") != PRIVATE_HISTORY_FORMAT \
                 or not isinstance(data.get("rounds"), list):
             raise StateError(f"{self.private_history_path}: not a fedattn private history")
+        return data
+
+    def save_ledger(self, ledger: dict) -> None:
+        """The privacy ledger (accountant history, epsilon per round): written durably
+        before the round's upload leaves, never reset by a restart."""
+        atomic_write_json(self.ledger_path, ledger)
+
+    def load_ledger(self) -> dict | None:
+        if not self.ledger_path.exists():
+            return None
+        data = read_json(self.ledger_path)
+        if not isinstance(data, dict):
+            raise StateError(f"{self.ledger_path}: not a privacy ledger")
         return data
 
     def exists(self) -> bool:

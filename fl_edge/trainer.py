@@ -11,6 +11,7 @@ import sys
 import time
 import zlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -20,6 +21,9 @@ from tqdm import tqdm
 
 from fedattn_shared.data.npz import Split
 from fedattn_shared.methods.base import EdgeAlgorithm
+
+if TYPE_CHECKING:
+    from fedattn_shared.privacy.dp import PrivateTraining
 
 log = logging.getLogger("fl_edge.trainer")
 
@@ -59,22 +63,32 @@ def loader_seed(seed: int, round_number: int, edge_id: str) -> int:
 
 def train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, seed: int,
                 device: torch.device, progress: bool | None = None, lr: float | None = None,
-                amp: bool = False, grad_accum: int = 1) -> TrainResult:
+                amp: bool = False, grad_accum: int = 1,
+                privacy: PrivateTraining | None = None) -> TrainResult:
     """E local epochs over shuffled batches (the algorithm may add epochs: FedRep's head
     epochs). ``grad_accum`` micro-batches make one optimizer step (for small devices);
     ``amp`` runs the forward pass in half precision (fp16 with a gradient scaler on CUDA,
     bf16 on CPU). ``steps`` counts optimizer steps; an algorithm with ``steps_per_batch``
-    K > 1 takes K of them on every batch (pFedMe's inner solve)."""
+    K > 1 takes K of them on every batch (pFedMe's inner solve). With ``privacy`` every
+    step is DP-SGD's: Poisson-sampled batches, per-sample clipping and noise, then the
+    method's ``post_backward``; ``steps`` counts the steps taken (physical batches that
+    only accumulate toward a logical one are not steps)."""
     repeats = algo.steps_per_batch
     if repeats > 1 and grad_accum > 1:
         raise ValueError(f"{algo.method.name} takes {repeats} optimizer steps per batch; "
                          "that does not combine with gradient accumulation (grad_accum > 1)")
+    if privacy is not None and (amp or grad_accum > 1):
+        raise ValueError("DP-SGD does not combine with amp or grad_accum > 1 (bound memory "
+                         "with dp.max_physical_batch instead)")
     epochs = algo.local_epochs(epochs)
     generator = torch.Generator().manual_seed(seed)
-    # A last batch of one sample would break BatchNorm's training-mode statistics.
-    drop_last = len(data) % batch_size == 1 and len(data) > 1
-    loader = DataLoader(TensorDataset(data.x, data.y), batch_size=batch_size, shuffle=True,
-                        generator=generator, num_workers=0, drop_last=drop_last)
+    if privacy is not None:
+        loader = privacy.loader(data, generator)
+    else:
+        # A last batch of one sample would break BatchNorm's training-mode statistics.
+        drop_last = len(data) % batch_size == 1 and len(data) > 1
+        loader = DataLoader(TensorDataset(data.x, data.y), batch_size=batch_size, shuffle=True,
+                            generator=generator, num_workers=0, drop_last=drop_last)
     show = sys.stderr.isatty() if progress is None else progress
     algo.train_mode()
     algo.num_examples = len(data)
@@ -91,7 +105,9 @@ def train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, 
     total_loss = epoch_loss = 0.0
     start = time.perf_counter()
 
-    def step() -> None:
+    def step() -> bool:
+        if privacy is not None:
+            return privacy.step(algo.post_backward)
         for opt in optimizers:
             scaler.unscale_(opt)
         algo.post_backward()
@@ -100,6 +116,7 @@ def train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, 
         scaler.update()
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
+        return True
 
     for opt in optimizers:
         opt.zero_grad(set_to_none=True)
@@ -110,25 +127,29 @@ def train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, 
         pending = 0
         for x, y in batches:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            empty = y.shape[0] == 0  # Poisson sampling (DP-SGD) may draw no sample
             for _ in range(repeats):
-                with torch.autocast(device.type, dtype=autocast_dtype, enabled=amp):
-                    loss = algo.training_step((x, y))
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"training loss became {loss.item()} at step {steps}")
-                scaler.scale(loss / grad_accum).backward()
+                if empty:
+                    privacy.empty_batch()
+                else:
+                    with torch.autocast(device.type, dtype=autocast_dtype, enabled=amp):
+                        loss = algo.training_step((x, y))
+                    if not torch.isfinite(loss):
+                        raise FloatingPointError(f"training loss became {loss.item()} at step {steps}")
+                    scaler.scale(loss / grad_accum).backward()
                 pending += 1
                 if pending == grad_accum:
-                    step()
-                    steps += 1
+                    steps += step()
                     pending = 0
             algo.after_batch()
+            if empty:
+                continue
             value = float(loss.detach())
             examples += int(y.shape[0])
             epoch_loss += value
             epoch_batches += 1
         if pending:
-            step()
-            steps += 1
+            steps += step()
         epoch_loss /= max(epoch_batches, 1)
         total_loss += epoch_loss
         if not show:

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from fedattn_shared.config import (
     ConfigError,
+    DPConfig,
     ServerConfig,
     TrainConfig,
     apply_values,
@@ -32,7 +33,9 @@ from fedattn_shared.config import (
 from fedattn_shared.logs import setup_logging
 from fedattn_shared.methods import available_methods, load_method
 from fedattn_shared.methods.base import Method, MethodContext
-from fedattn_shared.models import MODELS
+from fedattn_shared.models import MODELS, model_spec
+from fedattn_shared.models.registry import GROUPNORM_SUFFIX
+from fedattn_shared.privacy.dp import check_dp
 from fedattn_shared.state import StateError, atomic_write_json
 from fedattn_shared.tls import ENROLLED, Enrollment, init_ca, issue_edge, revoke_edge, server_credentials
 from fedattn_shared.wire.accounting import ByteMeter
@@ -67,6 +70,11 @@ FLAG_TARGETS = {
     "optimizer": ("train", "optimizer"), "lr": ("train", "lr"), "momentum": ("train", "momentum"),
     "weight_decay": ("train", "weight_decay"), "seed": ("train", "seed"),
     "private": ("train", "private"),
+    "dp": ("dp", "enabled"), "dp_epsilon": ("dp", "target_epsilon"),
+    "dp_noise_multiplier": ("dp", "noise_multiplier"), "dp_delta": ("dp", "delta"),
+    "dp_max_grad_norm": ("dp", "max_grad_norm"), "dp_accountant": ("dp", "accountant"),
+    "dp_fix_model": ("dp", "fix_model"), "dp_stats_sigma": ("dp", "stats_sigma"),
+    "dp_max_physical_batch": ("dp", "max_physical_batch"),
 }
 
 
@@ -132,6 +140,22 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=int)
     train.add_argument("--private", type=lambda s: [r for r in s.split(",") if r],
                        help="extra private split rules, comma-separated: bn,head,se-e,attention")
+    dp = p.add_argument_group("differential privacy ([dp], sent to every edge)")
+    dp.add_argument("--dp", action="store_true",
+                    help="sample-level DP-SGD (Opacus) on every edge, with a privacy ledger")
+    dp.add_argument("--dp-epsilon", type=float,
+                    help="privacy budget epsilon for the whole run (sigma is calibrated to it "
+                         "unless --dp-noise-multiplier is given)")
+    dp.add_argument("--dp-noise-multiplier", type=float, help="a fixed noise multiplier sigma")
+    dp.add_argument("--dp-delta", type=float, help="delta (default 0.1/|D_k| on each edge)")
+    dp.add_argument("--dp-max-grad-norm", type=float, help="per-sample clipping bound (1.0)")
+    dp.add_argument("--dp-accountant", choices=["rdp", "prv", "gdp"], help="default rdp")
+    dp.add_argument("--dp-fix-model", action="store_true",
+                    help="replace every BatchNorm by GroupNorm (+ activation): model <name>+gn")
+    dp.add_argument("--dp-stats-sigma", type=float,
+                    help="noise multiplier for STAT_VECTORS / PROTOTYPES / SCALAR_SUMMARY uploads")
+    dp.add_argument("--dp-max-physical-batch", type=int,
+                    help="split Poisson batches into physical batches of at most this size")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -148,9 +172,10 @@ def resolve(args: argparse.Namespace) -> tuple[ServerConfig, TrainConfig, Method
         flag_values.setdefault("server", {})["join_token"] = os.environ["FEDATTN_TOKEN"]
     merged = merge_sources((str(args.config), file_values), ("flags", flag_values),
                            ("--set", parse_set(args.set)))
-    server, train = ServerConfig(), TrainConfig()
-    sources = {section: merged.pop(section, ("defaults", {})) for section in ("server", "train")}
-    for section, obj in (("server", server), ("train", train)):
+    server, train, dp = ServerConfig(), TrainConfig(), DPConfig()
+    sources = {section: merged.pop(section, ("defaults", {}))
+               for section in ("server", "train", "dp")}
+    for section, obj in (("server", server), ("train", train), ("dp", dp)):
         apply_values(obj, section, sources[section][1], sources[section][0])
     try:
         method_cls = load_method(server.method)
@@ -160,17 +185,25 @@ def resolve(args: argparse.Namespace) -> tuple[ServerConfig, TrainConfig, Method
         train.model = method_cls.default_model
     server.validate()
     train.validate()
+    dp.validate()
+    if dp.enabled:
+        dp.planned_rounds = dp.planned_rounds or server.rounds
+        if dp.fix_model and not train.model.endswith(GROUPNORM_SUFFIX):
+            train.model += GROUPNORM_SUFFIX
     params = method_cls.Params()
     source, values = merged.pop(method_cls.name or server.method, ("defaults", {}))
     apply_values(params, method_cls.name or server.method, values, source)
     if merged:
         raise ConfigError(f"{', '.join(f'[{s}] ({src})' for s, (src, _) in merged.items())}: "
-                          f"not a section this run uses (server, train, {method_cls.name})")
-    if train.model not in MODELS:
-        raise ConfigError(f"train.model: unknown model {train.model!r} "
-                          f"(known: {', '.join(sorted(MODELS))})")
+                          f"not a section this run uses (server, train, dp, {method_cls.name})")
     try:
-        method = method_cls(MethodContext(train, params))
+        model_spec(train.model)
+    except ValueError as err:
+        raise ConfigError(f"train.model: {err}") from None
+    try:
+        method = method_cls(MethodContext(train, params, dp=dp if dp.enabled else None))
+        if dp.enabled:
+            check_dp(method)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     return server, train, method

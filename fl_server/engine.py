@@ -9,6 +9,7 @@ and never after its phase has closed.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -173,6 +174,7 @@ def run_manifest(server: ServerConfig, train: TrainConfig, method: Method) -> di
         "aggregator": method.aggregator_kind.value,
         "server": {**server.__dict__, "join_token": "<redacted>" if server.join_token else ""},
         "train": train.__dict__, "params": method.describe_params(),
+        "dp": dataclasses.asdict(method.dp) if method.dp is not None else None,
         "seeds": {"train": train.seed},
     }
 
@@ -215,8 +217,11 @@ class Engine:
         self.finished = False
         self.agg_lock = asyncio.Lock()
         # "method" is what the edge loads: the registered name or a module:Class spec.
-        self.config_json = json.dumps({"method": server.method, "train": train.__dict__,
-                                       "params": method.describe_params()}, sort_keys=True)
+        config = {"method": server.method, "train": train.__dict__,
+                  "params": method.describe_params()}
+        if method.dp is not None:  # the resolved [dp] section: every edge calibrates from it
+            config["dp"] = dataclasses.asdict(method.dp)
+        self.config_json = json.dumps(config, sort_keys=True)
 
     # ---- state ------------------------------------------------------------------------
     def resume(self) -> None:
@@ -396,6 +401,8 @@ class Engine:
                     time.monotonic() - started)
             # Monitoring figures only; non-finite ones would make history.json invalid JSON.
             figures = {k: v for k, v in header.metrics.items() if math.isfinite(v)}
+            if "dp_epsilon" in header.metrics:
+                self.metrics.dp_epsilon.labels(edge).set(header.metrics["dp_epsilon"])
             phase.received[edge] = {
                 "num_examples": int(header.num_examples),
                 "metrics": figures,

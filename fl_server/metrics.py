@@ -6,12 +6,11 @@ bounded values: ``edge`` (one per enrolled edge), ``phase`` (the method's phase 
 ``split``, ``reason`` (the fixed set in ``DROP_REASONS``). The round number is never a
 label: it is the value of ``fedattn_round``.
 
-Where later features plug in (not on this branch): DP-SGD's privacy budget is a gauge
-``fedattn_dp_epsilon{edge}`` set from the epsilon an edge reports with its training result
-(already visible generically as ``fedattn_edge_result{edge,name="dp_epsilon"}`` when the edge
-algorithm returns it from ``training_metrics()``); secure aggregation's phase timings are a
-histogram ``fedattn_secagg_phase_seconds{step}`` observed by the secure-aggregation server.
-Both belong in this class, and the dashboard's "Privacy" row in deploy/grafana/.
+Privacy: ``fedattn_dp_epsilon{edge}`` is the epsilon each edge's DP-SGD ledger has spent
+(reported with its training result); secure aggregation's steps are phases of their own
+(``secagg-advertise:P``, ``secagg-share:P``, ``secagg-unmask:P``), so their timings are
+``fedattn_phase_seconds{phase=~"secagg-.*"}`` and their timeouts and drops the per-phase
+series. The dashboard has no privacy row yet (its live test needs a series for every panel).
 """
 
 from __future__ import annotations
@@ -103,6 +102,10 @@ class ServerMetrics:
                           ["edge", "split"])
         self.mean_loss = gauge("fedattn_eval_loss_mean",
                                "Mean over edges of the last evaluation mean loss", ["split"])
+        # privacy
+        self.dp_epsilon = gauge("fedattn_dp_epsilon",
+                                "Privacy an edge's DP-SGD has spent so far (its ledger's epsilon)",
+                                ["edge"])
 
     def init_phases(self, phases: list[str]) -> None:
         """Exports every per-phase series at 0 from the start, so a rate or an alert over

@@ -275,7 +275,8 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         record = self.engine.registry.records[request.edge_id]
         record.session = ""
         record.connected = False
-        self.engine.edge_lost(request.edge_id, "left")
+        self.engine.edge_lost(request.edge_id,
+                              f"left: {request.reason}" if request.reason else "left")
         log.info("edge %s left (%s)", request.edge_id, request.reason or "no reason given")
         reply = pb.LeaveReply()
         self.meter.count_message(DOWN, reply, edge=request.edge_id)

@@ -161,6 +161,61 @@ class ServerConfig:
                                   f"{getattr(self, name)}")
 
 
+ACCOUNTANTS = ("rdp", "prv", "gdp")
+
+
+@dataclass
+class DPConfig:
+    """``[dp]``: sample-level DP-SGD on every edge (Opacus), see fedattn_shared.privacy.dp.
+    The server resolves ``planned_rounds`` and sends the section to every edge; each edge
+    calibrates for its own |D_k| (``delta`` 0: 0.1 / |D_k|, as the ANFR paper)."""
+
+    enabled: bool = False
+    target_epsilon: float = 0.0    # the budget; with noise_multiplier 0, sigma is calibrated to it
+    noise_multiplier: float = 0.0  # > 0: a fixed sigma (target_epsilon, if set, caps the spend)
+    delta: float = 0.0             # 0: 0.1 / |D_k| on each edge
+    max_grad_norm: float = 1.0     # per-sample clipping bound C
+    accountant: str = "rdp"        # rdp | prv | gdp (Opacus' accountants)
+    planned_rounds: int = 0        # rounds the calibration covers; 0: server.rounds
+    fix_model: bool = False        # replace every BatchNorm by GroupNorm (+ its activation)
+    max_physical_batch: int = 0    # BatchMemoryManager's bound on a physical batch; 0: none
+    stats_sigma: float = 0.0       # noise multiplier for STAT_VECTORS/PROTOTYPES/SCALAR_SUMMARY
+    stats_clip: float = 1.0        # L2 bound each such tensor is clipped to before the noise
+    stats_in_clear: bool = False   # accept uploading those sections without noise, knowingly
+
+    def validate(self) -> None:
+        defaults = DPConfig()
+        if not self.enabled:
+            changed = [f.name for f in dataclasses.fields(self)
+                       if getattr(self, f.name) != getattr(defaults, f.name)]
+            if changed:
+                raise ConfigError(f"dp.{changed[0]} is set but DP is off: pass --dp "
+                                  "(or dp.enabled = true)")
+            return
+        if not (math.isfinite(self.target_epsilon) and self.target_epsilon >= 0):
+            raise ConfigError(f"dp.target_epsilon must be a finite number >= 0, got "
+                              f"{self.target_epsilon}")
+        if not (math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0):
+            raise ConfigError(f"dp.noise_multiplier must be a finite number >= 0, got "
+                              f"{self.noise_multiplier}")
+        if self.target_epsilon == 0 and self.noise_multiplier == 0:
+            raise ConfigError("--dp needs dp.target_epsilon (--dp-epsilon) or "
+                              "dp.noise_multiplier (--dp-noise-multiplier)")
+        if not 0 <= self.delta < 1:
+            raise ConfigError(f"dp.delta must be in [0, 1) (0: 0.1/|D_k|), got {self.delta}")
+        if not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
+            raise ConfigError(f"dp.max_grad_norm must be > 0, got {self.max_grad_norm}")
+        if self.accountant not in ACCOUNTANTS:
+            raise ConfigError(f"dp.accountant must be one of {', '.join(ACCOUNTANTS)}, got "
+                              f"{self.accountant!r}")
+        if self.planned_rounds < 0 or self.max_physical_batch < 0:
+            raise ConfigError("dp.planned_rounds and dp.max_physical_batch must be >= 0")
+        if not (math.isfinite(self.stats_sigma) and self.stats_sigma >= 0):
+            raise ConfigError(f"dp.stats_sigma must be a finite number >= 0, got {self.stats_sigma}")
+        if not (math.isfinite(self.stats_clip) and self.stats_clip > 0):
+            raise ConfigError(f"dp.stats_clip must be > 0, got {self.stats_clip}")
+
+
 def _check_type(where: str, value: Any, annotation: Any) -> Any:
     """Coerce a TOML value to a dataclass field's type, or raise naming the field."""
     origin = typing.get_origin(annotation)

@@ -25,11 +25,12 @@ def run_federation(tmp_path, method_name: str, private: list[str] | None = None,
                    edges: int = 2, rounds: int = 2, sizes: list[int] | None = None,
                    lr: float = 0.05, init_weights: str = "", model: str = "lenet-bn",
                    params: dict | None = None, device: str = "cpu", fraction: float = 1.0,
-                   classes: list[list[int]] | None = None):
-    """``classes``: the labels each edge's generated data draws from (all by default)."""
+                   classes: list[list[int]] | None = None, dp=None):
+    """``classes``: the labels each edge's generated data draws from (all by default);
+    ``dp``: a DPConfig to run under DP-SGD."""
     train = TrainConfig(private=private or [], lr=lr, model=model)
     cls = load_method(method_name)
-    method = cls(MethodContext(train, cls.Params(**(params or {}))))
+    method = cls(MethodContext(train, cls.Params(**(params or {})), dp=dp))
     server_cfg = ServerConfig(method=method_name, rounds=rounds, min_edges=edges, host="127.0.0.1",
                               port=0, checkpoint_dir=str(tmp_path / "server"), insecure=True,
                               poll_timeout=2.0, round_timeout=60, init_weights=init_weights,

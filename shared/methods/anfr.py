@@ -27,6 +27,7 @@ def is_anfr(model) -> bool:
 
 class ANFR(Method):
     name = "anfr"
+    dp_support = True  # cross-entropy only; parameter-only terms are post_backward
     default_model: ClassVar[str] = "anfr-se-compact"
 
     def __init__(self, context: MethodContext):

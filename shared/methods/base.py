@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import TrainConfig
+from ..config import DPConfig, TrainConfig
 from ..models import build_model, model_spec
 from ..wire.codec import Kind, Payload, Section
 from . import split
@@ -98,6 +98,7 @@ class MethodContext:
     train: TrainConfig
     params: Any
     probe: Callable[[], nn.Module] | None = None
+    dp: DPConfig | None = None  # the run's [dp] section when DP-SGD is on
 
 
 def qualified(model_name: str, key: str) -> str:
@@ -119,10 +120,17 @@ class Method:
     phases: ClassVar[tuple[str, ...]] = (TRAIN, EVALUATE)
     # The model a run of this method uses when no source (file, flag, --set) names one.
     default_model: ClassVar[str | None] = None
+    #: DP-SGD support (``--dp``): True when every loss term ``training_step`` returns is a
+    #: batch mean of per-sample terms, each depending on its own sample only (what
+    #: per-sample clipping bounds), and parameter-only terms are ``post_backward`` (applied
+    #: after clipping and noise). A method that does not declare it is refused under --dp;
+    #: one whose support depends on its parameters overrides ``dp_refusal``.
+    dp_support: ClassVar[bool] = False
 
     def __init__(self, context: MethodContext):
         self.train = context.train
         self.params = context.params
+        self.dp = context.dp
         self._probe = context.probe
         split.check_rules(self.train.private)
         self.head = model_spec(self.train.model).head
@@ -238,6 +246,19 @@ class Method:
         }
         blob = json.dumps(description, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:32]
+
+    def dp_refusal(self) -> str | None:
+        """Why this configuration cannot train under DP-SGD, or None when it can."""
+        if self.dp_support:
+            return None
+        return (f"method {self.name!r} does not declare DP-SGD support (Method.dp_support): "
+                "its loss is not known to be a mean of per-sample terms")
+
+    def dp_public_tensors(self, phase: str) -> set[tuple[Kind, str, str]]:
+        """(kind, section, tensor) of statistics uploads that only repeat what the
+        submission header already carries in the clear (n_k): ``--dp-stats-sigma`` sends
+        them as they are. None by default."""
+        return set()
 
     def describe_params(self) -> dict[str, Any]:
         return dataclasses.asdict(self.params)

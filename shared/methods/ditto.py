@@ -43,6 +43,7 @@ class DittoEdge(EdgeAlgorithm):
 
 class Ditto(Method):
     name = "ditto"
+    dp_support = True  # cross-entropy only; parameter-only terms are post_backward
     Params = DittoParams
 
     def model_names(self):

@@ -47,6 +47,7 @@ class FedAdamAggregator(ServerOptimizer):
 
 class FedAdam(Method):
     name = "fedadam"
+    dp_support = True  # cross-entropy only; parameter-only terms are post_backward
     Params = FedAdamParams
     aggregator_kind = AggregatorKind.SERVER_OPTIMIZER
 

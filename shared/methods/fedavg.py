@@ -5,3 +5,4 @@ from .base import Method
 
 class FedAvg(Method):
     name = "fedavg"
+    dp_support = True  # cross-entropy only; parameter-only terms are post_backward

@@ -72,6 +72,7 @@ class FedAvgFTEdge(EdgeAlgorithm):
 
 class FedAvgFT(Method):
     name = "fedavgft"
+    dp_support = True  # cross-entropy only; parameter-only terms are post_backward
     Params = FedAvgFTParams
 
     def __init__(self, context: MethodContext):

@@ -5,4 +5,5 @@ from .base import Method
 
 class FedBN(Method):
     name = "fedbn"
+    dp_support = True  # cross-entropy only; parameter-only terms are post_backward
     private_rules = ("bn",)

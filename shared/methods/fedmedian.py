@@ -26,6 +26,7 @@ class MedianAggregator(CollectThenLearn):
 
 class FedMedian(Method):
     name = "fedmedian"
+    dp_support = True  # cross-entropy only; parameter-only terms are post_backward
     aggregator_kind = AggregatorKind.COLLECT
 
     def server(self, models):

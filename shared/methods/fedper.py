@@ -5,4 +5,5 @@ from .base import Method
 
 class FedPer(Method):
     name = "fedper"
+    dp_support = True  # cross-entropy only; parameter-only terms are post_backward
     private_rules = ("head",)

@@ -80,6 +80,13 @@ class FedProto(PrototypeMethod):
         if not 0 <= self.params.lam < math.inf:
             raise ValueError(f"fedproto.lam must be a finite number >= 0, got {self.params.lam}")
 
+    def dp_refusal(self) -> str | None:
+        return ("fedproto: the prototype term is a mean over the batch's samples of classes "
+                "with a global prototype, so each sample's gradient is scaled by how many "
+                "such samples the rest of the batch holds (per-sample clipping does not bound "
+                "one sample's influence), and class_counts (the label histogram) are exact "
+                "counts that noise would break")
+
     def uplink_schema(self, phase, models):
         schema = super().uplink_schema(phase, models)
         if phase == TRAIN:

@@ -30,6 +30,7 @@ class FedProxEdge(EdgeAlgorithm):
 
 class FedProx(Method):
     name = "fedprox"
+    dp_support = True  # cross-entropy only; parameter-only terms are post_backward
     Params = FedProxParams
 
     def edge(self, models, device):

@@ -49,6 +49,7 @@ class FedRepEdge(EdgeAlgorithm):
 
 class FedRep(Method):
     name = "fedrep"
+    dp_support = True  # cross-entropy only; the frozen part takes no per-sample gradient
     Params = FedRepParams
     private_rules = ("head",)
 

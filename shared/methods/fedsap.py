@@ -81,17 +81,31 @@ class FedSAPParams:
     # (measured: README, Fed-SAP notes). "mean" (an MSE per module, summed over modules)
     # matches the paper's mild lambda sensitivity (Table II) and trains: the default.
     reduction: str = "mean"
+    # [reconstructed, for DP-SGD] "batch" is eq. 6: the squared distance of the batch-mean
+    # squeeze. It is not a sum of per-sample losses (each sample's gradient depends on the
+    # whole batch's mean), so per-sample clipping does not bound one sample's influence and
+    # --dp refuses it. "per-sample" pulls each sample's squeeze instead: the batch mean of
+    # ||s_i - target||^2 (= eq. 6's term plus the batch's squeeze variance; same target).
+    gsr_form: str = "batch"
+
+
+GSR_FORMS = ("batch", "per-sample")
 
 
 def gsr_loss(squeezes: dict[str, torch.Tensor], target: dict[str, torch.Tensor],
-             reduction: str = "sum") -> torch.Tensor:
+             reduction: str = "sum", form: str = "batch") -> torch.Tensor:
     """sum_l ||mean over the batch of s_l - target_l||^2 (eq. 6); ``squeezes[l]`` is
     (batch, C_l). ``reduction="mean"`` averages over each module's channels instead of
-    summing them (an MSE per module, still summed over modules)."""
+    summing them (an MSE per module, still summed over modules). ``form="per-sample"``
+    takes the batch mean of each sample's squared distance instead (DP-SGD compatible)."""
     terms = []
     for name, s in squeezes.items():
-        squared = (s.float().mean(dim=0) - target[name]) ** 2
-        terms.append(squared.sum() if reduction == "sum" else squared.mean())
+        if form == "batch":
+            squared = (s.float().mean(dim=0) - target[name]) ** 2
+            terms.append(squared.sum() if reduction == "sum" else squared.mean())
+        else:
+            squared = (s.float() - target[name]) ** 2
+            terms.append((squared.sum(dim=1) if reduction == "sum" else squared.mean(dim=1)).mean())
     return torch.stack(terms).sum()
 
 
@@ -190,7 +204,7 @@ class FedSAPEdge(EdgeAlgorithm):
                 _, squeezes = self.recorder.forward(model, x)
         else:
             logits, squeezes = self.recorder.forward(model, x)
-        gsr = gsr_loss(squeezes, self.target, self.params.reduction)
+        gsr = gsr_loss(squeezes, self.target, self.params.reduction, self.params.gsr_form)
         self._gsr_total += gsr.detach()
         self._gsr_batches += 1
         return F.cross_entropy(logits, y) + self.params.lam * gsr
@@ -267,12 +281,29 @@ class FedSAP(Method):
         if p.stats_mode not in STATS_MODES:
             raise ValueError(f"fedsap.stats_mode: {p.stats_mode!r} is not one of "
                              f"{', '.join(STATS_MODES)}")
+        if p.gsr_form not in GSR_FORMS:
+            raise ValueError(f"fedsap.gsr_form: {p.gsr_form!r} is not one of {', '.join(GSR_FORMS)}")
         if not 0 <= p.lam < float("inf"):
             raise ValueError(f"fedsap.lam must be a finite number >= 0, got {p.lam}")
         if not squeeze_excitation_modules(self.probe_model()):
             raise ValueError(f"fedsap: model {self.train.model!r} has no squeeze-excitation "
                              "modules (use mobilenet-v3-small, se-cnn, anfr-se-* or se-resnet-*)")
         self.private_rules = PERSONALIZATION[p.personalization]
+
+    def dp_refusal(self) -> str | None:
+        p: FedSAPParams = self.params
+        gsr = p.target != "off" and p.lam != 0
+        if gsr and p.gsr_form == "batch":
+            return ("fedsap: GSR (eq. 6) penalises the batch-mean squeeze, which is not a sum "
+                    "of per-sample losses: every sample's gradient depends on the whole batch, "
+                    "so DP-SGD's per-sample clipping does not bound one sample's influence. "
+                    "Use --set fedsap.gsr_form='per-sample' (each sample's squeeze pulled "
+                    "toward the target) or fedsap.target='off'")
+        if gsr and p.stats_mode == "eval":
+            return ("fedsap: stats_mode 'eval' takes GSR's squeezes from a second forward pass "
+                    "per batch, which Opacus' per-sample gradients do not follow; under DP "
+                    "there is no BatchNorm whose running statistics it would use: use 'train'")
+        return None
 
     @property
     def uploads_stats(self) -> bool:

@@ -374,6 +374,11 @@ class FedSTAR(PrototypeMethod):
     Params = FedSTARParams
     aggregator_kind = AggregatorKind.COLLECT
 
+    def dp_refusal(self) -> str | None:
+        return ("fedstar: L_shared and L_pull average over the batch's samples of classes with "
+                "a global prototype (a denominator set by the other samples), so per-sample "
+                "clipping does not bound one sample's influence on the update")
+
     def __init__(self, context: MethodContext):
         super().__init__(context)
         p: FedSTARParams = self.params

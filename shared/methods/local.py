@@ -5,4 +5,5 @@ from .base import Method
 
 class LocalOnly(Method):
     name = "local"
+    dp_support = True  # cross-entropy only; parameter-only terms are post_backward
     private_rules = ("all",)

@@ -472,6 +472,7 @@ CHOICES = {
 
 class PFedKA(Method):
     name = "pfedka"
+    dp_support = True  # CE + lambda * KD, both batch means of per-sample terms
     Params = PFedKAParams
     phases = (TRAIN, UPLOAD, EVALUATE)
 
@@ -540,6 +541,10 @@ class PFedKA(Method):
         """The SecAgg-compatible path: {n_k, l_k} in the clear first, alpha_k back to each
         edge, which then masks alpha_k * theta_k."""
         return {SCALARS} if phase == TRAIN else set()
+
+    def dp_public_tensors(self, phase: str) -> set[tuple[Kind, str, str]]:
+        # n is the header's num_examples again; ce is a statistic of the training data.
+        return {(*SCALARS, "n")} if phase == TRAIN else set()
 
     def edge(self, models: dict[str, nn.Module], device: torch.device) -> PFedKAEdge:
         return PFedKAEdge(self, models, device)

@@ -94,6 +94,10 @@ class PFedLA(Method):
     def model_names(self) -> tuple[str, ...]:
         return self.host.model_names()
 
+    def dp_refusal(self) -> str | None:
+        refusal = self.host.dp_refusal()
+        return f"pfedla over {refusal}" if refusal else None
+
     def build_models(self) -> dict[str, nn.Module]:
         models = self.host.build_models()
         sites = model_spec(self.train.model).attention_sites

@@ -114,6 +114,7 @@ class PFedMeAggregator(ServerOptimizer):
 
 class PFedMe(Method):
     name = "pfedme"
+    dp_support = True  # cross-entropy only; parameter-only terms are post_backward
     Params = PFedMeParams
     aggregator_kind = AggregatorKind.SERVER_OPTIMIZER
 

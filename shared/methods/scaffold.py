@@ -90,6 +90,7 @@ class ScaffoldAggregator(ServerOptimizer):
 
 class Scaffold(Method):
     name = "scaffold"
+    dp_support = True  # cross-entropy only; parameter-only terms are post_backward
     Params = ScaffoldParams
     aggregator_kind = AggregatorKind.SERVER_OPTIMIZER
 

@@ -31,6 +31,7 @@ Everything is built with random initialisation: pretrained weights come in throu
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 from torch import nn
@@ -47,13 +48,31 @@ ATTENTION_KWARGS: dict[str, dict] = {"se": {"rd_ratio": 1 / 16}, "eca": {}, "cba
 Builder = Callable[[int, int, int], nn.Module]
 
 
-def batchnorm_to_groupnorm(model: nn.Module) -> nn.Module:
-    """Replace every BatchNorm by GroupNorm(1, C) in place (for ANFR(CBAM): the one-channel
-    norm of each spatial-attention branch)."""
+def opacus_groups(channels: int) -> int:
+    """GroupNorm groups for a replaced BatchNorm of ``channels``: gcd(32, C), as Opacus'
+    ``ModuleValidator.fix`` chooses."""
+    return math.gcd(32, channels)
+
+
+def batchnorm_to_groupnorm(model: nn.Module, groups: Callable[[int], int] = lambda c: 1) -> nn.Module:
+    """Replace every BatchNorm (subclasses included) by GroupNorm(groups(C), C) in place.
+    timm's ``BatchNormAct2d`` becomes a ``GroupNormAct`` that keeps its dropout and
+    activation modules, so the block computes norm -> drop -> act as before and the
+    parameter names stay. Default one group: ANFR(CBAM)'s one-channel spatial norm."""
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
-            if isinstance(child, _BatchNorm):
-                setattr(module, child_name, nn.GroupNorm(1, child.num_features, eps=child.eps))
+            if not isinstance(child, _BatchNorm):
+                continue
+            channels = child.num_features
+            act, drop = getattr(child, "act", None), getattr(child, "drop", None)
+            if isinstance(act, nn.Module) and isinstance(drop, nn.Module):
+                from timm.layers import GroupNormAct
+
+                norm = GroupNormAct(channels, groups(channels), eps=child.eps, affine=child.affine)
+                norm.act, norm.drop = act, drop
+            else:
+                norm = nn.GroupNorm(groups(channels), channels, eps=child.eps, affine=child.affine)
+            setattr(module, child_name, norm)
     return model
 
 

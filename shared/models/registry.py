@@ -6,6 +6,7 @@ builds with random initialisation only: nothing is ever downloaded.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -13,7 +14,15 @@ import torch
 from torch import nn
 
 from .alexnet import AlexNetBN, alexnet_attention_sites
-from .anfr import COMPACT_GROUPS, RESNET50_GROUPS, compact_nf, compact_resnet, timm_model
+from .anfr import (
+    COMPACT_GROUPS,
+    RESNET50_GROUPS,
+    batchnorm_to_groupnorm,
+    compact_nf,
+    compact_resnet,
+    opacus_groups,
+    timm_model,
+)
 from .lenet import LeNetBN, lenet_attention_sites
 from .mobilenet_compact import MobileNetV3Compact
 from .resnet import cifar_resnet18, compact_cifar_resnet, resnet_tokens
@@ -146,12 +155,31 @@ MODELS: dict[str, ModelSpec] = {
 }
 
 
+# ``<model>+gn``: the model with every BatchNorm (subclasses included) replaced by
+# GroupNorm(gcd(32, C), C) plus its activation, so that DP-SGD's per-sample gradients are
+# not mixed by batch statistics (``--dp-fix-model`` resolves the model name to this).
+GROUPNORM_SUFFIX = "+gn"
+
+
+def _with_groupnorm(build: Callable[[int, int, int], nn.Module]) -> Callable[[int, int, int], nn.Module]:
+    def fixed(num_classes: int, in_channels: int, image_size: int) -> nn.Module:
+        return batchnorm_to_groupnorm(build(num_classes, in_channels, image_size), opacus_groups)
+
+    return fixed
+
+
 def model_spec(name: str) -> ModelSpec:
+    base = name.removesuffix(GROUPNORM_SUFFIX)
     try:
-        return MODELS[name]
+        spec = MODELS[base]
     except KeyError:
         known = ", ".join(sorted(MODELS))
-        raise ValueError(f"unknown model {name!r} (known: {known})") from None
+        raise ValueError(f"unknown model {name!r} (known: {known}, each also as "
+                         f"<name>{GROUPNORM_SUFFIX})") from None
+    if base == name:
+        return spec
+    return dataclasses.replace(spec, name=name, build=_with_groupnorm(spec.build),
+                               description=f"{spec.description}; BatchNorm -> GroupNorm")
 
 
 def build_model(name: str, num_classes: int, in_channels: int, image_size: int) -> nn.Module:

@@ -1,1 +1,1 @@
-"""Transport-layer privacy: secure aggregation (``secagg``)."""
+"""Transport-layer privacy: secure aggregation (``secagg``) and sample-level DP-SGD (``dp``)."""

@@ -1,0 +1,315 @@
+"""Sample-level DP-SGD on the edge (Opacus): the start-time checks, the calibration, the
+one wrapping per run, and the privacy ledger.
+
+* What it protects: every update the edge's training takes is Opacus' DP-SGD step: each
+  sample's gradient (over every trained parameter of every model, at once) is clipped to
+  ``max_grad_norm``, the sum gets Gaussian noise of std ``sigma * max_grad_norm`` and is
+  divided by the expected batch size; batches are drawn by Poisson sampling (rate q =
+  B / |D_k|), which is what the accountant's amplification by subsampling assumes.
+  Everything computed from the trained weights afterwards (the upload, the private
+  state) is post-processing. Parameter-only terms (proximal pulls, SCAFFOLD's correction)
+  are applied after clipping and noising, through ``EdgeAlgorithm.post_backward``.
+* Calibration: sigma for the whole run (``planned_rounds`` x the method's local epochs x
+  int(1/q) steps per epoch), per edge from its own |D_k| (delta 0.1 / |D_k| unless
+  given). A method that takes K optimizer steps on one batch (pFedMe's inner solve)
+  releases K Gaussian sums of the same sample: they compose to one Gaussian with
+  sigma / sqrt(K) per sampled batch, which is how they are accounted; sigma is scaled up
+  by sqrt(K) so that the run's budget holds.
+* The ledger (``privacy-ledger.json`` in the edge's state dir) holds the accountant's
+  history and one entry per trained round; the edge writes it before the round's upload
+  leaves, and loads it at start, so a restart never resets the budget. When the next
+  round would take the spend past ``target_epsilon`` the edge refuses to train.
+* Statistics uploads (STAT_VECTORS, PROTOTYPES, SCALAR_SUMMARY) are computed from the
+  data, not from the noised gradients: DP-SGD does not cover them. ``stats_sigma`` > 0
+  clips each such tensor to L2 norm ``stats_clip`` and adds N(0, (2 stats_clip
+  stats_sigma)^2) per coordinate: whatever one sample does, the clipped tensor moves by
+  at most 2 stats_clip, so each release is a Gaussian mechanism of noise multiplier
+  stats_sigma, accounted in its own RDP accountant (sampling rate 1).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from ..config import DPConfig
+from ..data.npz import Split
+from ..methods.base import EVALUATE, TRAIN, EdgeAlgorithm, Method
+from ..models.anfr import batchnorm_layers, disable_inplace_activations
+from ..state import StateError
+from ..wire.codec import Kind, Payload, Section
+
+LEDGER_FORMAT = "fedattn-privacy-ledger/1"
+STATS_KINDS = (Kind.STAT_VECTORS, Kind.PROTOTYPES, Kind.SCALAR_SUMMARY)
+History = list[tuple[float, float, int]]  # (noise multiplier, sample rate, steps)
+
+if TYPE_CHECKING:
+    from opacus.optimizers import DPOptimizer
+
+# Opacus is imported where it is used: a run without --dp never loads it (it adds seconds
+# to every process start on a small device).
+
+
+def statistics_sections(method: Method, models: dict[str, nn.Module]) -> list[str]:
+    """The upload sections DP-SGD does not cover: statistics of the data (kinds in
+    ``STATS_KINDS``) with at least one tensor that is not public metadata."""
+    found = []
+    for phase in method.phases:
+        if phase == EVALUATE:
+            continue
+        public = method.dp_public_tensors(phase)
+        for spec in method.uplink_schema(phase, models):
+            if spec.kind in STATS_KINDS and any((spec.kind, spec.name, t) not in public
+                                                for t in spec.tensors):
+                found.append(f"{spec.kind.name}:{spec.name!r}")
+    return found
+
+
+def check_dp(method: Method) -> None:
+    """Refuse (ValueError naming the fix) a run that DP-SGD cannot honestly cover: a method
+    that does not declare support, BatchNorm anywhere in its models (subclasses included:
+    Opacus' validator matches exact types and passes timm's BatchNormAct2d), a module
+    Opacus cannot compute per-sample gradients for, or statistics uploads with neither
+    noise nor the user's explicit consent."""
+    dp = method.dp
+    if dp is None:
+        return
+    from opacus.validators import ModuleValidator
+
+    refusal = method.dp_refusal()
+    if refusal:
+        raise ValueError(f"--dp: {refusal}")
+    with torch.device("meta"):  # shapes and module types only
+        models = method.build_models()
+    for model_name, model in models.items():
+        found = batchnorm_layers(model)
+        if found:
+            more = f" and {len(found) - 3} more" if len(found) > 3 else ""
+            raise ValueError(
+                f"--dp: model {method.train.model!r} ({model_name}) has {len(found)} BatchNorm "
+                f"layer(s) ({', '.join(found[:3])}{more}); their batch statistics mix samples, "
+                "which per-sample clipping does not bound. Pass --dp-fix-model (every "
+                "BatchNorm becomes GroupNorm + its activation), or use a GroupNorm or ANFR "
+                "model (gn-resnet-compact, anfr-se-compact, ...)")
+        errors = ModuleValidator.validate(model, strict=False)
+        if errors:
+            raise ValueError(f"--dp: Opacus cannot train model {method.train.model!r} "
+                             f"({model_name}): {errors[0]}")
+    uncovered = statistics_sections(method, models)
+    if uncovered and dp.stats_sigma == 0 and not dp.stats_in_clear:
+        raise ValueError(
+            f"--dp: method {method.name!r} uploads {', '.join(uncovered)}, statistics of the "
+            "edge's data that DP-SGD does not cover. Pass --dp-stats-sigma S (clipped, "
+            "Gaussian-noised, with its own accounting) or --set dp.stats_in_clear=true to "
+            "send them without noise knowingly")
+
+
+def _merge(history: History, entry: tuple[float, float, int]) -> None:
+    if history and history[-1][:2] == entry[:2]:
+        sigma, rate, steps = history.pop()
+        entry = (sigma, rate, steps + entry[2])
+    history.append(entry)
+
+
+def epsilon(history: History, delta: float, accountant: str = "rdp") -> float:
+    """The epsilon a history of (sigma, q, steps) spends at ``delta``."""
+    from opacus.accountants import create_accountant
+
+    if not history:
+        return 0.0
+    acc = create_accountant(mechanism=accountant)
+    acc.history = list(history)
+    return float(acc.get_epsilon(delta=delta))
+
+
+class BudgetSpent(Exception):
+    """The next round would spend past the edge's privacy budget."""
+
+
+class PrivateTraining:
+    """DP-SGD for one edge and the whole run: the models are wrapped for per-sample
+    gradients and the method's optimizer becomes a DPOptimizer, once (wrapping again each
+    round would stack Opacus' hooks). The models themselves stay what the method holds,
+    so state-dict names (split rules, fingerprints, state files) never see Opacus'
+    ``_module.`` prefix; Opacus' hooks sit on their layers."""
+
+    def __init__(self, algo: EdgeAlgorithm, dp: DPConfig, num_examples: int, batch_size: int,
+                 ledger: dict | None = None):
+        if num_examples < 1:
+            raise ValueError("--dp: the edge has no training samples")
+        self.algo, self.dp = algo, dp
+        self.sample_rate = min(1.0, batch_size / num_examples)
+        self.expected_batch = min(batch_size, num_examples)
+        self.delta = dp.delta or 0.1 / num_examples
+        self.repeats = algo.steps_per_batch
+        if self.repeats > 1 and dp.max_physical_batch:
+            raise ValueError(f"--dp: method {algo.method.name!r} takes {self.repeats} steps on "
+                             "each batch; that does not combine with dp.max_physical_batch")
+        epochs = algo.local_epochs(algo.method.train.local_epochs)
+        self.batches_per_round = epochs * int(1 / self.sample_rate)
+        if dp.noise_multiplier > 0:
+            self.noise_multiplier = dp.noise_multiplier
+        else:
+            from opacus.accountants.utils import get_noise_multiplier
+
+            planned = max(dp.planned_rounds * self.batches_per_round, 1)
+            per_batch = get_noise_multiplier(
+                target_epsilon=dp.target_epsilon, target_delta=self.delta,
+                sample_rate=self.sample_rate, steps=planned, accountant=dp.accountant)
+            self.noise_multiplier = per_batch * math.sqrt(self.repeats)
+        # K noisy steps on one sampled batch compose to one Gaussian of sigma / sqrt(K).
+        self.batch_sigma = self.noise_multiplier / math.sqrt(self.repeats)
+        self.budget = dp.target_epsilon or math.inf
+        self.history: History = []
+        self.stats_history: History = []
+        self.rounds: list[dict] = []
+        if ledger is not None:
+            self._load(ledger)
+        self.optimizer = self._wrap()
+        self._steps = 0
+        self._stats_released = 0
+
+    def _wrap(self) -> DPOptimizer:
+        from opacus.optimizers import DPOptimizer
+
+        from .per_sample import OutputHookGradSampleModule
+
+        optimizers = self.algo.optimizers()
+        if len(optimizers) != 1:
+            raise ValueError(f"--dp: method {self.algo.method.name!r} uses {len(optimizers)} "
+                             "optimizers; DP-SGD clips each sample's gradient over every "
+                             "trained parameter at once and needs exactly one")
+        optimizer = optimizers[0]
+        trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        self.wrapped = []
+        for model in self.algo.models.values():
+            if any(id(p) in trained for p in model.parameters()):
+                # Opacus' backward hooks cannot follow activations applied in place.
+                disable_inplace_activations(model)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # its notes on the functorch fallback
+                    self.wrapped.append(OutputHookGradSampleModule(
+                        model, batch_first=True, loss_reduction="mean", strict=True))
+        return DPOptimizer(optimizer, noise_multiplier=self.noise_multiplier,
+                           max_grad_norm=self.dp.max_grad_norm,
+                           expected_batch_size=self.expected_batch, loss_reduction="mean")
+
+    # ---- the training loop's side ------------------------------------------------------
+    def loader(self, data: Split, generator: torch.Generator) -> Iterable:
+        """Poisson-sampled batches (int(1/q) per epoch, sizes vary, possibly empty), split
+        into physical batches of at most ``max_physical_batch`` when set."""
+        from opacus.data_loader import DPDataLoader
+        from opacus.utils.batch_memory_manager import wrap_data_loader
+
+        loader = DPDataLoader(TensorDataset(data.x, data.y), sample_rate=self.sample_rate,
+                              generator=generator)
+        if self.dp.max_physical_batch:
+            loader = wrap_data_loader(data_loader=loader, max_batch_size=self.dp.max_physical_batch,
+                                      optimizer=self.optimizer)
+        return loader
+
+    def empty_batch(self) -> None:
+        """Poisson sampling drew no sample: the step still releases the noise alone."""
+        for p in self.optimizer.params:
+            p.grad_sample = torch.zeros((0, *p.shape), device=p.device, dtype=p.dtype)
+
+    def step(self, post_backward: Callable[[], None]) -> bool:
+        """Clip and noise, then the method's gradient post-processing, then the optimizer
+        step. False for a physical batch that only accumulated (the logical batch goes on)."""
+        stepped = bool(self.optimizer.pre_step())
+        if stepped:
+            post_backward()
+            self.optimizer.original_optimizer.step()
+            self._steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return stepped
+
+    # ---- accounting ----------------------------------------------------------------------
+    def spent(self) -> float:
+        return epsilon(self.history, self.delta, self.dp.accountant)
+
+    def check_budget(self) -> None:
+        """Raise BudgetSpent when one more round would take the spend past the budget."""
+        projected = list(self.history)
+        _merge(projected, (self.batch_sigma, self.sample_rate, self.batches_per_round))
+        after = epsilon(projected, self.delta, self.dp.accountant)
+        if after > self.budget * (1 + 1e-9):
+            raise BudgetSpent(
+                f"privacy budget spent: epsilon {self.spent():.4g} of {self.budget:g} "
+                f"(delta {self.delta:.3g}) after {len(self.rounds)} trained round(s); one more "
+                f"round would reach {after:.4g}, so this edge trains no more")
+
+    def privatize_upload(self, phase: str, upload: Payload) -> Payload:
+        """The upload with its statistics tensors clipped and noised (``stats_sigma`` > 0);
+        every other section as it is."""
+        sigma = self.dp.stats_sigma
+        if sigma == 0:
+            return upload
+        public = self.algo.method.dp_public_tensors(phase)
+        clip = self.dp.stats_clip
+        sections = []
+        for section in upload.sections:
+            if section.kind not in STATS_KINDS:
+                sections.append(section)
+                continue
+            tensors = {}
+            for name, tensor in section.tensors.items():
+                if (section.kind, section.name, name) in public:
+                    tensors[name] = tensor
+                    continue
+                value = tensor.detach().float()
+                value = value * min(1.0, clip / (float(value.norm()) + 1e-12))
+                noisy = value + torch.randn_like(value) * (2 * clip * sigma)
+                tensors[name] = noisy.to(tensor.dtype)
+                self._stats_released += 1
+            sections.append(Section(section.kind, section.name, tensors))
+        return Payload(sections)
+
+    def end_round(self, round_number: int, phase: str = TRAIN) -> dict[str, float]:
+        """Book the phase's DP-SGD steps and statistics releases; the figures it returns
+        go to the server with the result (and into its history)."""
+        batches = self._steps // self.repeats
+        if batches:
+            _merge(self.history, (self.batch_sigma, self.sample_rate, batches))
+        if self._stats_released:
+            _merge(self.stats_history, (self.dp.stats_sigma, 1.0, self._stats_released))
+        figures = {"dp_epsilon": self.spent(), "dp_delta": self.delta,
+                   "dp_noise_multiplier": self.noise_multiplier, "dp_steps": float(batches)}
+        if self.stats_history:
+            figures["dp_stats_epsilon"] = epsilon(self.stats_history, self.delta)
+            figures["dp_total_epsilon_rdp"] = epsilon(self.history + self.stats_history, self.delta)
+        self.rounds.append({"round": round_number, "phase": phase, **figures})
+        self._steps = self._stats_released = 0
+        return figures
+
+    # ---- the ledger ------------------------------------------------------------------------
+    def ledger(self) -> dict:
+        return {
+            "format": LEDGER_FORMAT, "accountant": self.dp.accountant, "delta": self.delta,
+            "budget": None if math.isinf(self.budget) else self.budget,
+            "noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate,
+            "max_grad_norm": self.dp.max_grad_norm, "history": [list(h) for h in self.history],
+            "stats_history": [list(h) for h in self.stats_history], "rounds": self.rounds,
+        }
+
+    def _load(self, ledger: dict) -> None:
+        """The accountant state of earlier runs and rounds: (sigma, q, steps) entries,
+        which any of Opacus' accountants evaluates, so the spend carries over even when
+        the configuration changed."""
+        try:
+            if ledger["format"] != LEDGER_FORMAT:
+                raise ValueError(f"format {ledger['format']!r}")
+            self.history = [(float(s), float(q), int(n)) for s, q, n in ledger["history"]]
+            self.stats_history = [(float(s), float(q), int(n))
+                                  for s, q, n in ledger["stats_history"]]
+            self.rounds = list(ledger["rounds"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise StateError(f"privacy ledger unreadable ({err}); it is never reset silently: "
+                             "restore it or move the state dir away") from None
+
