@@ -1,7 +1,7 @@
 """The digits feature-shift setting of FedBN / pFedLA: one digit domain per edge, 28x28 RGB.
 
 Domains (``fl-partition --scheme digits --domains ...``), built from a data root laid out
-as ``../shared/data`` (``mnist/``, ``usps/``, ``cifar-10/``):
+with ``mnist/``, ``usps/`` and ``cifar-10/`` folders:
 
 * ``mnist``: real MNIST (IDX), grey replicated to RGB;
 * ``usps``: real USPS, the official LIBSVM test file ``usps/usps.t.bz2`` (2,007 images;

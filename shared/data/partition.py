@@ -40,8 +40,8 @@ Schemes (``--scheme``), all driven by ``--seed``:
   (255 - x), dim (x * 0.5), gaussian noise (sigma 32, seeded by (seed, edge)). The
   global test set is NOT transformed.
 * ``digits``: the FedBN / pFedLA digits setting, one digit *dataset* per edge (feature
-  shift between real domains), 28x28 RGB: ``--source`` is a data root laid out as
-  ``../shared/data`` and ``--domains`` lists the edges' domains (default mnist, usps,
+  shift between real domains), 28x28 RGB: ``--source`` is a data root with ``mnist/``,
+  ``usps/`` and ``cifar-10/`` and ``--domains`` lists the edges' domains (default mnist, usps,
   mnistm-style, synthdigits-style; the last two are stand-ins built the way MNIST-M and
   SynthDigits were made, see :mod:`.digits`). Edge i gets ``--limit`` training images
   (default 1,000) and ``--domain-test`` test images of domain i; no global test set.
@@ -534,8 +534,8 @@ domains (--scheme domains), cycled over edges (edge i gets number i mod 6):
   5 gaussian noise (sigma 32). Applied to the edge's train and test images; the global
   test set is NOT transformed.
 
-digits (--scheme digits): --source is a data root with mnist/, usps/ and cifar-10/ (as
-  ../shared/data); one edge per --domains entry (mnist, usps, mnistm-style,
+digits (--scheme digits): --source is a data root with mnist/, usps/ and cifar-10/;
+  one edge per --domains entry (mnist, usps, mnistm-style,
   synthdigits-style; the -style ones are stand-ins built the way MNIST-M and SynthDigits
   were made), --limit training images (default 1000) and --domain-test test images per
   domain, all 28x28 RGB; no global test set.

@@ -1,6 +1,6 @@
 """FedSTAR: style-aware Transformer aggregation of prototypes (Jeon & Huh).
 
-Source: ../shared/papers/003_605ce84cf59ff828.txt, section 4 and Algorithm 1;
+Source: the FedSTAR paper (team copy papers/003_605ce84cf59ff828.txt), section 4 and Algorithm 1;
 METHODS.md section 2 (the authors' code, and where it departs from the paper).
 
 Edge (everything private: the encoder and head, u_k,c, StyleFiLM, the gate G):

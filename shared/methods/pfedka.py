@@ -1,8 +1,8 @@
 """pFedKA: cross-attention-aligned knowledge distillation on the edge, GRU-gated
 aggregation on the server.
 
-Source: ../shared/papers/002_1b89b3f79bd403af.txt (its equations and Algorithm 1 were
-lost) and the reconstruction in METHODS.md section 1, which tags every item [paper] or
+Source: the pFedKA paper (team copy papers/002_1b89b3f79bd403af.txt; its equations and
+Algorithm 1 were lost) and the reconstruction in METHODS.md section 1, which tags every item [paper] or
 [reconstructed]; every reconstructed choice is a field of ``PFedKAParams``.
 
 Edge (eqs. 9-14). The teacher is the round's global model, frozen; the student is the

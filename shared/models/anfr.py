@@ -1,6 +1,6 @@
 """ANFR (adaptive normalization-free feature recalibration) and the paper's baselines.
 
-Source: ../shared/papers/001_66ac1b4e39475661.txt, METHODS.md section 5.1. ANFR is timm's
+Source: the ANFR paper (team copy papers/001_66ac1b4e39475661.txt), METHODS.md section 5.1. ANFR is timm's
 NF-ResNet (pre-activation bottleneck, ScaledStdConv2d weight standardisation, residual
 scale alpha = 0.2) with a channel-attention module after conv3, multiplied by
 attn_gain = 2.0: timm registers it as ``nf_seresnet*`` and ``nf_ecaresnet*``; CBAM is
