@@ -53,13 +53,15 @@ def test_fedavg_three_edges_account_every_byte(cluster, tmp_path):
 
 def test_prometheus_counts_bytes_by_kind_direction_edge(cluster, tmp_path):
     dirs = write_edge_dirs(tmp_path, 2)
-    server = cluster.server("--method", "fedavg", "--rounds", "3", "--min-edges", "2",
+    # Rounds to spare after the scrape: an edge closes its metrics port when it hears
+    # "run over", and on tiny data the last rounds take well under a second.
+    server = cluster.server("--method", "fedavg", "--rounds", "6", "--min-edges", "2",
                             "--metrics-port", "0")
     edges = [cluster.edge(d, f"e{i}", "--metrics-port", "0") for i, d in enumerate(dirs)]
     server.wait_log("round 2 done")
-    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read().decode()
     edge_port = re.search(r"metrics on :(\d+)", edges[0].log()).group(1)
     edge_text = urllib.request.urlopen(f"http://127.0.0.1:{edge_port}/metrics").read().decode()
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read().decode()
     wire = {m.group(1): float(m.group(2)) for m in re.finditer(
         r'fedattn_wire_bytes_total\{direction="up",edge="e0",kind="shared_tensors"\}() (\S+)', text)}
     assert wire and wire[""] > 0
