@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import random
 import resource
 import socket
@@ -142,9 +143,21 @@ class EdgeMetrics:
         self.gpu_reserved_bytes = Gauge("fedattn_edge_gpu_memory_reserved_bytes",
                                         "CUDA memory held by the caching allocator", ["device"],
                                         registry=registry)
-        self.dp_epsilon = Gauge("fedattn_edge_dp_epsilon",
-                                "Privacy spent by DP-SGD so far (epsilon at the ledger's delta)",
-                                registry=registry)
+        self._registry = registry
+        self.dp_epsilon: Gauge | None = None
+
+    def track_privacy(self, spent: float, budget: float) -> None:
+        """Exports the DP-SGD spend, from the moment DP-SGD runs: an edge without it has no
+        epsilon at all (a 0 would read as perfect privacy)."""
+        if self.dp_epsilon is None:
+            self.dp_epsilon = Gauge("fedattn_edge_dp_epsilon",
+                                    "Privacy spent by DP-SGD so far (epsilon at the ledger's "
+                                    "delta)", registry=self._registry)
+            if math.isfinite(budget):
+                Gauge("fedattn_edge_dp_epsilon_budget",
+                      "The epsilon this edge's DP-SGD may spend in all (--dp-epsilon)",
+                      registry=self._registry).set(budget)
+        self.dp_epsilon.set(spent)
 
     def observe_training(self, result, device: torch.device) -> None:
         """Throughput and memory after a local training (the caller resets CUDA's peak)."""
@@ -395,7 +408,7 @@ class EdgeDaemon:
                                       self.store.load_ledger())
         except (ValueError, StateError) as err:
             raise EdgeExit(2, f"{err} ({self.store.ledger_path})") from None
-        self.metrics.dp_epsilon.set(privacy.spent())
+        self.metrics.track_privacy(privacy.spent(), privacy.budget)
         log.info("DP-SGD: sigma %.4g, q %.4g, delta %.3g, C %g, %d steps per round, epsilon "
                  "spent so far %.4g of %s", privacy.noise_multiplier, privacy.sample_rate,
                  privacy.delta, method.dp.max_grad_norm, privacy.batches_per_round,
@@ -604,7 +617,7 @@ class EdgeDaemon:
         upload = privacy.privatize_upload(header.phase, upload)
         figures = privacy.end_round(header.round, header.phase)
         self._write(self.store.save_ledger, privacy.ledger())
-        self.metrics.dp_epsilon.set(figures["dp_epsilon"])
+        self.metrics.track_privacy(figures["dp_epsilon"], privacy.budget)
         return upload, figures
 
     def _submit(self, stub, task: pb.TaskHeader, upload: Payload, num_examples: int,

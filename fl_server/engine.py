@@ -430,7 +430,10 @@ class Engine:
 
     async def run(self) -> None:
         self.metrics.rounds_planned.set(self.cfg.rounds)
-        self.metrics.init_phases(list(self.method.phases))
+        self.metrics.init_phases(self.secagg.expand(self.method.phases) if self.secagg
+                                 else list(self.method.phases))
+        if self.method.dp is not None and self.method.dp.target_epsilon:
+            self.metrics.export_dp_budget(self.method.dp.target_epsilon)
         self.metrics.round.set(self.round)
         while self.round < self.cfg.rounds:
             # Every round starts with at least --min-edges connected (as Flower's

@@ -10,7 +10,8 @@ Privacy: ``fedattn_dp_epsilon{edge}`` is the epsilon each edge's DP-SGD ledger h
 (reported with its training result); secure aggregation's steps are phases of their own
 (``secagg-advertise:P``, ``secagg-share:P``, ``secagg-unmask:P``), so their timings are
 ``fedattn_phase_seconds{phase=~"secagg-.*"}`` and their timeouts and drops the per-phase
-series. The dashboard has no privacy row yet (its live test needs a series for every panel).
+series, and ``fedattn_wire_bytes_total{kind="secagg"}`` their traffic. The dashboard's
+Privacy row shows both.
 """
 
 from __future__ import annotations
@@ -106,6 +107,13 @@ class ServerMetrics:
         self.dp_epsilon = gauge("fedattn_dp_epsilon",
                                 "Privacy an edge's DP-SGD has spent so far (its ledger's epsilon)",
                                 ["edge"])
+        self._registry = registry
+
+    def export_dp_budget(self, epsilon: float) -> None:
+        """The run's --dp-epsilon, exported only when there is one (a 0 or a missing budget
+        must not read as one)."""
+        Gauge("fedattn_dp_epsilon_budget", "The epsilon each edge's DP-SGD may spend in all",
+              registry=self._registry).set(epsilon)
 
     def init_phases(self, phases: list[str]) -> None:
         """Exports every per-phase series at 0 from the start, so a rate or an alert over

@@ -72,7 +72,7 @@ def promtool(tools: dict, *args: str, cwd: Path = DEPLOY) -> str:
 
 
 def test_alert_rules_and_config_pass_promtool(prometheus_tools):
-    assert "SUCCESS: 5 rules found" in promtool(prometheus_tools, "check", "rules",
+    assert "SUCCESS: 6 rules found" in promtool(prometheus_tools, "check", "rules",
                                                 "prometheus/alerts.yml")
     promtool(prometheus_tools, "check", "config", "prometheus.yml")
     # Each alert fires on the series it is about and stays quiet before its threshold.
@@ -80,14 +80,25 @@ def test_alert_rules_and_config_pass_promtool(prometheus_tools):
                                  cwd=DEPLOY / "prometheus")
 
 
-def dashboard_queries() -> list[tuple[str, list[str]]]:
-    """(panel title, [PromQL]) for every panel, Grafana variables replaced."""
+# Rows whose panels only have series when the server runs with these flags.
+ROWS_WITH_FLAGS = {"Privacy"}
+
+
+def dashboard_queries(rows: set[str] | None = None) -> list[tuple[str, list[str]]]:
+    """(panel title, [PromQL]) for every panel (or those under the named rows), Grafana
+    variables replaced."""
     dashboard = json.loads(DASHBOARD.read_text())
     variables = {v["name"] for v in dashboard["templating"]["list"]}
     assert variables == set(TEST_VARIABLES), "a dashboard variable the test does not fill in"
-    panels = []
+    all_rows = {p["title"] for p in dashboard["panels"] if p["type"] == "row"}
+    assert ROWS_WITH_FLAGS <= all_rows
+    rows = all_rows - ROWS_WITH_FLAGS if rows is None else rows
+    panels, row = [], None
     for panel in dashboard["panels"]:
         if panel["type"] == "row":
+            row = panel["title"]
+            continue
+        if row not in rows:
             continue
         exprs = []
         for target in panel["targets"]:
@@ -147,15 +158,16 @@ class PrometheusAPI:
             return False
 
 
-@pytest.mark.slow
-def test_every_dashboard_panel_returns_series_from_a_live_federation(cluster, tmp_path,
-                                                                      prometheus_tools):
-    dirs = write_edge_dirs(tmp_path, 2, per_edge=60)
-    server_metrics, edge_metrics = free_port(), [free_port(), free_port()]
+def live_federation(cluster, tmp_path, tools: dict, edges: int, *server_args: str
+                    ) -> PrometheusAPI:
+    """A running fl-server and ``edges`` fl-edges scraped every second by a real Prometheus
+    with deploy/'s config and rules; returns its API set to a moment when all was scraped."""
+    dirs = write_edge_dirs(tmp_path, edges, per_edge=60)
+    server_metrics, edge_metrics = free_port(), [free_port() for _ in range(edges)]
     # Many rounds: the federation must still be running while the queries are made (a
     # target that stops answering turns its series stale).
-    cluster.server("--method", "fedavg", "--rounds", "1000", "--min-edges", "2",
-                   "--local-epochs", "1", "--metrics-port", str(server_metrics))
+    cluster.server("--method", "fedavg", "--rounds", "1000", "--min-edges", str(edges),
+                   "--local-epochs", "1", "--metrics-port", str(server_metrics), *server_args)
     for i, d in enumerate(dirs):
         cluster.edge(d, f"e{i}", "--metrics-port", str(edge_metrics[i]))
 
@@ -169,7 +181,7 @@ def test_every_dashboard_panel_returns_series_from_a_live_federation(cluster, tm
         job["static_configs"] = [{"targets": targets[job["job_name"]]}]
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
-    prometheus = Proc([prometheus_tools["prometheus"],
+    prometheus = Proc([tools["prometheus"],
                        f"--config.file={tmp_path / 'prometheus.yml'}",
                        f"--storage.tsdb.path={tmp_path / 'tsdb'}",
                        f"--web.listen-address=127.0.0.1:{port}"], tmp_path / "prometheus.log")
@@ -185,19 +197,28 @@ def test_every_dashboard_panel_returns_series_from_a_live_federation(cluster, tm
         at = time.time() - 2.5  # scrapes before it have finished (timeout = interval)
         up = api.query("up", at)
         rounds = api.query("fedattn_round", at)
-        ok = (len(up) == 3 and all(s["value"][1] == "1" for s in up) and rounds
+        ok = (len(up) == 1 + edges and all(s["value"][1] == "1" for s in up) and rounds
               and float(rounds[0]["value"][1]) >= 3
               # two rate windows' worth of scrapes after the first round
               and api.query("count_over_time(fedattn_round[25s]) >= 15", at))
         return at if ok else None
-    api.at = wait_for(healthy_and_going, 150, "3 targets up and 3 rounds scraped", interval=1)
+    api.at = wait_for(healthy_and_going, 150, f"{1 + edges} targets up and 3 rounds scraped",
+                      interval=1)
+    return api
 
-    empty = []
-    for title, exprs in dashboard_queries():
-        series = [s for expr in exprs for s in api.query(expr)]
-        if not series:
-            empty.append(title)
-    assert not empty, f"panels without series: {empty}"
+
+def panels_without_series(api: PrometheusAPI, rows: set[str] | None = None) -> list[str]:
+    return [title for title, exprs in dashboard_queries(rows)
+            if not any(api.query(expr) for expr in exprs)]
+
+
+@pytest.mark.slow
+def test_every_dashboard_panel_returns_series_from_a_live_federation(cluster, tmp_path,
+                                                                      prometheus_tools):
+    api = live_federation(cluster, tmp_path, prometheus_tools, 2)
+    assert not panels_without_series(api)
+    # Without --dp nothing claims an epsilon (a 0 would read as perfect privacy).
+    assert not api.query('{__name__=~"fedattn_(edge_)?dp_.*"}')
 
     # The figures mean what they say.
     def value(expr: str) -> float:
@@ -228,5 +249,38 @@ def test_every_dashboard_panel_returns_series_from_a_live_federation(cluster, tm
     # Prometheus loaded the alert rules, they evaluate cleanly, and none fires on a healthy run.
     groups = api.get("rules")["data"]["groups"]
     rules = [r for g in groups for r in g["rules"]]
-    assert len(rules) == 5 and all(r["health"] == "ok" for r in rules), rules
+    assert len(rules) == 6 and all(r["health"] == "ok" for r in rules), rules
     assert [r["name"] for r in rules if r["state"] != "inactive"] == []
+
+
+@pytest.mark.slow
+def test_privacy_row_under_dp_sgd_and_secure_aggregation(cluster, tmp_path, prometheus_tools):
+    budget = 1000.0  # far more than the rounds this test waits for spend
+    api = live_federation(cluster, tmp_path, prometheus_tools, 3,
+                          "--secagg", "--secagg-graph", "full",
+                          "--dp", "--dp-fix-model", "--dp-noise-multiplier", "1.0",
+                          "--dp-epsilon", str(budget), "--batch-size", "20")
+    assert not panels_without_series(api, ROWS_WITH_FLAGS)
+
+    # Each edge's spend, as its own /metrics and the server's agree, is a share of the budget.
+    used = {s["metric"]["edge"]: float(s["value"][1]) for s in api.query(
+        'fedattn_dp_epsilon{job="fl-server"} / scalar(fedattn_dp_epsilon_budget)')}
+    assert sorted(used) == ["e0", "e1", "e2"] and all(0 < u < 1 for u in used.values())
+    on_edges = api.query('fedattn_edge_dp_epsilon_budget{job="fl-edge"}')
+    assert len(on_edges) == 3 and {float(s["value"][1]) for s in on_edges} == {budget}
+    # The SecAgg+ steps of the masked train phase are timed, and nobody dropped out.
+    steps = api.query('fedattn_phase_seconds_count{job="fl-server",phase=~"secagg-.*"}')
+    assert {s["metric"]["phase"] for s in steps} == {
+        "secagg-advertise:train", "secagg-share:train", "secagg-unmask:train"}
+    assert all(float(s["value"][1]) >= 3 for s in steps)
+    dropped = api.query('sum(fedattn_edges_dropped_total{phase=~"secagg-.*"})')
+    assert float(dropped[0]["value"][1]) == 0
+    secagg_up = api.query('sum(fedattn_wire_bytes_total{job="fl-server",kind="secagg",'
+                          'direction="up"})')
+    assert float(secagg_up[0]["value"][1]) > 0
+    # Masking keeps the payload overhead that FedattnWireOverheadHigh watches near 1.
+    ratio = api.query('sum by (direction) (rate(fedattn_wire_bytes_total{job="fl-server",'
+                      'kind!="meta"}[20s])) / sum by (direction) '
+                      '(rate(fedattn_raw_tensor_bytes_total{job="fl-server"}[20s]))')
+    assert {s["metric"]["direction"] for s in ratio} == {"up", "down"}
+    assert all(1.0 <= float(s["value"][1]) < 1.05 for s in ratio)
