@@ -128,3 +128,29 @@ def test_full_disk_keeps_the_old_state_and_names_the_path(tmp_path, monkeypatch)
         thread.join(timeout=30)
         loop.close()
     wait_for(lambda: not thread.is_alive(), 5, "server thread")
+
+
+@pytest.mark.slow
+def test_edge_killed_during_secure_aggregation_is_recovered_from_shares(cluster, tmp_path):
+    """SIGKILL after the key exchange, while the edge trains in the masked phase: its pairwise
+    masks are rebuilt from the survivors' shares, so round 1 still unmasks the survivors'
+    sum; the restarted edge takes part in the next rounds' protocol from scratch."""
+    dirs = write_edge_dirs(tmp_path, 3, per_edge=40)
+    # The victim's local training is long enough for the kill to land inside it.
+    dirs.append(write_edge_dirs(tmp_path / "slow", 1, per_edge=6000)[0])
+    server = cluster.server("--method", "fedavg", "--secagg", "--secagg-graph", "full",
+                            "--rounds", "3", "--min-edges", "4", "--eval-every", "0")
+    edges = [cluster.edge(d, f"e{i}") for i, d in enumerate(dirs)]
+    server.wait_log("round 1 train: 4 task(s)")
+    edges[3].kill()
+    server.wait_log("round 1 done")
+    restarted = cluster.edge(dirs[3], "e3")
+    assert [e.wait() for e in (*edges[:3], restarted)] == [0, 0, 0, 0]
+    assert server.wait() == 0
+    rounds = read_history(tmp_path / "server-state")["rounds"]
+    assert [r["aggregate"]["secagg-share"]["shared"] for r in rounds] == [4, 4, 4]
+    assert rounds[0]["train"]["dropped"] == {"e3": "disconnected"}
+    assert [(r["aggregate"]["secagg-unmask"]["unmasked"],
+             r["aggregate"]["secagg-unmask"]["recovered_dropouts"]) for r in rounds] == [
+        (3, 1), (4, 0), (4, 0)]
+    assert not any("secagg-aborted" in r["aggregate"] for r in rounds)
