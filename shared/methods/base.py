@@ -13,6 +13,7 @@ The daemons only ever talk to this interface; none of them branches on a method 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import functools
@@ -126,6 +127,10 @@ class Method:
     #: after clipping and noise). A method that does not declare it is refused under --dp;
     #: one whose support depends on its parameters overrides ``dp_refusal``.
     dp_support: ClassVar[bool] = False
+    #: (shared model, private model): a second model per edge that starts as a copy of the
+    #: shared one and never leaves the edge (Ditto's and pFedMe's personal model, FedAvg-FT's
+    #: fine-tuned one). None: the models of ``model_names`` as they are split.
+    personal_copy: ClassVar[tuple[str, str] | None] = None
 
     def __init__(self, context: MethodContext):
         self.train = context.train
@@ -154,19 +159,26 @@ class Method:
 
     # ---- declarations -------------------------------------------------------------
     def model_names(self) -> tuple[str, ...]:
-        return ("model",)
+        return self.personal_copy or ("model",)
 
     def build_models(self) -> dict[str, nn.Module]:
         """Fresh models, identical on every edge and the server for the same seed."""
         torch.manual_seed(self.train.seed)
         t = self.train
-        return {name: build_model(t.model, t.num_classes, t.in_channels, t.image_size)
-                for name in self.model_names()}
+        models = {name: build_model(t.model, t.num_classes, t.in_channels, t.image_size)
+                  for name in self.model_names()}
+        if self.personal_copy:
+            shared, personal = self.personal_copy
+            models[personal] = copy.deepcopy(models[shared])
+        return models
 
     def split_rules(self) -> dict[str, tuple[str, ...]]:
         """Private rules per model: the method's own plus the user's ``train.private``."""
         rules = tuple(dict.fromkeys(self.private_rules + tuple(self.train.private)))
-        return {name: rules for name in self.model_names()}
+        split_rules = {name: rules for name in self.model_names()}
+        if self.personal_copy:
+            split_rules[self.personal_copy[1]] = ("all",)
+        return split_rules
 
     def shared_specs(self, models: dict[str, nn.Module]) -> dict[str, TensorSpec]:
         specs: dict[str, TensorSpec] = {}

@@ -6,7 +6,6 @@ exactly its own gradient because their parameters are disjoint. The pull is grad
 post-processing on the personal model only. ``predict`` uses the personal model.
 """
 
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -45,20 +44,7 @@ class Ditto(Method):
     name = "ditto"
     dp_support = True  # cross-entropy only; parameter-only terms are post_backward
     Params = DittoParams
-
-    def model_names(self):
-        return ("global", "personal")
-
-    def build_models(self):
-        torch.manual_seed(self.train.seed)
-        models = super().build_models()
-        models["personal"] = copy.deepcopy(models["global"])
-        return models
-
-    def split_rules(self):
-        rules = super().split_rules()
-        rules["personal"] = ("all",)
-        return rules
+    personal_copy = ("global", "personal")
 
     def edge(self, models, device):
         return DittoEdge(self, models, device)

@@ -15,7 +15,6 @@ local epoch, the same local budget as a training round (the usual setting of the
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -74,25 +73,13 @@ class FedAvgFT(Method):
     name = "fedavgft"
     dp_support = True  # cross-entropy only; parameter-only terms are post_backward
     Params = FedAvgFTParams
+    personal_copy = ("model", "finetuned")
 
     def __init__(self, context: MethodContext):
         super().__init__(context)
         if self.params.finetune_epochs < 0:
             raise ValueError("fedavgft.finetune_epochs must be >= 0, got "
                              f"{self.params.finetune_epochs}")
-
-    def model_names(self):
-        return ("model", "finetuned")
-
-    def build_models(self):
-        models = super().build_models()
-        models["finetuned"] = copy.deepcopy(models["model"])
-        return models
-
-    def split_rules(self):
-        rules = super().split_rules()
-        rules["finetuned"] = ("all",)
-        return rules
 
     def edge(self, models, device):
         return FedAvgFTEdge(self, models, device)

@@ -23,7 +23,6 @@ runs a forward pass (``buffers_from_personal``, a reconstruction).
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -116,6 +115,7 @@ class PFedMe(Method):
     name = "pfedme"
     dp_support = True  # cross-entropy only; parameter-only terms are post_backward
     Params = PFedMeParams
+    personal_copy = ("global", "personal")
     aggregator_kind = AggregatorKind.SERVER_OPTIMIZER
 
     def __init__(self, context: MethodContext):
@@ -131,19 +131,6 @@ class PFedMe(Method):
             raise ValueError(f"pfedme.beta must be a finite number > 0, got {p.beta}")
         if not self.train.lr > 0:
             raise ValueError(f"pfedme needs train.lr > 0 (the outer step eta), got {self.train.lr}")
-
-    def model_names(self):
-        return ("global", "personal")
-
-    def build_models(self):
-        models = super().build_models()
-        models["personal"] = copy.deepcopy(models["global"])
-        return models
-
-    def split_rules(self):
-        rules = super().split_rules()
-        rules["personal"] = ("all",)
-        return rules
 
     def edge(self, models, device):
         return PFedMeEdge(self, models, device)
