@@ -74,6 +74,7 @@ class Config:
     label: str
     method: str
     params: dict[str, object] = field(default_factory=dict)
+    train: dict[str, object] = field(default_factory=dict)  # [train] values beside the method's
 
 
 TABLE_IV = [Config("local", "local"), Config("fedavg", "fedavg"), Config("fedprox", "fedprox"),
@@ -90,7 +91,13 @@ ABLATIONS = [
     # GSR under running statistics, without round 1's pull toward S_G^0 = 0 / gentler.
     Config("running-wait", "fedsap", {"stats_mode": "eval", "wait_for_stats": True}),
     Config("running-lambda=0.5", "fedsap", {"stats_mode": "eval", "lam": 0.5}),
+    # The pSE split with BN local as well (FedBN's rule): the squeezes then differ across
+    # edges (26 % under FedBN), so GSR has something to align; with GSR and without.
+    Config("fedsap+bn-local", "fedsap", train={"private": ["bn"]}),
+    Config("pse-only+bn-local", "fedsap", {"target": "off"}, train={"private": ["bn"]}),
 ]
+# Ablation rows run with every seed (the comparisons that need the seed spread).
+SEEDED = {"fedsap", "pse-only", "fedsap+bn-local", "pse-only+bn-local"}
 
 
 def run(cmd: list[str], log: Path) -> None:
@@ -127,6 +134,7 @@ def federate(args, config: Config, alpha: str, seed: int) -> Path:
             "train.lr": args.lr, "train.momentum": args.momentum, "train.batch_size": args.batch_size,
             "train.local_epochs": args.epochs, "server.eval_every": args.eval_every,
             "train.lr_schedule": "constant",
+            **{f"train.{k}": v for k, v in config.train.items()},
             **{f"{config.method}.{k}": v for k, v in config.params.items()}}
     flags = [f"--set={k}={json.dumps(v)}" for k, v in sets.items()]  # JSON scalars are TOML
     started = time.time()
@@ -333,7 +341,7 @@ def main() -> int:
     if args.what in ("ablations", "all"):
         extra = [*TABLE_IV[-1:], PSE_ONLY] if args.what == "ablations" else []
         jobs += [(c, "0.5", s) for c in extra + ABLATIONS
-                 for s in (args.seeds if c.label in ("fedsap", "pse-only") else args.seeds[:1])]
+                 for s in (args.seeds if c.label in SEEDED else args.seeds[:1])]
     if args.only:
         jobs = [job for job in jobs if job[0].label in args.only]
     for alpha, seed in dict.fromkeys((a, s) for _, a, s in jobs):
