@@ -36,15 +36,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+from _harness import ROOT, SHARED_DATA, run
 
-ROOT = Path(__file__).resolve().parent.parent
-CIFAR10 = ROOT.parent / "shared" / "data" / "cifar-10" / "cifar-10-batches-bin"
+CIFAR10 = SHARED_DATA / "cifar-10" / "cifar-10-batches-bin"
 ARCHS = {  # label -> (compact model, -50 model)
     "BN-ResNet": ("bn-resnet-compact", "bn-resnet-50"),
     "GN-ResNet": ("gn-resnet-compact", "gn-resnet-50"),
@@ -61,13 +60,6 @@ PAPER = {
     ("ANFR", "fedprox"): 96.33, ("NF-ResNet", "fedprox"): 96.82, ("ANFR", "fedadam"): 96.93,
     ("ANFR", "scaffold"): 97.38,
 }
-
-
-def run(cmd: list[str], log: Path) -> None:
-    with open(log, "wb") as handle:
-        code = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, cwd=ROOT).returncode
-    if code:
-        raise SystemExit(f"failed ({code}): {' '.join(cmd)}\n{log.read_text()[-3000:]}")
 
 
 def partition(args, scheme: str, seed: int) -> Path:

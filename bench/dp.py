@@ -36,25 +36,18 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-CIFAR10 = ROOT.parent / "shared" / "data" / "cifar-10" / "cifar-10-batches-bin"
+from _harness import ROOT, SHARED_DATA, run
+
+CIFAR10 = SHARED_DATA / "cifar-10" / "cifar-10-batches-bin"
 ARCHS = {"GN-ResNet": ("gn-resnet-compact", "gn-resnet-50"),
          "ANFR": ("anfr-se-compact", "anfr-se-50")}
 EPSILONS = [math.inf, 1.0, 8.0]  # the paper's pair first
 PAPER = {("GN-ResNet", math.inf): 84.79, ("GN-ResNet", 1.0): 67.27,
          ("ANFR", math.inf): 84.47, ("ANFR", 1.0): 81.11}
-
-
-def run(cmd: list[str], log: Path) -> None:
-    with open(log, "wb") as handle:
-        code = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, cwd=ROOT).returncode
-    if code:
-        raise SystemExit(f"failed ({code}): {' '.join(cmd)}\n{log.read_text()[-3000:]}")
 
 
 def partition(args, seed: int) -> Path:

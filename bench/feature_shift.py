@@ -35,13 +35,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-SHARED_DATA = ROOT.parent / "shared" / "data"
+from _harness import ROOT, SHARED_DATA, run
+
 DOMAINS = ["mnist", "usps", "mnistm-style", "synthdigits-style"]
 HOSTS = ["fedavg", "fedprox", "fedbn", "pfedme", "ditto"]
 ATTENTION = ["none", "se", "eca", "ca", "hybrid"]
@@ -74,13 +73,6 @@ PAPER = {
     ("ditto", "hybrid"): (93.10, 61.47, 93.70, 76.57, 68.41, 78.14),
 }
 PAPER_COLUMNS = {"mnist": 0, "usps": 2, "synthdigits-style": 3, "mnistm-style": 4}
-
-
-def run(cmd: list[str], log: Path) -> None:
-    with open(log, "wb") as handle:
-        code = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, cwd=ROOT).returncode
-    if code:
-        raise SystemExit(f"failed ({code}): {' '.join(cmd)}\n{log.read_text()[-3000:]}")
 
 
 def partition(args, seed: int) -> Path:

@@ -40,15 +40,14 @@ import math
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-SHARED_DATA = ROOT.parent / "shared" / "data"
+from _harness import ROOT, SHARED_DATA, run
+
 SOURCES = {
     "cifar10": (SHARED_DATA / "cifar-10" / "cifar-10-batches-bin", 3, 32),
     "mnist": (SHARED_DATA / "mnist", 1, 28),
@@ -98,13 +97,6 @@ ABLATIONS = [
 ]
 # Ablation rows run with every seed (the comparisons that need the seed spread).
 SEEDED = {"fedsap", "pse-only", "fedsap+bn-local", "pse-only+bn-local"}
-
-
-def run(cmd: list[str], log: Path) -> None:
-    with open(log, "wb") as handle:
-        code = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, cwd=ROOT).returncode
-    if code:
-        raise SystemExit(f"failed ({code}): {' '.join(cmd)}\n{log.read_text()[-3000:]}")
 
 
 def partition(args, alpha: str, seed: int) -> Path:

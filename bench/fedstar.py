@@ -46,8 +46,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-SHARED_DATA = ROOT.parent / "shared" / "data"
+from _harness import ROOT, SHARED_DATA, run
+
 SOURCES = {
     "mnist": (SHARED_DATA / "mnist", 1, 28),
     "cifar10": (SHARED_DATA / "cifar-10" / "cifar-10-batches-bin", 3, 32),
@@ -90,13 +90,6 @@ def registered(method: str) -> bool:
     from fedattn_shared.methods.registry import available_methods
 
     return method in available_methods()
-
-
-def run(cmd: list[str], log: Path) -> None:
-    with open(log, "wb") as handle:
-        code = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, cwd=ROOT).returncode
-    if code:
-        raise SystemExit(f"failed ({code}): {' '.join(cmd)}\n{log.read_text()[-3000:]}")
 
 
 def partition(args, dataset: str, seed: int) -> Path:

@@ -43,16 +43,15 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from _harness import ROOT, SHARED_DATA, run
+
 from fedattn_shared.methods.pfedka import PFedKAParams
 
-ROOT = Path(__file__).resolve().parent.parent
-SHARED_DATA = ROOT.parent / "shared" / "data"
 CIFAR = SHARED_DATA / "cifar-10" / "cifar-10-batches-bin"
 # The paper's surviving figures (METHODS.md 1.11): CIFAR-10 high heterogeneity
 # personalized accuracy, traffic and round time against FedAvg.
@@ -82,13 +81,6 @@ OTHER_RESIDUAL = not PFedKAParams().ca_residual
 RESIDUAL = [Config("fedavg", "fedavg"), PFEDKA,
             Config(f"ca_residual={str(OTHER_RESIDUAL).lower()}", "pfedka",
                    {"ca_residual": OTHER_RESIDUAL})]
-
-
-def run(cmd: list[str], log: Path) -> None:
-    with open(log, "wb") as handle:
-        code = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, cwd=ROOT).returncode
-    if code:
-        raise SystemExit(f"failed ({code}): {' '.join(cmd)}\n{log.read_text()[-3000:]}")
 
 
 def partition(args, alpha: str, seed: int) -> Path:

@@ -1,0 +1,19 @@
+"""What the bench scripts share: where the repo and the team's datasets are, and running
+one step (fl-partition, fl-sim, ...) as a subprocess with its output kept in a log."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED_DATA = ROOT.parent / "shared" / "data"
+
+
+def run(cmd: list[str], log: Path) -> None:
+    """Runs ``cmd`` in the repo with stdout and stderr in ``log``; stops the bench with the
+    command and the log's tail when it fails."""
+    with open(log, "wb") as handle:
+        code = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+    if code:
+        raise SystemExit(f"failed ({code}): {' '.join(cmd)}\n{log.read_text()[-3000:]}")
