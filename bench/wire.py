@@ -91,13 +91,14 @@ def fedattn_round(model: str, edges: int, rounds: int, workdir: Path, local_epoc
          "--data-dir", str(workdir / f"edge-{i}"), "--state-dir", str(workdir / f"state-{i}"),
          "--name", f"edge-{i}", "--device", "cpu", "--log-level", "WARNING"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(edges)]
+    # The high-water mark once the last round's checkpoint is on disk: the rounds' peak,
+    # not the interpreter's teardown at exit (which briefly adds about 100 MB).
+    last_checkpoint = workdir / "server" / "rounds" / f"{rounds:06d}" / "state.json"
     peak = idle_rss
-    while server.poll() is None:
-        try:
-            peak = max(peak, rss_kib(server.pid, "VmHWM"))
-        except FileNotFoundError:
-            break
+    while server.poll() is None and not last_checkpoint.exists():
+        peak = max(peak, rss_kib(server.pid, "VmHWM"))
         time.sleep(0.05)
+    server.wait(timeout=120)
     lo_total = loopback_bytes() - lo_before
     for c in clients:
         c.wait(timeout=120)
