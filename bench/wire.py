@@ -61,7 +61,8 @@ def model_params(name: str) -> int:
 
 
 # ---- fedattn ------------------------------------------------------------------------------
-def fedattn_round(model: str, edges: int, rounds: int, workdir: Path, local_epochs: int) -> dict:
+def fedattn_round(model: str, edges: int, rounds: int, workdir: Path, local_epochs: int,
+                  server_env: dict[str, str] | None = None) -> dict:
     channels, size = MODEL_INPUT[model]
     rng = np.random.default_rng(0)
     for i in range(edges):
@@ -79,7 +80,7 @@ def fedattn_round(model: str, edges: int, rounds: int, workdir: Path, local_epoc
          "fedavg", "--model", model, "--in-channels", str(channels), "--image-size", str(size),
          "--rounds", str(rounds), "--min-edges", str(edges), "--eval-every", "0",
          "--batch-size", "2", "--local-epochs", str(local_epochs), "--log-level", "WARNING"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        env={**env, **(server_env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while not ready.exists():
         time.sleep(0.05)
     time.sleep(1.0)
@@ -274,6 +275,9 @@ def main() -> int:
             f = fedattn_round(model, args.edges, args.rounds, Path(tmp), local_epochs=0)
         with tempfile.TemporaryDirectory() as tmp:
             trained = fedattn_round(model, args.edges, args.rounds, Path(tmp), local_epochs=1)
+        with tempfile.TemporaryDirectory() as tmp:  # fl-server limits glibc to 2 arenas
+            many_arenas = fedattn_round(model, args.edges, args.rounds, Path(tmp), local_epochs=0,
+                                        server_env={"MALLOC_ARENA_MAX": str(8 * os.cpu_count())})
         nbytes = model_bytes  # each edge pulls and pushes one model
         bare, bare_rss_kib = grpc_round(nbytes, args.edges)
         plain = socket_round(nbytes, args.edges)
@@ -291,6 +295,9 @@ def main() -> int:
         ours, bare_rss = f["peak_rss_growth_kib"] * 1024, bare_rss_kib * 1024
         print(f"  server peak RSS growth                 {ours / 1e6:.1f} MB = "
               f"{ours / model_bytes:.2f}x one model")
+        glibc = many_arenas["peak_rss_growth_kib"] * 1024
+        print(f"  ... with glibc's default malloc arenas {glibc / 1e6:.1f} MB = "
+              f"{glibc / model_bytes:.2f}x one model")
         print(f"  bare grpcio server peak RSS growth     {bare_rss / 1e6:.1f} MB = "
               f"{bare_rss / model_bytes:.2f}x one model")
         print(f"  fedattn's own (beyond bare grpcio)     {(ours - bare_rss) / 1e6:.1f} MB = "
