@@ -18,6 +18,8 @@ import threading
 import time
 from pathlib import Path
 
+from fedattn_shared.state import StateError
+
 
 def worker(argv: list[str]) -> int:
     """``python -m fl_edge.sim worker --server H:P --state-root D DATA_DIR...``"""
@@ -31,6 +33,7 @@ def worker(argv: list[str]) -> int:
     p.add_argument("--server", required=True)
     p.add_argument("--state-root", required=True, type=Path)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--tls-root", type=Path, help="one certificate folder per edge name")
     p.add_argument("data_dirs", nargs="+", type=Path)
     args = p.parse_args(argv)
     setup_logging("WARNING")
@@ -40,7 +43,8 @@ def worker(argv: list[str]) -> int:
     def run(data_dir: Path) -> None:
         options = EdgeOptions(server=args.server, data_dir=data_dir,
                               state_dir=args.state_root / data_dir.name, name=data_dir.name,
-                              device=args.device, progress=False, retry_for=120)
+                              device=args.device, progress=False, retry_for=120,
+                              tls_dir=args.tls_root / data_dir.name if args.tls_root else None)
         try:
             codes[data_dir.name] = EdgeDaemon(options).run()
         except EdgeExit as err:
@@ -74,7 +78,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the simulated edges train (all share it)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="passed to the fl-server it starts")
+    p.add_argument("--tls-dir", type=Path,
+                   help="mutual TLS with the CA folder of `fl-server certs init`: each edge "
+                        "uses DIR/edges/NAME, issued here when missing; without --server a CA "
+                        "for 127.0.0.1 is created when DIR has none")
     return p
+
+
+def prepare_tls(ca_dir: Path, names: list[str], own_server: bool) -> Path:
+    """The per-edge certificate folders under ``ca_dir/edges``, issued where missing."""
+    from fedattn_shared.tls import CA_KEY, EDGE_CERT, init_ca, issue_edge
+
+    if not (ca_dir / CA_KEY).exists():
+        if not own_server:
+            raise StateError(f"--tls-dir {ca_dir} holds no CA: pass the folder the server's "
+                             "`fl-server certs init` made")
+        init_ca(ca_dir, ["127.0.0.1", "localhost"])
+    for name in names:
+        if not (ca_dir / "edges" / name / EDGE_CERT).exists():
+            issue_edge(ca_dir, name)
+    return ca_dir / "edges"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,6 +140,14 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     data_dirs = data_dirs[: args.edges]
+    tls = []
+    if args.tls_dir:
+        try:
+            tls = ["--tls-root", str(prepare_tls(args.tls_dir, [d.name for d in data_dirs],
+                                                 own_server=args.server is None))]
+        except StateError as err:
+            print(f"fl-sim: error: {err}", file=sys.stderr)
+            return 2
 
     procs: list[subprocess.Popen] = []
     logs = []
@@ -134,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         if address is None:
             ready = out / "server.ready.json"
             ready.unlink(missing_ok=True)
-            server = spawn(["-m", "fl_server", "--insecure", "--host", "127.0.0.1", "--port", "0",
+            security = ["--tls-dir", str(args.tls_dir)] if args.tls_dir else ["--insecure"]
+            server = spawn(["-m", "fl_server", *security, "--host", "127.0.0.1", "--port", "0",
                             "--ready-file", str(ready), "--checkpoint-dir", str(out / "server"),
                             "--method", args.method, "--rounds", str(args.rounds),
                             "--fraction", str(args.fraction), "--min-edges", str(args.edges),
@@ -149,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             address = f"127.0.0.1:{json.loads(ready.read_text())['port']}"
         groups = [data_dirs[i :: args.procs] for i in range(args.procs)]
         workers = [spawn(["-m", "fl_edge.sim", "worker", "--server", address, "--state-root",
-                          str(out / "state"), "--device", args.device, *map(str, group)],
+                          str(out / "state"), "--device", args.device, *tls, *map(str, group)],
                          f"worker-{i}.log")
                    for i, group in enumerate(groups) if group]
         print(f"fl-sim: {args.edges} edges in {len(workers)} processes against {address}")

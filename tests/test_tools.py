@@ -44,3 +44,21 @@ def test_fl_sim_runs_many_edges_in_few_processes(tmp_path):
     identities = {json.loads((out / "state" / d / "identity.json").read_text())["edge_id"]
                   for d in [p.name for p in (out / "state").iterdir()]}
     assert len(identities) == 6
+
+
+def test_fl_sim_over_mutual_tls_issues_a_certificate_per_edge(tmp_path):
+    out, ca = tmp_path / "sim", tmp_path / "ca"
+    result = run("fl_edge.sim", "--method", "fedavg", "--edges", "4", "--procs", "2",
+                 "--fraction", "1", "--rounds", "1", "--out", str(out), "--tls-dir", str(ca))
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+    enrolled = json.loads((ca / "enrolled.json").read_text())
+    names = sorted(p.name for p in (out / "state").iterdir())
+    assert sorted(enrolled) == names and len(names) == 4
+    history = json.loads((out / "server" / "history.json").read_text())
+    assert sorted(history["rounds"][0]["train"]["received"]) == names
+    assert "serving on" in (out / "logs" / "server.log").read_text()
+    # Against a running server, the folder must already hold its CA.
+    refused = run("fl_edge.sim", "--edges", "4", "--data-root", str(out / "data"),
+                  "--server", "127.0.0.1:1", "--out", str(tmp_path / "other"),
+                  "--tls-dir", str(tmp_path / "empty"))
+    assert refused.returncode == 2 and "holds no CA" in refused.stderr
