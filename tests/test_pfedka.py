@@ -171,7 +171,7 @@ def test_training_loss_is_ce_plus_lambda_tau2_kd_and_ce_is_the_last_epochs():
         for batch in epoch_batches:
             ce, kd = by_hand(*batch)
             ces.append(float(ce.detach()))
-            assert float(edge.training_step(batch)) == pytest.approx(float(ce + edge.lam * kd),
+            assert float(edge.training_step(batch).detach()) == pytest.approx(float(ce + edge.lam * kd),
                                                                      rel=1e-5)
     upload = edge.after_train(3)
     assert set(upload.tensors(*SCALARS)) == {"n", "ce"}
