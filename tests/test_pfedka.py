@@ -171,8 +171,8 @@ def test_training_loss_is_ce_plus_lambda_tau2_kd_and_ce_is_the_last_epochs():
         for batch in epoch_batches:
             ce, kd = by_hand(*batch)
             ces.append(float(ce.detach()))
-            assert float(edge.training_step(batch).detach()) == pytest.approx(float(ce + edge.lam * kd),
-                                                                     rel=1e-5)
+            expected = float((ce + edge.lam * kd).detach())
+            assert float(edge.training_step(batch).detach()) == pytest.approx(expected, rel=1e-5)
     upload = edge.after_train(3)
     assert set(upload.tensors(*SCALARS)) == {"n", "ce"}
     assert float(upload.tensors(*SCALARS)["ce"]) == pytest.approx((ces[1] + ces[2]) / 2, rel=1e-5)
