@@ -367,6 +367,8 @@ def main() -> int:
               + ", ".join(f"{k} {v}" for k, v in PAPER_ABLATIONS.items()) + ")")
         print(table(results, ablation_labels, ["0.5"], None))
     for alpha in args.alphas:
+        if not any((label, alpha) in results for label in labels):
+            continue  # an ablations-only run must not overwrite the table's curves
         path = args.out / f"convergence-{args.dataset}-{alpha}.png"
         plot(results, labels, alpha, path)
         print(f"\nconvergence curves: {path}")
