@@ -297,7 +297,7 @@ def main() -> int:
               f"{ours / model_bytes:.2f}x one model")
         glibc = many_arenas["peak_rss_growth_kib"] * 1024
         print(f"  ... with glibc's default malloc arenas {glibc / 1e6:.1f} MB = "
-              f"{glibc / model_bytes:.2f}x one model")
+              f"{glibc / model_bytes:.2f}x one model (round {many_arenas['round_s']:.3f} s)")
         print(f"  bare grpcio server peak RSS growth     {bare_rss / 1e6:.1f} MB = "
               f"{bare_rss / model_bytes:.2f}x one model")
         print(f"  fedattn's own (beyond bare grpcio)     {(ours - bare_rss) / 1e6:.1f} MB = "
