@@ -4,6 +4,7 @@ one step (fl-partition, fl-sim, ...) as a subprocess with its output kept in a l
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -17,3 +18,15 @@ def run(cmd: list[str], log: Path) -> None:
         code = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, cwd=ROOT).returncode
     if code:
         raise SystemExit(f"failed ({code}): {' '.join(cmd)}\n{log.read_text()[-3000:]}")
+
+
+def fl_partition(out: Path, log_dir: Path, flags: list[str]) -> bool:
+    """fl-partition into ``out`` with ``flags``, unless a finished partition (its
+    partition.json) is already there: runs share partitions across methods and restarts.
+    Returns whether it partitioned now."""
+    if (out / "partition.json").exists():
+        return False
+    out.parent.mkdir(parents=True, exist_ok=True)
+    run([sys.executable, "-m", "fedattn_shared.data.partition", "--out", str(out), *flags],
+        log_dir / f"partition-{out.name}.log")
+    return True

@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 import torch
-from _harness import ROOT, SHARED_DATA, run
+from _harness import ROOT, SHARED_DATA, fl_partition, run
 
 CIFAR10 = SHARED_DATA / "cifar-10" / "cifar-10-batches-bin"
 ARCHS = {  # label -> (compact model, -50 model)
@@ -65,16 +65,12 @@ PAPER = {
 def partition(args, scheme: str, seed: int) -> Path:
     detail = (f"{args.classes_per_edge}c" if scheme == "shards" else f"a{args.alpha}")
     out = args.out / "data" / f"{scheme}-{detail}-e{args.edges}-s{seed}-n{args.limit or 'all'}"
-    if (out / "partition.json").exists():
-        return out
     options = (["--shards-per-edge", str(args.classes_per_edge)] if scheme == "shards"
                else ["--alpha", str(args.alpha), "--min-per-edge", "20"])
     limit = ["--limit", str(args.limit)] if args.limit else []
-    out.parent.mkdir(parents=True, exist_ok=True)
-    run([sys.executable, "-m", "fedattn_shared.data.partition", "--source", str(CIFAR10),
-         "--edges", str(args.edges), "--out", str(out), "--seed", str(seed), "--scheme", scheme,
-         "--global-test-per-class", str(args.global_test_per_class), *options, *limit],
-        args.out / f"partition-{out.name}.log")
+    fl_partition(out, args.out, ["--source", str(CIFAR10), "--edges", str(args.edges), "--seed",
+                                 str(seed), "--scheme", scheme, "--global-test-per-class",
+                                 str(args.global_test_per_class), *options, *limit])
     return out
 
 

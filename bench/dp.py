@@ -40,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-from _harness import ROOT, SHARED_DATA, run
+from _harness import ROOT, SHARED_DATA, fl_partition, run
 
 CIFAR10 = SHARED_DATA / "cifar-10" / "cifar-10-batches-bin"
 ARCHS = {"GN-ResNet": ("gn-resnet-compact", "gn-resnet-50"),
@@ -52,15 +52,11 @@ PAPER = {("GN-ResNet", math.inf): 84.79, ("GN-ResNet", 1.0): 67.27,
 
 def partition(args, seed: int) -> Path:
     out = args.out / "data" / f"dirichlet-a{args.alpha}-e{args.edges}-s{seed}-n{args.limit or 'all'}"
-    if (out / "partition.json").exists():
-        return out
     limit = ["--limit", str(args.limit)] if args.limit else []
-    out.parent.mkdir(parents=True, exist_ok=True)
-    run([sys.executable, "-m", "fedattn_shared.data.partition", "--source", str(CIFAR10),
-         "--edges", str(args.edges), "--out", str(out), "--seed", str(seed),
-         "--scheme", "dirichlet", "--alpha", str(args.alpha), "--min-per-edge", "50",
-         "--global-test-per-class", str(args.global_test_per_class), *limit],
-        args.out / f"partition-{out.name}.log")
+    fl_partition(out, args.out, ["--source", str(CIFAR10), "--edges", str(args.edges), "--seed",
+                                 str(seed), "--scheme", "dirichlet", "--alpha", str(args.alpha),
+                                 "--min-per-edge", "50", "--global-test-per-class",
+                                 str(args.global_test_per_class), *limit])
     return out
 
 

@@ -39,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-from _harness import ROOT, SHARED_DATA, run
+from _harness import ROOT, SHARED_DATA, fl_partition, run
 
 DOMAINS = ["mnist", "usps", "mnistm-style", "synthdigits-style"]
 HOSTS = ["fedavg", "fedprox", "fedbn", "pfedme", "ditto"]
@@ -77,13 +77,10 @@ PAPER_COLUMNS = {"mnist": 0, "usps": 2, "synthdigits-style": 3, "mnistm-style": 
 
 def partition(args, seed: int) -> Path:
     out = args.out / "data" / f"digits-s{seed}-n{args.limit}-t{args.domain_test}"
-    if (out / "partition.json").exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    run([sys.executable, "-m", "fedattn_shared.data.partition", "--scheme", "digits",
-         "--source", str(SHARED_DATA), "--edges", str(len(DOMAINS)), "--domains", ",".join(DOMAINS),
-         "--out", str(out), "--seed", str(seed), "--limit", str(args.limit),
-         "--domain-test", str(args.domain_test)], args.out / f"partition-{out.name}.log")
+    fl_partition(out, args.out, ["--scheme", "digits", "--source", str(SHARED_DATA), "--edges",
+                                 str(len(DOMAINS)), "--domains", ",".join(DOMAINS), "--seed",
+                                 str(seed), "--limit", str(args.limit), "--domain-test",
+                                 str(args.domain_test)])
     return out
 
 

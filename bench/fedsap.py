@@ -46,7 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from _harness import ROOT, SHARED_DATA, run
+from _harness import ROOT, SHARED_DATA, fl_partition, run
 
 SOURCES = {
     "cifar10": (SHARED_DATA / "cifar-10" / "cifar-10-batches-bin", 3, 32),
@@ -102,14 +102,10 @@ SEEDED = {"fedsap", "pse-only", "fedsap+bn-local", "pse-only+bn-local"}
 def partition(args, alpha: str, seed: int) -> Path:
     source, _, _ = SOURCES[args.dataset]
     out = args.out / "data" / f"{args.dataset}-{alpha}-s{seed}-n{args.limit or 'all'}"
-    if (out / "partition.json").exists():
-        return out
     scheme = ["--scheme", "iid"] if alpha == "iid" else ["--scheme", "dirichlet", "--alpha", alpha]
     limit = ["--limit", str(args.limit)] if args.limit else []
-    out.parent.mkdir(parents=True, exist_ok=True)
-    run([sys.executable, "-m", "fedattn_shared.data.partition", "--source", str(source),
-         "--edges", str(args.edges), "--out", str(out), "--seed", str(seed), "--min-per-edge", "20",
-         *scheme, *limit], args.out / f"partition-{out.name}.log")
+    fl_partition(out, args.out, ["--source", str(source), "--edges", str(args.edges), "--seed",
+                                 str(seed), "--min-per-edge", "20", *scheme, *limit])
     return out
 
 

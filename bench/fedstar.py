@@ -46,7 +46,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from _harness import ROOT, SHARED_DATA, run
+from _harness import ROOT, SHARED_DATA, fl_partition, run
 
 SOURCES = {
     "mnist": (SHARED_DATA / "mnist", 1, 28),
@@ -96,15 +96,11 @@ def partition(args, dataset: str, seed: int) -> Path:
     source, _, _ = SOURCES[dataset]
     out = (args.out / "data" / f"{dataset}-a{args.alpha}-e{args.edges}-s{seed}"
            f"-n{args.limit or 'all'}")
-    if (out / "partition.json").exists():
-        return out
     limit = ["--limit", str(args.limit)] if args.limit else []
-    out.parent.mkdir(parents=True, exist_ok=True)
-    run([sys.executable, "-m", "fedattn_shared.data.partition", "--source", str(source),
-         "--edges", str(args.edges), "--out", str(out), "--seed", str(seed),
-         "--scheme", "dirichlet", "--alpha", str(args.alpha), "--min-per-edge",
-         str(args.min_per_edge), "--global-test-per-class", "0", *limit],
-        args.out / f"partition-{out.name}.log")
+    fl_partition(out, args.out, ["--source", str(source), "--edges", str(args.edges), "--seed",
+                                 str(seed), "--scheme", "dirichlet", "--alpha", str(args.alpha),
+                                 "--min-per-edge", str(args.min_per_edge),
+                                 "--global-test-per-class", "0", *limit])
     return out
 
 

@@ -48,7 +48,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from _harness import ROOT, SHARED_DATA, run
+from _harness import ROOT, SHARED_DATA, fl_partition, run
 
 from fedattn_shared.methods.pfedka import PFedKAParams
 
@@ -86,18 +86,14 @@ RESIDUAL = [Config("fedavg", "fedavg"), PFEDKA,
 def partition(args, alpha: str, seed: int) -> Path:
     """Edge folders without the global test set, which is kept once beside them."""
     out = args.out / "data" / f"cifar10-{alpha}-s{seed}-e{args.edges}-n{args.limit or 'all'}"
-    if (out / "partition.json").exists():
-        return out
     limit = ["--limit", str(args.limit)] if args.limit else []
-    out.parent.mkdir(parents=True, exist_ok=True)
-    run([sys.executable, "-m", "fedattn_shared.data.partition", "--source", str(CIFAR),
-         "--edges", str(args.edges), "--out", str(out), "--seed", str(seed),
-         "--min-per-edge", "20", "--scheme", "dirichlet", "--alpha", alpha, *limit],
-        args.out / f"partition-{out.name}.log")
-    edge_dirs = sorted(p for p in out.iterdir() if p.is_dir())
-    shutil.move(edge_dirs[0] / "global_test.npz", out.parent / "global_test.npz")
-    for edge in edge_dirs[1:]:
-        (edge / "global_test.npz").unlink()
+    if fl_partition(out, args.out, ["--source", str(CIFAR), "--edges", str(args.edges), "--seed",
+                                    str(seed), "--min-per-edge", "20", "--scheme", "dirichlet",
+                                    "--alpha", alpha, *limit]):
+        edge_dirs = sorted(p for p in out.iterdir() if p.is_dir())
+        shutil.move(edge_dirs[0] / "global_test.npz", out.parent / "global_test.npz")
+        for edge in edge_dirs[1:]:
+            (edge / "global_test.npz").unlink()
     return out
 
 
