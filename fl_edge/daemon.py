@@ -8,7 +8,6 @@ atomically after every local training, before the upload.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -49,7 +48,7 @@ from fedattn_shared.wire.signing import sign_submission
 from fedattn_shared.wire.transport import (
     MAX_MESSAGE_BYTES,
     channel_options,
-    data_frame,
+    data_frames,
     deserializer,
     serialize,
 )
@@ -628,17 +627,14 @@ class EdgeDaemon:
             session=self.session, round=task.round, task_id=task.task_id, phase=task.phase,
             num_examples=num_examples, payload=encoded.manifest, evaluation=evaluation,
             metrics=metrics, task_nonce=task.task_nonce))
-        body = hashlib.sha256()
-        for _, chunk in encoded.chunks(self.chunk_bytes):
-            body.update(chunk)
-        header.header.signature = sign_submission(self.signing_key, header.header, body.digest())
+        header.header.signature = sign_submission(self.signing_key, header.header,
+                                                  encoded.body_sha256())
 
         def messages():
             self.meter.count_message(UP, header)
             yield header
-            for kind, chunk in encoded.chunks(self.chunk_bytes):
-                frame = data_frame(chunk)
-                self.meter.count(UP, kind.label, len(frame) + GRPC_FRAME_PREFIX, len(chunk))
+            for kind, frame, size in data_frames(encoded, self.chunk_bytes):
+                self.meter.count(UP, kind.label, len(frame) + GRPC_FRAME_PREFIX, size)
                 yield frame
 
         reply = self._call(stub.Submit, messages(), timeout=600)

@@ -44,7 +44,7 @@ from fedattn_shared.wire.codec import (
     encode,
     torch_dtype,
 )
-from fedattn_shared.wire.transport import data_frame
+from fedattn_shared.wire.transport import data_frames
 
 from .checkpoint import CheckpointStore
 from .evaluation import split_figures, summarize
@@ -542,9 +542,7 @@ class Engine:
         common_payload = self.aggregator.broadcast(
             self.secagg.base_phase(name) if self.secagg else name)
         common = await asyncio.to_thread(encode, common_payload)
-        frames = await asyncio.to_thread(lambda: [
-            (kind, data_frame(chunk), len(chunk))
-            for kind, chunk in common.chunks(self.cfg.chunk_bytes)])
+        frames = await asyncio.to_thread(lambda: list(data_frames(common, self.cfg.chunk_bytes)))
         # The id changes when the bytes differ (the manifest carries their CRC-32) and, to
         # rule out a CRC collision on the usual path, whenever a phase aggregated uploads;
         # so an edge's cached copy is reused exactly when it is current.

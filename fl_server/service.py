@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import itertools
 import logging
 import time
 
@@ -29,7 +30,7 @@ from fedattn_shared.wire.codec import (
     nonfinite_tensors,
 )
 from fedattn_shared.wire.signing import verify_submission
-from fedattn_shared.wire.transport import MAX_MESSAGE_BYTES, data_frame, deserializer, serialize
+from fedattn_shared.wire.transport import MAX_MESSAGE_BYTES, data_frames, deserializer, serialize
 
 from .engine import Engine, Refused
 from .registry import AuthError
@@ -171,12 +172,17 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
             spec_json=phase.spec_json, common_id=phase.common_id, common_cached=cached,
             common=phase.common.manifest, personal=personal.manifest, task_nonce=task.nonce)
         yield self._meta(edge, pb.TaskMessage(header=header))
-        personal_frames = [(kind, data_frame(chunk), len(chunk))
-                           for kind, chunk in personal.chunks(self.chunk_bytes)]
-        for kind, frame, size in [*([] if cached else phase.common_frames), *personal_frames]:
+        # Once every task of the phase went out, the shared frames are dropped (one model's
+        # worth of memory through the uploads); a task sent again, to an edge that
+        # restarted, builds its frames from the encoded tensors as it streams.
+        common = [] if cached else (phase.common_frames
+                                    or data_frames(phase.common, self.chunk_bytes))
+        for kind, frame, size in itertools.chain(common, data_frames(personal, self.chunk_bytes)):
             self.meter.count(DOWN, kind.label, len(frame) + GRPC_FRAME_PREFIX, size, edge)
             yield frame
         task.delivered = True
+        if all(t.delivered for t in phase.tasks.values()):
+            phase.common_frames = []
 
     def _meta(self, edge: str, message):
         self.meter.count_message(DOWN, message, edge=edge)

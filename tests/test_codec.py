@@ -189,6 +189,21 @@ def test_chunks_stay_inside_sections(chunk_bytes, expected):
     assert out.tensors(Kind.STAT_VECTORS, "empty")["nothing"].numel() == 0
 
 
+@pytest.mark.parametrize("chunk_bytes", [1, 7, 16, 23, 1000])
+def test_frames_and_body_digest_equal_the_joined_chunks(chunk_bytes):
+    """The sender's one-copy frames and its signature digest, read from tensor memory,
+    are what the receiver sees: protobuf frames of the chunks, SHA-256 of their concatenation."""
+    import hashlib
+
+    from fedattn_shared.wire.transport import data_frames
+
+    encoded = encode(_layout_payload())
+    chunks = list(encoded.chunks(chunk_bytes))
+    frames = list(data_frames(encoded, chunk_bytes))
+    assert [(k, pb.SubmitMessage(data=c).SerializeToString(), len(c)) for k, c in chunks] == frames
+    assert encoded.body_sha256() == hashlib.sha256(b"".join(c for _, c in chunks)).digest()
+
+
 def test_chunks_refuse_a_non_positive_size():
     encoded = encode(_layout_payload())
     for bad in (0, -1):

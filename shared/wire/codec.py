@@ -11,6 +11,7 @@ buffer is allocated, each chunk against the declared layout, and the CRC at the 
 from __future__ import annotations
 
 import enum
+import hashlib
 import math
 import sys
 from collections.abc import Iterator
@@ -141,8 +142,10 @@ class EncodedPayload:
     def total_bytes(self) -> int:
         return self.manifest.total_bytes
 
-    def chunks(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[tuple[Kind, bytes]]:
-        """Data chunks of at most ``chunk_bytes``, each inside one section."""
+    def chunk_views(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+                    ) -> Iterator[tuple[Kind, list[memoryview]]]:
+        """Each data chunk as the views of tensor memory it spans (at most ``chunk_bytes``,
+        inside one section), so a sender copies the bytes once, into its frame."""
         if chunk_bytes < 1:  # 0 would yield empty chunks forever
             raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
         for kind, views in zip(self.section_kinds, self.section_views, strict=True):
@@ -156,10 +159,23 @@ class EncodedPayload:
                     size += take
                     offset += take
                     if size == chunk_bytes:
-                        yield kind, b"".join(pending)
+                        yield kind, pending
                         pending, size = [], 0
             if size:
-                yield kind, b"".join(pending)
+                yield kind, pending
+
+    def chunks(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[tuple[Kind, bytes]]:
+        """Data chunks of at most ``chunk_bytes``, each inside one section."""
+        for kind, views in self.chunk_views(chunk_bytes):
+            yield kind, b"".join(views)
+
+    def body_sha256(self) -> bytes:
+        """SHA-256 of the data as sent (all chunks in order), read from tensor memory."""
+        digest = hashlib.sha256()
+        for views in self.section_views:
+            for view in views:
+                digest.update(view)
+        return digest.digest()
 
 
 def _raw_view(tensor: torch.Tensor) -> memoryview:

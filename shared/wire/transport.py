@@ -3,7 +3,9 @@ streaming of an encoded payload as (header, data chunks) with byte accounting.""
 
 from __future__ import annotations
 
-from .codec import DEFAULT_CHUNK_BYTES
+from collections.abc import Iterator
+
+from .codec import DEFAULT_CHUNK_BYTES, EncodedPayload, Kind
 
 # Data chunks stay well under gRPC's 4 MiB default; headers (manifests) are small.
 MAX_MESSAGE_BYTES = 4 << 20
@@ -51,6 +53,15 @@ def _varint(value: int) -> bytes:
 def data_frame(chunk: bytes | memoryview) -> bytes:
     """The serialized form of ``TaskMessage(data=chunk)`` / ``SubmitMessage(data=chunk)``."""
     return b"".join((bytes((DATA_TAG,)), _varint(len(chunk)), chunk))
+
+
+def data_frames(encoded: EncodedPayload, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+                ) -> Iterator[tuple[Kind, bytes, int]]:
+    """(kind, frame, chunk length) for each chunk of ``encoded``: each frame is built
+    straight from tensor memory, the one copy a chunk costs before gRPC takes it."""
+    for kind, views in encoded.chunk_views(chunk_bytes):
+        size = sum(len(v) for v in views)
+        yield kind, b"".join((bytes((DATA_TAG,)), _varint(size), *views)), size
 
 
 def data_of_frame(raw: bytes) -> memoryview | None:
