@@ -15,6 +15,7 @@ from fedattn_shared.config import TrainConfig
 from fedattn_shared.data import DataError, load_edge_data
 from fedattn_shared.methods import MethodContext, load_method
 from fedattn_shared.state import StateError, atomic_write, load_tensors, save_tensors
+from fedattn_shared.wire.codec import Kind, Payload, Section, encode
 from fl_edge.store import PrivateStore, load_or_create_identity, private_digest
 
 
@@ -83,6 +84,57 @@ def test_atomic_write_keeps_old_file_when_interrupted(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["state.safetensors"]  # no temp left over
     atomic_write(tmp_path / "x", b"1")
     assert (tmp_path / "x").read_bytes() == b"1"
+
+
+def _global(values: list[float]) -> tuple:
+    encoded = encode(Payload([Section(Kind.SHARED_TENSORS, "", {"w": torch.tensor(values)})]))
+    data = bytearray(b"".join(c for _, c in encoded.chunks()))
+    return encoded.manifest, data
+
+
+def _cached(store: PrivateStore) -> list[float]:
+    return store.load_global().tensors(Kind.SHARED_TENSORS)["w"].tolist()
+
+
+def test_global_cache_slots_take_turns_and_a_torn_write_keeps_the_last_global(
+        tmp_path, monkeypatch):
+    store = PrivateStore(tmp_path)
+    assert store.load_global().sections == []  # nothing received yet
+    store.save_global(*_global([1.0, 2.0, 3.0]))
+    store.save_global(*_global([4.0, 5.0]))  # a smaller payload: the slot is truncated
+    assert _cached(PrivateStore(tmp_path)) == [4.0, 5.0]
+    assert (tmp_path / "global-0.bin").stat().st_size == 12
+    assert (tmp_path / "global-1.bin").stat().st_size == 8
+
+    # A crash after the slot's bytes but before the manifest moved: the last global stays.
+    def crash(*args, **kwargs):
+        raise OSError("killed")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError):
+        store.save_global(*_global([7.0, 8.0, 9.0]))
+    monkeypatch.undo()
+    assert _cached(PrivateStore(tmp_path)) == [4.0, 5.0]
+    # A restarted edge writes the slot the manifest does not name.
+    restarted = PrivateStore(tmp_path)
+    restarted.save_global(*_global([6.0]))
+    assert _cached(PrivateStore(tmp_path)) == [6.0]
+    assert (tmp_path / "global-0.bin").stat().st_size == 4
+
+
+def test_corrupt_global_cache_is_refused_with_its_path(tmp_path):
+    store = PrivateStore(tmp_path)
+    store.save_global(*_global([1.0, 2.0]))
+    slot = tmp_path / "global-0.bin"
+    slot.write_bytes(b"\x00" * 8)  # same size, other bytes
+    with pytest.raises(StateError, match="global.manifest.*global-0.bin: CRC-32 mismatch"):
+        PrivateStore(tmp_path).load_global()
+    slot.write_bytes(b"\x00" * 4)
+    with pytest.raises(StateError, match="global-0.bin holds 4 bytes"):
+        PrivateStore(tmp_path).load_global()
+    (tmp_path / "global.manifest").write_bytes(b"\x07junk")
+    with pytest.raises(StateError, match="no slot number"):
+        PrivateStore(tmp_path).load_global()
 
 
 def test_identity_is_created_once_and_bound_to_its_name(tmp_path):
