@@ -8,8 +8,9 @@ import time
 
 def setup_logging(level: str = "INFO") -> None:
     handler = logging.StreamHandler()
-    formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s",
-                                  "%Y-%m-%dT%H:%M:%SZ")
+    # Milliseconds: a round on loopback takes well under a second.
+    formatter = logging.Formatter("%(asctime)s.%(msecs)03dZ %(levelname)s %(name)s %(message)s",
+                                  "%Y-%m-%dT%H:%M:%S")
     formatter.converter = time.gmtime
     handler.setFormatter(formatter)
     root = logging.getLogger()
