@@ -11,13 +11,14 @@ It prints wire bytes / raw tensor bytes, loopback socket bytes per round (from
 peak RSS growth over its idle RSS in model sizes, next to the bare grpcio server's (the
 transport's own buffers). Figures are printed, never asserted.
 
-    .venv/bin/python bench/wire.py [--edges 8] [--rounds 4] [--models mobilenet-v3-small resnet18-cifar]
+    .venv/bin/python bench/wire.py [--edges 8] [--rounds 8] [--models mobilenet-v3-small resnet18-cifar]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
 import socket
@@ -50,6 +51,12 @@ def rss_kib(pid: int, field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1])
     return 0
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def model_params(name: str) -> int:
@@ -94,17 +101,26 @@ def fedattn_round(model: str, edges: int, rounds: int, workdir: Path, local_epoc
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(edges)]
     # The high-water mark once the last round's checkpoint is on disk: the rounds' peak,
     # not the interpreter's teardown at exit (which briefly adds about 100 MB).
-    last_checkpoint = workdir / "server" / "rounds" / f"{rounds:06d}" / "state.json"
-    peak = idle_rss
-    while server.poll() is None and not last_checkpoint.exists():
+    def checkpoint_of(round_number: int) -> Path:
+        return workdir / "server" / "rounds" / f"{round_number:06d}" / "state.json"
+
+    # CPU seconds per steady round (after the first two, whose page faults and pool
+    # fills are start-up costs), for the server and all edges together.
+    steady_from = min(2, rounds - 1)
+    peak, cpu_start, cpu_end = idle_rss, None, None
+    while server.poll() is None and not checkpoint_of(rounds).exists():
         peak = max(peak, rss_kib(server.pid, "VmHWM"))
-        time.sleep(0.05)
+        if cpu_start is None and checkpoint_of(steady_from).exists():
+            cpu_start = [cpu_seconds(p.pid) for p in [server, *clients]]
+        time.sleep(0.02)
+    if cpu_start is not None and server.poll() is None:
+        cpu_end = [cpu_seconds(p.pid) for p in [server, *clients]]
     server.wait(timeout=120)
     lo_total = loopback_bytes() - lo_before
     for c in clients:
         c.wait(timeout=120)
     history = json.loads((workdir / "server" / "history.json").read_text())
-    steady = history["rounds"][1:] or history["rounds"]
+    steady = history["rounds"][steady_from:] or history["rounds"]
     wire = raw = 0
     for record in steady:
         for direction in record["bytes"].values():
@@ -112,10 +128,15 @@ def fedattn_round(model: str, edges: int, rounds: int, workdir: Path, local_epoc
                 wire += v["wire"]
                 raw += v["raw"]
     per_round_raw = raw / len(steady)
-    starts = [r["started"] for r in history["rounds"]]
+    starts = [r["started"] for r in history["rounds"]][steady_from:]
+    counted = rounds - steady_from
+    cpu = ([(b - a) / counted for a, b in zip(cpu_start, cpu_end, strict=True)]
+           if cpu_start and cpu_end else [math.nan] * (edges + 1))
     return {
         # start to start: the round as edges live it, checkpoint and task hand-out included
-        "round_s": statistics.median(b - a for a, b in zip(starts[1:-1], starts[2:], strict=True)),
+        "round_s": statistics.median(b - a for a, b in zip(starts[:-1], starts[1:], strict=True)),
+        "server_cpu_s": cpu[0],
+        "edges_cpu_s": sum(cpu[1:]),
         "round_inside_s": statistics.median(r["seconds"] for r in steady),
         "wire_over_raw": wire / raw,
         "raw_per_round": per_round_raw,
@@ -134,9 +155,10 @@ def _grpc_client(port: int, nbytes: int, start, done) -> None:
     push = channel.stream_unary("/bench/Push", request_serializer=None, response_deserializer=None)
     list(pull(b"warmup"))  # connect outside the timed round
     start.wait()
+    cpu = time.process_time()
     chunks = list(pull(b"go"))
     push(iter(chunks))
-    done.put(time.perf_counter())
+    done.put((time.perf_counter(), time.process_time() - cpu))
 
 
 class PeakRss:
@@ -162,8 +184,9 @@ class PeakRss:
         return self.peak - self.base
 
 
-def grpc_round(nbytes: int, edges: int, repeats: int = 3) -> tuple[float, int]:
-    """Median round time, and the server's peak RSS growth over its idle RSS (KiB)."""
+def grpc_round(nbytes: int, edges: int, repeats: int = 3) -> tuple[float, int, float, float]:
+    """Median round time, the server's peak RSS growth over its idle RSS (KiB), and the
+    median CPU seconds per round of the server and of all clients together."""
     import grpc
 
     payload = os.urandom(nbytes)
@@ -186,7 +209,7 @@ def grpc_round(nbytes: int, edges: int, repeats: int = 3) -> tuple[float, int]:
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    times = []
+    times, server_cpu, clients_cpu = [], [], []
     ctx = mp.get_context("spawn")
     with PeakRss() as rss:
         for _ in range(repeats):
@@ -196,14 +219,19 @@ def grpc_round(nbytes: int, edges: int, repeats: int = 3) -> tuple[float, int]:
             for p in procs:
                 p.start()
             time.sleep(2.0)
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), cpu_seconds(os.getpid())
             start.set()
             ends = [done.get(timeout=300) for _ in procs]
-            times.append(max(ends) - t0)
+            # The RSS sampler's share of this process's CPU is left in: it slightly
+            # overstates the bare server's cost.
+            server_cpu.append(cpu_seconds(os.getpid()) - cpu0)
+            times.append(max(end for end, _ in ends) - t0)
+            clients_cpu.append(sum(cpu for _, cpu in ends))
             for p in procs:
                 p.join()
     server.stop(0)
-    return statistics.median(times), rss.growth_kib
+    return (statistics.median(times), rss.growth_kib, statistics.median(server_cpu),
+            statistics.median(clients_cpu))
 
 
 # ---- plain sockets ------------------------------------------------------------------------
@@ -264,7 +292,7 @@ def socket_round(nbytes: int, edges: int, repeats: int = 3) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--edges", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--models", nargs="+", default=["mobilenet-v3-small", "resnet18-cifar"])
     args = parser.parse_args()
     print(f"{args.edges} edges on loopback, {os.cpu_count()} cores; FedAvg, trivial local training")
@@ -279,7 +307,7 @@ def main() -> int:
             many_arenas = fedattn_round(model, args.edges, args.rounds, Path(tmp), local_epochs=0,
                                         server_env={"MALLOC_ARENA_MAX": str(8 * os.cpu_count())})
         nbytes = model_bytes  # each edge pulls and pushes one model
-        bare, bare_rss_kib = grpc_round(nbytes, args.edges)
+        bare, bare_rss_kib, bare_server_cpu, bare_clients_cpu = grpc_round(nbytes, args.edges)
         plain = socket_round(nbytes, args.edges)
         print(f"\n{model}: {params / 1e6:.2f} M float tensors ({model_bytes / 1e6:.1f} MB)")
         print(f"  wire bytes / raw tensor bytes          {f['wire_over_raw']:.4f}")
@@ -292,6 +320,9 @@ def main() -> int:
         print(f"  plain-socket round (same bytes)        {plain:.3f} s")
         print(f"  fedattn (no local steps) / bare grpcio {f['round_s'] / bare:.2f}x")
         print(f"  fedattn (no local steps) / plain socket {f['round_s'] / plain:.2f}x")
+        print(f"  CPU per round, server / edges          {f['server_cpu_s']:.2f} s / "
+              f"{f['edges_cpu_s']:.2f} s (bare grpcio {bare_server_cpu:.2f} s / "
+              f"{bare_clients_cpu:.2f} s; {os.cpu_count()} cores)")
         ours, bare_rss = f["peak_rss_growth_kib"] * 1024, bare_rss_kib * 1024
         print(f"  server peak RSS growth                 {ours / 1e6:.1f} MB = "
               f"{ours / model_bytes:.2f}x one model")
