@@ -50,9 +50,10 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-def data_frame(chunk: bytes | memoryview) -> bytes:
-    """The serialized form of ``TaskMessage(data=chunk)`` / ``SubmitMessage(data=chunk)``."""
-    return b"".join((bytes((DATA_TAG,)), _varint(len(chunk)), chunk))
+def data_frame(*parts: bytes | memoryview) -> bytes:
+    """The serialized form of ``TaskMessage(data=chunk)`` / ``SubmitMessage(data=chunk)``,
+    the chunk being ``parts`` end to end (copied once, into the frame)."""
+    return b"".join((bytes((DATA_TAG,)), _varint(sum(len(p) for p in parts)), *parts))
 
 
 def data_frames(encoded: EncodedPayload, chunk_bytes: int = DEFAULT_CHUNK_BYTES
@@ -60,8 +61,8 @@ def data_frames(encoded: EncodedPayload, chunk_bytes: int = DEFAULT_CHUNK_BYTES
     """(kind, frame, chunk length) for each chunk of ``encoded``: each frame is built
     straight from tensor memory, the one copy a chunk costs before gRPC takes it."""
     for kind, views in encoded.chunk_views(chunk_bytes):
-        size = sum(len(v) for v in views)
-        yield kind, b"".join((bytes((DATA_TAG,)), _varint(size), *views)), size
+        frame = data_frame(*views)
+        yield kind, frame, sum(len(v) for v in views)
 
 
 def data_of_frame(raw: bytes) -> memoryview | None:
