@@ -176,10 +176,10 @@ class PrivateStore:
         if self._last_global_slot is None:
             try:
                 named = self.global_manifest_path.read_bytes()[:1]
-                self._last_global_slot = 1 if named == b"\x01" else 0
             except FileNotFoundError:
-                self._last_global_slot = 1
-        return int(self._last_global_slot)
+                named = b"\x01"
+            self._last_global_slot = 1 if named == b"\x01" else 0
+        return self._last_global_slot
 
     def load_global(self) -> Payload:
         if not self.global_manifest_path.exists():
