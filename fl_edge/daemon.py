@@ -44,7 +44,13 @@ from fedattn_shared.wire.accounting import (
     data_message_wire_bytes,
 )
 from fedattn_shared.wire.codec import BufferPool, Kind, Payload, PayloadAssembler, WireError, encode
-from fedattn_shared.wire.signing import sign_submission
+from fedattn_shared.wire.signing import (
+    BodyMac,
+    exchange,
+    new_key_share,
+    sign_submission,
+    upload_mac_key,
+)
 from fedattn_shared.wire.transport import (
     MAX_MESSAGE_BYTES,
     channel_options,
@@ -219,6 +225,7 @@ class EdgeDaemon:
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-writer")
         self.pending_writes: list[Future] = []
         self.session = ""
+        self.upload_mac_key = b""  # agreed with the server at join, for this session only
         self.metrics_port: int | None = None
 
     # ---- lifecycle --------------------------------------------------------------------
@@ -296,6 +303,8 @@ class EdgeDaemon:
 
     # ---- join / presence / leave --------------------------------------------------------
     def _join(self, stub) -> None:
+        key_private, key_share, key_proof = new_key_share(self.signing_key,
+                                                          self.identity.edge_id)
         request = pb.JoinRequest(
             protocol_version=PROTOCOL_VERSION, edge_id=self.identity.edge_id,
             edge_secret=self.identity.secret, join_token=self.opts.join_token,
@@ -303,6 +312,7 @@ class EdgeDaemon:
                   "torch": torch.__version__},
             state_fingerprint=self.fingerprint or (self.store.stored_fingerprint() or ""),
             signing_key=self.signing_key.public_key().public_bytes_raw(),
+            upload_key_share=key_share, upload_key_proof=key_proof,
         )
         self.meter.count_message(UP, request)
         try:
@@ -313,6 +323,12 @@ class EdgeDaemon:
                 raise EdgeExit(2, f"join refused by {self.opts.server}: {err.details()}") from None
             raise
         self.meter.count_message(DOWN, reply)
+        try:
+            self.upload_mac_key = upload_mac_key(exchange(key_private, reply.upload_key_share),
+                                                 self.identity.edge_id, reply.session)
+        except ValueError:
+            raise EdgeExit(2, f"{self.opts.server} sent no valid upload key share "
+                              "(fedattn versions differ?)") from None
         self.session = reply.session
         self.chunk_bytes = reply.chunk_bytes or self.chunk_bytes
         if reply.config_json != self.config_json:
@@ -626,9 +642,10 @@ class EdgeDaemon:
             protocol_version=PROTOCOL_VERSION, edge_id=self.identity.edge_id,
             session=self.session, round=task.round, task_id=task.task_id, phase=task.phase,
             num_examples=num_examples, payload=encoded.manifest, evaluation=evaluation,
-            metrics=metrics, task_nonce=task.task_nonce))
-        header.header.signature = sign_submission(self.signing_key, header.header,
-                                                  encoded.body_sha256())
+            metrics=metrics, task_nonce=task.task_nonce, body_mac_iv=BodyMac.new_iv()))
+        header.header.signature = sign_submission(
+            self.signing_key, header.header,
+            encoded.body_mac(self.upload_mac_key, header.header.body_mac_iv))
 
         def messages():
             self.meter.count_message(UP, header)

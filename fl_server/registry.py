@@ -38,6 +38,7 @@ class EdgeRecord:
     needs_init: bool = False  # joined without private state: send the initial models once
     heard_run_over: bool = False  # has been told the run is over (the server waits for it)
     signing_key: str = ""  # hex Ed25519 public key, bound to the id at the first join
+    upload_mac_key: bytes = b""  # this session's, agreed at join; never written to disk
 
 
 class EdgeRegistry:

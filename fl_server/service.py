@@ -8,7 +8,6 @@ costs the sender its task, never the server its state.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import hmac
 import itertools
 import logging
@@ -29,7 +28,14 @@ from fedattn_shared.wire.codec import (
     WireError,
     nonfinite_tensors,
 )
-from fedattn_shared.wire.signing import verify_submission
+from fedattn_shared.wire.signing import (
+    BODY_MAC_IV_BYTES,
+    BodyMac,
+    answer_key_share,
+    upload_mac_key,
+    verify_key_share,
+    verify_submission,
+)
 from fedattn_shared.wire.transport import MAX_MESSAGE_BYTES, data_frames, deserializer, serialize
 
 from .engine import Engine, Refused
@@ -100,12 +106,27 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"edge {request.edge_id}: its private state was made for model/method "
                 f"fingerprint {request.state_fingerprint}, this run is {fingerprint}")
+        # Checked before the registry replaces the edge's session: a join that cannot
+        # prove its key share must not end the session the edge already has.
+        if not verify_key_share(request.signing_key, request.edge_id, request.upload_key_share,
+                                request.upload_key_proof):
+            log.warning("join refused for %r: upload key share not signed by its signing key",
+                        request.edge_id)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"edge {request.edge_id}: upload_key_share is missing or not "
+                                "signed by signing_key")
+        try:
+            shared, server_share = answer_key_share(request.upload_key_share)
+        except ValueError as err:  # signed, yet a low-order point
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"edge {request.edge_id}: unusable upload_key_share: {err}")
         try:
             record = self.engine.registry.join(request.edge_id, request.edge_secret,
                                                dict(request.info), request.signing_key)
         except AuthError as err:
             log.warning("join refused: %s", err)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(err))
+        record.upload_mac_key = upload_mac_key(shared, record.edge_id, record.session)
         record.needs_init = not request.state_fingerprint
         self.engine.metrics.joins.inc()
         # A new session replaces any older one: its outstanding task is gone with it.
@@ -114,7 +135,8 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
                  ", ".join(f"{k}={v}" for k, v in sorted(record.info.items())))
         reply = pb.JoinReply(protocol_version=PROTOCOL_VERSION, session=record.session,
                              config_json=self.engine.config_json, fingerprint=fingerprint,
-                             chunk_bytes=self.chunk_bytes)
+                             chunk_bytes=self.chunk_bytes,
+                             upload_key_share=server_share)
         self.meter.count_message(DOWN, reply, edge=record.edge_id)
         return reply
 
@@ -212,16 +234,20 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
             refusal = self._identity_refusal(edge, context)
             if refusal:
                 raise Refused(refusal)
+            if len(header.body_mac_iv) != BODY_MAC_IV_BYTES:
+                raise Refused(f"body_mac_iv must be {BODY_MAC_IV_BYTES} bytes, "
+                              f"got {len(header.body_mac_iv)}")
             try:
                 phase, schema = self.engine.check_submission(header)
             except Refused as err:
                 if err.drop and self.engine.phase is not None:
                     phase = self.engine.phase
                 raise
-            assembler, body = await self._receive(header, schema, context, edge)
+            record = self.engine.registry.records[edge]
+            assembler, body_mac = await self._receive(
+                header, schema, context, edge, BodyMac(record.upload_mac_key, header.body_mac_iv))
             try:
-                key = bytes.fromhex(self.engine.registry.records[edge].signing_key)
-                if not verify_submission(key, header, body):
+                if not verify_submission(bytes.fromhex(record.signing_key), header, body_mac):
                     raise Refused("the signature does not verify over this header and body "
                                   "with the edge's signing key", drop=True)
                 payload, bad = await asyncio.to_thread(_decode_checked, assembler)
@@ -247,7 +273,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         return reply
 
     async def _receive(self, header: pb.SubmitHeader, schema: list[SectionSpec], context,
-                       edge: str):
+                       edge: str, body: BodyMac) -> tuple[PayloadAssembler, bytes]:
         # check_submission matched the manifest to the schema, so the sizes come from it.
         specs = {(int(spec.kind), spec.name): spec for spec in schema}
         sizes = [specs[(s.kind, s.name)].nbytes_of(t.name for t in s.tensors)
@@ -256,7 +282,6 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
             assembler = PayloadAssembler(header.payload, max_bytes=sum(sizes),
                                          max_chunk_bytes=MAX_MESSAGE_BYTES, pool=self.buffers,
                                          sizes=sizes)
-            body = hashlib.sha256()
             while not assembler.complete:
                 message = await context.read()
                 if message is grpc.aio.EOF:
@@ -272,7 +297,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
             if extra is not grpc.aio.EOF:
                 self.buffers.give(assembler.buffer)
                 raise WireError("data beyond the declared payload")
-            return assembler, body.digest()
+            return assembler, body.tag()
 
     # ---- Leave ------------------------------------------------------------------------
     async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveReply:

@@ -1,3 +1,3 @@
 """Code both fedattn daemons use (installed as ``fedattn_shared``)."""
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2

@@ -15,7 +15,6 @@ One server process serves the whole module, one scenario per round.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import secrets
 import threading
@@ -34,7 +33,7 @@ from fedattn_shared import PROTOCOL_VERSION
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire import fedattn_pb2_grpc as pb_grpc
 from fedattn_shared.wire.codec import Kind, Payload, PayloadAssembler, Section, encode
-from fedattn_shared.wire.signing import sign_submission
+from fedattn_shared.wire.signing import BodyMac, exchange, new_key_share, sign_submission, upload_mac_key
 from fedattn_shared.wire.transport import MAX_MESSAGE_BYTES, channel_options
 
 ROUNDS = 200             # more than the suite uses: the run must still be going at the end
@@ -65,16 +64,22 @@ class RawEdge:
         self.secret = secrets.token_hex(32)
         self.signing_key = Ed25519PrivateKey.generate()
         self.session = ""
+        self.upload_mac_key = b""
         self.present = threading.Event()
         self._presence_call = None
         self._presence_thread: threading.Thread | None = None
 
     def join(self, **overrides) -> pb.JoinReply:
+        key_private, share, proof = new_key_share(self.signing_key, self.edge_id)
         fields = {"protocol_version": PROTOCOL_VERSION, "edge_id": self.edge_id,
                   "edge_secret": self.secret, "info": {"hostname": "bad-input-suite"},
-                  "signing_key": self.signing_key.public_key().public_bytes_raw()}
+                  "signing_key": self.signing_key.public_key().public_bytes_raw(),
+                  "upload_key_share": share, "upload_key_proof": proof}
         fields.update(overrides)
-        return self.stub.Join(pb.JoinRequest(**fields), timeout=10)
+        reply = self.stub.Join(pb.JoinRequest(**fields), timeout=10)
+        self.upload_mac_key = upload_mac_key(exchange(key_private, reply.upload_key_share),
+                                             self.edge_id, reply.session)
+        return reply
 
     def connect(self) -> None:
         """Join, then hold a presence stream open until ``close`` (the server only selects
@@ -125,16 +130,19 @@ class RawEdge:
     def submit(self, messages: list[pb.SubmitMessage]) -> pb.SubmitReply:
         """Signs an unsigned header over itself and the data that follows, as an edge does."""
         if messages and messages[0].HasField("header") and not messages[0].header.signature:
-            self.sign(messages, self.signing_key)
+            self.sign(messages)
         return self.stub.Submit(iter(messages), timeout=30)
 
-    @staticmethod
-    def sign(messages: list[pb.SubmitMessage], key: Ed25519PrivateKey) -> None:
-        body = hashlib.sha256()
+    def sign(self, messages: list[pb.SubmitMessage], key: Ed25519PrivateKey | None = None,
+             mac_key: bytes | None = None) -> None:
+        """As an edge signs: with its own keys unless a test swaps one in."""
+        header = messages[0].header
+        if not header.body_mac_iv:
+            header.body_mac_iv = BodyMac.new_iv()
+        body = BodyMac(self.upload_mac_key if mac_key is None else mac_key, header.body_mac_iv)
         for message in messages[1:]:
             body.update(message.data)
-        header = messages[0].header
-        header.signature = sign_submission(key, header, body.digest())
+        header.signature = sign_submission(key or self.signing_key, header, body.tag())
 
     def header(self, task: Task, manifest: pb.PayloadManifest, **overrides) -> pb.SubmitHeader:
         fields = {"protocol_version": PROTOCOL_VERSION, "edge_id": self.edge_id,
@@ -320,6 +328,20 @@ def test_join_with_another_protocol_version_fails_precondition(suite):
     assert "protocol version" in err.value.details()
 
 
+def test_join_without_a_signed_upload_key_share_is_denied(suite):
+    other = Ed25519PrivateKey.generate()
+    _, share, foreign_proof = new_key_share(other, suite.edge.edge_id)
+    for overrides in ({"upload_key_share": b"", "upload_key_proof": b""},
+                      {"upload_key_share": share, "upload_key_proof": foreign_proof}):
+        mark = suite.log_mark()
+        with pytest.raises(grpc.RpcError) as err:
+            suite.edge.join(**overrides)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert suite.edge.edge_id in err.value.details()
+        assert "upload_key_share" in err.value.details()
+        suite.logged(mark, "join refused", suite.edge.edge_id, "upload key share")
+
+
 def test_refused_joins_left_the_session_alone(suite):
     # Neither refused join replaced the session: the edge still polls and uploads with it.
     task = suite.train_task()
@@ -423,14 +445,31 @@ def zero_examples(edge: RawEdge, task: Task) -> list[pb.SubmitMessage]:
 
 def forged_signature(edge: RawEdge, task: Task) -> list[pb.SubmitMessage]:
     messages = train_messages(edge, task, shifted(task.globals, 1.0))
-    RawEdge.sign(messages, Ed25519PrivateKey.generate())  # not the key bound at join
+    edge.sign(messages, Ed25519PrivateKey.generate())  # not the key bound at join
     return messages
 
 
 def altered_after_signing(edge: RawEdge, task: Task) -> list[pb.SubmitMessage]:
     messages = train_messages(edge, task, shifted(task.globals, 1.0))
-    RawEdge.sign(messages, edge.signing_key)
+    edge.sign(messages)
     messages[0].header.num_examples = 10 * NUM_EXAMPLES  # a relay rewrites the weight
+    return messages
+
+
+def body_altered_after_signing(edge: RawEdge, task: Task) -> list[pb.SubmitMessage]:
+    messages = train_messages(edge, task, shifted(task.globals, 1.0))
+    edge.sign(messages)
+    data = bytearray(messages[1].data)
+    data[0] ^= 0x01  # a relay flips one bit of the body; the CRC would catch it later
+    messages[1].data = bytes(data)
+    return messages
+
+
+def mac_under_another_key(edge: RawEdge, task: Task) -> list[pb.SubmitMessage]:
+    # Signed with the right signing key, but the body MAC is under a key the server never
+    # agreed to (what a man in the middle of the join could have given the edge).
+    messages = train_messages(edge, task, shifted(task.globals, 1.0))
+    edge.sign(messages, mac_key=secrets.token_bytes(32))
     return messages
 
 
@@ -451,6 +490,8 @@ DROPPING: list[tuple[str, Builder, tuple[str, ...]]] = [
     ("zero-examples", zero_examples, ("num_examples",)),
     ("forged-signature", forged_signature, ("signature does not verify",)),
     ("altered-after-signing", altered_after_signing, ("signature does not verify",)),
+    ("body-altered-after-signing", body_altered_after_signing, ("signature does not verify",)),
+    ("mac-under-another-key", mac_under_another_key, ("signature does not verify",)),
 ]
 
 
@@ -471,6 +512,7 @@ def test_message_over_the_transport_cap_is_refused_and_drops_the_task(suite):
     edge = suite.edge
     task = suite.train_task()
     header, chunks = raw_layout(edge, task, shifted(task.globals, 1.0))
+    header.body_mac_iv = BodyMac.new_iv()  # unsigned: the transport refuses it first
     uncapped = grpc.insecure_channel(f"127.0.0.1:{suite.cluster.port}")
     try:
         mark = suite.log_mark()
@@ -580,6 +622,13 @@ def wrong_protocol(suite: Suite, task: Task) -> list[pb.SubmitMessage]:
                           protocol_version=PROTOCOL_VERSION + 1)
 
 
+def short_body_mac_iv(suite: Suite, task: Task) -> list[pb.SubmitMessage]:
+    messages = train_messages(suite.edge, task, shifted(task.globals, 100.0))
+    suite.edge.sign(messages)
+    messages[0].header.body_mac_iv = b"\x00" * 8
+    return messages
+
+
 GHOST = f"ghost-{secrets.token_hex(4)}"
 SELF = object()  # the suite's own edge id
 
@@ -595,6 +644,7 @@ KEEPING: list[tuple[str, Callable, object, tuple[str, ...]]] = [
     ("bad-session", bad_session, SELF, ("session",)),
     ("no-session", no_session, SELF, ("session",)),
     ("wrong-protocol-version", wrong_protocol, SELF, ("protocol version",)),
+    ("short-body-mac-iv", short_body_mac_iv, SELF, ("body_mac_iv must be 12 bytes",)),
 ]
 
 

@@ -190,18 +190,28 @@ def test_chunks_stay_inside_sections(chunk_bytes, expected):
 
 
 @pytest.mark.parametrize("chunk_bytes", [1, 7, 16, 23, 1000])
-def test_frames_and_body_digest_equal_the_joined_chunks(chunk_bytes):
-    """The sender's one-copy frames and its signature digest, read from tensor memory,
-    are what the receiver sees: protobuf frames of the chunks, SHA-256 of their concatenation."""
-    import hashlib
+def test_frames_and_body_mac_equal_the_joined_chunks(chunk_bytes):
+    """The sender's one-copy frames and its body MAC, read from tensor memory, are what
+    the receiver sees: protobuf frames of the chunks, and the AES-GCM tag of an empty
+    message with their concatenation as additional data (GMAC), as a one-shot AES-GCM
+    computes it."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+    from fedattn_shared.wire.signing import BodyMac
     from fedattn_shared.wire.transport import data_frames
 
     encoded = encode(_layout_payload())
     chunks = list(encoded.chunks(chunk_bytes))
     frames = list(data_frames(encoded, chunk_bytes))
     assert [(k, pb.SubmitMessage(data=c).SerializeToString(), len(c)) for k, c in chunks] == frames
-    assert encoded.body_sha256() == hashlib.sha256(b"".join(c for _, c in chunks)).digest()
+    key, iv = bytes(range(32)), BodyMac.new_iv()
+    body = b"".join(c for _, c in chunks)
+    assert encoded.body_mac(key, iv) == AESGCM(key).encrypt(iv, b"", body)
+    receiver = BodyMac(key, iv)
+    for _, chunk in chunks:
+        receiver.update(memoryview(chunk))
+    assert receiver.tag() == encoded.body_mac(key, iv)
+    assert encoded.body_mac(key, BodyMac.new_iv()) != encoded.body_mac(key, iv)
 
 
 def test_chunks_refuse_a_non_positive_size():

@@ -22,6 +22,7 @@ from fedattn_shared.methods import MethodContext, load_method
 from fedattn_shared.tls import ENROLLED, edge_credentials
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire import fedattn_pb2_grpc as pb_grpc
+from fedattn_shared.wire.signing import new_key_share
 from fl_edge.cli import main as edge_main
 from fl_edge.daemon import EdgeDaemon, EdgeExit, EdgeOptions
 from fl_server.cli import ServerApp
@@ -114,10 +115,13 @@ def raw_join(port, tls_dir, edge_id, token=None):
     credentials, enrolled_token, _ = edge_credentials(tls_dir)
     with grpc.secure_channel(f"localhost:{port}", credentials) as channel:
         stub = pb_grpc.FederatedLearningStub(channel)
+        signing_key = Ed25519PrivateKey.generate()
+        _, share, proof = new_key_share(signing_key, edge_id)
         return stub.Join(pb.JoinRequest(
             protocol_version=PROTOCOL_VERSION, edge_id=edge_id, edge_secret="s" * 32,
             join_token=enrolled_token if token is None else token,
-            signing_key=Ed25519PrivateKey.generate().public_key().public_bytes_raw()), timeout=20)
+            signing_key=signing_key.public_key().public_bytes_raw(),
+            upload_key_share=share, upload_key_proof=proof), timeout=20)
 
 
 def test_identity_refusals(tmp_path, ca, caplog):

@@ -11,7 +11,6 @@ buffer is allocated, each chunk against the declared layout, and the CRC at the 
 from __future__ import annotations
 
 import enum
-import hashlib
 import math
 import sys
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ import torch
 from zlib_ng import zlib_ng
 
 from . import fedattn_pb2 as pb
+from .signing import BodyMac
 
 # The payload checksum: zlib's CRC-32, computed by zlib-ng's (4x faster on 1 MiB chunks;
 # the CRC costs more than the copy of every received chunk). Same values as zlib.crc32.
@@ -169,13 +169,13 @@ class EncodedPayload:
         for kind, views in self.chunk_views(chunk_bytes):
             yield kind, b"".join(views)
 
-    def body_sha256(self) -> bytes:
-        """SHA-256 of the data as sent (all chunks in order), read from tensor memory."""
-        digest = hashlib.sha256()
+    def body_mac(self, key: bytes, iv: bytes) -> bytes:
+        """GMAC tag of the data as sent (all chunks in order), read from tensor memory."""
+        mac = BodyMac(key, iv)
         for views in self.section_views:
             for view in views:
-                digest.update(view)
-        return digest.digest()
+                mac.update(view)
+        return mac.tag()
 
 
 def _raw_view(tensor: torch.Tensor) -> memoryview:

@@ -78,7 +78,7 @@ class PayloadManifest(_message.Message):
     def __init__(self, sections: _Optional[_Iterable[_Union[SectionMeta, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("protocol_version", "edge_id", "edge_secret", "join_token", "info", "state_fingerprint", "signing_key")
+    __slots__ = ("protocol_version", "edge_id", "edge_secret", "join_token", "info", "state_fingerprint", "signing_key", "upload_key_share", "upload_key_proof")
     class InfoEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,8 @@ class JoinRequest(_message.Message):
     INFO_FIELD_NUMBER: _ClassVar[int]
     STATE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SIGNING_KEY_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_KEY_SHARE_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_KEY_PROOF_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     edge_id: str
     edge_secret: str
@@ -100,21 +102,25 @@ class JoinRequest(_message.Message):
     info: _containers.ScalarMap[str, str]
     state_fingerprint: str
     signing_key: bytes
-    def __init__(self, protocol_version: _Optional[int] = ..., edge_id: _Optional[str] = ..., edge_secret: _Optional[str] = ..., join_token: _Optional[str] = ..., info: _Optional[_Mapping[str, str]] = ..., state_fingerprint: _Optional[str] = ..., signing_key: _Optional[bytes] = ...) -> None: ...
+    upload_key_share: bytes
+    upload_key_proof: bytes
+    def __init__(self, protocol_version: _Optional[int] = ..., edge_id: _Optional[str] = ..., edge_secret: _Optional[str] = ..., join_token: _Optional[str] = ..., info: _Optional[_Mapping[str, str]] = ..., state_fingerprint: _Optional[str] = ..., signing_key: _Optional[bytes] = ..., upload_key_share: _Optional[bytes] = ..., upload_key_proof: _Optional[bytes] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("protocol_version", "session", "config_json", "fingerprint", "chunk_bytes")
+    __slots__ = ("protocol_version", "session", "config_json", "fingerprint", "chunk_bytes", "upload_key_share")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_KEY_SHARE_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     session: str
     config_json: str
     fingerprint: str
     chunk_bytes: int
-    def __init__(self, protocol_version: _Optional[int] = ..., session: _Optional[str] = ..., config_json: _Optional[str] = ..., fingerprint: _Optional[str] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+    upload_key_share: bytes
+    def __init__(self, protocol_version: _Optional[int] = ..., session: _Optional[str] = ..., config_json: _Optional[str] = ..., fingerprint: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., upload_key_share: _Optional[bytes] = ...) -> None: ...
 
 class PresenceRequest(_message.Message):
     __slots__ = ("edge_id", "session")
@@ -197,7 +203,7 @@ class ConfusionCounts(_message.Message):
     def __init__(self, split: _Optional[str] = ..., num_classes: _Optional[int] = ..., counts: _Optional[_Iterable[int]] = ..., loss_sum: _Optional[float] = ..., brier_sum: _Optional[float] = ...) -> None: ...
 
 class SubmitHeader(_message.Message):
-    __slots__ = ("protocol_version", "edge_id", "session", "round", "task_id", "phase", "num_examples", "payload", "evaluation", "metrics", "task_nonce", "signature")
+    __slots__ = ("protocol_version", "edge_id", "session", "round", "task_id", "phase", "num_examples", "payload", "evaluation", "metrics", "task_nonce", "signature", "body_mac_iv")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +223,7 @@ class SubmitHeader(_message.Message):
     METRICS_FIELD_NUMBER: _ClassVar[int]
     TASK_NONCE_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    BODY_MAC_IV_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     edge_id: str
     session: str
@@ -229,7 +236,8 @@ class SubmitHeader(_message.Message):
     metrics: _containers.ScalarMap[str, float]
     task_nonce: bytes
     signature: bytes
-    def __init__(self, protocol_version: _Optional[int] = ..., edge_id: _Optional[str] = ..., session: _Optional[str] = ..., round: _Optional[int] = ..., task_id: _Optional[int] = ..., phase: _Optional[str] = ..., num_examples: _Optional[int] = ..., payload: _Optional[_Union[PayloadManifest, _Mapping]] = ..., evaluation: _Optional[_Iterable[_Union[ConfusionCounts, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., task_nonce: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    body_mac_iv: bytes
+    def __init__(self, protocol_version: _Optional[int] = ..., edge_id: _Optional[str] = ..., session: _Optional[str] = ..., round: _Optional[int] = ..., task_id: _Optional[int] = ..., phase: _Optional[str] = ..., num_examples: _Optional[int] = ..., payload: _Optional[_Union[PayloadManifest, _Mapping]] = ..., evaluation: _Optional[_Iterable[_Union[ConfusionCounts, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., task_nonce: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., body_mac_iv: _Optional[bytes] = ...) -> None: ...
 
 class SubmitMessage(_message.Message):
     __slots__ = ("header", "data")
