@@ -1,7 +1,8 @@
 """Wire benchmark: what one fedattn round costs against the physical limits of the transport.
 
 For each model size it runs, on loopback, with 8 edges and trivial local training:
-  * fedattn: a real fl-server and 8 fl-edge processes (FedAvg, evaluation off);
+  * fedattn: a real fl-server and 8 fl-edge processes (FedAvg, evaluation off), with the
+    server's default of 2 uploads received at once and with all 8 at once;
   * bare grpcio: 8 client processes pull the same bytes in 1 MiB chunks over a
     server-streaming call and push them back over a client-streaming call, with raw-bytes
     (de)serializers: no protobuf, no method code;
@@ -69,7 +70,8 @@ def model_params(name: str) -> int:
 
 # ---- fedattn ------------------------------------------------------------------------------
 def fedattn_round(model: str, edges: int, rounds: int, workdir: Path, local_epochs: int,
-                  server_env: dict[str, str] | None = None) -> dict:
+                  server_env: dict[str, str] | None = None,
+                  server_args: tuple[str, ...] = ()) -> dict:
     channels, size = MODEL_INPUT[model]
     rng = np.random.default_rng(0)
     for i in range(edges):
@@ -86,7 +88,8 @@ def fedattn_round(model: str, edges: int, rounds: int, workdir: Path, local_epoc
          "--ready-file", str(ready), "--checkpoint-dir", str(workdir / "server"), "--method",
          "fedavg", "--model", model, "--in-channels", str(channels), "--image-size", str(size),
          "--rounds", str(rounds), "--min-edges", str(edges), "--eval-every", "0",
-         "--batch-size", "2", "--local-epochs", str(local_epochs), "--log-level", "WARNING"],
+         "--batch-size", "2", "--local-epochs", str(local_epochs), "--log-level", "WARNING",
+         *server_args],
         env={**env, **(server_env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while not ready.exists():
         time.sleep(0.05)
@@ -306,6 +309,10 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:  # fl-server limits glibc to 2 arenas
             many_arenas = fedattn_round(model, args.edges, args.rounds, Path(tmp), local_epochs=0,
                                         server_env={"MALLOC_ARENA_MAX": str(8 * os.cpu_count())})
+        with tempfile.TemporaryDirectory() as tmp:  # every upload at once: memory for cores
+            all_at_once = fedattn_round(
+                model, args.edges, args.rounds, Path(tmp), local_epochs=0,
+                server_args=("--max-concurrent-uploads", str(args.edges)))
         nbytes = model_bytes  # each edge pulls and pushes one model
         bare, bare_rss_kib, bare_server_cpu, bare_clients_cpu = grpc_round(nbytes, args.edges)
         plain = socket_round(nbytes, args.edges)
@@ -316,6 +323,10 @@ def main() -> int:
               f"({f['round_inside_s']:.3f} s from task hand-out to aggregate)")
         print(f"  fedattn round, one step on 2 images    {trained['round_s']:.3f} s "
               f"(8 edges share {os.cpu_count()} cores)")
+        print(f"  ... all {args.edges} uploads at once          {all_at_once['round_s']:.3f} s "
+              f"= {all_at_once['round_s'] / bare:.2f}x bare grpcio, server RSS growth "
+              f"{all_at_once['peak_rss_growth_kib'] * 1024 / model_bytes:.2f}x one model "
+              "(default: 2 at once)")
         print(f"  bare grpcio round (same bytes)         {bare:.3f} s")
         print(f"  plain-socket round (same bytes)        {plain:.3f} s")
         print(f"  fedattn (no local steps) / bare grpcio {f['round_s'] / bare:.2f}x")

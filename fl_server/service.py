@@ -278,22 +278,42 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         specs = {(int(spec.kind), spec.name): spec for spec in schema}
         sizes = [specs[(s.kind, s.name)].nbytes_of(t.name for t in s.tensors)
                  for s in header.payload.sections]
+        loop = asyncio.get_running_loop()
+
+        def ingest(offset: int, chunk: memoryview) -> None:
+            assembler.write(offset, chunk)
+            body.update(chunk)
+
         async with self.upload_slots:
             assembler = PayloadAssembler(header.payload, max_bytes=sum(sizes),
                                          max_chunk_bytes=MAX_MESSAGE_BYTES, pool=self.buffers,
                                          sizes=sizes)
-            while not assembler.complete:
-                message = await context.read()
-                if message is grpc.aio.EOF:
-                    raise WireError(f"upload ended after {assembler.received} of "
-                                    f"{len(assembler.buffer)} bytes")
-                if not isinstance(message, memoryview):
-                    raise WireError("a second header inside one upload")
-                kind = assembler.add(message)
-                body.update(message)
-                size = len(message)
-                self.meter.count(UP, kind.label, data_message_wire_bytes(size), size, edge)
-            extra = await context.read()
+            # Each chunk's copy, CRC-32 and MAC run on a worker thread (all three release
+            # the GIL) while the event loop reads the next chunk and serves the other edges:
+            # on the loop they would serialize every upload on one core. One chunk at a
+            # time per upload keeps CRC and MAC in order.
+            writing: asyncio.Future | None = None
+            try:
+                while not assembler.complete:
+                    message = await context.read()
+                    if message is grpc.aio.EOF:
+                        raise WireError(f"upload ended after {assembler.received} of "
+                                        f"{len(assembler.buffer)} bytes")
+                    if not isinstance(message, memoryview):
+                        raise WireError("a second header inside one upload")
+                    kind, offset = assembler.reserve(message)
+                    size = len(message)
+                    self.meter.count(UP, kind.label, data_message_wire_bytes(size), size, edge)
+                    if writing is not None:
+                        await writing
+                    writing = loop.run_in_executor(None, ingest, offset, message)
+                if writing is not None:
+                    await writing
+                extra = await context.read()
+            finally:
+                if writing is not None and not writing.done():
+                    # Never let the buffer go back to the pool while a worker writes to it.
+                    await asyncio.wait([writing])
             if extra is not grpc.aio.EOF:
                 self.buffers.give(assembler.buffer)
                 raise WireError("data beyond the declared payload")

@@ -16,6 +16,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from zlib_ng import zlib_ng
 
@@ -265,7 +266,9 @@ class PayloadAssembler:
         self.manifest = manifest
         self.max_chunk_bytes = max_chunk_bytes
         self.buffer = pool.take(declared) if pool is not None else bytearray(declared)
-        self.received = 0
+        self._bytes = np.frombuffer(self.buffer, dtype=np.uint8)
+        self.received = 0  # bytes booked by ``reserve``
+        self.written = 0  # bytes copied in by ``write``
         self.crc = 0
         self._section = 0
         self._section_end = self.sizes[0] if self.sizes else 0
@@ -284,6 +287,13 @@ class PayloadAssembler:
 
     def add(self, chunk: bytes) -> Kind:
         """Append one chunk; returns the kind of the section it belongs to."""
+        kind, offset = self.reserve(chunk)
+        self.write(offset, chunk)
+        return kind
+
+    def reserve(self, chunk: bytes) -> tuple[Kind, int]:
+        """Checks one chunk against the declared layout and books its place: returns the
+        kind of its section and its offset. Its bytes go in with ``write``."""
         kind = self.current_kind()
         if len(chunk) == 0:
             raise WireError("empty data chunk")
@@ -295,19 +305,30 @@ class PayloadAssembler:
                 f"chunk crosses the end of section {self._section} "
                 f"({self.manifest.sections[self._section].name!r})"
             )
-        self.buffer[self.received : end] = chunk
-        self.crc = crc32(chunk, self.crc)
+        offset = self.received
         self.received = end
         self._skip_empty_sections()
-        return kind
+        return kind, offset
+
+    def write(self, offset: int, chunk: bytes) -> None:
+        """Copies a reserved chunk into place and folds it into the CRC-32, in the order
+        the chunks were reserved. The copy (numpy's) and the CRC (zlib-ng's) release the
+        GIL, so a server runs this on a worker thread while its event loop goes on."""
+        if offset != self.written:
+            raise WireError(f"chunk written at {offset}, expected {self.written}")
+        end = offset + len(chunk)
+        self._bytes[offset:end] = np.frombuffer(chunk, dtype=np.uint8)
+        self.crc = crc32(chunk, self.crc)
+        self.written = end
 
     @property
     def complete(self) -> bool:
+        """Every declared byte has been reserved."""
         return self.received == len(self.buffer)
 
     def finish(self) -> Payload:
-        if not self.complete:
-            raise WireError(f"payload truncated: {self.received} of {len(self.buffer)} bytes")
+        if not self.complete or self.written != len(self.buffer):
+            raise WireError(f"payload truncated: {self.written} of {len(self.buffer)} bytes")
         if self.crc != self.manifest.crc32:
             raise WireError(f"payload CRC-32 mismatch ({self.crc:#010x} != {self.manifest.crc32:#010x})")
         return decode(self.manifest, self.buffer)
