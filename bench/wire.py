@@ -323,7 +323,8 @@ def main() -> int:
               f"({f['round_inside_s']:.3f} s from task hand-out to aggregate)")
         print(f"  fedattn round, one step on 2 images    {trained['round_s']:.3f} s "
               f"(8 edges share {os.cpu_count()} cores)")
-        print(f"  ... all {args.edges} uploads at once          {all_at_once['round_s']:.3f} s "
+        label = f"... all {args.edges} uploads at once"
+        print(f"  {label:<38} {all_at_once['round_s']:.3f} s "
               f"= {all_at_once['round_s'] / bare:.2f}x bare grpcio, server RSS growth "
               f"{all_at_once['peak_rss_growth_kib'] * 1024 / model_bytes:.2f}x one model "
               "(default: 2 at once)")
