@@ -118,13 +118,17 @@ class Payload:
         return sum(s.raw_bytes for s in self.sections)
 
 
+def _checked_shape(meta: pb.TensorMeta) -> tuple[int, ...]:
+    shape = tuple(meta.shape)
+    if len(shape) > MAX_TENSOR_DIMS:
+        raise WireError(f"tensor {meta.name!r}: {len(shape)} dims (max {MAX_TENSOR_DIMS})")
+    if shape and min(shape) < 0:
+        raise WireError(f"tensor {meta.name!r}: negative dimension in shape {list(shape)}")
+    return shape
+
+
 def _tensor_bytes(meta: pb.TensorMeta) -> int:
-    dtype = torch_dtype(meta.dtype)
-    if len(meta.shape) > MAX_TENSOR_DIMS:
-        raise WireError(f"tensor {meta.name!r}: {len(meta.shape)} dims (max {MAX_TENSOR_DIMS})")
-    if any(d < 0 for d in meta.shape):
-        raise WireError(f"tensor {meta.name!r}: negative dimension in shape {list(meta.shape)}")
-    return math.prod(meta.shape) * dtype.itemsize
+    return math.prod(_checked_shape(meta)) * torch_dtype(meta.dtype).itemsize
 
 
 def section_sizes(manifest: pb.PayloadManifest) -> list[int]:
@@ -377,12 +381,7 @@ def _decode_flat(meta: pb.SectionMeta, buffer: bytearray, offset: int, section: 
     if len(set(names)) != len(names):
         duplicate = next(n for i, n in enumerate(names) if n in names[:i])
         raise WireError(f"section {meta.name!r}: duplicate tensor {duplicate!r}")
-    shapes = [tuple(t.shape) for t in meta.tensors]
-    for name, shape in zip(names, shapes, strict=True):
-        if len(shape) > MAX_TENSOR_DIMS:
-            raise WireError(f"tensor {name!r}: {len(shape)} dims (max {MAX_TENSOR_DIMS})")
-        if shape and min(shape) < 0:
-            raise WireError(f"tensor {name!r}: negative dimension in shape {list(shape)}")
+    shapes = [_checked_shape(t) for t in meta.tensors]
     counts = [math.prod(shape) for shape in shapes]
     count = sum(counts)
     total = count * dtype.itemsize
