@@ -228,7 +228,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
             if header.protocol_version != PROTOCOL_VERSION:
                 raise Refused(f"protocol version {header.protocol_version} unsupported")
             try:
-                self.engine.registry.check(edge, header.session)
+                record = self.engine.registry.check(edge, header.session)
             except AuthError as err:
                 raise Refused(str(err)) from None
             refusal = self._identity_refusal(edge, context)
@@ -243,7 +243,6 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
                 if err.drop and self.engine.phase is not None:
                     phase = self.engine.phase
                 raise
-            record = self.engine.registry.records[edge]
             assembler, body_mac = await self._receive(
                 header, schema, context, edge, BodyMac(record.upload_mac_key, header.body_mac_iv))
             try:
