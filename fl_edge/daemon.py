@@ -637,7 +637,7 @@ class EdgeDaemon:
 
     def _submit(self, stub, task: pb.TaskHeader, upload: Payload, num_examples: int,
                 evaluation: list, metrics: dict[str, float]) -> None:
-        encoded = encode(upload)
+        encoded = encode(upload, checksum=False)  # the signed body MAC covers the bytes
         header = pb.SubmitMessage(header=pb.SubmitHeader(
             protocol_version=PROTOCOL_VERSION, edge_id=self.identity.edge_id,
             session=self.session, round=task.round, task_id=task.task_id, phase=task.phase,

@@ -286,11 +286,12 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         async with self.upload_slots:
             assembler = PayloadAssembler(header.payload, max_bytes=sum(sizes),
                                          max_chunk_bytes=MAX_MESSAGE_BYTES, pool=self.buffers,
-                                         sizes=sizes)
-            # Each chunk's copy, CRC-32 and MAC run on a worker thread (all three release
-            # the GIL) while the event loop reads the next chunk and serves the other edges:
-            # on the loop they would serialize every upload on one core. One chunk at a
-            # time per upload keeps CRC and MAC in order.
+                                         sizes=sizes, checksum=False)
+            # The signed body MAC binds every byte, so an upload carries no CRC-32. Each
+            # chunk's copy and MAC run on a worker thread (both release the GIL) while the
+            # event loop reads the next chunk and serves the other edges: on the loop they
+            # would serialize every upload on one core. One chunk at a time per upload
+            # keeps the MAC in order.
             writing: asyncio.Future | None = None
             try:
                 while not assembler.complete:
@@ -334,7 +335,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
 
 
 def _decode_checked(assembler: PayloadAssembler) -> tuple[Payload, list[str]]:
-    """CRC check, decode and finiteness scan: off the event loop (torch drops the GIL)."""
+    """Decode and finiteness scan: off the event loop (torch drops the GIL)."""
     payload = assembler.finish()
     return payload, nonfinite_tensors(payload)
 

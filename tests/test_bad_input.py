@@ -370,14 +370,6 @@ def chunk_after_the_end(edge: RawEdge, task: Task) -> list[pb.SubmitMessage]:
     return stream(header, [*chunks, b"\x00\x00\x00\x00"])
 
 
-def corrupted_byte(edge: RawEdge, task: Task) -> list[pb.SubmitMessage]:
-    header, chunks = raw_layout(edge, task, shifted(task.globals, 1.0))
-    middle = bytearray(chunks[len(chunks) // 2])
-    middle[len(middle) // 2] ^= 0x40
-    chunks[len(chunks) // 2] = bytes(middle)
-    return stream(header, chunks)
-
-
 def truncated(edge: RawEdge, task: Task) -> list[pb.SubmitMessage]:
     header, chunks = raw_layout(edge, task, shifted(task.globals, 1.0))
     assert len(chunks) > 2
@@ -460,7 +452,7 @@ def body_altered_after_signing(edge: RawEdge, task: Task) -> list[pb.SubmitMessa
     messages = train_messages(edge, task, shifted(task.globals, 1.0))
     edge.sign(messages)
     data = bytearray(messages[1].data)
-    data[0] ^= 0x01  # a relay flips one bit of the body; the CRC would catch it later
+    data[0] ^= 0x01  # a relay (or the network) flips one bit of the body
     messages[1].data = bytes(data)
     return messages
 
@@ -477,7 +469,6 @@ DROPPING: list[tuple[str, Builder, tuple[str, ...]]] = [
     ("second-header", second_header, ("second header",)),
     ("chunk-across-section-end", chunk_across_section_end, ("crosses the end of section",)),
     ("chunk-after-the-end", chunk_after_the_end, ("beyond the declared payload",)),
-    ("corrupted-byte", corrupted_byte, ("CRC-32 mismatch",)),
     ("truncated", truncated, ("upload ended after",)),
     ("total-bytes-lie", total_bytes_lie, ("total_bytes",)),
     ("oversized-tensor", oversized_tensor, ("shape", TARGET, "[1048576, 1048576]")),

@@ -252,6 +252,28 @@ def test_wrong_manifest_crc_fails():
         assembler.finish()
 
 
+def test_upload_without_checksum_round_trips_and_leaves_the_crc_unchecked():
+    # Uploads carry no CRC-32 (their signed body MAC binds the bytes): the manifest says 0
+    # and the receiving assembler does not compare it.
+    payload = _layout_payload()
+    unchecked = encode(payload, checksum=False)
+    assert unchecked.manifest.crc32 == 0 != encode(payload).manifest.crc32
+    chunks = [c for _, c in unchecked.chunks(7)]
+    assembler = PayloadAssembler(unchecked.manifest, BIG, 7, checksum=False)
+    for chunk in chunks:
+        assembler.add(chunk)
+    decoded = assembler.finish()
+    for section, original in zip(decoded.sections, payload.sections, strict=True):
+        for name, tensor in original.tensors.items():
+            assert torch.equal(section.tensors[name], tensor)
+    # The same bytes with checking on are refused: 0 is not their CRC.
+    checked = PayloadAssembler(unchecked.manifest, BIG, 7)
+    for chunk in chunks:
+        checked.add(chunk)
+    with pytest.raises(WireError, match="CRC"):
+        checked.finish()
+
+
 def test_truncated_payload_fails():
     encoded, chunks = _sent()
     assembler = PayloadAssembler(encoded.manifest, BIG, 7)

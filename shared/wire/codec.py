@@ -201,7 +201,9 @@ def _raw_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.numpy()).cast("B")
 
 
-def encode(payload: Payload) -> EncodedPayload:
+def encode(payload: Payload, checksum: bool = True) -> EncodedPayload:
+    """``checksum=False`` leaves the manifest's CRC-32 at 0: for uploads, whose bytes the
+    edge's signed body MAC already binds (the server checks that instead)."""
     manifest = pb.PayloadManifest()
     crc = 0
     total = 0
@@ -213,7 +215,8 @@ def encode(payload: Payload) -> EncodedPayload:
         for name, tensor in section.tensors.items():
             meta.tensors.add(name=name, dtype=wire_dtype(tensor.dtype), shape=list(tensor.shape))
             view = _raw_view(tensor)
-            crc = crc32(view, crc)
+            if checksum:
+                crc = crc32(view, crc)
             total += len(view)
             section_views.append(view)
         kinds.append(Kind(section.kind))
@@ -246,9 +249,11 @@ class PayloadAssembler:
     """Receives one payload chunk by chunk, refusing anything off the declared layout."""
 
     def __init__(self, manifest: pb.PayloadManifest, max_bytes: int, max_chunk_bytes: int,
-                 pool: BufferPool | None = None, sizes: list[int] | None = None):
+                 pool: BufferPool | None = None, sizes: list[int] | None = None,
+                 checksum: bool = True):
         """``sizes``: each section's byte length, when the caller has already checked the
-        manifest's shapes against a schema (walking a large manifest again costs ~1 ms)."""
+        manifest's shapes against a schema (walking a large manifest again costs ~1 ms).
+        ``checksum=False`` skips the CRC-32: for uploads, checked by their body MAC."""
         seen_sections = set()
         for section in manifest.sections:
             if section.kind not in Kind._value2member_map_:
@@ -273,6 +278,7 @@ class PayloadAssembler:
         self._bytes = np.frombuffer(self.buffer, dtype=np.uint8)
         self.received = 0  # bytes booked by ``reserve``
         self.written = 0  # bytes copied in by ``write``
+        self.checksum = checksum
         self.crc = 0
         self._section = 0
         self._section_end = self.sizes[0] if self.sizes else 0
@@ -322,7 +328,8 @@ class PayloadAssembler:
             raise WireError(f"chunk written at {offset}, expected {self.written}")
         end = offset + len(chunk)
         self._bytes[offset:end] = np.frombuffer(chunk, dtype=np.uint8)
-        self.crc = crc32(chunk, self.crc)
+        if self.checksum:
+            self.crc = crc32(chunk, self.crc)
         self.written = end
 
     @property
@@ -333,7 +340,7 @@ class PayloadAssembler:
     def finish(self) -> Payload:
         if not self.complete or self.written != len(self.buffer):
             raise WireError(f"payload truncated: {self.written} of {len(self.buffer)} bytes")
-        if self.crc != self.manifest.crc32:
+        if self.checksum and self.crc != self.manifest.crc32:
             raise WireError(f"payload CRC-32 mismatch ({self.crc:#010x} != {self.manifest.crc32:#010x})")
         return decode(self.manifest, self.buffer)
 
