@@ -4,6 +4,7 @@ loadable; directories newer than the manifest are half-written and are removed."
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,9 @@ from fedattn_shared.state import (
 )
 
 FORMAT = "fedattn-server-checkpoint/1"
+# The tensors file of the last pruned round, overwritten in place by the next checkpoint
+# instead of a fresh file (see save_tensors). No manifest ever names it.
+SPARE = ".spare.safetensors"
 
 
 class CheckpointStore:
@@ -41,7 +45,8 @@ class CheckpointStore:
     def save(self, round_number: int, tensors: dict[str, torch.Tensor], state: dict) -> Path:
         directory = self.rounds_dir() / f"{round_number:06d}"
         directory.mkdir(parents=True, exist_ok=True)
-        save_tensors(directory / "state.safetensors", tensors)
+        save_tensors(directory / "state.safetensors", tensors,
+                     recycle=self.rounds_dir() / SPARE)
         atomic_write_json(directory / "state.json", state)
         atomic_write_json(self.manifest_path, {"format": FORMAT, "round": round_number,
                                                "dir": str(directory.relative_to(self.root))})
@@ -75,4 +80,8 @@ class CheckpointStore:
     def _prune(self, latest: int) -> None:
         dirs = [(n, p) for n, p in self._round_dirs() if n <= latest]
         for _, path in dirs[: -self.keep]:
+            try:
+                os.replace(path / "state.safetensors", self.rounds_dir() / SPARE)
+            except OSError:
+                pass
             shutil.rmtree(path, ignore_errors=True)

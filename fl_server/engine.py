@@ -216,6 +216,7 @@ class Engine:
         self.phase: Phase | None = None
         self.finished = False
         self.agg_lock = asyncio.Lock()
+        self.checkpointing: asyncio.Task | None = None
         # "method" is what the edge loads: the registered name or a module:Class spec.
         config = {"method": server.method, "train": train.__dict__,
                   "params": method.describe_params()}
@@ -251,7 +252,7 @@ class Engine:
             "config": json.loads(self.config_json), "aggregator": self.aggregator.state_meta(),
             "registry": self.registry.to_json(), "task_counter": self.task_counter,
         }
-        tensors = self.aggregator.state_tensors()  # save_tensors copies them out
+        tensors = self.aggregator.state_tensors()  # live: nothing aggregates until written
         return self.round, tensors, state, json.dumps(self.history, indent=1, sort_keys=True)
 
     def write_checkpoint(self, round_number: int, tensors: dict[str, torch.Tensor], state: dict,
@@ -262,13 +263,34 @@ class Engine:
         self.store.save(round_number, tensors, state)
         log.info("checkpoint round %d written", round_number)
 
-    async def checkpoint(self) -> None:
-        """A round is complete once its checkpoint is on disk: the next one starts after."""
-        started = time.monotonic()
-        await asyncio.to_thread(self.write_checkpoint, *self.snapshot())
-        self.metrics.checkpoint_seconds.observe(time.monotonic() - started)
-        self.metrics.checkpoint_round.set(self.round)
-        self.metrics.checkpoint_timestamp.set_to_current_time()
+    def start_checkpoint(self, record: dict[str, Any], participants: int, selected: int) -> None:
+        """Writes the round's checkpoint on a worker thread while the next round's tasks
+        go out. The snapshot is taken now; the tensors it views change only when the next
+        round aggregates, and that waits for the write (``durable``). A crash before the
+        write ends resumes from the round before, as a crash later in the round would.
+        The round counts as completed (metrics, log) once its checkpoint is on disk."""
+        snapshot = self.snapshot()
+        test = record.get("evaluation", {}).get("summary", {}).get("test", {})
+
+        async def write() -> None:
+            started = time.monotonic()
+            await asyncio.to_thread(self.write_checkpoint, *snapshot)
+            self.metrics.checkpoint_seconds.observe(time.monotonic() - started)
+            self.metrics.checkpoint_round.set(record["round"])
+            self.metrics.checkpoint_timestamp.set_to_current_time()
+            self.metrics.round.set(record["round"])
+            self.metrics.rounds_completed.inc()
+            self.metrics.round_seconds.observe(record["seconds"])
+            log.info("round %d done in %.2fs: %d/%d results, mean test accuracy %s",
+                     record["round"], record["seconds"], participants, selected,
+                     f"{test['mean_accuracy']:.4f}" if test else "n/a")
+
+        self.checkpointing = asyncio.create_task(write())
+
+    async def durable(self) -> None:
+        """Waits until the last round's checkpoint is on disk; re-raises its failure."""
+        if self.checkpointing is not None:
+            await asyncio.shield(self.checkpointing)
 
     # ---- edges ------------------------------------------------------------------------
     def edge_lost(self, edge_id: str, reason: str) -> None:
@@ -382,6 +404,7 @@ class Engine:
         except ValueError as err:
             raise Refused(str(err), drop=True) from None
         async with self.agg_lock:
+            await self.durable()  # the last round's checkpoint views the state this changes
             if phase.closed or edge not in phase.pending():
                 raise Refused("the phase closed before the upload completed")
             if secured:
@@ -440,6 +463,7 @@ class Engine:
             # min_available_clients); stragglers inside a round are what --quorum tolerates.
             await self.wait_for_edges(self.cfg.min_edges)
             await self.run_round(self.round + 1)
+        await self.durable()
         self.finished = True
         self.phase = None
         self.registry.wake_all()
@@ -496,16 +520,10 @@ class Engine:
             participants = [e for e in participants if e in phase.received]
         record["seconds"] = time.monotonic() - started
         record["bytes"] = self.meter.take_round()
+        await self.durable()  # a round that aggregated nothing did not wait for the last one
         self.round = round_number
         self.history["rounds"].append(record)
-        await self.checkpoint()
-        self.metrics.round.set(round_number)
-        self.metrics.rounds_completed.inc()
-        self.metrics.round_seconds.observe(record["seconds"])
-        summary = record.get("evaluation", {}).get("summary", {}).get("test", {})
-        log.info("round %d done in %.2fs: %d/%d results, mean test accuracy %s", round_number,
-                 record["seconds"], len(participants), len(selected),
-                 f"{summary['mean_accuracy']:.4f}" if summary else "n/a")
+        self.start_checkpoint(record, len(participants), len(selected))
 
     def phase_record(self, phase: Phase) -> dict:
         return {
@@ -564,6 +582,9 @@ class Engine:
         log.info("round %d %s: %d task(s), quorum %d", round_number, name, len(tasks), quorum)
         for edge in edges:
             self.registry.records[edge].wakeup.set()
+        # While the edges download, the last round's checkpoint finishes (or its failure
+        # stops the server here, before anything of this round is aggregated).
+        await self.durable()
         phase.maybe_close()
         try:
             await asyncio.wait_for(phase.done.wait(), timeout=timeout or self.cfg.round_timeout)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -83,8 +84,34 @@ def read_json(path: str | Path) -> Any:
 
 
 def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor],
-                 metadata: dict[str, str] | None = None, durable: bool = True) -> None:
-    """Streamed into the file by safetensors, without a copy of the whole file in memory."""
+                 metadata: dict[str, str] | None = None, durable: bool = True,
+                 recycle: Path | None = None) -> None:
+    """Streamed into the file by safetensors, without a copy of the whole file in memory.
+
+    ``recycle``: a file this one replaces round after round (a pruned checkpoint's). When
+    it exists, the same format is written into it in place, straight from the tensors'
+    memory, and it is then renamed to ``path``: on ext4, rewriting 45 MB of a file takes
+    ~12 ms of CPU where a fresh file takes ~90 ms (its blocks and pages are allocated
+    anew). safetensors has no in-place writer, so this one writes its documented layout,
+    and ``load_tensors`` reads it back through safetensors as any other."""
+    if recycle is not None and all(t.dtype in _SAFETENSORS_DTYPES for t in tensors.values()):
+        path = Path(path)
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
+        try:
+            os.replace(recycle, tmp)
+        except FileNotFoundError:
+            pass  # none yet (the first rounds): safetensors writes a fresh file
+        else:
+            try:
+                _write_safetensors_in_place(tmp, tensors, metadata or {}, durable)
+                os.chmod(tmp, 0o600)
+                os.replace(tmp, path)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            if durable:
+                _fsync(path.parent)
+            return
     seen: set[int] = set()
     owned = {k: _owning(v, seen) for k, v in tensors.items()}
     atomic_fill(path, lambda tmp: st_save_file(owned, tmp, metadata=metadata or {}),
@@ -102,6 +129,52 @@ def _owning(tensor: torch.Tensor, seen: set[int]) -> torch.Tensor:
         tensor = tensor.clone()
     seen.add(tensor.data_ptr())
     return tensor
+
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}
+
+
+def _write_safetensors_in_place(path: Path, tensors: dict[str, torch.Tensor],
+                                metadata: dict[str, str], durable: bool) -> None:
+    """The safetensors layout (little-endian u64 header length, JSON header padded with
+    spaces to 8 bytes, then the tensors' bytes back to back; widest dtypes first, as
+    safetensors orders them, so each tensor stays aligned) over the file's old bytes,
+    in one pwritev: one GIL release however many tensors there are."""
+    order = sorted(tensors, key=lambda k: -tensors[k].element_size())
+    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+    views, offset = [], 0
+    for name in order:
+        tensor = tensors[name].detach().to("cpu").contiguous()
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + size]}
+        if size:
+            views.append(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    buffers = [len(encoded).to_bytes(8, "little"), encoded, *views]
+    total = 8 + len(encoded) + offset
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        written = 0
+        while buffers:
+            n = os.pwritev(fd, buffers[:1024], written)  # IOV_MAX
+            written += n
+            while buffers and n >= len(buffers[0]):
+                n -= len(buffers[0])
+                buffers.pop(0)
+            if n:
+                buffers[0] = memoryview(buffers[0])[n:]
+        os.ftruncate(fd, total)
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def load_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
