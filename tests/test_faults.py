@@ -33,12 +33,15 @@ def test_edge_killed_during_upload_costs_only_its_task(cluster, tmp_path):
 
 
 def test_server_killed_mid_round_resumes_from_last_checkpoint(cluster, tmp_path):
-    dirs = write_edge_dirs(tmp_path, 2, per_edge=600)
+    # Enough data that round 3's training outlasts the wait for round 2's "done" below.
+    dirs = write_edge_dirs(tmp_path, 2, per_edge=2000)
     port = free_port()
     args = ("--method", "scaffold", "--rounds", "4", "--min-edges", "2")
     server = cluster.server(*args, port=port)
     edges = [cluster.edge(d, f"e{i}") for i, d in enumerate(dirs)]
     server.wait_log("round 3 train: 2 task(s)")
+    # Round 2's checkpoint is written while round 3's tasks go out; "done" follows it.
+    server.wait_log("round 2 done")
     server.kill()  # the round-3 aggregate is being built; round 2 is the last checkpoint
     checkpoint = tmp_path / "server-state"
     tensors, _ = load_tensors(checkpoint / "rounds" / "000002" / "state.safetensors")
