@@ -164,6 +164,8 @@ def _write_safetensors_in_place(path: Path, tensors: dict[str, torch.Tensor],
         written = 0
         while buffers:
             n = os.pwritev(fd, buffers[:1024], written)  # IOV_MAX
+            if n == 0:
+                raise OSError(f"{path}: pwritev wrote nothing at offset {written}")
             written += n
             while buffers and n >= len(buffers[0]):
                 n -= len(buffers[0])
