@@ -100,18 +100,17 @@ def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor],
         try:
             os.replace(recycle, tmp)
         except FileNotFoundError:
-            pass  # none yet (the first rounds): safetensors writes a fresh file
-        else:
-            try:
-                _write_safetensors_in_place(tmp, tensors, metadata or {}, durable)
-                os.chmod(tmp, 0o600)
-                os.replace(tmp, path)
-            except BaseException:
-                tmp.unlink(missing_ok=True)
-                raise
-            if durable:
-                _fsync(path.parent)
-            return
+            pass  # none yet (the first rounds): the same writer fills a fresh file
+        try:
+            _write_safetensors_in_place(tmp, tensors, metadata or {}, durable)
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        if durable:
+            _fsync(path.parent)
+        return
     seen: set[int] = set()
     owned = {k: _owning(v, seen) for k, v in tensors.items()}
     atomic_fill(path, lambda tmp: st_save_file(owned, tmp, metadata=metadata or {}),
