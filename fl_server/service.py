@@ -56,7 +56,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         self.chunk_bytes = chunk_bytes
         self.poll_timeout = poll_timeout
         self.upload_slots = asyncio.Semaphore(max_concurrent_uploads)
-        self.buffers = BufferPool(keep=max_concurrent_uploads + 1)
+        self.buffers = BufferPool(keep=max_concurrent_uploads)
         self.enrollment = enrollment  # mutual TLS: the enrolled edges
 
     def _identity_refusal(self, edge_id: str, context, token: str | None = None) -> str:
@@ -243,19 +243,27 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
                 if err.drop and self.engine.phase is not None:
                     phase = self.engine.phase
                 raise
-            assembler, body_mac = await self._receive(
-                header, schema, context, edge, BodyMac(record.upload_mac_key, header.body_mac_iv))
-            try:
-                if not verify_submission(bytes.fromhex(record.signing_key), header, body_mac):
-                    raise Refused("the signature does not verify over this header and body "
-                                  "with the edge's signing key", drop=True)
-                payload, bad = await asyncio.to_thread(_decode_checked, assembler)
-                if bad:
-                    raise Refused(f"non-finite values in {bad[:3]}", drop=True)
-                await self.engine.accept(phase, header, payload)
-            finally:
-                # The aggregate holds copies; the buffer serves the next upload.
-                self.buffers.give(assembler.buffer)
+            # A slot covers an upload's buffer from the first byte until it is aggregated,
+            # so at most max_concurrent_uploads buffers exist and the pool reuses them all.
+            # Released after the receive, slots let uploads pile up behind the aggregation
+            # lock, each in a fresh buffer: a zeroed allocation of the model's size per
+            # upload and RSS growing with the number of edges.
+            async with self.upload_slots:
+                assembler, body_mac = await self._receive(
+                    header, schema, context, edge,
+                    BodyMac(record.upload_mac_key, header.body_mac_iv))
+                try:
+                    if not verify_submission(bytes.fromhex(record.signing_key), header,
+                                             body_mac):
+                        raise Refused("the signature does not verify over this header and "
+                                      "body with the edge's signing key", drop=True)
+                    payload, bad = await asyncio.to_thread(_decode_checked, assembler)
+                    if bad:
+                        raise Refused(f"non-finite values in {bad[:3]}", drop=True)
+                    await self.engine.accept(phase, header, payload)
+                finally:
+                    # The aggregate holds copies; the buffer serves the next upload.
+                    self.buffers.give(assembler.buffer)
         except (Refused, WireError) as err:
             drop = isinstance(err, WireError) or err.drop
             reason = f"{type(err).__name__ if isinstance(err, WireError) else 'refused'}: {err}"
@@ -283,41 +291,40 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
             assembler.write(offset, chunk)
             body.update(chunk)
 
-        async with self.upload_slots:
-            assembler = PayloadAssembler(header.payload, max_bytes=sum(sizes),
-                                         max_chunk_bytes=MAX_MESSAGE_BYTES, pool=self.buffers,
-                                         sizes=sizes, checksum=False)
-            # The signed body MAC binds every byte, so an upload carries no CRC-32. Each
-            # chunk's copy and MAC run on a worker thread (both release the GIL) while the
-            # event loop reads the next chunk and serves the other edges: on the loop they
-            # would serialize every upload on one core. One chunk at a time per upload
-            # keeps the MAC in order.
-            writing: asyncio.Future | None = None
-            try:
-                while not assembler.complete:
-                    message = await context.read()
-                    if message is grpc.aio.EOF:
-                        raise WireError(f"upload ended after {assembler.received} of "
-                                        f"{len(assembler.buffer)} bytes")
-                    if not isinstance(message, memoryview):
-                        raise WireError("a second header inside one upload")
-                    kind, offset = assembler.reserve(message)
-                    size = len(message)
-                    self.meter.count(UP, kind.label, data_message_wire_bytes(size), size, edge)
-                    if writing is not None:
-                        await writing
-                    writing = loop.run_in_executor(None, ingest, offset, message)
+        assembler = PayloadAssembler(header.payload, max_bytes=sum(sizes),
+                                     max_chunk_bytes=MAX_MESSAGE_BYTES, pool=self.buffers,
+                                     sizes=sizes, checksum=False)
+        # The signed body MAC binds every byte, so an upload carries no CRC-32. Each chunk's
+        # copy and MAC run on a worker thread (both release the GIL) while the event loop
+        # reads the next chunk and serves the other edges: on the loop they would
+        # serialize every upload on one core. One chunk at a time per upload keeps the MAC
+        # in order.
+        writing: asyncio.Future | None = None
+        try:
+            while not assembler.complete:
+                message = await context.read()
+                if message is grpc.aio.EOF:
+                    raise WireError(f"upload ended after {assembler.received} of "
+                                    f"{len(assembler.buffer)} bytes")
+                if not isinstance(message, memoryview):
+                    raise WireError("a second header inside one upload")
+                kind, offset = assembler.reserve(message)
+                size = len(message)
+                self.meter.count(UP, kind.label, data_message_wire_bytes(size), size, edge)
                 if writing is not None:
                     await writing
-                extra = await context.read()
-            finally:
-                if writing is not None and not writing.done():
-                    # Never let the buffer go back to the pool while a worker writes to it.
-                    await asyncio.wait([writing])
-            if extra is not grpc.aio.EOF:
-                self.buffers.give(assembler.buffer)
+                writing = loop.run_in_executor(None, ingest, offset, message)
+            if writing is not None:
+                await writing
+            if await context.read() is not grpc.aio.EOF:
                 raise WireError("data beyond the declared payload")
-            return assembler, body.tag()
+        except BaseException:
+            if writing is not None and not writing.done():
+                # Never let the buffer go back to the pool while a worker writes to it.
+                await asyncio.wait([writing])
+            self.buffers.give(assembler.buffer)
+            raise
+        return assembler, body.tag()
 
     # ---- Leave ------------------------------------------------------------------------
     async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveReply:

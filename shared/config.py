@@ -108,7 +108,7 @@ class ServerConfig:
     tls_dir: str = ""          # mutual TLS: the folder `fl-server certs init` made
     join_token: str = ""
     chunk_bytes: int = 1 << 20
-    max_concurrent_uploads: int = 2  # uploads buffered at once: memory vs. slow uplinks
+    max_concurrent_uploads: int = 2  # uploads received or aggregated at once: memory vs. slow links
     keep_checkpoints: int = 2
     init_weights: str = ""     # safetensors file with pretrained weights for the models
     init_skip_head: bool = False  # keep the fresh classifier head, ignore the file's

@@ -213,7 +213,9 @@ class StreamingMean(Aggregator):
     def means(self) -> dict[SectionKey, dict[str, torch.Tensor]]:
         out = {}
         for key, total in self._sum.items():
-            mean = total / self._weight
+            # In place: the sum is spent once the mean exists (finish drops it), and a
+            # second model-sized vector would be the server's peak memory.
+            mean = total.div_(self._weight)
             tensors, start = {}, 0
             for name, shape in self._layout[key]:
                 n = math.prod(shape)
