@@ -42,6 +42,7 @@ from fedattn_shared.wire.codec import (
     WireError,
     dtype_name,
     encode,
+    section_layout,
     torch_dtype,
 )
 from fedattn_shared.wire.transport import data_frames
@@ -356,6 +357,13 @@ class Engine:
             if key in seen:
                 raise Refused(f"section {label} appears twice", drop=True)
             seen.add(key)
+            try:
+                layout = section_layout(section)
+            except WireError:
+                layout = None  # refused below, naming the offending tensor
+            if layout is not None and (layout.names, layout.dtypes,
+                                       layout.shapes) == expected[key].full_layout:
+                continue  # the whole section exactly as specified: the usual upload
             specs = expected[key].tensors
             names = [t.name for t in section.tensors]
             # Every required tensor exactly once; optional ones (a per-class subset) at most once.

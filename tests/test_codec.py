@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire.accounting import GRPC_FRAME_PREFIX, ByteMeter, message_wire_bytes
 from fedattn_shared.wire.codec import (
+    MAX_REMEMBERED_LAYOUT_BYTES,
     Kind,
     Payload,
     PayloadAssembler,
@@ -21,6 +22,7 @@ from fedattn_shared.wire.codec import (
     decode,
     encode,
     nonfinite_tensors,
+    section_layout,
     section_sizes,
 )
 
@@ -383,7 +385,7 @@ def test_duplicate_tensor_names_refused():
     data = struct.pack("<ff", 1.0, 2.0)
     manifest.crc32 = zlib.crc32(data)
     # Refused from the manifest alone, before any data is buffered; decode checks too.
-    with pytest.raises(WireError, match="duplicate tensor names"):
+    with pytest.raises(WireError, match="duplicate tensor 'w'"):
         PayloadAssembler(manifest, BIG, 8)
     with pytest.raises(WireError, match="duplicate tensor 'w'"):
         decode(manifest, data)
@@ -409,6 +411,42 @@ def test_decode_checks_the_data_length():
         decode(manifest, b"\x00" * 9)
     out = decode(manifest, struct.pack("<ff", 0.5, 2.0))  # bytes (not bytearray) are copied
     assert out.tensors(Kind.SHARED_TENSORS)["w"].tolist() == [0.5, 2.0]
+
+
+def test_repeated_manifests_reuse_their_layout_and_encode_hands_out_copies():
+    payload = Payload([Section(Kind.SHARED_TENSORS, "", {
+        "w": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+        "n": torch.tensor([7], dtype=torch.int64)})])
+    first = encode(payload)
+    layout = section_layout(wire_copy(first.manifest).sections[0])
+    assert layout.names == ("w", "n") and layout.shapes == ((2, 3), (1,))
+    assert layout.dtypes == (torch.float32, torch.int64) and layout.nbytes == 32
+    assert layout.single_dtype is None
+    assert section_layout(wire_copy(first.manifest).sections[0]) is layout  # remembered
+    # Each encode's manifest is its own: changing one leaves the next encode intact.
+    first.manifest.sections[0].tensors[0].shape[:] = [6]
+    first.manifest.sections[0].name = "changed"
+    again = encode(payload)
+    assert again.manifest.sections[0].name == ""
+    assert list(again.manifest.sections[0].tensors[0].shape) == [2, 3]
+    assert_same(decode(again.manifest, b"".join(c for _, c in again.chunks())).tensors(
+        Kind.SHARED_TENSORS), payload.sections[0].tensors)
+
+
+def test_large_manifests_are_not_remembered():
+    # A peer sending ever-new large manifests must not grow the server's memory.
+    from fedattn_shared.wire.codec import _layout_of_serialized
+
+    manifest = pb.PayloadManifest()
+    section = manifest.sections.add(kind=pb.SHARED_TENSORS)
+    count = MAX_REMEMBERED_LAYOUT_BYTES // 20
+    for i in range(count):
+        section.tensors.add(name=f"tensor-{i:08d}", dtype=pb.FLOAT32, shape=[1])
+    assert len(section.SerializeToString()) > MAX_REMEMBERED_LAYOUT_BYTES
+    before = _layout_of_serialized.cache_info().currsize
+    layout = section_layout(section)
+    assert layout.nbytes == 4 * count and layout.single_dtype == torch.float32
+    assert _layout_of_serialized.cache_info().currsize == before
 
 
 def test_nonfinite_tensors_names_every_bad_tensor():

@@ -78,3 +78,23 @@ def test_batches_in_order_never_end_with_a_single_sample():
     assert [len(y) for _, y in _batches(data, 3, torch.device("cpu"))] == [3, 3, 3]
     one = Split(torch.zeros(1, 1, 1, 1), torch.zeros(1, dtype=torch.int64))
     assert [len(y) for _, y in _batches(one, 4, torch.device("cpu"))] == [1]
+
+
+def test_train_and_eval_mode_reach_every_module_even_when_one_differs():
+    algo = make()
+    model = algo.models["model"]
+    algo.train_mode()
+    assert all(m.training for m in model.modules())
+    algo.train_mode()  # already training throughout: nothing to change
+    assert all(m.training for m in model.modules())
+    batchnorm = next(m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d))
+    batchnorm.eval()  # one module left in eval mode (as an evaluation pass leaves it)
+    algo.train_mode()
+    assert batchnorm.training and all(m.training for m in model.modules())
+    batchnorm.train()
+    model.training = False  # only the root differs
+    algo.eval_mode()
+    assert not any(m.training for m in model.modules())
+    batchnorm.train()
+    algo.eval_mode()
+    assert not batchnorm.training

@@ -75,6 +75,13 @@ class SectionSpec:
         return sum(t.nbytes for t in self.tensors.values())
 
     @functools.cached_property
+    def full_layout(self) -> tuple[tuple[str, ...], tuple[torch.dtype, ...],
+                                   tuple[tuple[int, ...], ...]]:
+        """Names, dtypes and shapes of an upload carrying every tensor, in order."""
+        return (tuple(self.tensors), tuple(t.dtype for t in self.tensors.values()),
+                tuple(tuple(t.shape) for t in self.tensors.values()))
+
+    @functools.cached_property
     def required(self) -> frozenset[str]:
         return frozenset(name for name, t in self.tensors.items() if not t.optional)
 
@@ -285,6 +292,13 @@ class Method:
         return StreamingMean(self, models)
 
 
+def _set_mode(model: nn.Module, training: bool) -> None:
+    """``model.train(training)``, skipped when every module is already in that mode (the
+    call walks every module through ``__setattr__``: ~1.5 ms a round for a small CNN)."""
+    if any(m.training != training for m in model.modules()):
+        model.train(training)
+
+
 class EdgeAlgorithm:
     """Edge-side hooks around the generic training loop in ``fl_edge.trainer``.
 
@@ -342,7 +356,8 @@ class EdgeAlgorithm:
     def receive(self, phase: str, common: Payload, personal: Payload) -> None:
         shared = common.tensors(Kind.SHARED_TENSORS)
         # Received tensors are never written to (on CPU they view the receive buffer).
-        self.global_tensors = {k: v.to(self.device) for k, v in shared.items()}
+        self.global_tensors = (dict(shared) if self.device.type == "cpu"
+                               else {k: v.to(self.device) for k, v in shared.items()})
         self.load_shared(self.global_tensors)
 
     def parameter_groups(self) -> list[dict]:
@@ -364,11 +379,11 @@ class EdgeAlgorithm:
 
     def train_mode(self) -> None:
         for model in self.models.values():
-            model.train()
+            _set_mode(model, True)
 
     def eval_mode(self) -> None:
         for model in self.models.values():
-            model.eval()
+            _set_mode(model, False)
 
     def begin_train(self) -> None:
         """Called after ``receive`` and before the first batch of a training phase."""
@@ -442,6 +457,11 @@ class EdgeAlgorithm:
         weights), keyed ``model/module``."""
         figures: dict[str, Any] = {}
         for model_name, model in self.models.items():
+            # Naming every module costs ~1 ms a round for a small CNN; most models have
+            # no module that reports.
+            if not any(callable(getattr(type(m), "private_figures", None))
+                       for m in model.modules()):
+                continue
             for module_name, module in model.named_modules():
                 report = getattr(module, "private_figures", None)
                 if callable(report):

@@ -11,6 +11,7 @@ buffer is allocated, each chunk against the declared layout, and the CRC at the 
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import sys
 from collections.abc import Iterator
@@ -32,6 +33,8 @@ if sys.byteorder != "little":  # pragma: no cover - every supported edge is litt
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 MAX_TENSOR_DIMS = 8
+# A manifest entry is ~50 bytes per tensor: 256 KiB covers models of thousands of tensors.
+MAX_REMEMBERED_LAYOUT_BYTES = 256 << 10
 
 
 class WireError(ValueError):
@@ -127,13 +130,54 @@ def _checked_shape(meta: pb.TensorMeta) -> tuple[int, ...]:
     return shape
 
 
-def _tensor_bytes(meta: pb.TensorMeta) -> int:
-    return math.prod(_checked_shape(meta)) * torch_dtype(meta.dtype).itemsize
+@dataclass(frozen=True)
+class SectionLayout:
+    """A section's tensors as its manifest declares them, validated: names unique, dtypes
+    known, shapes of at most MAX_TENSOR_DIMS non-negative dimensions."""
+
+    names: tuple[str, ...]
+    dtypes: tuple[torch.dtype, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    counts: tuple[int, ...]  # elements per tensor
+    nbytes: int
+
+    @property
+    def single_dtype(self) -> torch.dtype | None:
+        """The dtype of every tensor, when they share one that can be viewed in place
+        (bool travels as bytes and is converted)."""
+        if self.dtypes and self.dtypes[0] != torch.bool and len(set(self.dtypes)) == 1:
+            return self.dtypes[0]
+        return None
+
+
+def section_layout(meta: pb.SectionMeta) -> SectionLayout:
+    """The layout of a section's manifest. A model's manifest repeats every round, and
+    walking hundreds of tensor entries costs about 1 ms of Python each time a payload is
+    validated, sized or decoded, so layouts are remembered by the manifest's bytes (up to
+    a size, so that a peer sending large manifests cannot fill memory with them)."""
+    serialized = meta.SerializeToString()
+    if len(serialized) > MAX_REMEMBERED_LAYOUT_BYTES:
+        return _layout_of_serialized.__wrapped__(serialized)
+    return _layout_of_serialized(serialized)
+
+
+@functools.lru_cache(maxsize=64)
+def _layout_of_serialized(serialized: bytes) -> SectionLayout:
+    meta = pb.SectionMeta.FromString(serialized)
+    names = tuple(t.name for t in meta.tensors)
+    if len(set(names)) != len(names):
+        duplicate = next(n for i, n in enumerate(names) if n in names[:i])
+        raise WireError(f"section {meta.name!r}: duplicate tensor {duplicate!r}")
+    dtypes = tuple(torch_dtype(t.dtype) for t in meta.tensors)
+    shapes = tuple(_checked_shape(t) for t in meta.tensors)
+    counts = tuple(math.prod(shape) for shape in shapes)
+    nbytes = sum(n * d.itemsize for n, d in zip(counts, dtypes, strict=True))
+    return SectionLayout(names, dtypes, shapes, counts, nbytes)
 
 
 def section_sizes(manifest: pb.PayloadManifest) -> list[int]:
     """Byte length of each section as the manifest declares it (validated)."""
-    return [sum(_tensor_bytes(t) for t in s.tensors) for s in manifest.sections]
+    return [section_layout(s).nbytes for s in manifest.sections]
 
 
 @dataclass
@@ -201,6 +245,17 @@ def _raw_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.numpy()).cast("B")
 
 
+@functools.lru_cache(maxsize=64)
+def _section_meta(kind: int, name: str,
+                  tensors: tuple[tuple[str, torch.dtype, torch.Size], ...]) -> pb.SectionMeta:
+    """A section's manifest entry (hundreds of protobuf appends for a model, the same
+    every round: built once). Callers copy it (``append``), never change it."""
+    meta = pb.SectionMeta(kind=kind, name=name)
+    for tensor_name, dtype, shape in tensors:
+        meta.tensors.add(name=tensor_name, dtype=wire_dtype(dtype), shape=list(shape))
+    return meta
+
+
 def encode(payload: Payload, checksum: bool = True) -> EncodedPayload:
     """``checksum=False`` leaves the manifest's CRC-32 at 0: for uploads, whose bytes the
     edge's signed body MAC already binds (the server checks that instead)."""
@@ -210,10 +265,10 @@ def encode(payload: Payload, checksum: bool = True) -> EncodedPayload:
     kinds: list[Kind] = []
     views: list[list[memoryview]] = []
     for section in payload.sections:
-        meta = manifest.sections.add(kind=int(section.kind), name=section.name)
+        manifest.sections.append(_section_meta(int(section.kind), section.name, tuple(
+            (name, tensor.dtype, tensor.shape) for name, tensor in section.tensors.items())))
         section_views = []
-        for name, tensor in section.tensors.items():
-            meta.tensors.add(name=name, dtype=wire_dtype(tensor.dtype), shape=list(tensor.shape))
+        for tensor in section.tensors.values():
             view = _raw_view(tensor)
             if checksum:
                 crc = crc32(view, crc)
@@ -261,9 +316,7 @@ class PayloadAssembler:
             if (section.kind, section.name) in seen_sections:
                 raise WireError(f"section {Kind(section.kind).label}:{section.name!r} appears twice")
             seen_sections.add((section.kind, section.name))
-            names = [t.name for t in section.tensors]
-            if len(set(names)) != len(names):
-                raise WireError(f"section {section.name!r}: duplicate tensor names")
+        # Sizing validates each section's tensor entries (unique names, known dtypes).
         self.sizes = section_sizes(manifest) if sizes is None else sizes
         declared = sum(self.sizes)
         if declared != manifest.total_bytes:
@@ -352,54 +405,38 @@ def decode(manifest: pb.PayloadManifest, data: bytes | bytearray) -> Payload:
     offset = 0
     for meta in manifest.sections:
         section = Section(kind=Kind(meta.kind), name=meta.name)
-        dtypes = {t.dtype for t in meta.tensors}
-        if len(dtypes) == 1 and pb.BOOL not in dtypes:
-            offset = _decode_flat(meta, buffer, offset, section)
-            payload.sections.append(section)
-            continue
-        for tmeta in meta.tensors:
-            nbytes = _tensor_bytes(tmeta)
-            if offset + nbytes > len(buffer):
-                raise WireError(f"tensor {tmeta.name!r} runs past the end of the data")
-            if tmeta.name in section.tensors:
-                raise WireError(f"section {meta.name!r}: duplicate tensor {tmeta.name!r}")
-            dtype = torch_dtype(tmeta.dtype)
-            count = math.prod(tmeta.shape)
-            if count:
-                read_as = torch.uint8 if dtype == torch.bool else dtype
-                tensor = torch.frombuffer(buffer, dtype=read_as, count=count, offset=offset)
-                if dtype == torch.bool:
-                    tensor = tensor.to(torch.bool)
-            else:
-                tensor = torch.empty(0, dtype=dtype)
-            section.tensors[tmeta.name] = tensor.reshape(tuple(tmeta.shape))
-            offset += nbytes
+        layout = section_layout(meta)
+        if offset + layout.nbytes > len(buffer):
+            raise WireError(f"section {meta.name!r} runs past the end of the data")
+        dtype = layout.single_dtype
+        if dtype is not None:
+            # One view of the section's bytes, tensors as views of it made by one split
+            # (per-tensor slicing costs ~10 us of Python each, hundreds per model).
+            count = sum(layout.counts)
+            flat = (torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset)
+                    if count else torch.empty(0, dtype=dtype))
+            for name, shape, piece in zip(layout.names, layout.shapes,
+                                          flat.split_with_sizes(layout.counts), strict=True):
+                section.tensors[name] = piece.view(shape)
+            section.flat = flat
+        else:
+            start = offset
+            for name, dtype, shape, count in zip(layout.names, layout.dtypes, layout.shapes,
+                                                 layout.counts, strict=True):
+                if count:
+                    read_as = torch.uint8 if dtype == torch.bool else dtype
+                    tensor = torch.frombuffer(buffer, dtype=read_as, count=count, offset=start)
+                    if dtype == torch.bool:
+                        tensor = tensor.to(torch.bool)
+                else:
+                    tensor = torch.empty(0, dtype=dtype)
+                section.tensors[name] = tensor.reshape(shape)
+                start += count * dtype.itemsize
+        offset += layout.nbytes
         payload.sections.append(section)
     if offset != len(buffer):
         raise WireError(f"{len(buffer) - offset} bytes of data beyond the declared tensors")
     return payload
-
-
-def _decode_flat(meta: pb.SectionMeta, buffer: bytearray, offset: int, section: Section) -> int:
-    """One dtype throughout: one view of the section's bytes, tensors as views of it made
-    by one split (per-tensor slicing costs ~10 us of Python each, hundreds per model)."""
-    dtype = torch_dtype(meta.tensors[0].dtype)
-    names = [t.name for t in meta.tensors]
-    if len(set(names)) != len(names):
-        duplicate = next(n for i, n in enumerate(names) if n in names[:i])
-        raise WireError(f"section {meta.name!r}: duplicate tensor {duplicate!r}")
-    shapes = [_checked_shape(t) for t in meta.tensors]
-    counts = [math.prod(shape) for shape in shapes]
-    count = sum(counts)
-    total = count * dtype.itemsize
-    if offset + total > len(buffer):
-        raise WireError(f"section {meta.name!r} runs past the end of the data")
-    flat = (torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset) if count
-            else torch.empty(0, dtype=dtype))
-    for name, shape, piece in zip(names, shapes, flat.split_with_sizes(counts), strict=True):
-        section.tensors[name] = piece.view(shape)
-    section.flat = flat
-    return offset + total
 
 
 def nonfinite_tensors(payload: Payload) -> list[str]:
