@@ -10,10 +10,12 @@ TORCH ?= torch==2.14.1 torchvision==0.29.1
 
 setup: $(VENV)/.installed
 
+# --no-cache-dir: the venv alone is ~6 GB on x86 (torch's CUDA libraries), and a CI disk
+# has run out of space during this install; pip keeps no second copy of its downloads.
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	$(PY) -m pip install -q --no-cache-dir $(TORCH)
+	$(PY) -m pip install -q --no-cache-dir -c constraints.txt -e '.[test]'
 	touch $@
 
 # A real fl-server and 4 fl-edge processes on loopback, on the bundled MNIST subset.
