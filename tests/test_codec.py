@@ -18,7 +18,9 @@ from fedattn_shared.wire.codec import (
     Payload,
     PayloadAssembler,
     Section,
+    TensorViews,
     WireError,
+    contiguous_run,
     decode,
     encode,
     nonfinite_tensors,
@@ -447,6 +449,51 @@ def test_large_manifests_are_not_remembered():
     layout = section_layout(section)
     assert layout.nbytes == 4 * count and layout.single_dtype == torch.float32
     assert _layout_of_serialized.cache_info().currsize == before
+
+
+def test_decoded_views_are_made_on_first_use_and_equal_the_sent_tensors():
+    sent = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+            "e": torch.empty(0, 4), "b": torch.tensor([-1.5])}
+    out = transmit(Payload([Section(Kind.SHARED_TENSORS, "", dict(sent))]), 1 << 20)
+    views = out.tensors(Kind.SHARED_TENSORS)
+    assert isinstance(views, TensorViews)
+    assert list(views) == ["w", "e", "b"] and len(views) == 3
+    assert views._views is None  # names and length come from the manifest alone
+    assert_same(dict(views.items()), sent)
+    assert "w" in views and "x" not in views and views.get("x") is None
+    # The views share the section's flat vector (and through it, the receive buffer).
+    views.flat[0] = 42.0
+    assert views["w"][0, 0].item() == 42.0
+
+
+def test_contiguous_run_only_for_tensors_back_to_back_in_order():
+    base = torch.arange(10, dtype=torch.float32)
+    a, b, c = base[:4].view(2, 2), base[4:4], base[4:10]
+    run = contiguous_run([a, b, c])
+    assert run is not None and run.data_ptr() == base.data_ptr() and run.tolist() == base.tolist()
+    assert contiguous_run([c, a]) is None  # out of order
+    assert contiguous_run([base[:4], base[5:]]) is None  # a gap
+    assert contiguous_run([base[:4], base[4:].view(torch.int32)]) is None  # two dtypes
+    grid = torch.arange(12.0).reshape(3, 4)
+    assert contiguous_run([grid.t()]) is None  # not contiguous
+    assert contiguous_run([torch.zeros(3), torch.zeros(2)]) is None  # two storages
+    assert contiguous_run([]) is None and contiguous_run([torch.empty(0)]) is None
+
+
+def test_encoding_tensors_laid_out_as_one_reads_them_as_one_view():
+    base = torch.randn(50)
+    tensors = {"w": base[:40].view(5, 8), "b": base[40:]}
+    contiguous = encode(Payload([Section(Kind.SHARED_TENSORS, "", tensors)]))
+    separate = encode(Payload([Section(Kind.SHARED_TENSORS, "", {
+        name: t.clone() for name, t in tensors.items()})]))
+    assert len(contiguous.section_views[0]) == 1 and len(separate.section_views[0]) == 2
+    assert contiguous.manifest == separate.manifest  # same layout, same CRC
+    assert b"".join(c for _, c in contiguous.chunks()) == b"".join(
+        c for _, c in separate.chunks())
+    # A decoded section encodes from its flat vector too, byte for byte.
+    received = transmit(Payload([Section(Kind.SHARED_TENSORS, "", tensors)]), 64)
+    again = encode(received)
+    assert len(again.section_views[0]) == 1 and again.manifest == separate.manifest
 
 
 def test_nonfinite_tensors_names_every_bad_tensor():

@@ -98,3 +98,48 @@ def test_train_and_eval_mode_reach_every_module_even_when_one_differs():
     batchnorm.train()
     algo.eval_mode()
     assert not batchnorm.training
+
+
+def test_shared_tensors_live_in_one_vector_that_loads_and_trains_in_place():
+    from fedattn_shared.wire.codec import Kind, Payload, Section, contiguous_run, decode, encode
+
+    algo = make()
+    shared = [algo.state_tensor(name) for name in algo.shared_specs]
+    run = contiguous_run(shared)
+    assert run is not None and run.numel() == sum(t.numel() for t in shared)
+    # Parameters kept their identity: the modules and the optimizer hold the same objects.
+    params = dict(algo.models["model"].named_parameters())
+    assert all(algo.state_tensor(f"model/{k}") is p for k, p in params.items()
+               if f"model/{k}" in algo.shared_specs)
+    # A downlink loads in one copy, and every tensor gets its own values.
+    sent = {name: torch.randn(algo.state_tensor(name).shape) for name in algo.shared_specs}
+    encoded = encode(Payload([Section(Kind.SHARED_TENSORS, "", sent)]))
+    received = decode(encoded.manifest, bytearray(b"".join(c for _, c in encoded.chunks())))
+    algo.receive("train", received, Payload())
+    for name, value in sent.items():
+        assert torch.equal(algo.state_tensor(name), value), name
+    # Training updates the parameters, so the upload (read as the one vector) changes.
+    before = run.clone()
+    split = Split(torch.randn(8, 1, 28, 28), torch.arange(8) % 10)
+    train_local(algo, split, 1, 4, 1, torch.device("cpu"), False, lr=0.1)
+    assert not torch.equal(run, before)
+    upload = algo.after_train(1)
+    encoded = encode(upload)
+    assert len(encoded.section_views[0]) == 1
+    back = decode(encoded.manifest, bytearray(b"".join(c for _, c in encoded.chunks())))
+    for name in algo.shared_specs:
+        assert torch.equal(back.tensors(Kind.SHARED_TENSORS)[name], algo.state_tensor(name))
+
+
+def test_a_replaced_parameter_still_loads():
+    from fedattn_shared.wire.codec import Kind, Payload, Section, decode, encode
+
+    algo = make()
+    name = next(iter(algo.shared_specs))
+    algo.state_tensor(name).data = torch.zeros_like(algo.state_tensor(name))  # out of the vector
+    sent = {n: torch.randn(algo.state_tensor(n).shape) for n in algo.shared_specs}
+    encoded = encode(Payload([Section(Kind.SHARED_TENSORS, "", sent)]))
+    received = decode(encoded.manifest, bytearray(b"".join(c for _, c in encoded.chunks())))
+    algo.receive("train", received, Payload())
+    for n, value in sent.items():
+        assert torch.equal(algo.state_tensor(n), value), n

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..wire.codec import Kind, Payload, Section
+from ..wire.codec import Kind, Payload, Section, TensorViews
 from .base import TRAIN, AggregatorKind
 
 if TYPE_CHECKING:
@@ -156,6 +156,13 @@ class PairwiseCosine:
         return out
 
 
+def _names_and_shapes(section: Section) -> list[tuple[str, tuple[int, ...]]]:
+    tensors = section.tensors
+    if isinstance(tensors, TensorViews):  # from the manifest, without making the views
+        return list(zip(tensors.layout.names, tensors.layout.shapes, strict=True))
+    return [(name, tuple(t.shape)) for name, t in tensors.items()]
+
+
 class StreamingMean(Aggregator):
     """Weighted mean of every uploaded section, kept as a running sum."""
 
@@ -165,6 +172,7 @@ class StreamingMean(Aggregator):
         super().__init__(method, models)
         self._sum: dict[SectionKey, torch.Tensor] = {}
         self._layout: dict[SectionKey, list[tuple[str, tuple[int, ...]]]] = {}
+        self._names: dict[SectionKey, tuple[str, ...]] = {}
         self._weight = 0.0
         self._count = 0
         groups = method.similarity_groups(models)
@@ -173,7 +181,7 @@ class StreamingMean(Aggregator):
 
     def begin_round(self, round_number: int, selected: list[str], known_edges: int) -> None:
         super().begin_round(round_number, selected, known_edges)
-        self._sum, self._layout, self._weight, self._count = {}, {}, 0.0, 0
+        self._sum, self._layout, self._names, self._weight, self._count = {}, {}, {}, 0.0, 0
         self._cosine.reset()
 
     def accept(self, edge_id: str, upload: Payload, weight: float) -> None:
@@ -183,9 +191,11 @@ class StreamingMean(Aggregator):
             raise ValueError(f"edge {edge_id}: aggregation weight must be > 0, got {weight}")
         for section in upload.sections:
             key = (section.kind, section.name)
-            layout = self._layout.setdefault(
-                key, [(name, tuple(t.shape)) for name, t in section.tensors.items()])
-            if section.flat is not None and [n for n, _ in layout] == list(section.tensors):
+            layout = self._layout.get(key)
+            if layout is None:
+                layout = self._layout[key] = _names_and_shapes(section)
+                self._names[key] = tuple(name for name, _ in layout)
+            if section.flat is not None and tuple(section.tensors) == self._names[key]:
                 flat = section.flat.to(torch.float32)
             else:
                 flat = torch.cat([section.tensors[name].reshape(-1).to(torch.float32)
@@ -204,7 +214,8 @@ class StreamingMean(Aggregator):
             raise ValueError(f"the summed aggregation weight must be > 0, got {total_weight}")
         for section in sums.sections:
             key = (section.kind, section.name)
-            self._layout[key] = [(name, tuple(t.shape)) for name, t in section.tensors.items()]
+            self._layout[key] = _names_and_shapes(section)
+            self._names[key] = tuple(section.tensors)
             self._sum[key] = torch.cat([t.reshape(-1).to(torch.float32)
                                         for t in section.tensors.values()])
         self._weight += total_weight

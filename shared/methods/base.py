@@ -20,7 +20,7 @@ import functools
 import hashlib
 import json
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -30,7 +30,7 @@ from torch import nn
 
 from ..config import DPConfig, TrainConfig
 from ..models import build_model, model_spec
-from ..wire.codec import Kind, Payload, Section
+from ..wire.codec import Kind, Payload, Section, TensorViews, contiguous_run
 from . import split
 
 if TYPE_CHECKING:
@@ -292,11 +292,32 @@ class Method:
         return StreamingMean(self, models)
 
 
-def _set_mode(model: nn.Module, training: bool) -> None:
+def _set_mode(model: nn.Module, modules: list[nn.Module], training: bool) -> None:
     """``model.train(training)``, skipped when every module is already in that mode (the
     call walks every module through ``__setattr__``: ~1.5 ms a round for a small CNN)."""
-    if any(m.training != training for m in model.modules()):
+    if any(m.training != training for m in modules):
         model.train(training)
+
+
+def _pack(tensors: list[torch.Tensor]) -> bool:
+    """Moves ``tensors`` (parameters and buffers of one dtype on one device) into one
+    storage, back to back in this order; each keeps its identity (its ``.data`` becomes a
+    view), so optimizers and modules see no change. A download is then loaded, and an
+    upload read, as one vector instead of hundreds of tensors. Tied tensors (one object
+    under two names) are left as they are. Returns whether it packed them."""
+    if (len(tensors) < 2 or len({id(t) for t in tensors}) != len(tensors)
+            or len({(t.dtype, t.device) for t in tensors}) != 1):
+        return False
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype,
+                       device=tensors[0].device)
+    offset = 0
+    with torch.no_grad():
+        for tensor in tensors:
+            piece = flat[offset : offset + tensor.numel()].view(tensor.shape)
+            piece.copy_(tensor)
+            tensor.data = piece
+            offset += tensor.numel()
+    return True
 
 
 class EdgeAlgorithm:
@@ -325,9 +346,16 @@ class EdgeAlgorithm:
         self.models = {name: model.to(device) for name, model in models.items()}
         self.device = device
         self.shared_specs = method.shared_specs(self.models)
-        self.global_tensors: dict[str, torch.Tensor] = {}
+        self.global_tensors: Mapping[str, torch.Tensor] = {}
         self._optimizers: list[torch.optim.Optimizer] | None = None
         self._state_tensors: dict[str, torch.Tensor] | None = None
+        shared = [self.state_tensor(name) for name in self.shared_specs]
+        # Names and shapes of the shared tensors when _pack laid them out as one vector.
+        self._packed = ((tuple(self.shared_specs), tuple(tuple(t.shape) for t in shared))
+                        if _pack(shared) else None)
+        # The module lists, for the per-round mode switch and figures (naming a model's
+        # modules again every round costs ~1 ms of Python).
+        self._modules = {name: list(model.modules()) for name, model in self.models.items()}
         self.num_examples = 0
 
     # ---- tensors --------------------------------------------------------------------
@@ -340,8 +368,16 @@ class EdgeAlgorithm:
                 for key, tensor in model.state_dict(keep_vars=True).items()}
         return self._state_tensors[name]
 
-    def load_shared(self, tensors: dict[str, torch.Tensor]) -> None:
+    def load_shared(self, tensors: Mapping[str, torch.Tensor]) -> None:
         with torch.no_grad():
+            if (isinstance(tensors, TensorViews)
+                    and self._packed == (tensors.layout.names, tensors.layout.shapes)):
+                # The whole shared section, in the order _pack laid the tensors out: one
+                # copy, while they still lie that way.
+                run = contiguous_run(self.state_tensor(name) for name in tensors)
+                if run is not None and run.numel() == tensors.flat.numel():
+                    run.copy_(tensors.flat)
+                    return
             for name, value in tensors.items():
                 self.state_tensor(name).copy_(value)
 
@@ -356,8 +392,11 @@ class EdgeAlgorithm:
     def receive(self, phase: str, common: Payload, personal: Payload) -> None:
         shared = common.tensors(Kind.SHARED_TENSORS)
         # Received tensors are never written to (on CPU they view the receive buffer).
-        self.global_tensors = (dict(shared) if self.device.type == "cpu"
-                               else {k: v.to(self.device) for k, v in shared.items()})
+        if isinstance(shared, TensorViews):
+            self.global_tensors = shared.to(self.device)
+        else:
+            self.global_tensors = (dict(shared) if self.device.type == "cpu"
+                                   else {k: v.to(self.device) for k, v in shared.items()})
         self.load_shared(self.global_tensors)
 
     def parameter_groups(self) -> list[dict]:
@@ -378,12 +417,12 @@ class EdgeAlgorithm:
         return self._optimizers
 
     def train_mode(self) -> None:
-        for model in self.models.values():
-            _set_mode(model, True)
+        for name, model in self.models.items():
+            _set_mode(model, self._modules[name], True)
 
     def eval_mode(self) -> None:
-        for model in self.models.values():
-            _set_mode(model, False)
+        for name, model in self.models.items():
+            _set_mode(model, self._modules[name], False)
 
     def begin_train(self) -> None:
         """Called after ``receive`` and before the first batch of a training phase."""
@@ -460,7 +499,7 @@ class EdgeAlgorithm:
             # Naming every module costs ~1 ms a round for a small CNN; most models have
             # no module that reports.
             if not any(callable(getattr(type(m), "private_figures", None))
-                       for m in model.modules()):
+                       for m in self._modules[model_name]):
                 continue
             for module_name, module in model.named_modules():
                 report = getattr(module, "private_figures", None)
