@@ -108,11 +108,7 @@ def _load_optimizers(algo: EdgeAlgorithm, tensors: dict[str, torch.Tensor], grou
 
 def private_tensors(algo: EdgeAlgorithm) -> dict[str, torch.Tensor]:
     """Every model tensor that never travels (qualified ``model/key``), in name order."""
-    shared = set(algo.shared_specs)
-    return {f"{model_name}/{key}": tensor
-            for model_name, model in sorted(algo.models.items())
-            for key, tensor in sorted(model.state_dict().items())
-            if f"{model_name}/{key}" not in shared}
+    return {name: algo.state_tensor(name).detach() for name in algo.private_names()}
 
 
 def private_digest(algo: EdgeAlgorithm) -> str:

@@ -54,3 +54,26 @@ def test_registry_binds_id_to_secret_and_sessions_expire():
             raise AssertionError(f"edge id {bad!r} accepted")
         except AuthError:
             pass
+
+
+def test_history_text_encodes_each_round_once_and_reads_back():
+    import json
+
+    from fl_server.engine import history_text
+
+    history = {"manifest": {"method": "fedavg", "seed": 0}, "rounds": []}
+    encoded: list = []
+    assert json.loads(history_text(history, encoded)) == history
+    history["rounds"].append({"round": 1, "bytes": {"up": 10}, "loss": float("nan")})
+    history["rounds"].append({"round": 2, "bytes": {"up": 12}})
+    text = history_text(history, encoded)
+    assert text.count("\n") == 3  # the head, then one line per round
+    back = json.loads(text)
+    assert back["manifest"] == history["manifest"] and back["rounds"][1] == {"round": 2, "bytes": {"up": 12}}
+    # Encoded rounds are kept: the cached text is used, not the record again.
+    encoded[0] = (encoded[0][0], '{"round": 1, "cached": true}')
+    history["rounds"].append({"round": 3})
+    assert json.loads(history_text(history, encoded))["rounds"][0] == {"round": 1, "cached": True}
+    # A replaced history (a resume truncating it) is encoded afresh.
+    resumed = {"manifest": history["manifest"], "rounds": [{"round": 1, "resumed": True}]}
+    assert json.loads(history_text(resumed, encoded))["rounds"] == [{"round": 1, "resumed": True}]

@@ -349,6 +349,7 @@ class EdgeAlgorithm:
         self.global_tensors: Mapping[str, torch.Tensor] = {}
         self._optimizers: list[torch.optim.Optimizer] | None = None
         self._state_tensors: dict[str, torch.Tensor] | None = None
+        self._private_names: list[str] | None = None
         shared = [self.state_tensor(name) for name in self.shared_specs]
         # Names and shapes of the shared tensors when _pack laid them out as one vector.
         self._packed = ((tuple(self.shared_specs), tuple(tuple(t.shape) for t in shared))
@@ -367,6 +368,17 @@ class EdgeAlgorithm:
                 for model_name, model in self.models.items()
                 for key, tensor in model.state_dict(keep_vars=True).items()}
         return self._state_tensors[name]
+
+    def private_names(self) -> list[str]:
+        """Every model tensor that never travels (``model/key``), by model then key. Named
+        once: ``state_dict()`` walks every module, ~3 ms a round for a small CNN; the
+        tensors themselves come from ``state_tensor``, the live objects, as loads use."""
+        if self._private_names is None:
+            self._private_names = [
+                qualified(model_name, key) for model_name in sorted(self.models)
+                for key in sorted(self.models[model_name].state_dict(keep_vars=True))
+                if qualified(model_name, key) not in self.shared_specs]
+        return self._private_names
 
     def load_shared(self, tensors: Mapping[str, torch.Tensor]) -> None:
         with torch.no_grad():
