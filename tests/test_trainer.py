@@ -100,8 +100,21 @@ def test_train_and_eval_mode_reach_every_module_even_when_one_differs():
     assert not batchnorm.training
 
 
+def receive_random_downlink(algo) -> None:
+    """Sends random shared tensors through encode/decode into ``algo`` and checks that each
+    landed in its own tensor."""
+    from fedattn_shared.wire.codec import Kind, Payload, Section, decode, encode
+
+    sent = {name: torch.randn(algo.state_tensor(name).shape) for name in algo.shared_specs}
+    encoded = encode(Payload([Section(Kind.SHARED_TENSORS, "", sent)]))
+    received = decode(encoded.manifest, bytearray(b"".join(c for _, c in encoded.chunks())))
+    algo.receive("train", received, Payload())
+    for name, value in sent.items():
+        assert torch.equal(algo.state_tensor(name), value), name
+
+
 def test_shared_tensors_live_in_one_vector_that_loads_and_trains_in_place():
-    from fedattn_shared.wire.codec import Kind, Payload, Section, contiguous_run, decode, encode
+    from fedattn_shared.wire.codec import Kind, contiguous_run, decode, encode
 
     algo = make()
     shared = [algo.state_tensor(name) for name in algo.shared_specs]
@@ -111,13 +124,7 @@ def test_shared_tensors_live_in_one_vector_that_loads_and_trains_in_place():
     params = dict(algo.models["model"].named_parameters())
     assert all(algo.state_tensor(f"model/{k}") is p for k, p in params.items()
                if f"model/{k}" in algo.shared_specs)
-    # A downlink loads in one copy, and every tensor gets its own values.
-    sent = {name: torch.randn(algo.state_tensor(name).shape) for name in algo.shared_specs}
-    encoded = encode(Payload([Section(Kind.SHARED_TENSORS, "", sent)]))
-    received = decode(encoded.manifest, bytearray(b"".join(c for _, c in encoded.chunks())))
-    algo.receive("train", received, Payload())
-    for name, value in sent.items():
-        assert torch.equal(algo.state_tensor(name), value), name
+    receive_random_downlink(algo)  # in one copy; every tensor gets its own values
     # Training updates the parameters, so the upload (read as the one vector) changes.
     before = run.clone()
     split = Split(torch.randn(8, 1, 28, 28), torch.arange(8) % 10)
@@ -132,14 +139,7 @@ def test_shared_tensors_live_in_one_vector_that_loads_and_trains_in_place():
 
 
 def test_a_replaced_parameter_still_loads():
-    from fedattn_shared.wire.codec import Kind, Payload, Section, decode, encode
-
     algo = make()
     name = next(iter(algo.shared_specs))
     algo.state_tensor(name).data = torch.zeros_like(algo.state_tensor(name))  # out of the vector
-    sent = {n: torch.randn(algo.state_tensor(n).shape) for n in algo.shared_specs}
-    encoded = encode(Payload([Section(Kind.SHARED_TENSORS, "", sent)]))
-    received = decode(encoded.manifest, bytearray(b"".join(c for _, c in encoded.chunks())))
-    algo.receive("train", received, Payload())
-    for n, value in sent.items():
-        assert torch.equal(algo.state_tensor(n), value), n
+    receive_random_downlink(algo)
