@@ -494,6 +494,7 @@ def test_encoding_tensors_laid_out_as_one_reads_them_as_one_view():
     received = transmit(Payload([Section(Kind.SHARED_TENSORS, "", tensors)]), 64)
     again = encode(received)
     assert len(again.section_views[0]) == 1 and again.manifest == separate.manifest
+    assert received.sections[0].tensors._views is None  # its manifest came from the layout
 
 
 def test_nonfinite_tensors_names_every_bad_tensor():

@@ -210,9 +210,6 @@ class TensorViews(Mapping[str, torch.Tensor]):
     def __contains__(self, name: object) -> bool:
         return name in self._made()
 
-    def keys(self):
-        return self._made().keys()
-
     def items(self):
         return self._made().items()
 
@@ -333,7 +330,7 @@ def _raw_view(tensor: torch.Tensor) -> memoryview:
 
 @functools.lru_cache(maxsize=64)
 def _section_meta(kind: int, name: str,
-                  tensors: tuple[tuple[str, torch.dtype, torch.Size], ...]) -> pb.SectionMeta:
+                  tensors: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]) -> pb.SectionMeta:
     """A section's manifest entry (hundreds of protobuf appends for a model, the same
     every round: built once). Callers copy it (``append``), never change it."""
     meta = pb.SectionMeta(kind=kind, name=name)
@@ -359,8 +356,12 @@ def encode(payload: Payload, checksum: bool = True) -> EncodedPayload:
     kinds: list[Kind] = []
     views: list[list[memoryview]] = []
     for section in payload.sections:
-        manifest.sections.append(_section_meta(int(section.kind), section.name, tuple(
-            (name, tensor.dtype, tensor.shape) for name, tensor in section.tensors.items())))
+        tensors = section.tensors
+        entries = (tuple(zip(tensors.layout.names, tensors.layout.dtypes, tensors.layout.shapes,
+                             strict=True))
+                   if isinstance(tensors, TensorViews)  # its layout: no views made for it
+                   else tuple((name, t.dtype, t.shape) for name, t in tensors.items()))
+        manifest.sections.append(_section_meta(int(section.kind), section.name, entries))
         flat = _flat_of(section)
         section_views = []
         for tensor in (section.tensors.values() if flat is None else (flat,)):
