@@ -322,7 +322,7 @@ def main() -> int:
         print(f"  fedattn round, no local steps          {f['round_s']:.3f} s start to start "
               f"({f['round_inside_s']:.3f} s from task hand-out to aggregate)")
         print(f"  fedattn round, one step on 2 images    {trained['round_s']:.3f} s "
-              f"(8 edges share {os.cpu_count()} cores)")
+              f"({args.edges} edges share {os.cpu_count()} cores)")
         label = f"... all {args.edges} uploads at once"
         print(f"  {label:<38} {all_at_once['round_s']:.3f} s "
               f"= {all_at_once['round_s'] / bare:.2f}x bare grpcio, server RSS growth "
