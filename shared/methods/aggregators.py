@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..wire.codec import Kind, Payload, Section, TensorViews
+from ..wire.codec import Kind, Payload, Section, tensor_entries
 from .base import TRAIN, AggregatorKind
 
 if TYPE_CHECKING:
@@ -157,10 +157,7 @@ class PairwiseCosine:
 
 
 def _names_and_shapes(section: Section) -> list[tuple[str, tuple[int, ...]]]:
-    tensors = section.tensors
-    if isinstance(tensors, TensorViews):  # from the manifest, without making the views
-        return list(zip(tensors.layout.names, tensors.layout.shapes, strict=True))
-    return [(name, tuple(t.shape)) for name, t in tensors.items()]
+    return [(name, shape) for name, _, shape in tensor_entries(section.tensors)]
 
 
 class StreamingMean(Aggregator):

@@ -225,6 +225,16 @@ class TensorViews(Mapping[str, torch.Tensor]):
         return f"TensorViews({len(self)} tensors, {self.flat.dtype}, {self.flat.numel()} elements)"
 
 
+def tensor_entries(tensors: Mapping[str, torch.Tensor]
+                   ) -> tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]:
+    """(name, dtype, shape) of each tensor, in order: for a decoded section, from its
+    layout, without making its views."""
+    if isinstance(tensors, TensorViews):
+        layout = tensors.layout
+        return tuple(zip(layout.names, layout.dtypes, layout.shapes, strict=True))
+    return tuple((name, t.dtype, tuple(t.shape)) for name, t in tensors.items())
+
+
 def contiguous_run(tensors: Iterable[torch.Tensor]) -> torch.Tensor | None:
     """A 1-D view spanning ``tensors`` when they lie back to back, in this order, in one
     storage (one dtype, each contiguous); None otherwise. Such tensors are read or written
@@ -356,12 +366,8 @@ def encode(payload: Payload, checksum: bool = True) -> EncodedPayload:
     kinds: list[Kind] = []
     views: list[list[memoryview]] = []
     for section in payload.sections:
-        tensors = section.tensors
-        entries = (tuple(zip(tensors.layout.names, tensors.layout.dtypes, tensors.layout.shapes,
-                             strict=True))
-                   if isinstance(tensors, TensorViews)  # its layout: no views made for it
-                   else tuple((name, t.dtype, t.shape) for name, t in tensors.items()))
-        manifest.sections.append(_section_meta(int(section.kind), section.name, entries))
+        manifest.sections.append(_section_meta(int(section.kind), section.name,
+                                               tensor_entries(section.tensors)))
         flat = _flat_of(section)
         section_views = []
         for tensor in (section.tensors.values() if flat is None else (flat,)):
