@@ -64,6 +64,10 @@ FLAG_TARGETS = {
     "tls_dir": ("server", "tls_dir"),
     "chunk_bytes": ("server", "chunk_bytes"), "poll_timeout": ("server", "poll_timeout"),
     "max_concurrent_uploads": ("server", "max_concurrent_uploads"),
+    "max_edges": ("server", "max_edges"),
+    "upload_idle_timeout": ("server", "upload_idle_timeout"),
+    "upload_min_rate": ("server", "upload_min_rate"),
+    "max_task_deliveries": ("server", "max_task_deliveries"),
     "init_weights": ("server", "init_weights"), "init_skip_head": ("server", "init_skip_head"),
     "secagg": ("server", "secagg"), "secagg_graph": ("server", "secagg_graph"),
     "model": ("train", "model"), "num_classes": ("train", "num_classes"),
@@ -126,6 +130,16 @@ def build_parser() -> argparse.ArgumentParser:
     net.add_argument("--chunk-bytes", type=int, help="data chunk size on the wire")
     net.add_argument("--poll-timeout", type=float, help="long-poll timeout, seconds")
     net.add_argument("--max-concurrent-uploads", type=int)
+    net.add_argument("--max-edges", type=int,
+                     help="edge ids that may register (default 10000); with --insecure and "
+                          "no --token anyone may register ids, up to this many")
+    net.add_argument("--upload-idle-timeout", type=float,
+                     help="cut an upload that sends nothing for this many seconds (30)")
+    net.add_argument("--upload-min-rate", type=float,
+                     help="bytes/s an upload must average: its deadline is the idle timeout "
+                          "+ its size / this rate (32768)")
+    net.add_argument("--max-task-deliveries", type=int,
+                     help="times one task may be downloaded (a broken download retries; 3)")
     net.add_argument("--ready-file", type=Path,
                      help="write {port, metrics_port} as JSON here once serving")
     train = p.add_argument_group("training (sent to every edge)")
@@ -228,6 +242,7 @@ class ServerApp:
         self._grpc: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
         self._http = None
+        self._watch: asyncio.Task | None = None
 
     async def start(self) -> int:
         cfg, engine = self.cfg, self.engine
@@ -239,9 +254,8 @@ class ServerApp:
         Path(cfg.checkpoint_dir).mkdir(parents=True, exist_ok=True)
         self._grpc = grpc.aio.server(options=server_options())
         enrollment = Enrollment(Path(cfg.tls_dir) / ENROLLED) if cfg.tls_dir else None
-        service = FederatedLearningService(engine, self.meter, cfg.join_token, cfg.chunk_bytes,
-                                           cfg.poll_timeout, cfg.max_concurrent_uploads,
-                                           enrollment)
+        service = FederatedLearningService(engine, self.meter, cfg, enrollment)
+        self._watch = asyncio.create_task(service.watch_enrollment())
         self._grpc.add_generic_rpc_handlers((service_handler(service),))
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
@@ -292,6 +306,8 @@ class ServerApp:
         log.info("exiting without telling every connected edge that the run is over")
 
     async def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
         if self._grpc is not None:

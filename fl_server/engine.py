@@ -61,6 +61,7 @@ class Task:
     task_id: int
     edge_id: str
     delivered: bool = False
+    deliveries: int = 0  # streams that started sending it (bounded: --max-task-deliveries)
     nonce: bytes = field(default_factory=lambda: secrets.token_bytes(16))
 
 
@@ -80,6 +81,9 @@ class Phase:
     dropped: dict[str, str] = field(default_factory=dict)
     closed: bool = False
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set with ``closed``: uploads still receiving for this phase stop at once and give
+    # their slot back instead of streaming bytes nobody will aggregate.
+    closing: asyncio.Event = field(default_factory=asyncio.Event)
 
     def pending(self) -> list[str]:
         return [e for e in self.tasks if e not in self.received and e not in self.dropped]
@@ -90,11 +94,13 @@ class Phase:
 
 
 class Refused(Exception):
-    """A submission or request refused; ``drop`` says whether it costs the edge its task."""
+    """A submission or request refused; ``drop`` says whether it costs the edge its task,
+    ``code`` the gRPC status a refused unary call answers (None: PERMISSION_DENIED)."""
 
-    def __init__(self, reason: str, drop: bool = False):
+    def __init__(self, reason: str, drop: bool = False, code: Any = None):
         super().__init__(reason)
         self.drop = drop
+        self.code = code
 
 
 def select_edges(connected: list[str], fraction: float, seed: int, round_number: int) -> list[str]:
@@ -218,7 +224,7 @@ class Engine:
         self.aggregator = method.server(self.models)
         self.schemas: dict[str, list[SectionSpec]] = {
             phase: method.uplink_schema(phase, self.models) for phase in method.phases}
-        self.registry = EdgeRegistry()
+        self.registry = EdgeRegistry(server.max_edges)
         # Secure aggregation: refuses (ValueError, exit 2) a method it cannot serve.
         self.secagg = (SecAggDriver(server, method, self.models, self.aggregator)
                        if server.secagg else None)
@@ -253,7 +259,7 @@ class Engine:
             raise ValueError(f"{self.store.root}: checkpoint was written with a different "
                              "configuration; resume with the same flags and config file")
         self.aggregator.load_state(tensors, state["aggregator"])
-        self.registry = EdgeRegistry.from_json(state["registry"])
+        self.registry = EdgeRegistry.from_json(state["registry"], self.cfg.max_edges)
         self.round = round_number
         self.task_counter = int(state["task_counter"])
         if self.history_path.exists():
@@ -353,7 +359,25 @@ class Engine:
             raise Refused("num_examples must be >= 1 for a training result", drop=True)
         if phase.name == EVALUATE:
             self.validate_evaluation(header)
+        self.check_metrics(header)
         return phase, schema
+
+    def check_metrics(self, header: pb.SubmitHeader) -> None:
+        """A result's monitoring figures become metric series and history entries, so only
+        the names the method declares (``Method.metric_names``) are kept: more entries than
+        there are names is refused, unknown names are dropped (a newer edge may report a
+        figure this server does not know) and logged."""
+        allowed = self.method.metric_names()
+        if len(header.metrics) > len(allowed):
+            raise Refused(f"{len(header.metrics)} metrics, at most {len(allowed)} (the names "
+                          f"method {self.method.name} reports)", drop=True)
+        unknown = sorted(name for name in header.metrics if name not in allowed)
+        if unknown:
+            log.warning("round %d: %s reported metrics %s that method %s does not declare; "
+                        "ignored", header.round, header.edge_id,
+                        ", ".join(repr(n[:40]) for n in unknown[:3]), self.method.name)
+            for name in unknown:
+                del header.metrics[name]
 
     def secured(self, phase: str) -> bool:
         """Whether secure aggregation handles this phase's uploads (not the method)."""
@@ -396,10 +420,10 @@ class Engine:
                 except WireError:
                     dtype = None
                 if dtype != spec.dtype:
-                    raise Refused(f"section {label} tensor {meta.name}: dtype "
+                    raise Refused(f"section {label} tensor {meta.name!r}: dtype "
                                   f"{dtype_name(meta.dtype)}, expected {spec.dtype}", drop=True)
                 if tuple(meta.shape) != spec.shape:
-                    raise Refused(f"section {label} tensor {meta.name}: shape "
+                    raise Refused(f"section {label} tensor {meta.name!r}: shape "
                                   f"{list(meta.shape)}, expected {list(spec.shape)}", drop=True)
         missing_sections = set(expected) - seen
         if missing_sections:
@@ -409,9 +433,12 @@ class Engine:
         classes = self.train.num_classes
         if not header.evaluation:
             raise Refused("evaluation result without any split", drop=True)
+        splits = [entry.split for entry in header.evaluation]
+        if len(set(splits)) != len(splits):
+            raise Refused("an evaluation split appears twice", drop=True)
         for entry in header.evaluation:
             if entry.split not in ("test", "global_test"):
-                raise Refused(f"evaluation split {entry.split!r} is unknown", drop=True)
+                raise Refused(f"evaluation split {entry.split[:40]!r} is unknown", drop=True)
             if entry.num_classes != classes or len(entry.counts) != classes * classes:
                 raise Refused(f"evaluation {entry.split}: expected {classes}x{classes} counts",
                               drop=True)
@@ -619,6 +646,7 @@ class Engine:
                 self.drop(phase, edge, "deadline")
         async with self.agg_lock:
             phase.closed = True
+            phase.closing.set()
         for edge in phase.pending():
             phase.dropped[edge] = "phase closed at quorum"
             self.metrics.dropped.labels(name, drop_reason_label("phase closed at quorum")).inc()

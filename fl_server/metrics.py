@@ -30,6 +30,8 @@ DROP_REASONS = {
     "disconnected": "disconnected",
     "rejoined": "rejoined",
     "left": "left",
+    "revoked": "revoked",
+    "re-delivery limit": "redelivery_limit",
     "bad upload": "bad_upload",
     "phase closed at quorum": "closed_at_quorum",
 }

@@ -5,12 +5,17 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-import re
 import secrets
 import time
 from dataclasses import dataclass, field
 
-EDGE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+from fedattn_shared.tls import edge_id_refusal
+
+# What a Join may say about the device (hostname, versions): bounded, so that a stranger's
+# join cannot grow the registry, the log or the checkpoint.
+MAX_INFO_ENTRIES = 32
+MAX_INFO_KEY = 64
+MAX_INFO_VALUE = 256
 
 
 class AuthError(Exception):
@@ -39,17 +44,52 @@ class EdgeRecord:
     heard_run_over: bool = False  # has been told the run is over (the server waits for it)
     signing_key: str = ""  # hex Ed25519 public key, bound to the id at the first join
     upload_mac_key: bytes = b""  # this session's, agreed at join; never written to disk
+    cert_serial: str = ""  # under mutual TLS: the certificate the id is bound to (hex)
+    # Set when this session ends (a rejoin, a leave, a revocation): the presence stream of
+    # the session waits on it, so a revoked device's stream closes at once.
+    session_over: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def new_session(self) -> None:
+        self.end_session()
+        self.session = secrets.token_hex(16)
+        self.session_over = asyncio.Event()
+
+    def end_session(self) -> None:
+        self.session = ""
+        self.connected = False
+        self.session_over.set()
+
+
+def info_refusal(info: dict[str, str]) -> str:
+    """'' when a Join's ``info`` map is within bounds, else the reason."""
+    if len(info) > MAX_INFO_ENTRIES:
+        return f"info has {len(info)} entries, at most {MAX_INFO_ENTRIES}"
+    for key, value in info.items():
+        if not key or len(key) > MAX_INFO_KEY or len(value) > MAX_INFO_VALUE:
+            return (f"info entry {key[:MAX_INFO_KEY]!r}: keys are 1-{MAX_INFO_KEY} and values at "
+                    f"most {MAX_INFO_VALUE} characters")
+    return ""
 
 
 class EdgeRegistry:
-    def __init__(self) -> None:
+    """The edges this server knows. ``max_edges`` bounds how many ids may ever register:
+    without a join token or mutual TLS anyone can invent ids, and each one is a record, a
+    set of metric series and a line in every checkpoint."""
+
+    def __init__(self, max_edges: int = 10_000) -> None:
         self.records: dict[str, EdgeRecord] = {}
+        self.max_edges = max_edges
 
     def join(self, edge_id: str, secret: str, info: dict[str, str],
-             signing_key: bytes = b"") -> EdgeRecord:
-        if not EDGE_ID.match(edge_id):
-            raise AuthError(f"edge id {edge_id!r} is not valid (letters, digits, . _ -; "
-                            "at most 64)", permanent=True)
+             signing_key: bytes = b"", cert_serial: str = "") -> EdgeRecord:
+        """Registers ``edge_id`` (first join) or checks it against its binding, and starts
+        a new session. Under mutual TLS, ``cert_serial`` is the serial of the certificate
+        the enrolment list names for the id: a different serial than the one the id is
+        bound to means the id was revoked and re-issued to a new device, whose secret and
+        signing key then replace the old device's (and the old session ends)."""
+        refusal = edge_id_refusal(edge_id) or info_refusal(info)
+        if refusal:
+            raise AuthError(refusal, permanent=True)
         if len(secret) < 16:
             raise AuthError(f"edge {edge_id}: edge_secret too short", permanent=True)
         if len(signing_key) != 32:
@@ -57,15 +97,24 @@ class EdgeRegistry:
                             permanent=True)
         record = self.records.get(edge_id)
         if record is None:
-            record = EdgeRecord(edge_id, _hash(secret), time.time())
+            if len(self.records) >= self.max_edges:
+                raise AuthError(f"edge {edge_id}: this server already has {len(self.records)} "
+                                f"registered edges (--max-edges {self.max_edges})", permanent=True)
+            record = EdgeRecord(edge_id, _hash(secret), time.time(), cert_serial=cert_serial)
             self.records[edge_id] = record
+        elif cert_serial and record.cert_serial != cert_serial:
+            # Re-issued (or bound before serials were recorded): the new certificate's
+            # device takes the id over; nothing of the old binding survives.
+            record.end_session()
+            record.secret_hash, record.signing_key = _hash(secret), ""
+            record.cert_serial, record.first_seen = cert_serial, time.time()
         elif not hmac.compare_digest(record.secret_hash, _hash(secret)):
             raise AuthError(f"edge id {edge_id} is bound to a different secret", permanent=True)
         if record.signing_key and record.signing_key != signing_key.hex():
             raise AuthError(f"edge id {edge_id} is bound to a different signing key",
                             permanent=True)
         record.signing_key = signing_key.hex()
-        record.session = secrets.token_hex(16)
+        record.new_session()
         record.info = dict(info)
         return record
 
@@ -86,14 +135,16 @@ class EdgeRegistry:
 
     def to_json(self) -> dict:
         return {e: {"secret_sha256": r.secret_hash, "first_seen": r.first_seen,
-                    **({"signing_key": r.signing_key} if r.signing_key else {})}
+                    **({"signing_key": r.signing_key} if r.signing_key else {}),
+                    **({"cert_serial": r.cert_serial} if r.cert_serial else {})}
                 for e, r in sorted(self.records.items())}
 
     @classmethod
-    def from_json(cls, data: dict) -> EdgeRegistry:
-        registry = cls()
+    def from_json(cls, data: dict, max_edges: int = 10_000) -> EdgeRegistry:
+        registry = cls(max_edges)
         for edge_id, entry in data.items():
             registry.records[edge_id] = EdgeRecord(edge_id, entry["secret_sha256"],
                                                    entry["first_seen"],
-                                                   signing_key=entry.get("signing_key", ""))
+                                                   signing_key=entry.get("signing_key", ""),
+                                                   cert_serial=entry.get("cert_serial", ""))
         return registry

@@ -2,7 +2,11 @@
 
 Every incoming message is checked (protocol version, identity, session, round and task,
 schema, sizes, checksum, finite values) before it can touch the aggregate; a bad message
-costs the sender its task, never the server its state.
+costs the sender its task, never the server its state. Everything a caller can make the
+server hold is bounded: ids and join info (checked before they reach a log line or a metric
+label), registered ids (``max_edges``), upload streams (one per task, an idle and a total
+deadline, cut when their phase closes), task re-deliveries, and the presence stream of a
+session that ended.
 """
 
 from __future__ import annotations
@@ -12,15 +16,24 @@ import hmac
 import itertools
 import logging
 import time
+from dataclasses import dataclass
 
 import grpc
 
 from fedattn_shared import PROTOCOL_VERSION
+from fedattn_shared.config import ServerConfig
 from fedattn_shared.methods.base import SectionSpec
-from fedattn_shared.tls import Enrollment
+from fedattn_shared.tls import Enrollment, edge_id_refusal
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire import fedattn_pb2_grpc as pb_grpc
-from fedattn_shared.wire.accounting import DOWN, GRPC_FRAME_PREFIX, UP, ByteMeter, data_message_wire_bytes
+from fedattn_shared.wire.accounting import (
+    DOWN,
+    GRPC_FRAME_PREFIX,
+    META,
+    UP,
+    ByteMeter,
+    data_message_wire_bytes,
+)
 from fedattn_shared.wire.codec import (
     BufferPool,
     Payload,
@@ -38,113 +51,187 @@ from fedattn_shared.wire.signing import (
 )
 from fedattn_shared.wire.transport import MAX_MESSAGE_BYTES, data_frames, deserializer, serialize
 
-from .engine import Engine, Refused
+from .engine import Engine, Phase, Refused
 from .registry import AuthError
 
 log = logging.getLogger("fl_server")
 
 PRESENCE_INTERVAL = 10.0
+ENROLLMENT_POLL = 1.0  # how often a changed enrolment list (a revocation) is looked for
+# The ``edge`` label of bytes and refusals from callers that are not (yet) a registered
+# edge: one bounded series, and no valid edge id can be spelled like it.
+UNREGISTERED = "(unregistered)"
+MAX_LEAVE_REASON = 200
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """A request that does not parse as its message type: the handler refuses it with
+    INVALID_ARGUMENT (gRPC would answer UNKNOWN and log a traceback)."""
+
+    reason: str
+    size: int
+
+
+def lenient(parse):
+    """``parse`` that returns ``Malformed`` instead of raising on bytes that are not the
+    message."""
+
+    def parse_or_refuse(raw: bytes):
+        try:
+            return parse(raw)
+        except Exception as err:  # noqa: BLE001 - any parser failure is the sender's fault
+            return Malformed(f"malformed request: {type(err).__name__}: {str(err)[:200]}",
+                             len(raw))
+
+    return parse_or_refuse
 
 
 class FederatedLearningService(pb_grpc.FederatedLearningServicer):
-    def __init__(self, engine: Engine, meter: ByteMeter, join_token: str, chunk_bytes: int,
-                 poll_timeout: float, max_concurrent_uploads: int,
+    def __init__(self, engine: Engine, meter: ByteMeter, cfg: ServerConfig,
                  enrollment: Enrollment | None = None):
         self.engine = engine
         self.meter = meter
-        self.join_token = join_token
-        self.chunk_bytes = chunk_bytes
-        self.poll_timeout = poll_timeout
-        self.upload_slots = asyncio.Semaphore(max_concurrent_uploads)
-        self.buffers = BufferPool(keep=max_concurrent_uploads)
+        self.cfg = cfg
+        self.upload_slots = asyncio.Semaphore(cfg.max_concurrent_uploads)
+        self.buffers = BufferPool(keep=cfg.max_concurrent_uploads)
         self.enrollment = enrollment  # mutual TLS: the enrolled edges
+        self.receiving: set[str] = set()  # edges with an upload stream in flight
 
+    # ---- identity ---------------------------------------------------------------------
     def _identity_refusal(self, edge_id: str, context, token: str | None = None) -> str:
-        """Under mutual TLS: '' when the peer's certificate names ``edge_id`` and the edge is
-        enrolled (with ``token``, when given) and not revoked; else the reason."""
+        """Under mutual TLS: '' when the peer's certificate names ``edge_id``, is the very
+        certificate enrolled for it (its serial) and the edge is enrolled (with ``token``,
+        when given) and not revoked; else the reason."""
         if self.enrollment is None:
             return ""
-        names = context.auth_context().get("x509_common_name") or [b""]
-        certified = names[0].decode(errors="replace")
+        auth = context.auth_context()
+        certified = (auth.get("x509_common_name") or [b""])[0].decode(errors="replace")
         if certified != edge_id:
             return f"the client certificate is for {certified!r}, not edge {edge_id!r}"
-        return self.enrollment.check(edge_id, token)
+        pem = (auth.get("x509_pem_cert") or [b""])[0]
+        if not pem:
+            return f"edge {edge_id}: no client certificate"
+        return self.enrollment.check(edge_id, token, serial=self.enrollment.peer_serial(pem))
 
-    async def _auth(self, edge_id: str, session: str, context) -> None:
-        refusal = self._identity_refusal(edge_id, context)
+    async def _refuse_malformed(self, request, context) -> None:
+        if isinstance(request, Malformed):
+            self.meter.count(UP, META, request.size + GRPC_FRAME_PREFIX, 0, UNREGISTERED)
+            log.warning("refused a malformed request from %s: %s", context.peer(), request.reason)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+
+    async def _auth(self, request, context) -> None:
+        """A call of an edge's session: a well-formed request, a valid and registered id,
+        its certificate and its live session; refused by name otherwise."""
+        await self._refuse_malformed(request, context)
+        edge_id = request.edge_id
+        refusal = edge_id_refusal(edge_id) or self._identity_refusal(edge_id, context)
         if refusal:
-            log.warning("refused %s from %s: %s", edge_id, context.peer(), refusal)
+            self.meter.count_message(UP, request, edge=UNREGISTERED)
+            log.warning("refused %s from %s: %s", edge_id[:64], context.peer(), refusal)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
         try:
-            self.engine.registry.check(edge_id, session)
+            self.engine.registry.check(edge_id, request.session)
         except AuthError as err:
+            self.meter.count_message(UP, request, edge=UNREGISTERED)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(err))
+        self.meter.count_message(UP, request, edge=edge_id)
+
+    async def watch_enrollment(self) -> None:
+        """Ends the session of every edge whose enrolment no longer holds (revoked, or its
+        id re-issued to another certificate) as soon as the list changes: its presence
+        stream closes and its task is dropped, without waiting for its next call."""
+        if self.enrollment is None:
+            return
+        while True:
+            await asyncio.sleep(ENROLLMENT_POLL)
+            try:
+                if not self.enrollment.changed():
+                    continue
+            except (OSError, ValueError) as err:
+                log.error("cannot read the enrolment list: %s", err)
+                continue
+            for edge, record in list(self.engine.registry.records.items()):
+                refusal = record.session and self.enrollment.check(
+                    edge, serial=record.cert_serial or None)
+                if refusal:
+                    record.end_session()
+                    self.engine.edge_lost(edge, "revoked")
+                    self.engine.metrics.connected.set(len(self.engine.registry.connected_ids()))
+                    log.warning("edge %s: session ended: %s", edge, refusal)
 
     # ---- Join -------------------------------------------------------------------------
     async def Join(self, request: pb.JoinRequest, context) -> pb.JoinReply:
-        self.meter.count_message(UP, request, edge=request.edge_id)
-        if request.protocol_version != PROTOCOL_VERSION:
-            log.warning("join refused for %r: protocol version %d", request.edge_id,
-                        request.protocol_version)
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"protocol version {request.protocol_version} is not supported "
-                                f"(server speaks {PROTOCOL_VERSION})")
-        refusal = self._identity_refusal(request.edge_id, context, token=request.join_token)
+        await self._refuse_malformed(request, context)
+        edge_id = request.edge_id
+        refusal = edge_id_refusal(edge_id)
         if refusal:
-            log.warning("join refused for %r from %s: %s", request.edge_id, context.peer(),
-                        refusal)
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
-        if (self.join_token and self.enrollment is None
-                and not hmac.compare_digest(request.join_token, self.join_token)):
-            log.warning("join refused for %r: bad join token", request.edge_id)
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "bad join token")
+            self.meter.count_message(UP, request, edge=UNREGISTERED)
+            log.warning("join refused from %s: %s", context.peer(), refusal)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal)
+        try:
+            reply = await self._join(request, context)
+        except Refused as err:
+            self.meter.count_message(UP, request, edge=UNREGISTERED)
+            code = err.code or grpc.StatusCode.PERMISSION_DENIED
+            log.warning("join refused for %r from %s: %s", edge_id, context.peer(), err)
+            await context.abort(code, str(err))
+        self.meter.count_message(UP, request, edge=edge_id)
+        self.meter.count_message(DOWN, reply, edge=edge_id)
+        return reply
+
+    async def _join(self, request: pb.JoinRequest, context) -> pb.JoinReply:
+        """Checks a join in order and registers the edge; raises ``Refused`` (with the
+        status code to answer) naming what failed."""
+        edge_id = request.edge_id
+        if request.protocol_version != PROTOCOL_VERSION:
+            raise Refused(f"protocol version {request.protocol_version} is not supported "
+                          f"(server speaks {PROTOCOL_VERSION})",
+                          code=grpc.StatusCode.FAILED_PRECONDITION)
+        refusal = self._identity_refusal(edge_id, context, token=request.join_token)
+        if refusal:
+            raise Refused(refusal)
+        if (self.cfg.join_token and self.enrollment is None
+                and not hmac.compare_digest(request.join_token, self.cfg.join_token)):
+            raise Refused("bad join token")
         fingerprint = self.engine.fingerprint
         if request.state_fingerprint and request.state_fingerprint != fingerprint:
-            log.warning("join refused for %s: stored state fingerprint %s != run %s",
-                        request.edge_id, request.state_fingerprint, fingerprint)
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"edge {request.edge_id}: its private state was made for model/method "
-                f"fingerprint {request.state_fingerprint}, this run is {fingerprint}")
+            raise Refused(f"edge {edge_id}: its private state was made for model/method "
+                          f"fingerprint {request.state_fingerprint[:80]!r}, this run is "
+                          f"{fingerprint}", code=grpc.StatusCode.FAILED_PRECONDITION)
         # Checked before the registry replaces the edge's session: a join that cannot
         # prove its key share must not end the session the edge already has.
-        if not verify_key_share(request.signing_key, request.edge_id, request.upload_key_share,
+        if not verify_key_share(request.signing_key, edge_id, request.upload_key_share,
                                 request.upload_key_proof):
-            log.warning("join refused for %r: upload key share not signed by its signing key",
-                        request.edge_id)
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                f"edge {request.edge_id}: upload_key_share is missing or not "
-                                "signed by signing_key")
+            raise Refused(f"edge {edge_id}: upload_key_share is missing or not signed by "
+                          "signing_key (an unproven upload key share)")
         try:
             shared, server_share = answer_key_share(request.upload_key_share)
         except ValueError as err:  # signed, yet a low-order point
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"edge {request.edge_id}: unusable upload_key_share: {err}")
+            raise Refused(f"edge {edge_id}: unusable upload_key_share: {err}",
+                          code=grpc.StatusCode.INVALID_ARGUMENT) from None
+        serial = self.enrollment.serial(edge_id) if self.enrollment is not None else ""
         try:
-            record = self.engine.registry.join(request.edge_id, request.edge_secret,
-                                               dict(request.info), request.signing_key)
+            record = self.engine.registry.join(edge_id, request.edge_secret, dict(request.info),
+                                               request.signing_key, cert_serial=serial)
         except AuthError as err:
-            log.warning("join refused: %s", err)
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(err))
+            raise Refused(str(err)) from None
         record.upload_mac_key = upload_mac_key(shared, record.edge_id, record.session)
         record.needs_init = not request.state_fingerprint
         self.engine.metrics.joins.inc()
         # A new session replaces any older one: its outstanding task is gone with it.
         self.engine.edge_lost(record.edge_id, "rejoined")
         log.info("edge %s joined (%s)", record.edge_id,
-                 ", ".join(f"{k}={v}" for k, v in sorted(record.info.items())))
-        reply = pb.JoinReply(protocol_version=PROTOCOL_VERSION, session=record.session,
-                             config_json=self.engine.config_json, fingerprint=fingerprint,
-                             chunk_bytes=self.chunk_bytes,
-                             upload_key_share=server_share)
-        self.meter.count_message(DOWN, reply, edge=record.edge_id)
-        return reply
+                 ", ".join(f"{k}={v!r}" for k, v in sorted(record.info.items())))
+        return pb.JoinReply(protocol_version=PROTOCOL_VERSION, session=record.session,
+                            config_json=self.engine.config_json, fingerprint=fingerprint,
+                            chunk_bytes=self.cfg.chunk_bytes, upload_key_share=server_share)
 
     # ---- Presence ---------------------------------------------------------------------
     async def Presence(self, request: pb.PresenceRequest, context):
-        await self._auth(request.edge_id, request.session, context)
-        self.meter.count_message(UP, request, edge=request.edge_id)
+        await self._auth(request, context)
         record = self.engine.registry.records[request.edge_id]
+        session_over = record.session_over
         record.connected = True
         self.engine.metrics.connected.set(len(self.engine.registry.connected_ids()))
         try:
@@ -152,7 +239,12 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
                 event = pb.PresenceEvent(server_time=time.time())
                 self.meter.count_message(DOWN, event, edge=request.edge_id)
                 yield event
-                await asyncio.sleep(PRESENCE_INTERVAL)
+                try:  # wakes at once when the session ends (rejoin, leave, revocation)
+                    await asyncio.wait_for(session_over.wait(), PRESENCE_INTERVAL)
+                except asyncio.TimeoutError:
+                    pass
+        except asyncio.CancelledError:
+            return  # the stream ended (the edge went, or the server is shutting down)
         finally:
             if record.session == request.session:
                 record.connected = False
@@ -162,11 +254,10 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
 
     # ---- NextTask ---------------------------------------------------------------------
     async def NextTask(self, request: pb.TaskRequest, context):
-        await self._auth(request.edge_id, request.session, context)
+        await self._auth(request, context)
         edge = request.edge_id
-        self.meter.count_message(UP, request, edge=edge)
         record = self.engine.registry.records[edge]
-        deadline = time.monotonic() + self.poll_timeout
+        deadline = time.monotonic() + self.cfg.poll_timeout
         while True:
             if self.engine.finished:
                 record.heard_run_over = True
@@ -187,6 +278,15 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
             except asyncio.TimeoutError:
                 pass
         phase, task = found
+        task.deliveries += 1
+        if task.deliveries > self.cfg.max_task_deliveries:
+            # A download that broke is asked for again; one asked for without end is a
+            # session pulling the model over and over (bytes and CPU the server pays).
+            self.engine.drop(phase, edge, f"re-delivery limit: task {task.task_id} was sent "
+                                          f"{self.cfg.max_task_deliveries} times")
+            yield self._meta(edge, pb.TaskMessage(header=pb.TaskHeader(
+                status=pb.TaskHeader.WAIT)))
+            return
         personal = phase.personal[edge]
         cached = bool(request.cached_common) and request.cached_common == phase.common_id
         header = pb.TaskHeader(
@@ -198,8 +298,9 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         # worth of memory through the uploads); a task sent again, to an edge that
         # restarted, builds its frames from the encoded tensors as it streams.
         common = [] if cached else (phase.common_frames
-                                    or data_frames(phase.common, self.chunk_bytes))
-        for kind, frame, size in itertools.chain(common, data_frames(personal, self.chunk_bytes)):
+                                    or data_frames(phase.common, self.cfg.chunk_bytes))
+        for kind, frame, size in itertools.chain(common,
+                                                 data_frames(personal, self.cfg.chunk_bytes)):
             self.meter.count(DOWN, kind.label, len(frame) + GRPC_FRAME_PREFIX, size, edge)
             yield frame
         task.delivered = True
@@ -212,80 +313,133 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
 
     # ---- Submit -----------------------------------------------------------------------
     async def Submit(self, request_iterator, context) -> pb.SubmitReply:
+        edge, label, phase = "", UNREGISTERED, None
         try:
-            first = await context.read()
-        except Exception:  # noqa: BLE001 - a client that vanished mid-call
-            return pb.SubmitReply(accepted=False, reason="no header")
-        if first is grpc.aio.EOF or isinstance(first, memoryview) or not first.HasField("header"):
-            log.warning("submission refused: the first message is not a header (peer %s)",
-                        context.peer())
-            return pb.SubmitReply(accepted=False, reason="the first message must be a header")
-        header = first.header
-        edge = header.edge_id
-        self.meter.count_message(UP, first, edge=edge)
-        phase = None
-        try:
-            if header.protocol_version != PROTOCOL_VERSION:
-                raise Refused(f"protocol version {header.protocol_version} unsupported")
             try:
-                record = self.engine.registry.check(edge, header.session)
-            except AuthError as err:
-                raise Refused(str(err)) from None
-            refusal = self._identity_refusal(edge, context)
+                first = await asyncio.wait_for(context.read(), self.cfg.upload_idle_timeout)
+            except asyncio.TimeoutError:
+                raise Refused(f"no header within {self.cfg.upload_idle_timeout:g}s") from None
+            except Exception:  # noqa: BLE001 - a client that vanished mid-call
+                return pb.SubmitReply(accepted=False, reason="no header")
+            if isinstance(first, Malformed):
+                self.meter.count(UP, META, first.size + GRPC_FRAME_PREFIX, 0, UNREGISTERED)
+                raise Refused(first.reason)
+            if (first is grpc.aio.EOF or isinstance(first, memoryview)
+                    or not first.HasField("header")):
+                raise Refused(f"the first message must be a header (peer {context.peer()})")
+            header = first.header
+            refusal = edge_id_refusal(header.edge_id)
             if refusal:
+                self.meter.count_message(UP, first, edge=UNREGISTERED)
                 raise Refused(refusal)
-            if len(header.body_mac_iv) != BODY_MAC_IV_BYTES:
-                raise Refused(f"body_mac_iv must be {BODY_MAC_IV_BYTES} bytes, "
-                              f"got {len(header.body_mac_iv)}")
+            edge = header.edge_id
+            phase, schema, record = self._check_header(header, context, first)
+            label = edge
+            if edge in self.receiving:
+                raise Refused(f"an upload for task {header.task_id} is already in progress "
+                              "on another stream")
+            self.receiving.add(edge)
             try:
-                phase, schema = self.engine.check_submission(header)
-            except Refused as err:
-                if err.drop and self.engine.phase is not None:
-                    phase = self.engine.phase
-                raise
-            # A slot covers an upload's buffer from the first byte until it is aggregated,
-            # so at most max_concurrent_uploads buffers exist and the pool reuses them all.
-            # Released after the receive, slots let uploads pile up behind the aggregation
-            # lock, each in a fresh buffer: a zeroed allocation of the model's size per
-            # upload and RSS growing with the number of edges.
-            async with self.upload_slots:
-                assembler, body_mac = await self._receive(
-                    header, schema, context, edge,
-                    BodyMac(record.upload_mac_key, header.body_mac_iv))
-                try:
-                    if not verify_submission(bytes.fromhex(record.signing_key), header,
-                                             body_mac):
-                        raise Refused("the signature does not verify over this header and "
-                                      "body with the edge's signing key", drop=True)
-                    payload, bad = await asyncio.to_thread(_decode_checked, assembler)
-                    if bad:
-                        raise Refused(f"non-finite values in {bad[:3]}", drop=True)
-                    await self.engine.accept(phase, header, payload)
-                finally:
-                    # The aggregate holds copies; the buffer serves the next upload.
-                    self.buffers.give(assembler.buffer)
+                await self._receive_and_accept(phase, header, schema, record, context)
+            finally:
+                self.receiving.discard(edge)
         except (Refused, WireError) as err:
             drop = isinstance(err, WireError) or err.drop
             reason = f"{type(err).__name__ if isinstance(err, WireError) else 'refused'}: {err}"
             log.warning("submission from %s refused: %s", edge or "?", reason)
-            self.engine.metrics.refused.labels(edge if edge in self.engine.registry.records
-                                               else "unknown").inc()
+            self.engine.metrics.refused.labels(label).inc()
+            if drop and phase is None:  # the engine's header checks name no phase
+                phase = self.engine.phase
             if drop and phase is not None and edge in phase.pending() and not phase.closed:
                 self.engine.drop(phase, edge, f"bad upload: {err}")
             reply = pb.SubmitReply(accepted=False, reason=reason)
-            self.meter.count_message(DOWN, reply, edge=edge)
+            self.meter.count_message(DOWN, reply, edge=label)
             return reply
         reply = pb.SubmitReply(accepted=True)
-        self.meter.count_message(DOWN, reply, edge=edge)
+        self.meter.count_message(DOWN, reply, edge=label)
         return reply
 
-    async def _receive(self, header: pb.SubmitHeader, schema: list[SectionSpec], context,
-                       edge: str, body: BodyMac) -> tuple[PayloadAssembler, bytes]:
+    def _check_header(self, header: pb.SubmitHeader, context, first: pb.SubmitMessage):
+        """The header's checks, in order: protocol, session, certificate, MAC IV, then the
+        engine's (task, schema, sizes, evaluation, metric names). Returns (phase, schema,
+        the edge's record); raises ``Refused``. ``phase`` is set on the refusal when it
+        costs the edge its task."""
+        edge = header.edge_id
+        if header.protocol_version != PROTOCOL_VERSION:
+            self.meter.count_message(UP, first, edge=UNREGISTERED)
+            raise Refused(f"protocol version {header.protocol_version} unsupported")
+        try:
+            record = self.engine.registry.check(edge, header.session)
+        except AuthError as err:
+            self.meter.count_message(UP, first, edge=UNREGISTERED)
+            raise Refused(str(err)) from None
+        self.meter.count_message(UP, first, edge=edge)
+        refusal = self._identity_refusal(edge, context)
+        if refusal:
+            raise Refused(refusal)
+        if len(header.body_mac_iv) != BODY_MAC_IV_BYTES:
+            raise Refused(f"body_mac_iv must be {BODY_MAC_IV_BYTES} bytes, "
+                          f"got {len(header.body_mac_iv)}")
+        phase, schema = self.engine.check_submission(header)
+        return phase, schema, record
+
+    async def _receive_and_accept(self, phase: Phase, header: pb.SubmitHeader,
+                                  schema: list[SectionSpec], record, context) -> None:
+        # A slot covers an upload's buffer from the first byte until it is aggregated,
+        # so at most max_concurrent_uploads buffers exist and the pool reuses them all.
+        # Released after the receive, slots let uploads pile up behind the aggregation
+        # lock, each in a fresh buffer: a zeroed allocation of the model's size per
+        # upload and RSS growing with the number of edges. No stream holds one longer
+        # than its deadlines or past its phase's close.
+        await self._acquire_slot(phase)
+        try:
+            assembler, body_mac = await self._receive(
+                phase, header, schema, context, header.edge_id,
+                BodyMac(record.upload_mac_key, header.body_mac_iv))
+            try:
+                if not verify_submission(bytes.fromhex(record.signing_key), header, body_mac):
+                    raise Refused("the signature does not verify over this header and "
+                                  "body with the edge's signing key", drop=True)
+                payload, bad = await asyncio.to_thread(_decode_checked, assembler)
+                if bad:
+                    raise Refused(f"non-finite values in {bad[:3]}", drop=True)
+                await self.engine.accept(phase, header, payload)
+            finally:
+                # The aggregate holds copies; the buffer serves the next upload.
+                self.buffers.give(assembler.buffer)
+        finally:
+            self.upload_slots.release()
+
+    async def _acquire_slot(self, phase: Phase) -> None:
+        """Waits for an upload slot, or refuses once the phase closes while waiting."""
+        acquire = asyncio.ensure_future(self.upload_slots.acquire())
+        closing = asyncio.ensure_future(phase.closing.wait())
+        try:
+            await asyncio.wait({acquire, closing}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closing.cancel()
+        if acquire.done() and not acquire.cancelled():
+            return
+        acquire.cancel()
+        try:
+            await acquire
+        except asyncio.CancelledError:
+            raise Refused("the phase closed before the upload could start") from None
+        self.upload_slots.release()  # granted as it was cancelled: give it back
+        raise Refused("the phase closed before the upload could start")
+
+    async def _receive(self, phase: Phase, header: pb.SubmitHeader, schema: list[SectionSpec],
+                       context, edge: str, body: BodyMac) -> tuple[PayloadAssembler, bytes]:
         # check_submission matched the manifest to the schema, so the sizes come from it.
         specs = {(int(spec.kind), spec.name): spec for spec in schema}
         sizes = [specs[(s.kind, s.name)].nbytes_of(t.name for t in s.tensors)
                  for s in header.payload.sections]
         loop = asyncio.get_running_loop()
+        # Deadlines: no chunk for upload_idle_timeout, or the whole upload slower than
+        # upload_min_rate, and the stream is cut (its slot is what honest edges wait for).
+        idle = self.cfg.upload_idle_timeout
+        total = idle + sum(sizes) / self.cfg.upload_min_rate
+        ends = loop.time() + total
 
         def ingest(offset: int, chunk: memoryview) -> None:
             assembler.write(offset, chunk)
@@ -300,14 +454,42 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         # serialize every upload on one core. One chunk at a time per upload keeps the MAC
         # in order.
         writing: asyncio.Future | None = None
+        closing = asyncio.ensure_future(phase.closing.wait())
+
+        async def read():
+            message = asyncio.ensure_future(context.read())
+            timeout = min(idle, ends - loop.time())
+            try:
+                await asyncio.wait({message, closing}, timeout=max(timeout, 0),
+                                   return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                # gRPC cancels the handler when the stream breaks (the client went, or
+                # sent a message over the transport's cap): the upload ends here, and
+                # refusing it by name costs the edge its task at once.
+                message.cancel()
+                raise WireError(f"upload ended after {assembler.received} of "
+                                f"{len(assembler.buffer)} bytes (the stream was cancelled)"
+                                ) from None
+            if message.done():
+                return message.result()
+            message.cancel()
+            if closing.done():
+                raise Refused("the phase closed before the upload completed")
+            if loop.time() >= ends:
+                raise WireError(f"upload not complete within its deadline of {total:.0f}s "
+                                f"({assembler.received} of {len(assembler.buffer)} bytes)")
+            raise WireError(f"no data for {idle:g}s (stalled after {assembler.received} of "
+                            f"{len(assembler.buffer)} bytes)")
+
         try:
             while not assembler.complete:
-                message = await context.read()
+                message = await read()
                 if message is grpc.aio.EOF:
                     raise WireError(f"upload ended after {assembler.received} of "
                                     f"{len(assembler.buffer)} bytes")
                 if not isinstance(message, memoryview):
-                    raise WireError("a second header inside one upload")
+                    raise WireError(message.reason if isinstance(message, Malformed)
+                                    else "a second header inside one upload")
                 kind, offset = assembler.reserve(message)
                 size = len(message)
                 self.meter.count(UP, kind.label, data_message_wire_bytes(size), size, edge)
@@ -316,7 +498,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
                 writing = loop.run_in_executor(None, ingest, offset, message)
             if writing is not None:
                 await writing
-            if await context.read() is not grpc.aio.EOF:
+            if await read() is not grpc.aio.EOF:
                 raise WireError("data beyond the declared payload")
         except BaseException:
             if writing is not None and not writing.done():
@@ -324,18 +506,18 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
                 await asyncio.wait([writing])
             self.buffers.give(assembler.buffer)
             raise
+        finally:
+            closing.cancel()
         return assembler, body.tag()
 
     # ---- Leave ------------------------------------------------------------------------
     async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveReply:
-        await self._auth(request.edge_id, request.session, context)
-        self.meter.count_message(UP, request, edge=request.edge_id)
+        await self._auth(request, context)
         record = self.engine.registry.records[request.edge_id]
-        record.session = ""
-        record.connected = False
-        self.engine.edge_lost(request.edge_id,
-                              f"left: {request.reason}" if request.reason else "left")
-        log.info("edge %s left (%s)", request.edge_id, request.reason or "no reason given")
+        record.end_session()
+        reason = request.reason[:MAX_LEAVE_REASON]
+        self.engine.edge_lost(request.edge_id, f"left: {reason}" if reason else "left")
+        log.info("edge %s left (%s)", request.edge_id, repr(reason) if reason else "no reason given")
         reply = pb.LeaveReply()
         self.meter.count_message(DOWN, reply, edge=request.edge_id)
         return reply
@@ -350,17 +532,18 @@ def _decode_checked(assembler: PayloadAssembler) -> tuple[Payload, list[str]]:
 def service_handler(service: FederatedLearningService) -> grpc.GenericRpcHandler:
     """The service's methods with fedattn's (de)serializers: data chunks travel as
     pre-built frames and arrive as views (see ``transport.data_frame``); every other
-    message is plain protobuf, so any client built from the .proto interoperates."""
+    message is plain protobuf, so any client built from the .proto interoperates. Bytes
+    that do not parse reach the handler as ``Malformed`` and are refused by name."""
     unary = grpc.unary_unary_rpc_method_handler
     return grpc.method_handlers_generic_handler("fedattn.v1.FederatedLearning", {
-        "Join": unary(service.Join, pb.JoinRequest.FromString, serialize),
+        "Join": unary(service.Join, lenient(pb.JoinRequest.FromString), serialize),
         "Presence": grpc.unary_stream_rpc_method_handler(
-            service.Presence, pb.PresenceRequest.FromString, serialize),
+            service.Presence, lenient(pb.PresenceRequest.FromString), serialize),
         "NextTask": grpc.unary_stream_rpc_method_handler(
-            service.NextTask, pb.TaskRequest.FromString, serialize),
+            service.NextTask, lenient(pb.TaskRequest.FromString), serialize),
         "Submit": grpc.stream_unary_rpc_method_handler(
-            service.Submit, deserializer(pb.SubmitMessage), serialize),
-        "Leave": unary(service.Leave, pb.LeaveRequest.FromString, serialize),
+            service.Submit, lenient(deserializer(pb.SubmitMessage)), serialize),
+        "Leave": unary(service.Leave, lenient(pb.LeaveRequest.FromString), serialize),
     })
 
 

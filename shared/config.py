@@ -113,6 +113,12 @@ class ServerConfig:
     init_weights: str = ""     # safetensors file with pretrained weights for the models
     init_skip_head: bool = False  # keep the fresh classifier head, ignore the file's
     poll_timeout: float = 20.0
+    # Bounds on what one edge (or a stranger) can make the server hold.
+    max_edges: int = 10_000           # ids that may ever register (each is a record and series)
+    upload_idle_timeout: float = 30.0  # an upload that sends nothing for this long is cut off
+    upload_min_rate: float = 32768.0   # bytes/s: an upload's total deadline is
+    #                                    idle timeout + its size / this rate
+    max_task_deliveries: int = 3      # streams a task may be sent on (a broken download retries)
     # Secure aggregation (SecAgg+): the server learns only the weighted sum.
     secagg: bool = False
     secagg_graph: str = "sparse"      # sparse: k-regular, k = secagg_degree; full: everyone
@@ -141,6 +147,16 @@ class ServerConfig:
             raise ConfigError(f"server.port out of range: {self.port}")
         if not self.poll_timeout > 0:
             raise ConfigError(f"server.poll_timeout must be > 0, got {self.poll_timeout}")
+        if self.max_edges < 1:
+            raise ConfigError(f"server.max_edges must be >= 1, got {self.max_edges}")
+        if not self.upload_idle_timeout > 0:
+            raise ConfigError(f"server.upload_idle_timeout must be > 0, got "
+                              f"{self.upload_idle_timeout}")
+        if not self.upload_min_rate > 0:
+            raise ConfigError(f"server.upload_min_rate must be > 0, got {self.upload_min_rate}")
+        if self.max_task_deliveries < 1:
+            raise ConfigError(f"server.max_task_deliveries must be >= 1, got "
+                              f"{self.max_task_deliveries}")
         if self.keep_checkpoints < 1:
             raise ConfigError(f"server.keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
         if self.metrics_port < -1 or self.metrics_port > 65535:

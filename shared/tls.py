@@ -19,7 +19,7 @@ import os
 import re
 import secrets
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cryptography import x509
@@ -34,7 +34,18 @@ SERVER_CERT, SERVER_KEY = "server.pem", "server.key"
 EDGE_CERT, EDGE_KEY, TOKEN = "edge.pem", "edge.key", "token"
 ENROLLED = "enrolled.json"
 VALID_DAYS = 825
-EDGE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")  # the server registry's rule
+MAX_CACHED_CERTIFICATES = 4096  # parsed peer certificates the server keeps (one per edge)
+EDGE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # an edge id, whole (fullmatch)
+
+
+def edge_id_refusal(edge_id: str) -> str:
+    """'' for a valid edge id, else the reason (the id shown escaped and cut short). The
+    one rule for ids everywhere: checked before an id reaches a log line, a metric label
+    or the registry, so an id can neither forge a log line nor grow memory."""
+    if EDGE_ID.fullmatch(edge_id):
+        return ""
+    shown = repr(edge_id[:64]) + ("..." if len(edge_id) > 64 else "")
+    return f"edge id {shown} is not valid (letters, digits, . _ -; at most 64)"
 
 
 def _key() -> ec.EllipticCurvePrivateKey:
@@ -116,8 +127,9 @@ def issue_edge(directory: Path, edge_id: str) -> Path:
     """An edge's certificate, key and enrollment token in DIR/edges/EDGE (copy that folder
     to the device and pass it as ``fl-edge --tls-dir``)."""
     directory = Path(directory)
-    if not EDGE_ID.match(edge_id):
-        raise StateError(f"edge id {edge_id!r} is not valid (letters, digits, . _ -; at most 64)")
+    refusal = edge_id_refusal(edge_id)
+    if refusal:
+        raise StateError(refusal)
     ca, ca_key = _load_ca(directory)
     enrolled = read_json(directory / ENROLLED)
     if edge_id in enrolled and not enrolled[edge_id].get("revoked"):
@@ -149,11 +161,16 @@ def revoke_edge(directory: Path, edge_id: str) -> None:
 @dataclass
 class Enrollment:
     """The server's view of DIR/enrolled.json, re-read when the file changes (a revocation
-    takes effect at the edge's next call, without a restart)."""
+    takes effect at the edge's next call, without a restart).
+
+    An edge is its certificate, not its name: every call's peer certificate must be the
+    one the list names for the id (its serial), so a revoked device cannot go on with its
+    old certificate once the id has been re-issued to another."""
 
     path: Path
-    _mtime: float = -1.0
+    _mtime: int = -1
     _entries: dict | None = None
+    _serials: dict[bytes, str] = field(default_factory=dict)  # peer PEM -> serial (hex)
 
     def entries(self) -> dict:
         mtime = self.path.stat().st_mtime_ns
@@ -161,13 +178,38 @@ class Enrollment:
             self._entries, self._mtime = read_json(self.path), mtime
         return self._entries or {}
 
-    def check(self, edge_id: str, token: str | None = None) -> str:
-        """'' when the edge may proceed, else the reason to refuse it."""
+    def changed(self) -> bool:
+        """Whether the file changed since it was last read (then it is read again)."""
+        before = self._mtime
+        self.entries()
+        return self._mtime != before
+
+    def serial(self, edge_id: str) -> str:
+        """The enrolled certificate serial of ``edge_id`` ('' when not enrolled)."""
+        return str(self.entries().get(edge_id, {}).get("serial", ""))
+
+    def peer_serial(self, pem: bytes) -> str:
+        """The serial of a peer certificate (hex, as enrolled.json records it); parsed
+        once per certificate."""
+        serial = self._serials.get(pem)
+        if serial is None:
+            if len(self._serials) >= MAX_CACHED_CERTIFICATES:
+                self._serials.clear()
+            serial = format(x509.load_pem_x509_certificate(pem).serial_number, "x")
+            self._serials[pem] = serial
+        return serial
+
+    def check(self, edge_id: str, token: str | None = None, serial: str | None = None) -> str:
+        """'' when the edge may proceed, else the reason to refuse it. ``serial``: the
+        peer certificate's, which must be the one enrolled for the id."""
         entry = self.entries().get(edge_id)
         if entry is None:
             return f"edge {edge_id} is not enrolled"
         if entry.get("revoked"):
             return f"edge {edge_id} is revoked"
+        if serial is not None and serial != entry.get("serial"):
+            return (f"edge {edge_id}: the client certificate (serial {serial}) is not the one "
+                    "enrolled for this id (revoked and re-issued to another device?)")
         if token is not None and not hmac.compare_digest(
                 hashlib.sha256(token.encode()).hexdigest(), entry["token_sha256"]):
             return f"edge {edge_id}: wrong enrollment token"

@@ -39,6 +39,15 @@ if TYPE_CHECKING:
 TRAIN = "train"
 EVALUATE = "evaluate"
 
+#: The monitoring figures every edge may report with a result (the training loop's, the
+#: fine-tuning before evaluation, and the DP ledger's). The server keeps only these plus
+#: a method's ``extra_metrics``: each name becomes a metric series and a history entry.
+STANDARD_METRICS = frozenset({
+    "train_seconds", "steps", "samples_per_second", "lr", "train_loss", "last_epoch_loss",
+    "finetune_loss", "finetune_seconds", "dp_epsilon", "dp_delta", "dp_noise_multiplier",
+    "dp_steps", "dp_stats_epsilon", "dp_total_epsilon_rdp",
+})
+
 
 class AggregatorKind(str, enum.Enum):
     STREAMING_SUM = "streaming_weighted_sum"        # O(model) running sum; SecAgg-compatible
@@ -138,6 +147,9 @@ class Method:
     #: shared one and never leaves the edge (Ditto's and pFedMe's personal model, FedAvg-FT's
     #: fine-tuned one). None: the models of ``model_names`` as they are split.
     personal_copy: ClassVar[tuple[str, str] | None] = None
+    #: Names of the figures ``EdgeAlgorithm.training_metrics`` reports, beyond
+    #: ``STANDARD_METRICS``; the server ignores any other name an edge sends.
+    extra_metrics: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, context: MethodContext):
         self.train = context.train
@@ -165,6 +177,10 @@ class Method:
             split.check_rules_apply(self.probe_model(), rules, self.head, self.train.model, where)
 
     # ---- declarations -------------------------------------------------------------
+    def metric_names(self) -> frozenset[str]:
+        """Every figure name an edge of this method may report with a result."""
+        return STANDARD_METRICS | frozenset(self.extra_metrics)
+
     def model_names(self) -> tuple[str, ...]:
         return self.personal_copy or ("model",)
 

@@ -268,6 +268,7 @@ class FedSAPEdge(EdgeAlgorithm):
 class FedSAP(Method):
     name = "fedsap"
     Params = FedSAPParams
+    extra_metrics = ("gsr_loss", "stats_drift")  # FedSAPEdge.training_metrics
 
     def __init__(self, context: MethodContext):
         super().__init__(context)

@@ -94,6 +94,9 @@ class PFedLA(Method):
     def model_names(self) -> tuple[str, ...]:
         return self.host.model_names()
 
+    def metric_names(self) -> frozenset[str]:
+        return self.host.metric_names()
+
     def dp_refusal(self) -> str | None:
         refusal = self.host.dp_refusal()
         return f"pfedla over {refusal}" if refusal else None
