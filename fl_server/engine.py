@@ -365,8 +365,9 @@ class Engine:
     def check_metrics(self, header: pb.SubmitHeader) -> None:
         """A result's monitoring figures become metric series and history entries, so only
         the names the method declares (``Method.metric_names``) are kept: more entries than
-        there are names is refused, unknown names are dropped (a newer edge may report a
-        figure this server does not know) and logged."""
+        there are names is refused, unknown names are logged here and ignored by ``accept``
+        (a newer edge may report a figure this server does not know; the header itself
+        stays as signed)."""
         allowed = self.method.metric_names()
         if len(header.metrics) > len(allowed):
             raise Refused(f"{len(header.metrics)} metrics, at most {len(allowed)} (the names "
@@ -376,8 +377,6 @@ class Engine:
             log.warning("round %d: %s reported metrics %s that method %s does not declare; "
                         "ignored", header.round, header.edge_id,
                         ", ".join(repr(n[:40]) for n in unknown[:3]), self.method.name)
-            for name in unknown:
-                del header.metrics[name]
 
     def secured(self, phase: str) -> bool:
         """Whether secure aggregation handles this phase's uploads (not the method)."""
@@ -475,7 +474,9 @@ class Engine:
                 self.metrics.aggregation_seconds.labels(phase.name, "accept").observe(
                     time.monotonic() - started)
             # Monitoring figures only; non-finite ones would make history.json invalid JSON.
-            figures = {k: v for k, v in header.metrics.items() if math.isfinite(v)}
+            allowed = self.method.metric_names()
+            figures = {k: v for k, v in header.metrics.items()
+                       if k in allowed and math.isfinite(v)}
             if "dp_epsilon" in header.metrics:
                 self.metrics.dp_epsilon.labels(edge).set(header.metrics["dp_epsilon"])
             phase.received[edge] = {

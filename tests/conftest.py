@@ -108,10 +108,11 @@ class Cluster:
         self.port = 0
 
     def server(self, *args: str, port: int = 0, checkpoint: str = "server-state",
-               name: str = "server") -> Proc:
+               name: str = "server", tls_dir: Path | None = None) -> Proc:
         ready = self.tmp / f"{name}.ready.json"
         ready.unlink(missing_ok=True)
-        proc = Proc([sys.executable, "-m", "fl_server", "--insecure", "--port", str(port),
+        transport = ["--tls-dir", str(tls_dir)] if tls_dir is not None else ["--insecure"]
+        proc = Proc([sys.executable, "-m", "fl_server", *transport, "--port", str(port),
                      "--checkpoint-dir", str(self.tmp / checkpoint), "--ready-file", str(ready),
                      "--poll-timeout", "5", *args], self.tmp / f"{name}.log")
         self.procs.append(proc)

@@ -1,0 +1,383 @@
+"""What one edge, or a stranger, can try on a real fl-server, tried as an attacker would:
+a hand-written client (``RawEdge``, which speaks the wire protocol directly) sends what a
+daemon never would. Each test asserts that the attack is refused by name or harmless, that
+the server still runs, and that an honest edge in the same round is served.
+
+Attacks on the aggregate (lying weights, huge values, update norms) are in
+test_adversarial_aggregate.py, on secure aggregation in test_adversarial_secagg.py, and
+a hostile server against the edge's privacy in test_edge_policy.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import signal
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+from conftest import Cluster, wait_for
+from test_bad_input import (
+    RawEdge,
+    Task,
+    assert_single_upload_mean,
+    raw_layout,
+    shifted,
+    stream,
+    train_messages,
+)
+
+from fedattn_shared.tls import edge_credentials
+from fedattn_shared.wire import fedattn_pb2 as pb
+from fedattn_shared.wire import fedattn_pb2_grpc as pb_grpc
+from fedattn_shared.wire.transport import channel_options
+from fl_server.cli import main as server_main
+
+IDLE = 8.0  # --upload-idle-timeout: long enough that an honest upload is in well before it
+MAX_EDGES = 6
+MAX_DELIVERIES = 3
+
+
+class Fleet:
+    """One server, one attacker and one honest edge; every round trains both (quorum: all)."""
+
+    def __init__(self, cluster: Cluster, server, attacker: RawEdge, honest: RawEdge):
+        self.cluster = cluster
+        self.server = server
+        self.attacker = attacker
+        self.honest = honest
+
+    def round(self) -> tuple[Task, Task]:
+        attack, honest = self.attacker.next_task(), self.honest.next_task()
+        assert attack.header.round == honest.header.round
+        return attack, honest
+
+    def metrics(self) -> str:
+        url = f"http://127.0.0.1:{self.server.metrics_port}/metrics"
+        return urllib.request.urlopen(url, timeout=10).read().decode()
+
+    def log_mark(self) -> int:
+        return len(self.server.log())
+
+    def logged(self, mark: int, *needles: str) -> str:
+        def line():
+            for text in self.server.log()[mark:].splitlines():
+                if all(n in text for n in needles):
+                    return text
+            return None
+
+        return wait_for(line, 15, f"a server log line with {needles}")
+
+    def honest_round(self, task: Task, delta: float = 2.0, **overrides) -> dict:
+        """The honest edge's upload of global + delta, accepted; returns its tensors."""
+        upload = shifted(task.globals, delta)
+        reply = self.honest.submit(train_messages(self.honest, task, upload, **overrides))
+        assert reply.accepted, reply.reason
+        return upload
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    cluster = Cluster(tmp_path_factory.mktemp("adversarial"))
+    edges: list[RawEdge] = []
+    try:
+        server = cluster.server(
+            "--method", "fedavg", "--model", "lenet-bn", "--rounds", "100", "--min-edges", "2",
+            "--quorum", "0", "--round-timeout", "60", "--eval-every", "0",
+            "--upload-idle-timeout", str(IDLE), "--max-concurrent-uploads", "2",
+            "--max-task-deliveries", str(MAX_DELIVERIES), "--max-edges", str(MAX_EDGES),
+            "--metrics-port", "0")
+        edges = [RawEdge(cluster.port, "attacker"), RawEdge(cluster.port, "honest")]
+        for edge in edges:
+            edge.connect()
+        yield Fleet(cluster, server, *edges)
+    finally:
+        for edge in edges:
+            edge.close()
+        cluster.close()
+
+
+def stalling(messages: list[pb.SubmitMessage], release: threading.Event):
+    """A request stream that sends ``messages`` and then neither sends nor closes."""
+    yield from messages
+    release.wait(120)
+
+
+def test_stalled_streams_cannot_hold_the_upload_slots(fleet):
+    # Item 3: two Submit streams for the attacker's own task, each a header and one chunk
+    # and then silence, used to hold both upload slots for good.
+    attack, honest = fleet.round()
+    header, chunks = raw_layout(fleet.attacker, attack, shifted(attack.globals, 1.0))
+    messages = stream(header, chunks)
+    fleet.attacker.sign(messages)
+    release = threading.Event()
+    replies: dict[str, pb.SubmitReply] = {}
+
+    def submit(key: str) -> None:
+        replies[key] = fleet.attacker.stub.Submit(stalling(messages[:2], release), timeout=120)
+
+    first = threading.Thread(target=submit, args=("first",))
+    try:
+        mark = fleet.log_mark()
+        first.start()
+        chunk_in = re.compile(r'fedattn_raw_tensor_bytes_total\{[^}]*direction="up",edge="'
+                              + fleet.attacker.edge_id)
+        wait_for(lambda: chunk_in.search(fleet.metrics()), 15, "the first stream's chunk at the server")
+        second = threading.Thread(target=submit, args=("second",))
+        second.start()
+        second.join(timeout=30)
+        assert not replies["second"].accepted
+        assert "already in progress" in replies["second"].reason
+        # The honest upload goes through while the attacker's first stream still stalls.
+        upload = fleet.honest_round(honest)
+        assert "first" not in replies, "the honest upload waited for the stalled stream's cut"
+        first.join(timeout=IDLE + 30)
+        assert not replies["first"].accepted
+        assert f"no data for {IDLE:g}s" in replies["first"].reason
+        fleet.logged(mark, f"dropped {fleet.attacker.edge_id} (bad upload", "no data for")
+    finally:
+        release.set()
+    # The round closed with the honest upload alone: it is the next global.
+    attack, honest = fleet.round()
+    assert_single_upload_mean(honest.globals, upload)
+    fleet.honest_round(honest)
+    reply = fleet.attacker.submit(train_messages(fleet.attacker, attack, attack.globals))
+    assert reply.accepted, reply.reason
+
+
+def test_a_silent_stream_without_a_header_is_cut(fleet):
+    attack, honest = fleet.round()
+    release = threading.Event()
+    try:
+        started = time.monotonic()
+        reply = fleet.attacker.stub.Submit(stalling([], release), timeout=IDLE + 60)
+        assert not reply.accepted and f"no header within {IDLE:g}s" in reply.reason
+        assert time.monotonic() - started >= IDLE - 0.5
+    finally:
+        release.set()
+    fleet.honest_round(honest)
+    reply = fleet.attacker.submit(train_messages(fleet.attacker, attack, attack.globals))
+    assert reply.accepted, reply.reason
+
+
+def pull(edge: RawEdge) -> list[pb.TaskMessage]:
+    request = pb.TaskRequest(edge_id=edge.edge_id, session=edge.session, cached_common="")
+    return list(edge.stub.NextTask(request, timeout=30))
+
+
+def test_a_task_is_delivered_a_bounded_number_of_times(fleet):
+    # Item 10: the same session pulling its pending task (the whole model) again and again.
+    attack, honest = fleet.round()  # the first delivery
+    mark = fleet.log_mark()
+    for _ in range(MAX_DELIVERIES - 1):
+        messages = pull(fleet.attacker)
+        assert messages[0].header.status == pb.TaskHeader.TASK
+        assert messages[0].header.task_id == attack.header.task_id
+    refused = pull(fleet.attacker)
+    assert [m.header.status for m in refused] == [pb.TaskHeader.WAIT]
+    fleet.logged(mark, f"dropped {fleet.attacker.edge_id} (re-delivery limit")
+    reply = fleet.attacker.submit(train_messages(fleet.attacker, attack, attack.globals))
+    assert not reply.accepted and "already dropped" in reply.reason
+    upload = fleet.honest_round(honest)
+    attack, honest = fleet.round()
+    assert_single_upload_mean(honest.globals, upload)
+    fleet.honest_round(honest)
+    fleet.attacker.submit(train_messages(fleet.attacker, attack, attack.globals))
+
+
+def test_metric_names_are_the_methods_and_bounded(fleet):
+    # Item 6: an accepted upload with any number of made-up metric names used to grow
+    # /metrics and history.json without bound.
+    attack, honest = fleet.round()
+    flood = {f"made_up_{i}": float(i) for i in range(60_000)}
+    reply = fleet.attacker.submit(train_messages(fleet.attacker, attack, attack.globals,
+                                                 metrics=flood))
+    assert not reply.accepted and "60000 metrics, at most" in reply.reason
+    mark = fleet.log_mark()
+    fleet.honest_round(honest, metrics={"train_seconds": 1.5, "made_up_x": 7.0})
+    fleet.logged(mark, fleet.honest.edge_id, "made_up_x", "does not declare")
+    text = fleet.metrics()
+    assert "made_up" not in text
+    assert f'edge="{fleet.honest.edge_id}",name="train_seconds"' in text
+    attack, honest = fleet.round()  # the round is over: its record is in the history
+    history = fleet.cluster.tmp / "server-state" / "history.json"
+    record = wait_for(lambda: next((r for r in json.loads(history.read_text())["rounds"]
+                                    if r["round"] == honest.header.round - 1), None),
+                      30, "the round's history record")
+    assert record["train"]["edge_metrics"][fleet.honest.edge_id] == {"train_seconds": 1.5}
+    fleet.honest_round(honest)
+    fleet.attacker.submit(train_messages(fleet.attacker, attack, attack.globals))
+
+
+def stranger(fleet: Fleet, edge_id: str, **overrides) -> grpc.RpcError | pb.JoinReply:
+    edge = RawEdge(fleet.cluster.port)
+    edge.edge_id = edge_id
+    try:
+        return edge.join(**overrides)
+    except grpc.RpcError as err:
+        return err
+    finally:
+        edge.close()
+
+
+def test_ids_are_checked_before_they_reach_logs_labels_or_the_registry(fleet):
+    # Item 5: the raw id of a refused Join became a metric label (1 MiB ids grew RSS by
+    # ~1.2 MB each); item 7: a newline in an id or join info forged server log lines.
+    before = len(fleet.metrics())
+    mark = fleet.log_mark()
+    forged = "2026-01-01T00:00:00.000Z INFO fl_server round 99 done"
+    for edge_id in ("x" * (1 << 20), f"evil\n{forged}", "trailing\n", "", "-dash"):
+        err = stranger(fleet, edge_id)
+        assert isinstance(err, grpc.RpcError)
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "is not valid" in err.details() and len(err.details()) < 300
+    reply = stranger(fleet, f"info-{secrets.token_hex(3)}", info={"hostname": f"h\n{forged}"})
+    assert isinstance(reply, pb.JoinReply) and reply.session
+    fleet.logged(mark, "joined (hostname='h\\n2026-01-01")
+    text = fleet.metrics()
+    assert "xxxxxxxx" not in text and "evil" not in text and "trailing" not in text
+    assert len(text) - before < 20_000
+    assert 'edge="(unregistered)"' in text
+    lines = fleet.server.log()[mark:].splitlines()
+    assert not any(line.startswith(forged[:20]) for line in lines), "a forged log line"
+    err = stranger(fleet, f"info-{secrets.token_hex(3)}", info={"k": "v" * 1000})
+    assert isinstance(err, grpc.RpcError) and "info entry 'k'" in err.details()
+
+
+def test_registrations_are_capped(fleet):
+    refused = None
+    for _ in range(MAX_EDGES + 1):
+        reply = stranger(fleet, f"sybil-{secrets.token_hex(4)}")
+        if isinstance(reply, grpc.RpcError):
+            refused = reply
+            break
+    assert refused is not None, f"{MAX_EDGES + 1} ids registered past --max-edges"
+    assert refused.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert f"--max-edges {MAX_EDGES}" in refused.details()
+    # The fleet's own edges are still served.
+    attack, honest = fleet.round()
+    fleet.honest_round(honest)
+    fleet.attacker.submit(train_messages(fleet.attacker, attack, attack.globals))
+
+
+def test_garbage_requests_are_invalid_arguments_without_a_traceback(fleet):
+    mark = fleet.log_mark()
+    for method in ("Join", "Leave"):
+        call = fleet.attacker.channel.unary_unary(f"/fedattn.v1.FederatedLearning/{method}")
+        with pytest.raises(grpc.RpcError) as err:
+            call(b"\x0a\xff\xff\xff\xff\x0f", timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "malformed request" in err.value.details()
+    call = fleet.attacker.channel.unary_stream("/fedattn.v1.FederatedLearning/NextTask")
+    with pytest.raises(grpc.RpcError) as err:
+        list(call(b"\xff" * 12, timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    submit = fleet.attacker.channel.stream_unary("/fedattn.v1.FederatedLearning/Submit",
+                                                 response_deserializer=pb.SubmitReply.FromString)
+    reply = submit(iter([b"\x0a\xff\xff\xff\xff\x0f"]), timeout=10)
+    assert not reply.accepted and "malformed request" in reply.reason
+    fleet.logged(mark, "malformed request")
+    assert "Traceback" not in fleet.server.log()[mark:]
+    attack, honest = fleet.round()
+    fleet.honest_round(honest)
+    fleet.attacker.submit(train_messages(fleet.attacker, attack, attack.globals))
+
+
+# ---- certificates, not names ---------------------------------------------------------------
+
+
+class TlsEdge(RawEdge):
+    """A raw edge over mutual TLS with the certificate, key and token in ``tls_dir``."""
+
+    def __init__(self, port: int, tls_dir):
+        super().__init__(port)
+        credentials, self.token, self.edge_id = edge_credentials(tls_dir)
+        self.channel.close()
+        self.channel = grpc.secure_channel(f"localhost:{port}", credentials,
+                                           options=channel_options())
+        self.stub = pb_grpc.FederatedLearningStub(self.channel)
+
+    def join(self, **overrides) -> pb.JoinReply:
+        return super().join(**{"join_token": self.token, **overrides})
+
+
+def test_revocation_is_by_certificate_and_ends_the_session(tmp_path):
+    # Item 4: `certs revoke X` then `certs issue X` for a replacement device: the new
+    # device could not join ("bound to a different secret") while the revoked one, with
+    # its old certificate and session, kept getting tasks.
+    ca = tmp_path / "ca"
+    assert server_main(["certs", "init", str(ca), "--hosts", "localhost,127.0.0.1"]) == 0
+    assert server_main(["certs", "issue", str(ca), "cam"]) == 0
+    cluster = Cluster(tmp_path)
+    old = new = None
+    try:
+        server = cluster.server("--method", "fedavg", "--model", "lenet-bn", "--min-edges", "3",
+                                tls_dir=ca)
+        old = TlsEdge(cluster.port, ca / "edges" / "cam")
+        old.connect()
+        mark = len(server.log())
+        assert server_main(["certs", "revoke", str(ca), "cam"]) == 0
+        # The open presence stream closes without waiting for the device's next call.
+        wait_for(lambda: not old._presence_thread.is_alive(), 15, "the presence stream to close")
+        server.wait_log("edge cam: session ended: edge cam is revoked", 15)
+        with pytest.raises(grpc.RpcError) as err:
+            pull(old)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "revoked" in err.value.details()
+        # A replacement device: a new certificate, secret and signing key for the same id.
+        assert server_main(["certs", "issue", str(ca), "cam"]) == 0
+        new = TlsEdge(cluster.port, ca / "edges" / "cam")
+        new.connect()
+        # The old certificate is refused whatever it presents: the new token, or the new
+        # device's live session.
+        with pytest.raises(grpc.RpcError) as err:
+            old.join(join_token=new.token)
+        assert "is not the one enrolled for this id" in err.value.details()
+        old.session = new.session
+        with pytest.raises(grpc.RpcError) as err:
+            pull(old)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "is not the one enrolled for this id" in err.value.details()
+        assert new.present.is_set() and new._presence_thread.is_alive()
+        assert "Traceback" not in server.log()[mark:]
+    finally:
+        for edge in (old, new):
+            if edge is not None:
+                edge.close()
+        cluster.close()
+
+
+# ---- shutdown ------------------------------------------------------------------------------
+
+
+def test_sigterm_shuts_down_cleanly_with_streams_open(tmp_path):
+    cluster = Cluster(tmp_path)
+    edge = None
+    try:
+        server = cluster.server("--method", "fedavg", "--model", "lenet-bn", "--min-edges", "2")
+        edge = RawEdge(cluster.port)
+        edge.connect()
+        polling = threading.Thread(target=lambda: _ignore_rpc_errors(pull, edge), daemon=True)
+        polling.start()
+        server.wait_log("waiting for 2 connected edge(s)")
+        server.popen.send_signal(signal.SIGTERM)
+        assert server.wait(60) == 0
+        log = server.log()
+        assert "stopping on request" in log
+        assert not re.search(r"Traceback|CancelledError|Exception", log), log[-3000:]
+    finally:
+        if edge is not None:
+            edge.close()
+        cluster.close()
+
+
+def _ignore_rpc_errors(fn, *args) -> None:
+    try:
+        fn(*args)
+    except grpc.RpcError:
+        pass
+
