@@ -273,6 +273,10 @@ class ServerApp:
         log.info("serving on %s:%d (metrics %s), method %s, model %s, fingerprint %s",
                  cfg.host, self.port, self.metrics_port or "off", engine.method.name,
                  engine.train.model, engine.fingerprint)
+        if not cfg.tls_dir and not cfg.join_token:
+            log.warning("plaintext gRPC without a join token: anyone who reaches this port can "
+                        "register edge ids (up to --max-edges %d) and submit results; for a "
+                        "closed lab network only", cfg.max_edges)
         return self.port
 
     async def run(self, stop: asyncio.Event | None = None) -> None:

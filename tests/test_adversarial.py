@@ -101,6 +101,13 @@ def fleet(tmp_path_factory):
         cluster.close()
 
 
+def chunk_received(metrics_port: int, edge_id: str) -> bool:
+    """Whether the server has counted upload data from ``edge_id`` (its raw byte series)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read()
+    return re.search(r'fedattn_raw_tensor_bytes_total\{[^}]*direction="up",edge="'
+                     + re.escape(edge_id) + '"', text.decode()) is not None
+
+
 def stalling(messages: list[pb.SubmitMessage], release: threading.Event):
     """A request stream that sends ``messages`` and then neither sends nor closes."""
     yield from messages
@@ -124,9 +131,8 @@ def test_stalled_streams_cannot_hold_the_upload_slots(fleet):
     try:
         mark = fleet.log_mark()
         first.start()
-        chunk_in = re.compile(r'fedattn_raw_tensor_bytes_total\{[^}]*direction="up",edge="'
-                              + fleet.attacker.edge_id)
-        wait_for(lambda: chunk_in.search(fleet.metrics()), 15, "the first stream's chunk at the server")
+        wait_for(lambda: chunk_received(fleet.server.metrics_port, fleet.attacker.edge_id), 15,
+                 "the first stream's chunk at the server")
         second = threading.Thread(target=submit, args=("second",))
         second.start()
         second.join(timeout=30)
@@ -147,6 +153,42 @@ def test_stalled_streams_cannot_hold_the_upload_slots(fleet):
     fleet.honest_round(honest)
     reply = fleet.attacker.submit(train_messages(fleet.attacker, attack, attack.globals))
     assert reply.accepted, reply.reason
+
+
+def test_a_receive_is_cut_when_its_phase_closes(tmp_path):
+    # A phase that closed at its quorum aggregates nothing more: a stream still sending
+    # for it gives its slot back at once instead of at its idle deadline.
+    cluster = Cluster(tmp_path)
+    edges: list[RawEdge] = []
+    release = threading.Event()
+    try:
+        cluster.server("--method", "fedavg", "--model", "lenet-bn", "--min-edges", "2",
+                       "--quorum", "1", "--eval-every", "0", "--upload-idle-timeout", "120",
+                       "--metrics-port", "0")
+        edges = [RawEdge(cluster.port, "slow"), RawEdge(cluster.port, "fast")]
+        for edge in edges:
+            edge.connect()
+        slow, fast = edges
+        slow_task, fast_task = slow.next_task(), fast.next_task()
+        header, chunks = raw_layout(slow, slow_task, shifted(slow_task.globals, 1.0))
+        messages = stream(header, chunks)
+        slow.sign(messages)
+        replies: list[pb.SubmitReply] = []
+        receiving = threading.Thread(target=lambda: replies.append(
+            slow.stub.Submit(stalling(messages[:2], release), timeout=120)))
+        receiving.start()
+        wait_for(lambda: chunk_received(cluster.procs[0].metrics_port, slow.edge_id), 15,
+                 "the slow stream's first chunk at the server")
+        reply = fast.submit(train_messages(fast, fast_task, shifted(fast_task.globals, 1.0)))
+        assert reply.accepted, reply.reason
+        receiving.join(timeout=60)
+        assert replies and not replies[0].accepted
+        assert "the phase closed before the upload completed" in replies[0].reason
+    finally:
+        release.set()
+        for edge in edges:
+            edge.close()
+        cluster.close()
 
 
 def test_a_silent_stream_without_a_header_is_cut(fleet):
