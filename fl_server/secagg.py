@@ -29,7 +29,6 @@ from fedattn_shared.privacy.secagg import (
     SHARE_BYTES,
     UNMASK,
     Quantizer,
-    SecAggError,
     ServerRound,
     as_bytes,
     as_tensor,
@@ -194,15 +193,20 @@ class SecAggDriver:
         return out
 
     def _unmask(self, phase: str, state: ServerRound, aggregator: Aggregator) -> dict[str, Any]:
+        """Unmask, check the sum against the bounds every honest edge obeys, and hand it to
+        the aggregator; any failure aborts the phase's secure aggregation by name (the
+        aggregator closes with nothing, the global state stays as it was)."""
         started = time.perf_counter()
         try:
             total = state.unmask()
-        except SecAggError as err:
+            quantizer = self.quantizer(phase)
+            values, weight = quantizer.dequantize(total)
+            quantizer.check_sum(values, weight, len(state.masked))
+            aggregator.accept_sum(phase, unflatten_sum(self.masked[phase], values), weight,
+                                  len(state.masked))
+        except ValueError as err:  # SecAggError, or the aggregator refusing the sum
             log.warning("round %d %s: secure aggregation aborted: %s", state.round, phase, err)
             return {"secagg-aborted": str(err)}
-        values, weight = self.quantizer(phase).dequantize(total)
-        aggregator.accept_sum(phase, unflatten_sum(self.masked[phase], values), weight,
-                              len(state.masked))
         seconds = time.perf_counter() - started
         log.info("round %d %s: unmasked the sum of %d edges (%d dropped after sharing) in "
                  "%.3fs", state.round, phase, len(state.masked),

@@ -461,3 +461,20 @@ def test_weighted_sum_methods_run_under_secagg(method_name):
     assert "train" in phases
     assert {(s.kind, s.name) for s in phases["train"]} == {
         (s.kind, s.name) for s in method.uplink_schema("train", models)}
+
+
+def test_the_unmasked_sum_check_admits_every_honest_extreme():
+    q = Quantizer(clip=2.0, max_weight=100.0, parties=10)
+    xs = [np.full(50, 2.0)] * 3 + [np.full(50, -2.0)] * 3  # every value and weight at its bound
+    total = sum(q.quantize(x, 100.0).astype(np.uint64) for x in xs) % 2**32
+    values, weight = q.dequantize(total.astype(np.uint32))
+    q.check_sum(values, weight, 6)
+    plus = sum(q.quantize(x, 100.0).astype(np.uint64) for x in xs[:3]) % 2**32
+    values, weight = q.dequantize(plus.astype(np.uint32))
+    q.check_sum(values, weight, 3)  # the mean is exactly the clip
+    with pytest.raises(SecAggError, match="secagg_max_weight x 2 edges"):
+        q.check_sum(values, weight, 2)  # 3 edges' weight claimed by 2
+    with pytest.raises(SecAggError, match="clip range"):
+        q.check_sum(values * 1.01, weight, 3)
+    with pytest.raises(SecAggError, match="outside"):
+        q.check_sum(values, -1.0, 3)

@@ -250,6 +250,27 @@ class Quantizer:
         signed = total.view(np.int32).astype(np.float64)
         return signed[:-1] / self.scale, float(signed[-1]) / self.weight_scale
 
+    def check_sum(self, values: np.ndarray, weight: float, count: int) -> None:
+        """The server's check of an unmasked sum over ``count`` edges: 0 < W <= count x
+        max_weight and |mean| <= clip, each up to the rounding of ``count`` summands. Every
+        honest edge checks its own upload before masking, but nothing stops an edge from
+        adding to its masked vector (its weight coordinate above all); a sum outside these
+        bounds is not one honest edges produced, and is refused rather than averaged."""
+        if count < 1:
+            raise SecAggError("an unmasked sum of no edges")
+        weight_bound = count * self.max_weight + count / self.weight_scale
+        if not (math.isfinite(weight) and 0 < weight <= weight_bound):
+            raise SecAggError(f"the unmasked total weight {weight:.6g} is outside (0, {count} x "
+                              f"{self.max_weight:g}] (server.secagg_max_weight x {count} edges): "
+                              "an edge tampered with its masked weight; nothing is aggregated")
+        if values.size:
+            peak = float(np.max(np.abs(values))) / weight
+            bound = self.clip * (1 + 1e-9) + count / (self.scale * weight)
+            if not (math.isfinite(peak) and peak <= bound):
+                raise SecAggError(f"the unmasked mean reaches |{peak:.6g}|, beyond the clip range "
+                                  f"{self.clip:g} (server.secagg_clip): an edge tampered with its "
+                                  "masked values; nothing is aggregated")
+
 
 # ---- the neighbour graph ---------------------------------------------------------------------
 def auto_degree(parties: int) -> int:
