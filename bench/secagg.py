@@ -128,8 +128,8 @@ def run(edges: int, mode: str, dropout: float, work: Path) -> dict:
     loop.close()
     record = app.engine.history["rounds"][0]
     survivors = daemons[dropped:]
-    phases = [p for p in ("secagg-advertise:train", "secagg-share:train", "train",
-                          "secagg-unmask:train") if p in record]
+    phases = [p for p in ("secagg-advertise:train", "secagg-share:train", "secagg-receive:train",
+                          "train", "secagg-confirm:train", "secagg-unmask:train") if p in record]
     cpu = statistics.mean(sum(v for k, v in d.cpu.items() if k != "poll") for d in survivors)
     masked_cpu = statistics.mean(d.cpu.get("train", 0.0) for d in survivors)
     up = sum(k["wire"] for k in record["bytes"].get("up", {}).values()) / edges

@@ -59,7 +59,7 @@ from fedattn_shared.wire.transport import (
     serialize,
 )
 
-from .secagg import EdgeSecAgg, SecAggError, is_secagg_phase, strip_secagg
+from .secagg import EdgeSecAgg, SecAggError, SecAggPolicy, is_secagg_phase, strip_secagg
 from .store import (
     PrivateStore,
     load_or_create_identity,
@@ -376,7 +376,9 @@ class EdgeDaemon:
                 dp = DPConfig()
                 apply_values(dp, "dp", config["dp"], "server config")
                 dp.validate()
-        except (ConfigError, ValueError, KeyError) as err:
+            # What this edge holds every secure-aggregation round to (not the round's word).
+            secagg = SecAggPolicy.from_config(config["secagg"]) if "secagg" in config else None
+        except (ConfigError, ValueError, KeyError, TypeError) as err:
             raise EdgeExit(2, f"cannot use the server's configuration: {err}") from None
         method = method_cls(MethodContext(train, params, dp=dp))
         models = method.build_models()
@@ -402,6 +404,7 @@ class EdgeDaemon:
         self.privacy = self._private_training(method, algo, len(data.train),
                                               self.opts.batch_size or train.batch_size)
         self.method, self.algo, self.data, self.train_cfg = method, algo, data, train
+        self.secagg.policy = secagg
         self.config_json, self.fingerprint = config_json, fingerprint
         self._write(self.store.save_run_config, config_json, fingerprint)
         self.cached_common = None

@@ -1,12 +1,17 @@
 """Secure aggregation on the edge: the SecAgg+ client steps and its secrets on disk.
 
 The round's secrets (two X25519 private keys, the self-mask seed, the shares held for
-neighbours) live in ``secagg-round.json`` in the state dir, mode 0600, written atomically
-after every step and before the step's upload: a restart inside a round neither loses
-them (a later step loads them) nor makes the edge mask twice (the step is recorded). The
-file is deleted once the unmask step is answered; the next round's advertise replaces
-any leftover. The adverts are signed with the edge's signing key (``signing.key``, bound
-to the edge id by the server at the edge's first join).
+neighbours, the survivor list it signed) live in ``secagg-round.json`` in the state dir,
+mode 0600, written atomically after every step and before the step's upload: a restart
+inside a round neither loses them (a later step loads them) nor makes the edge mask twice
+or sign a second survivor list (the step is recorded). The file is deleted once the unmask
+step is answered; the next round's advertise replaces any leftover. The adverts and the
+survivor list are signed with the edge's signing key (``signing.key``, bound to the edge id
+by the server at the edge's first join).
+
+Every request is the server's word; the edge holds it to the run config's secure-aggregation
+parameters (``SecAggPolicy``, from the config the server sent at join), not to the
+threshold or fixed point a round's request states.
 """
 
 from __future__ import annotations
@@ -20,11 +25,14 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from fedattn_shared.privacy.secagg import (
     ADVERTISE,
+    CONFIRM,
+    RECEIVE,
     SHARE,
     UNMASK,
     ClientRound,
     Quantizer,
     SecAggError,
+    SecAggPolicy,
     as_bytes,
     as_tensor,
     flatten_upload,
@@ -53,14 +61,34 @@ def _request(personal: Payload) -> tuple[dict, dict[str, bytes]]:
     if section is None:
         raise SecAggError("the task carries no secure-aggregation request")
     tensors = {k: as_bytes(t) for k, t in section.tensors.items()}
-    return json.loads(tensors.pop("info")), tensors
+    try:
+        info = json.loads(tensors.pop("info"))
+    except (KeyError, ValueError):
+        raise SecAggError("the secure-aggregation request carries no readable info") from None
+    if not isinstance(info, dict):
+        raise SecAggError("the secure-aggregation request's info is not an object")
+    return info, tensors
+
+
+def _marked(tensors: dict[str, bytes], prefix: str) -> dict[str, bytes]:
+    return {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
 
 
 class EdgeSecAgg:
-    def __init__(self, state_dir: Path, edge_id: str, signing_key: Ed25519PrivateKey):
+    def __init__(self, state_dir: Path, edge_id: str, signing_key: Ed25519PrivateKey,
+                 policy: SecAggPolicy | None = None):
         self.edge_id = edge_id
         self.signing_key = signing_key
         self.path = state_dir / ROUND_FILE
+        # From the run config at join (the daemon sets it); None: the run has no secure
+        # aggregation, and every step is refused.
+        self.policy = policy
+
+    def _policy(self) -> SecAggPolicy:
+        if self.policy is None:
+            raise SecAggError("the server's run config does not enable secure aggregation, yet "
+                              "it asks for a step of it")
+        return self.policy
 
     def _load(self, round_number: int, phase: str) -> ClientRound:
         if not self.path.exists():
@@ -80,7 +108,16 @@ class EdgeSecAgg:
 
     # ---- the protocol steps (their own phases) ---------------------------------------
     def step(self, name: str, round_number: int, personal: Payload) -> Payload:
+        """One step's upload; SecAggError (naming what is wrong) for a request this edge
+        refuses -- the daemon then sits the step out."""
+        try:
+            return self._step(name, round_number, personal)
+        except (KeyError, TypeError, AttributeError) as err:  # a malformed request
+            raise SecAggError(f"{name}: malformed request ({type(err).__name__}: {err})") from None
+
+    def _step(self, name: str, round_number: int, personal: Payload) -> Payload:
         step, phase = protocol_step(name)
+        policy = self._policy()
         if step == ADVERTISE:
             state = ClientRound.fresh(round_number, phase, self.edge_id)
             advert = state.advertise(self.signing_key)
@@ -95,14 +132,28 @@ class EdgeSecAgg:
                 edge, _, field = key.partition("/")
                 adverts.setdefault(edge, {})[field] = blob
             signing = {e: a.pop("sign_pk", b"") for e, a in adverts.items()}
-            shares = state.share(int(info["threshold"]), {k: int(v) for k, v in
-                                                          info["index"].items()},
-                                 adverts, signing)
+            index = info["index"]
+            if not isinstance(index, dict):
+                raise SecAggError("the server's share indices are not an object")
+            shares = state.share(int(info["threshold"]), dict(index), adverts, signing,
+                                 int(info["parties"]), policy)
             self._save(state)
             return Payload([Section(Kind.SECAGG, "shares",
                                     {k: as_tensor(v) for k, v in shares.items()})])
+        if step == RECEIVE:
+            reported = state.receive(tensors)
+            self._save(state)
+            for sender in reported:
+                log.warning("round %d %s: the shares from edge %s failed authentication; "
+                            "reporting it", round_number, phase, sender)
+            return Payload([Section(Kind.SECAGG, "receive",
+                                    {f"bad:{u}": as_tensor(b"\x01") for u in reported})])
+        if step == CONFIRM:
+            signature = state.confirm(info["survivors"], self.signing_key)
+            self._save(state)  # records the list: this edge signs no other this round
+            return Payload([Section(Kind.SECAGG, "confirm", {"sig": as_tensor(signature)})])
         if step == UNMASK:
-            revealed = state.unmask(info["alive"], info["dropped"], int(info["survivors"]))
+            revealed = state.unmask(info["survivors"], _marked(tensors, "sig:"))
             self.path.unlink(missing_ok=True)
             return Payload([Section(Kind.SECAGG, "reveal",
                                     {k: as_tensor(v) for k, v in revealed.items()})])
@@ -111,14 +162,23 @@ class EdgeSecAgg:
     # ---- the masked phase ------------------------------------------------------------
     def mask(self, round_number: int, phase: str, personal: Payload, upload: Payload,
              weight: float, method, models) -> Payload:
-        """Replace the method's upload by its masked vector (one SECAGG section)."""
+        """Replace the method's upload by its masked vector (one SECAGG section). The fixed
+        point is the run config's, for the parties the share step named."""
+        policy = self._policy()
         state = self._load(round_number, phase)
-        info, ciphertexts = _request(personal)
+        info, _ = _request(personal)
+        try:
+            stated = (float(info["clip"]), float(info["max_weight"]), int(info["parties"]))
+        except (KeyError, TypeError, ValueError):
+            raise SecAggError("malformed masking request") from None
+        if stated != (policy.clip, policy.max_weight, state.parties):
+            raise SecAggError(f"the masking request's fixed point (clip, max weight, parties) "
+                              f"{stated} differs from the run config's "
+                              f"{(policy.clip, policy.max_weight, state.parties)}")
+        quantizer = Quantizer(policy.clip, policy.max_weight, state.parties)
         specs = masked_phases(method, models)[phase]
-        quantizer = Quantizer(float(info["clip"]), float(info["max_weight"]),
-                              int(info["parties"]))
         values = flatten_upload(specs, upload)
-        y = state.mask(list(info["survivors"]), ciphertexts, values, weight, quantizer)
+        y = state.mask(info.get("survivors"), values, weight, quantizer)
         self._save(state)  # records "masked": this edge never masks this round again
         return Payload([Section(Kind.SECAGG, "masked",
                                 {"y": torch.from_numpy(y.view("<i4").copy())})])

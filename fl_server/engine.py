@@ -246,6 +246,8 @@ class Engine:
                   "params": method.describe_params()}
         if method.dp is not None:  # the resolved [dp] section: every edge calibrates from it
             config["dp"] = dataclasses.asdict(method.dp)
+        if self.secagg is not None:  # every edge holds each SecAgg round to these, not the round's word
+            config["secagg"] = self.secagg.policy.to_config()
         self.config_json = json.dumps(config, sort_keys=True)
 
     # ---- state ------------------------------------------------------------------------

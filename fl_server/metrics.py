@@ -8,7 +8,8 @@ label: it is the value of ``fedattn_round``.
 
 Privacy: ``fedattn_dp_epsilon{edge}`` is the epsilon each edge's DP-SGD ledger has spent
 (reported with its training result); secure aggregation's steps are phases of their own
-(``secagg-advertise:P``, ``secagg-share:P``, ``secagg-unmask:P``), so their timings are
+(``secagg-advertise:P``, ``secagg-share:P``, ``secagg-receive:P``, ``secagg-confirm:P``,
+``secagg-unmask:P``), so their timings are
 ``fedattn_phase_seconds{phase=~"secagg-.*"}`` and their timeouts and drops the per-phase
 series, and ``fedattn_wire_bytes_total{kind="secagg"}`` their traffic. The dashboard's
 Privacy row shows both.

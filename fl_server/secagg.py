@@ -1,11 +1,15 @@
 """Secure aggregation on the server: SecAgg+ as transport-layer phases of a round.
 
-Each phase whose uploads are summed ("masked phase", e.g. ``train``) becomes four:
-``secagg-advertise:P``, ``secagg-share:P``, ``P`` itself (the edges upload masked
-vectors) and ``secagg-unmask:P``, each with its own deadline. The engine asks this
-driver for the phases' schemas, personal downlinks and what to do with an upload; the
-method's aggregator receives only the unmasked weighted sum (``Aggregator.accept_sum``).
-Every protocol byte travels in SECAGG sections.
+Each phase whose uploads are summed ("masked phase", e.g. ``train``) becomes six:
+``secagg-advertise:P``, ``secagg-share:P``, ``secagg-receive:P`` (the edges check the
+shares addressed to them and report senders whose shares fail), ``P`` itself (the edges
+upload masked vectors), ``secagg-confirm:P`` (each signs the survivor list) and
+``secagg-unmask:P``, each with its own deadline. The engine asks this driver for the
+phases' schemas, personal downlinks and what to do with an upload; the method's
+aggregator receives only the unmasked weighted sum (``Aggregator.accept_sum``), and only
+once it passed the bounds every honest edge obeys. Every protocol byte travels in SECAGG
+sections. Anything an edge sends that the protocol cannot use ends that edge's part in the
+step or, when too little is left, the round's secure aggregation -- never the server.
 """
 
 from __future__ import annotations
@@ -25,11 +29,15 @@ from fedattn_shared.methods.base import Method, SectionSpec, TensorSpec
 from fedattn_shared.privacy.secagg import (
     ADVERTISE,
     CIPHERTEXT_BYTES,
+    CONFIRM,
+    RECEIVE,
     SHARE,
     SHARE_BYTES,
+    SIGNATURE_BYTES,
     UNMASK,
     Quantizer,
     SecAggError,
+    SecAggPolicy,
     ServerRound,
     as_bytes,
     as_tensor,
@@ -46,6 +54,7 @@ log = logging.getLogger("fl_server")
 
 ADVERT_FIELDS = {"c_pk": 32, "s_pk": 32, "commit": 32, "sig": 64, "sign_pk": 32}
 
+
 def json_tensor(obj: Any) -> torch.Tensor:
     return as_tensor(json.dumps(obj, sort_keys=True).encode())
 
@@ -59,10 +68,19 @@ def _bytes_spec(size: int, optional: bool = False) -> TensorSpec:
     return TensorSpec(torch.uint8, (size,), optional=optional)
 
 
+def run_policy(cfg: ServerConfig) -> SecAggPolicy:
+    """The parameters the run config carries to every edge (``Engine.config_json``), which
+    the edges hold each round's requests to."""
+    return SecAggPolicy(threshold=cfg.secagg_threshold, graph=cfg.secagg_graph,
+                        degree=cfg.secagg_degree, clip=cfg.secagg_clip,
+                        max_weight=cfg.secagg_max_weight)
+
+
 class SecAggDriver:
     def __init__(self, cfg: ServerConfig, method: Method, models: dict[str, nn.Module],
                  aggregator: Aggregator):
         self.cfg = cfg
+        self.policy = run_policy(cfg)
         self.aggregator = aggregator
         self.masked = masked_phases(method, models)  # ValueError names a refused section
         self.lengths = {p: vector_length(specs) for p, specs in self.masked.items()}
@@ -74,7 +92,8 @@ class SecAggDriver:
         out = []
         for phase in phases:
             if phase in self.masked:
-                out += [f"{ADVERTISE}:{phase}", f"{SHARE}:{phase}", phase, f"{UNMASK}:{phase}"]
+                out += [f"{step}:{phase}" for step in (ADVERTISE, SHARE, RECEIVE)]
+                out += [phase, *(f"{step}:{phase}" for step in (CONFIRM, UNMASK))]
             else:
                 out.append(phase)
         return out
@@ -120,10 +139,15 @@ class SecAggDriver:
         if step == SHARE:
             return [SectionSpec(Kind.SECAGG, "shares", {
                 e: _bytes_spec(CIPHERTEXT_BYTES, optional=True) for e in state.adverts})]
+        if step == RECEIVE:  # one (empty) marker per sender whose shares failed
+            return [SectionSpec(Kind.SECAGG, "receive", {
+                f"bad:{e}": _bytes_spec(1, optional=True) for e in state.sharers})]
+        if step == CONFIRM:
+            return [SectionSpec(Kind.SECAGG, "confirm", {"sig": _bytes_spec(SIGNATURE_BYTES)})]
         if step == UNMASK:
             return [SectionSpec(Kind.SECAGG, "reveal", {
                 f"{kind}:{e}": _bytes_spec(SHARE_BYTES, optional=True)
-                for e in state.sharers for kind in "bs"})]
+                for e in state.survivors for kind in "bs"})]
         return [SectionSpec(Kind.SECAGG, "masked",
                             {"y": TensorSpec(torch.int32, (state.length,))})]
 
@@ -135,13 +159,16 @@ class SecAggDriver:
             info, adverts = state.share_request(edge)
             return request(info, {f"{v}/{k}": blob for v, advert in adverts.items()
                                   for k, blob in advert.items()})
+        if step == RECEIVE:
+            return request({}, state.receive_request(edge))
+        if step == CONFIRM:
+            return request(state.confirm_request(edge))
         if step == UNMASK:
-            return request(state.unmask_request(edge))
-        survivors, ciphertexts = state.mask_request(edge)
+            info, signatures = state.unmask_request(edge)
+            return request(info, {f"sig:{v}": sig for v, sig in signatures.items()})
         quantizer = self.quantizer(name)
-        return request({"survivors": survivors, "parties": quantizer.parties,
-                        "clip": quantizer.clip, "max_weight": quantizer.max_weight},
-                       ciphertexts)
+        return request({"survivors": state.mask_request(edge), "parties": quantizer.parties,
+                        "clip": quantizer.clip, "max_weight": quantizer.max_weight})
 
     def quantizer(self, phase: str) -> Quantizer:
         if phase not in self.quantizers:
@@ -154,15 +181,25 @@ class SecAggDriver:
         """Raises ValueError (SecAggError) for a bad protocol message: the engine refuses
         it and drops the edge from the phase."""
         step, state = self._round(name)
+        if len(upload.sections) != 1:  # the engine checked the schema; this holds regardless
+            raise SecAggError(f"{name}: expected one SECAGG section, got {len(upload.sections)}")
         section = upload.sections[0]
-        if step == ADVERTISE:
-            state.accept_advert(edge, {k: as_bytes(t) for k, t in section.tensors.items()})
-        elif step == SHARE:
-            state.accept_shares(edge, {k: as_bytes(t) for k, t in section.tensors.items()})
-        elif step == UNMASK:
-            state.accept_reveal(edge, {k: as_bytes(t) for k, t in section.tensors.items()})
-        else:
-            state.accept_masked(edge, section.tensors["y"].numpy().view(np.uint32))
+        blobs = {k: as_bytes(t) for k, t in section.tensors.items()} if step != "masked" else {}
+        try:
+            if step == ADVERTISE:
+                state.accept_advert(edge, blobs)
+            elif step == SHARE:
+                state.accept_shares(edge, blobs)
+            elif step == RECEIVE:
+                state.accept_receive(edge, [k.removeprefix("bad:") for k in blobs])
+            elif step == CONFIRM:
+                state.accept_confirm(edge, blobs["sig"])
+            elif step == UNMASK:
+                state.accept_reveal(edge, blobs)
+            else:
+                state.accept_masked(edge, section.tensors["y"].numpy().view(np.uint32))
+        except KeyError as err:
+            raise SecAggError(f"{name}: the upload lacks {err}") from None
 
     def close(self, name: str) -> dict[str, Any]:
         """After each phase. Closing the unmask step unmasks the sum and hands it to the
@@ -178,9 +215,20 @@ class SecAggDriver:
         elif step == SHARE:
             state.close_share()
             figures = {"shared": len(state.sharers)}
+        elif step == RECEIVE:
+            state.close_receive()
+            reported = state.reported()
+            for sender, holders in reported.items():
+                log.warning("round %d %s: the shares of edge %s failed authentication at %s: "
+                            "it is dropped before masking", state.round, phase, sender,
+                            ", ".join(holders))
+            figures = {"survivors": len(state.survivors), "reported": reported}
         elif step == "masked":
             state.close_masked()
             figures = {"masked": len(state.masked)}
+        elif step == CONFIRM:
+            state.close_confirm()
+            figures = {"confirmed": len(state.confirmations)}
         else:
             figures = self._unmask(phase, state, aggregator)
             figures.update(aggregator.close_phase(phase))
@@ -194,19 +242,31 @@ class SecAggDriver:
         return out
 
     def _unmask(self, phase: str, state: ServerRound, aggregator: Aggregator) -> dict[str, Any]:
+        """Unmask, check the sum against the bounds every honest edge obeys, and hand it to
+        the aggregator; any failure aborts the phase's secure aggregation by name (the
+        aggregator closes with nothing, the global state stays as it was)."""
         started = time.perf_counter()
         try:
             total = state.unmask()
-        except SecAggError as err:
+            quantizer = self.quantizer(phase)
+            values, weight = quantizer.dequantize(total)
+            quantizer.check_sum(values, weight, len(state.masked))
+            aggregator.accept_sum(phase, unflatten_sum(self.masked[phase], values), weight,
+                                  len(state.masked))
+        except ValueError as err:  # SecAggError, or the aggregator refusing the sum
             log.warning("round %d %s: secure aggregation aborted: %s", state.round, phase, err)
-            return {"secagg-aborted": str(err)}
-        values, weight = self.quantizer(phase).dequantize(total)
-        aggregator.accept_sum(phase, unflatten_sum(self.masked[phase], values), weight,
-                              len(state.masked))
-        seconds = time.perf_counter() - started
-        log.info("round %d %s: unmasked the sum of %d edges (%d dropped after sharing) in "
-                 "%.3fs", state.round, phase, len(state.masked),
-                 len(state.sharers - state.masked), seconds)
-        return {"secagg-unmask": {"unmasked": len(state.masked),
-                                  "recovered_dropouts": len(state.sharers - state.masked),
-                                  "unmask_seconds": seconds}}
+            figures: dict[str, Any] = {"secagg-aborted": str(err)}
+        else:
+            seconds = time.perf_counter() - started
+            log.info("round %d %s: unmasked the sum of %d edges (%d dropped after masking "
+                     "began) in %.3fs", state.round, phase, len(state.masked),
+                     len(state.survivors - state.masked), seconds)
+            figures = {"secagg-unmask": {"unmasked": len(state.masked),
+                                         "recovered_dropouts": len(state.survivors - state.masked),
+                                         "unmask_seconds": seconds}}
+        if state.inconsistent:
+            log.warning("round %d %s: revealed shares of %s do not fit the others; set aside",
+                        state.round, phase, ", ".join(sorted(state.inconsistent)))
+            figures.setdefault("secagg-unmask", {})["inconsistent_reveals"] = sorted(
+                state.inconsistent)
+        return figures

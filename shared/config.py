@@ -168,8 +168,10 @@ class ServerConfig:
                               f"{self.secagg_graph!r}")
         if self.secagg_degree < 0:
             raise ConfigError(f"server.secagg_degree must be >= 0, got {self.secagg_degree}")
-        if not 0 < self.secagg_threshold < 1:
-            raise ConfigError(f"server.secagg_threshold must be in (0, 1), got "
+        # Edges refuse a threshold at or below half of the share holders (SecAggPolicy):
+        # below that, two disjoint groups of holders could each give the server t shares.
+        if not 0.5 <= self.secagg_threshold < 1:
+            raise ConfigError(f"server.secagg_threshold must be in [0.5, 1), got "
                               f"{self.secagg_threshold}")
         for name in ("secagg_clip", "secagg_max_weight", "secagg_timeout"):
             if not 0 < getattr(self, name) < math.inf:

@@ -273,7 +273,8 @@ def test_privacy_row_under_dp_sgd_and_secure_aggregation(cluster, tmp_path, prom
     # The SecAgg+ steps of the masked train phase are timed, and nobody dropped out.
     steps = api.query('fedattn_phase_seconds_count{job="fl-server",phase=~"secagg-.*"}')
     assert {s["metric"]["phase"] for s in steps} == {
-        "secagg-advertise:train", "secagg-share:train", "secagg-unmask:train"}
+        "secagg-advertise:train", "secagg-share:train", "secagg-receive:train",
+        "secagg-confirm:train", "secagg-unmask:train"}
     assert all(float(s["value"][1]) >= 3 for s in steps)
     dropped = api.query('sum(fedattn_edges_dropped_total{phase=~"secagg-.*"})')
     assert float(dropped[0]["value"][1]) == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 
 import numpy as np
 import pytest
@@ -21,11 +22,14 @@ from fedattn_shared.privacy.secagg import (
     ClientRound,
     Quantizer,
     SecAggError,
+    SecAggPolicy,
     ServerRound,
     auto_degree,
+    graph_degree,
     masked_phases,
     neighbour_graph,
     prg_words,
+    robust_combine,
     shamir_combine,
     shamir_split,
 )
@@ -34,6 +38,7 @@ from fl_edge.secagg import ROUND_FILE, EdgeSecAgg
 from fl_edge.store import load_or_create_signing_key
 from fl_server.cli import main as server_main
 from fl_server.registry import AuthError, EdgeRegistry
+from fl_server.secagg import SecAggDriver
 
 # ---- Shamir ------------------------------------------------------------------------------
 
@@ -145,12 +150,25 @@ def public(keys: dict[str, Ed25519PrivateKey]) -> dict[str, bytes]:
     return {e: k.public_key().public_bytes_raw() for e, k in keys.items()}
 
 
-def protocol(n=6, length=400, degree=-1, drop=None, tamper=None, seed=0):
-    """One masked phase with dropouts ``drop = {step: [edges]}``; returns the server's
-    unmasked (values, weight) and the expected pair over the survivors."""
-    drop = drop or {}
+def policy_for(degree: int, clip: float = 4.0, max_weight: float = 1000.0) -> SecAggPolicy:
+    """The run config an edge holds the in-process server to (degree -1: the full graph)."""
+    return SecAggPolicy(threshold=0.5, graph="full" if degree == -1 else "sparse",
+                        degree=max(degree, 0), clip=clip, max_weight=max_weight)
+
+
+def flip_last_bit(blob: bytes) -> bytes:
+    return blob[:-1] + bytes([blob[-1] ^ 1])
+
+
+def protocol(n=6, length=400, degree=-1, drop=None, garble=None, tamper=None, seed=0):
+    """One masked phase with dropouts ``drop = {step: [edges]}``, senders whose encrypted
+    shares are garbage ``garble = {sender: [holders]}`` and holders that flip a bit of
+    every share they reveal ``tamper = [holders]``; returns the server's unmasked (values,
+    weight), the expected pair over the survivors, the quantizer and the server."""
+    drop, garble, tamper = drop or {}, garble or {}, tamper or []
     ids = [f"e{i}" for i in range(n)]
     keys = {e: Ed25519PrivateKey.generate() for e in ids}
+    policy = policy_for(degree)
     server = ServerRound(1, "train", length + 1, degree, 0.5, public(keys), rng=random.Random(seed))
     clients = {e: ClientRound.fresh(1, "train", e) for e in ids}
     for e in ids:
@@ -160,34 +178,45 @@ def protocol(n=6, length=400, degree=-1, drop=None, tamper=None, seed=0):
     for e in sorted(server.adverts):
         if e not in drop.get("share", ()):
             info, adverts = server.share_request(e)
-            server.accept_shares(e, clients[e].share(info["threshold"], info["index"], adverts,
-                                                     server.signing_keys))
+            shares = clients[e].share(info["threshold"], info["index"], adverts,
+                                      server.signing_keys, info["parties"], policy)
+            for holder in garble.get(e, ()):
+                shares[holder] = os.urandom(CIPHERTEXT_BYTES)
+            server.accept_shares(e, shares)
     server.close_share()
-    quantizer = Quantizer(4.0, 1000.0, len(server.adverts))
+    quantizer = Quantizer(policy.clip, policy.max_weight, len(server.adverts))
     rng = np.random.default_rng(seed)
     xs = {e: rng.uniform(-1, 1, length) for e in ids}
     ws = {e: float(10 + i) for i, e in enumerate(ids)}
-    if not server.abort_reason:
-        for e in sorted(server.sharers):
-            if e not in drop.get("masked", ()):
-                survivors, ciphertexts = server.mask_request(e)
-                if tamper and tamper[0] == e:
-                    blob = bytearray(ciphertexts[tamper[1]])
-                    blob[20] ^= 1
-                    ciphertexts[tamper[1]] = bytes(blob)
-                server.accept_masked(e, clients[e].mask(survivors, ciphertexts, xs[e], ws[e],
-                                                        quantizer))
-        server.close_masked()
-    if not server.abort_reason:
-        for e in sorted(server.masked):
-            if e not in drop.get("unmask", ()):
-                r = server.unmask_request(e)
-                server.accept_reveal(e, clients[e].unmask(r["alive"], r["dropped"],
-                                                          r["survivors"]))
+    steps = [
+        ("receive", sorted(server.sharers), lambda e: server.accept_receive(
+            e, clients[e].receive(server.receive_request(e))), server.close_receive),
+        ("masked", lambda: sorted(server.survivors), lambda e: server.accept_masked(
+            e, clients[e].mask(server.mask_request(e), xs[e], ws[e], quantizer)),
+         server.close_masked),
+        ("confirm", lambda: sorted(server.masked), lambda e: server.accept_confirm(
+            e, clients[e].confirm(server.confirm_request(e)["survivors"], keys[e])),
+         server.close_confirm),
+        ("unmask", lambda: sorted(server.confirmations), lambda e: server.accept_reveal(
+            e, reveal(clients[e], server, e in tamper)), lambda: None),
+    ]
+    for step, participants, act, close in steps:
+        if server.abort_reason:
+            break
+        for e in participants if isinstance(participants, list) else participants():
+            if e not in drop.get(step, ()):
+                act(e)
+        close()
     total = server.unmask()
     values, weight = quantizer.dequantize(total)
     expected = sum(ws[e] * xs[e] for e in server.masked)
     return values, weight, expected, sum(ws[e] for e in server.masked), quantizer, server
+
+
+def reveal(client: ClientRound, server: ServerRound, tampered: bool = False) -> dict[str, bytes]:
+    info, signatures = server.unmask_request(client.edge)
+    revealed = client.unmask(info["survivors"], signatures)
+    return {k: flip_last_bit(v) for k, v in revealed.items()} if tampered else revealed
 
 
 def assert_exact(result):
@@ -196,7 +225,7 @@ def assert_exact(result):
     assert weight == pytest.approx(total_weight, abs=quantizer.parties / quantizer.weight_scale)
 
 
-@pytest.mark.parametrize("step", ["advertise", "share", "masked", "unmask"])
+@pytest.mark.parametrize("step", ["advertise", "share", "receive", "masked", "confirm", "unmask"])
 @pytest.mark.parametrize("dropped", [0, 1, 3])
 def test_full_graph_sum_is_exact_with_up_to_n_minus_t_dropouts_at_each_step(step, dropped):
     # n = 7, full graph: 7 holders, t = floor(7 / 2) + 1 = 4, so n - t = 3 may drop
@@ -206,7 +235,7 @@ def test_full_graph_sum_is_exact_with_up_to_n_minus_t_dropouts_at_each_step(step
     assert_exact(result)
 
 
-@pytest.mark.parametrize("step", ["share", "masked", "unmask"])
+@pytest.mark.parametrize("step", ["share", "receive", "masked", "confirm", "unmask"])
 def test_one_dropout_past_the_tolerance_aborts_without_unmasking(step):
     with pytest.raises(SecAggError, match="threshold"):
         protocol(n=7, drop={step: [f"e{i}" for i in range(4)]})
@@ -214,7 +243,7 @@ def test_one_dropout_past_the_tolerance_aborts_without_unmasking(step):
 
 def test_sparse_graph_survives_ten_percent_dropouts():
     # 40 edges, k = 2 ceil(1.5 log2 40) = 16: 17 holders per edge, t = 9
-    for seed, step in enumerate(["share", "masked", "unmask"]):
+    for seed, step in enumerate(["share", "receive", "masked", "confirm", "unmask"]):
         dropped = [f"e{i}" for i in random.Random(seed).sample(range(40), 4)]
         result = protocol(n=40, length=64, degree=0, drop={step: dropped}, seed=seed)
         assert result[-1].threshold == 9
@@ -222,14 +251,38 @@ def test_sparse_graph_survives_ten_percent_dropouts():
         assert_exact(result)
 
 
-def test_a_tampered_share_is_detected_by_its_receiver():
-    with pytest.raises(SecAggError, match="share from edge e1 failed authentication"):
-        protocol(n=4, tamper=("e0", "e1"))
+def test_graph_degree_is_what_neighbour_graph_draws():
+    """What an edge checks the server's graph against is exactly the graph's degree."""
+    for n in range(2, 30):
+        for k in range(0, n + 2):
+            graph = neighbour_graph([f"p{i}" for i in range(n)], k, random.Random(n * 31 + k))
+            assert {len(v) for v in graph.values()} == {graph_degree(n, k)}, (n, k)
 
 
-def test_a_tampered_revealed_share_is_detected_by_the_server():
-    ids = [f"e{i}" for i in range(4)]
+# ---- share authentication: a sender whose shares fail is dropped before masking ------------
+
+
+def test_garbage_shares_are_reported_and_their_sender_dropped_before_masking():
+    # full graph over 5 edges (t = 3): e1 sends every holder garbage
+    result = protocol(n=5, garble={"e1": ["e0", "e2", "e3", "e4"]})
+    server = result[-1]
+    assert server.reported() == {"e1": ["e0", "e2", "e3", "e4"]}
+    assert server.survivors == server.masked == {"e0", "e2", "e3", "e4"}
+    assert all("e1" not in server.mask_request(e) for e in server.survivors)  # its mask: not expected
+    assert_exact(result)  # the sum of the other four, exactly
+
+
+def test_garbage_to_one_holder_suffices_to_drop_the_sender():
+    result = protocol(n=5, garble={"e3": ["e4"]})
+    assert result[-1].reported() == {"e3": ["e4"]}
+    assert "e3" not in result[-1].masked
+    assert_exact(result)
+
+
+def test_a_reported_sender_cannot_mask_and_an_edge_never_masks_against_one():
+    ids = ["a", "b", "c", "d"]
     keys = {e: Ed25519PrivateKey.generate() for e in ids}
+    policy = policy_for(-1, clip=1.0, max_weight=1.0)
     server = ServerRound(1, "train", 9, -1, 0.5, public(keys))
     clients = {e: ClientRound.fresh(1, "train", e) for e in ids}
     for e in ids:
@@ -237,22 +290,68 @@ def test_a_tampered_revealed_share_is_detected_by_the_server():
     server.close_advertise()
     for e in ids:
         info, adverts = server.share_request(e)
-        server.accept_shares(e, clients[e].share(info["threshold"], info["index"], adverts,
-                                                 server.signing_keys))
+        shares = clients[e].share(info["threshold"], info["index"], adverts,
+                                  server.signing_keys, info["parties"], policy)
+        if e == "d":
+            shares["a"] = flip_last_bit(shares["a"])  # one tampered ciphertext
+        server.accept_shares(e, shares)
+    for e in ids:
+        server.accept_receive(e, clients[e].receive(server.receive_request(e)))
+    assert clients["a"].reported == ["d"] and "d" not in clients["a"].held
+    with pytest.raises(SecAggError, match="never sent"):
+        server.accept_receive("b", ["zz"])
+    server.close_receive()
+    assert server.survivors == {"a", "b", "c"}
     quantizer = Quantizer(1.0, 1.0, 4)
-    for e in ids:
-        survivors, cts = server.mask_request(e)
-        server.accept_masked(e, clients[e].mask(survivors, cts, np.zeros(8), 1.0, quantizer))
-    for e in ids:
-        r = server.unmask_request(e)
-        revealed = clients[e].unmask(r["alive"], r["dropped"], r["survivors"])
-        if e == "e2":
-            share = bytearray(revealed["b:e0"])
-            share[-1] ^= 1
-            revealed["b:e0"] = bytes(share)
-        server.accept_reveal(e, revealed)
-    with pytest.raises(SecAggError, match="e0"):
-        server.unmask()
+    with pytest.raises(SecAggError, match=r"edge d is not among the round's survivors \(its "
+                                          r"shares failed authentication at \['a'\]\)"):
+        server.accept_masked("d", clients["d"].mask(server.mask_request("d"), np.zeros(8), 1.0,
+                                                    quantizer))
+    # a server that still lists d as a survivor: a cannot mask against an edge it reported
+    with pytest.raises(SecAggError, match="does not hold"):
+        clients["a"].mask(["b", "c", "d"], np.zeros(8), 1.0, quantizer)
+
+
+# ---- inconsistent reveals: set aside, the holder named, the round goes on -----------------
+
+
+def test_robust_combine_finds_t_consistent_shares_and_names_the_others():
+    # f(x) = 42 + 5x + 7x^2 over GF(97): f(1..5) = 54, 80, 23, 77, 48
+    shares = {1: 54, 2: 80, 3: 23, 4: 77, 5: 48}
+    assert robust_combine(shares, 3, lambda s: s == 42, prime=97) == (42, set())
+    bad = {**shares, 1: 55, 4: 70}  # two wrong, three right: just enough
+    assert robust_combine(bad, 3, lambda s: s == 42, prime=97) == (42, {1, 4})
+    # three wrong: no three shares fit (in GF(97) a wrong subset hits 42 by chance 1 in 97,
+    # e.g. with 81 here; over GF(2^521 - 1) against a SHA-256 commitment, never)
+    with pytest.raises(SecAggError, match="fewer than 3 consistent"):
+        robust_combine({**bad, 2: 82}, 3, lambda s: s == 42, prime=97)
+    with pytest.raises(SecAggError, match="only 2 of the threshold 3"):
+        robust_combine({1: 54, 2: 80}, 3, lambda s: s == 42, prime=97)
+
+
+def test_a_tampered_revealed_share_is_set_aside_and_its_holder_named():
+    # four edges, t = 3: e2 flips a bit of every share it reveals; the other three suffice
+    result = protocol(n=4, tamper=["e2"])
+    assert result[-1].inconsistent == {"e2"}
+    assert_exact(result)
+
+
+def test_two_tampering_holders_with_a_dropout_are_still_outvoted():
+    # seven edges, t = 4: e6 drops after masking (its s_sk is rebuilt), e1 and e2 tamper;
+    # four honest shares of every secret remain
+    result = protocol(n=7, drop={"confirm": ["e6"]}, tamper=["e1", "e2"])
+    server = result[-1]
+    assert server.inconsistent == {"e1", "e2"} and "e6" in server.masked
+    assert_exact(result)
+    result = protocol(n=7, drop={"masked": ["e6"]}, tamper=["e1", "e2"])
+    assert result[-1].inconsistent == {"e1", "e2"}
+    assert "e6" in result[-1].survivors - result[-1].masked  # its s_sk was rebuilt
+    assert_exact(result)
+
+
+def test_fewer_than_t_honest_reveals_abort_the_round():
+    with pytest.raises(SecAggError, match="cannot be reconstructed.*nothing is unmasked"):
+        protocol(n=4, tamper=["e1", "e2"])  # 2 honest shares of each secret, t = 3
 
 
 def test_an_advert_signed_by_another_key_is_refused():
@@ -283,16 +382,19 @@ def test_t_minus_one_colluders_learn_nothing_of_a_masked_vector():
     server.close_advertise()
     t = server.threshold
     assert t == 4
+    policy = policy_for(-1, clip=1.0, max_weight=1.0)
     for e in ids:
         info, adverts = server.share_request(e)
         server.accept_shares(e, clients[e].share(info["threshold"], info["index"], adverts,
-                                                 server.signing_keys))
+                                                 server.signing_keys, info["parties"], policy))
+    for e in ids:
+        server.accept_receive(e, clients[e].receive(server.receive_request(e)))
+    server.close_receive()
     quantizer = Quantizer(1.0, 1.0, n)
     x = np.full(length, 0.25)  # a very structured input
     y = {}
     for e in ids:
-        survivors, cts = server.mask_request(e)
-        y[e] = clients[e].mask(survivors, cts, x, 1.0, quantizer)
+        y[e] = clients[e].mask(server.mask_request(e), x, 1.0, quantizer)
     q0 = quantizer.quantize(x, 1.0)
     assert chi_square_p(q0.tobytes()) < 1e-6          # the input itself is far from uniform
     assert chi_square_p(y["e0"].tobytes()) > 1e-6     # a single masked upload is uniform
@@ -319,16 +421,143 @@ def test_t_minus_one_colluders_learn_nothing_of_a_masked_vector():
     assert seed_from(ids[1:t + 1]).to_bytes(32, "big") == clients["e0"].seed
 
 
-def test_an_edge_never_reveals_both_shares_nor_unmasks_too_few():
-    result = protocol(n=4)
+# ---- against a malicious server: the run config, the consistency check ---------------------
+
+
+class MaliciousServerSetup:
+    """Five edges (full graph, t = 3) that have masked: the server's part is the test's."""
+
+    def __init__(self, n: int = 5):
+        self.ids = [f"e{i}" for i in range(n)]
+        self.keys = {e: Ed25519PrivateKey.generate() for e in self.ids}
+        self.server = ServerRound(1, "train", 9, -1, 0.5, public(self.keys))
+        self.clients = {e: ClientRound.fresh(1, "train", e) for e in self.ids}
+        self.policy = policy_for(-1, clip=1.0, max_weight=1.0)
+        for e in self.ids:
+            self.server.accept_advert(e, self.clients[e].advertise(self.keys[e]))
+        self.server.close_advertise()
+        for e in self.ids:
+            info, adverts = self.server.share_request(e)
+            self.server.accept_shares(e, self.clients[e].share(
+                info["threshold"], info["index"], adverts, self.server.signing_keys,
+                info["parties"], self.policy))
+        for e in self.ids:
+            self.server.accept_receive(e, self.clients[e].receive(self.server.receive_request(e)))
+        self.server.close_receive()
+        quantizer = Quantizer(1.0, 1.0, n)
+        for e in self.ids:
+            self.server.accept_masked(e, self.clients[e].mask(self.server.mask_request(e),
+                                                              np.zeros(8), 1.0, quantizer))
+
+    def signatures(self, signers: list[str], survivors: list[str]) -> dict[str, bytes]:
+        return {e: self.clients[e].confirm(survivors, self.keys[e]) for e in signers}
+
+
+def test_the_edge_holds_the_share_request_to_the_run_config():
+    client = ClientRound.fresh(1, "train", "e0")
+    others = {f"e{i}": ClientRound.fresh(1, "train", f"e{i}") for i in range(1, 5)}
+    keys = {e: Ed25519PrivateKey.generate() for e in others}
+    adverts = {e: {k: v for k, v in c.advertise(keys[e]).items() if k != "sign_pk"}
+               for e, c in others.items()}
+    signing = public(keys)
+    index = {f"e{i}": i + 1 for i in range(5)}
+    full = policy_for(-1)
+    # five holders: t must be at least 3, whatever the server asks
+    with pytest.raises(SecAggError, match=r"threshold 2 is not in \[3, 5\]"):
+        client.share(2, index, adverts, signing, 5, full)
+    # a run configured with threshold 0.7: t >= floor(3.5) + 1 = 4
+    with pytest.raises(SecAggError, match=r"threshold 3 is not in \[4, 5\]"):
+        client.share(3, index, adverts, signing, 5, SecAggPolicy(threshold=0.7, graph="full"))
+    # the full graph over 5 parties gives 4 neighbours, not 2 (a smaller group, lower t)
+    two = {e: adverts[e] for e in ("e1", "e2")}
+    with pytest.raises(SecAggError, match="gives this edge 2 neighbours; the run config "
+                                          "implies 4"):
+        client.share(2, {e: index[e] for e in ("e0", "e1", "e2")}, two, signing, 5, full)
+    assert client.step == "advertised"  # nothing was shared
+    assert len(client.share(3, index, adverts, signing, 5, full)) == 4
+
+
+def test_the_run_config_carries_a_policy_with_a_majority_floor():
+    assert SecAggPolicy.from_config(policy_for(0).to_config()) == policy_for(0)
+    with pytest.raises(ValueError, match=r"secagg.threshold must be in \[0.5, 1\)"):
+        SecAggPolicy.from_config({**policy_for(0).to_config(), "threshold": 0.3})
+    with pytest.raises(ValueError, match="secagg.clip"):
+        SecAggPolicy.from_config({**policy_for(0).to_config(), "clip": float("inf")})
+    with pytest.raises(ValueError, match="unknown fields"):
+        SecAggPolicy.from_config({**policy_for(0).to_config(), "t": 2})
+    with pytest.raises(ConfigError, match=r"secagg_threshold must be in \[0.5, 1\)"):
+        ServerConfig(secagg_threshold=0.4).validate()
+
+
+def test_too_few_signatures_of_the_survivor_list_refuse_the_unmask():
+    s = MaliciousServerSetup()
+    survivors = s.ids
+    for e in s.ids:
+        s.clients[e].confirm(survivors, s.keys[e])
+    only = s.signatures(["e1"], survivors)  # e0 itself + e1: 2 < t = 3
+    with pytest.raises(SecAggError, match="only 2 of this edge's share holders"):
+        s.clients["e0"].unmask(survivors, only)
+    forged = {**only, "e2": bytes(64), "e3": only["e1"]}  # garbage and a copied signature
+    with pytest.raises(SecAggError, match="only 2 of this edge's share holders"):
+        s.clients["e0"].unmask(survivors, forged)
+    assert s.clients["e0"].step == "confirmed"  # nothing revealed; honest signatures still do
+    revealed = s.clients["e0"].unmask(survivors, s.signatures(["e1", "e2"], survivors))
+    assert set(revealed) == {f"b:{e}" for e in s.ids}
+
+
+def test_signatures_over_another_survivor_list_do_not_count():
+    """The split view: the server tells e0, e1 and e4 that e4 is alive and e2, e3 that it
+    dropped, to get b_4 from some holders and s_sk_4 from others. e2 and e3 hold only
+    each other's signature of their list (2 < t = 3) and reveal nothing."""
+    s = MaliciousServerSetup()
+    alive, dropped = s.ids, [e for e in s.ids if e != "e4"]
+    for e in ("e0", "e1", "e4"):
+        s.clients[e].confirm(alive, s.keys[e])
+    for e in ("e2", "e3"):
+        s.clients[e].confirm(dropped, s.keys[e])
+    told_alive = s.signatures(["e0", "e1", "e4"], alive)
+    with pytest.raises(SecAggError, match="only 2 of this edge's share holders"):
+        s.clients["e2"].unmask(dropped, {**told_alive, "e3": s.clients["e3"].confirm(
+            dropped, s.keys["e3"])})
+    # nor does a list other than the one the edge signed, whoever signed it
+    with pytest.raises(SecAggError, match="differs from the one this edge signed"):
+        s.clients["e2"].unmask(alive, told_alive)
+    # and an edge signs one list per round
+    with pytest.raises(SecAggError, match="second, different survivor list"):
+        s.clients["e2"].confirm(alive, s.keys["e2"])
+    # the server refuses a signature that is not over U3 itself
+    s.server.close_masked()
+    with pytest.raises(SecAggError, match="signature of the survivor list is not valid"):
+        s.server.accept_confirm("e2", s.clients["e2"].confirm(dropped, s.keys["e2"]))
+
+
+def test_an_edge_never_reveals_s_of_a_peer_it_saw_alive_nor_its_own():
+    # dropouts after sharing and after masking: every reveal follows from U3 alone
+    result = protocol(n=7, drop={"masked": ["e5"], "confirm": ["e6"]})
     server = result[-1]
-    assert server.threshold == 3
-    client = ClientRound.fresh(1, "train", "x")
-    client.step, client.threshold, client.held = "masked", 3, {"a": ("00", "00")}
-    with pytest.raises(SecAggError, match="both shares"):
-        client.unmask(["a"], ["a"], 3)
-    with pytest.raises(SecAggError, match="refusing to unmask"):
-        client.unmask(["a"], [], 2)
+    assert server.survivors - server.masked == {"e5"}
+    for holder, revealed in server.reveals.items():
+        assert f"b:{holder}" in revealed and f"s:{holder}" not in revealed
+        s_of = {k[2:] for k in revealed if k.startswith("s:")}
+        b_of = {k[2:] for k in revealed if k.startswith("b:")}
+        assert s_of == {"e5"} and not s_of & b_of and b_of <= server.masked
+    # a server that leaves the edge itself out of U3 (to rebuild its s_sk) is refused
+    s = MaliciousServerSetup()
+    with pytest.raises(SecAggError, match="leaves out this edge"):
+        s.clients["e0"].confirm(["e1", "e2", "e3", "e4"], s.keys["e0"])
+    # and so is one that names a neighbour this edge never masked against
+    client = s.clients["e1"]
+    client.survivors = ["e0", "e2"]  # as if e3 and e4 had not been survivors when it masked
+    with pytest.raises(SecAggError, match="did not mask against"):
+        client.confirm(s.ids, s.keys["e1"])
+
+
+def test_too_few_survivors_are_refused_before_signing():
+    s = MaliciousServerSetup()
+    with pytest.raises(SecAggError, match="only 2 edges survived.*refusing to unmask"):
+        s.clients["e0"].confirm(["e0", "e1"], s.keys["e0"])
+    with pytest.raises(SecAggError, match="unmask asked in state masked"):
+        s.clients["e0"].unmask(s.ids, {})  # no reveal without signing first
 
 
 # ---- the edge's secrets on disk ---------------------------------------------------------
@@ -339,7 +568,13 @@ def test_round_secrets_survive_a_restart_in_0600_files_and_are_deleted_after_unm
     for e in ids:
         (tmp_path / e).mkdir()
     keys = {e: load_or_create_signing_key(tmp_path / e) for e in ids}
-    edges = {e: EdgeSecAgg(tmp_path / e, e, keys[e]) for e in ids}
+    policy = policy_for(-1, clip=8.0, max_weight=10.0)
+
+    def restart() -> dict[str, EdgeSecAgg]:  # every edge restarts between two steps
+        return {e: EdgeSecAgg(tmp_path / e, e, load_or_create_signing_key(tmp_path / e), policy)
+                for e in ids}
+
+    edges = restart()
     server = ServerRound(3, "train", 5, -1, 0.5, public(keys))
 
     def bytes_of(payload: Payload) -> dict[str, bytes]:
@@ -356,16 +591,20 @@ def test_round_secrets_survive_a_restart_in_0600_files_and_are_deleted_after_unm
         assert os.stat(tmp_path / e / ROUND_FILE).st_mode & 0o777 == 0o600
         assert os.stat(tmp_path / e / "signing.key").st_mode & 0o777 == 0o600
     server.close_advertise()
-    edges = {e: EdgeSecAgg(tmp_path / e, e, load_or_create_signing_key(tmp_path / e))
-             for e in ids}  # every edge restarts here
+    edges = restart()
     for e in ids:
         info, adverts = server.share_request(e)
         shares = edges[e].step("secagg-share:train", 3, request(info, {
             f"{v}/{k}": b for v, a in adverts.items() for k, b in a.items()}))
         assert all(t.numel() == CIPHERTEXT_BYTES for t in shares.sections[0].tensors.values())
         server.accept_shares(e, bytes_of(shares))
-    edges = {e: EdgeSecAgg(tmp_path / e, e, load_or_create_signing_key(tmp_path / e))
-             for e in ids}  # and again
+    edges = restart()
+    for e in ids:
+        checked = edges[e].step("secagg-receive:train", 3, request({}, server.receive_request(e)))
+        assert checked.sections[0].name == "receive" and not checked.sections[0].tensors
+        server.accept_receive(e, [])
+    server.close_receive()
+    edges = restart()
     method_cls = load_method("fedavg")
     method = method_cls(MethodContext(TrainConfig(model="lenet-bn"), method_cls.Params()))
     models = method.build_models()
@@ -374,24 +613,51 @@ def test_round_secrets_survive_a_restart_in_0600_files_and_are_deleted_after_unm
     quantizer_info = {"clip": 8.0, "max_weight": 10.0, "parties": 3}
     tensors = {name: torch.full(s.shape, 0.5) for name, s in spec[0].tensors.items()}
     server.length = sum(t.numel() for t in tensors.values()) + 1
+    upload = Payload([Section(Kind.SHARED_TENSORS, "", tensors)])
+    with pytest.raises(SecAggError, match="differs from the run config"):  # the server's word
+        edges["a"].mask(3, "train", request({"survivors": server.mask_request("a"),
+                                             **quantizer_info, "clip": 80.0}),
+                        upload, 2.0, method, models)
     for e in ids:
-        survivors, cts = server.mask_request(e)
-        masked = edges[e].mask(3, "train", request({"survivors": survivors, **quantizer_info},
-                                                   cts),
-                               Payload([Section(Kind.SHARED_TENSORS, "", tensors)]), 2.0,
-                               method, models)
+        mask_request = request({"survivors": server.mask_request(e), **quantizer_info})
+        masked = edges[e].mask(3, "train", mask_request, upload, 2.0, method, models)
         server.accept_masked(e, masked.sections[0].tensors["y"].numpy().view(np.uint32))
         with pytest.raises(SecAggError, match="masks once"):  # not even after a restart
-            EdgeSecAgg(tmp_path / e, e, keys[e]).mask(3, "train", request(
-                {"survivors": survivors, **quantizer_info}, cts),
-                Payload([Section(Kind.SHARED_TENSORS, "", tensors)]), 2.0, method, models)
+            EdgeSecAgg(tmp_path / e, e, keys[e], policy).mask(3, "train", mask_request, upload,
+                                                              2.0, method, models)
+    edges = restart()
     for e in ids:
-        r = server.unmask_request(e)
-        server.accept_reveal(e, bytes_of(edges[e].step("secagg-unmask:train", 3, request(r))))
+        confirm = request(server.confirm_request(e))
+        signature = bytes_of(edges[e].step("secagg-confirm:train", 3, confirm))
+        # asked again after a restart, it signs the same list again
+        assert bytes_of(restart()[e].step("secagg-confirm:train", 3, confirm)) == signature
+        server.accept_confirm(e, signature["sig"])
+    edges = restart()
+    for e in ids:
+        info, signatures = server.unmask_request(e)
+        server.accept_reveal(e, bytes_of(edges[e].step("secagg-unmask:train", 3, request(
+            info, {f"sig:{v}": sig for v, sig in signatures.items()}))))
         assert not (tmp_path / e / ROUND_FILE).exists()
     values, weight = Quantizer(8.0, 10.0, 3).dequantize(server.unmask())
     assert weight == pytest.approx(6.0, abs=1e-4)
     assert np.abs(values - 3.0).max() < 1e-4  # three edges x weight 2 x 0.5
+
+
+def test_an_edge_refuses_malformed_requests_by_name(tmp_path):
+    edge = EdgeSecAgg(tmp_path, "a", load_or_create_signing_key(tmp_path), policy_for(-1))
+    with pytest.raises(SecAggError, match="no secure-aggregation secrets on disk"):
+        edge.step("secagg-share:train", 1, Payload())
+    edge.step("secagg-advertise:train", 1, Payload())
+    from fl_server.secagg import request
+    garbage = Payload([Section(Kind.SECAGG, "request", {"info": torch.tensor([1, 2, 3],
+                                                                             dtype=torch.uint8)})])
+    with pytest.raises(SecAggError, match="no readable info"):
+        edge.step("secagg-share:train", 1, garbage)
+    with pytest.raises(SecAggError, match="malformed request"):
+        edge.step("secagg-share:train", 1, request({"threshold": 2}))
+    with pytest.raises(SecAggError, match="run config does not enable secure aggregation"):
+        EdgeSecAgg(tmp_path, "a", load_or_create_signing_key(tmp_path)).step(
+            "secagg-advertise:train", 1, Payload())
 
 
 def test_the_signing_key_binding_survives_a_server_restart():
@@ -461,3 +727,115 @@ def test_weighted_sum_methods_run_under_secagg(method_name):
     assert "train" in phases
     assert {(s.kind, s.name) for s in phases["train"]} == {
         (s.kind, s.name) for s in method.uplink_schema("train", models)}
+
+
+# ---- the driver: what reaches the aggregator --------------------------------------------
+
+
+class DrivenRounds:
+    """The server's SecAggDriver with EdgeSecAgg edges, in process: what the engine does
+    for each phase (requests, uploads, close) without gRPC. ``attack(name, edge, upload)``
+    may replace an edge's upload before the driver sees it."""
+
+    def __init__(self, tmp_path, n: int = 4):
+        self.ids = [f"e{i}" for i in range(n)]
+        cls = load_method("fedavg")
+        self.method = cls(MethodContext(TrainConfig(model="lenet-bn"), cls.Params()))
+        self.models = self.method.build_models()
+        self.aggregator = self.method.server(self.models)
+        cfg = ServerConfig(secagg=True, secagg_graph="full", secagg_clip=8.0,
+                           secagg_max_weight=1000.0)
+        self.driver = SecAggDriver(cfg, self.method, self.models, self.aggregator)
+        self.registry = EdgeRegistry()
+        self.edges = {}
+        policy = SecAggPolicy.from_config(self.driver.policy.to_config())  # the run config
+        for e in self.ids:
+            (tmp_path / e).mkdir()
+            key = load_or_create_signing_key(tmp_path / e)
+            self.registry.join(e, "s" * 32, {}, signing_key=key.public_key().public_bytes_raw())
+            self.edges[e] = EdgeSecAgg(tmp_path / e, e, key, policy)
+        spec = masked_phases(self.method, self.models)["train"][0]
+        self.values = {e: {name: torch.full(s.shape, 0.1 * (i + 1))
+                           for name, s in spec.tensors.items()} for i, e in enumerate(self.ids)}
+        self.weights = {e: 10.0 + i for i, e in enumerate(self.ids)}
+
+    def global_model(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.aggregator.state[(Kind.SHARED_TENSORS, "")].items()}
+
+    def run(self, round_number: int, attack=None) -> dict:
+        self.aggregator.begin_round(round_number, self.ids, len(self.ids))
+        self.driver.begin_round(round_number, self.registry)
+        participants, figures = list(self.ids), {}
+        for name in self.driver.expand(("train",)):
+            if self.driver.skip(name):
+                continue
+            received = []
+            for e in participants:
+                personal = self.driver.personal(e, name)
+                if name == "train":
+                    upload = self.edges[e].mask(round_number, "train", personal, Payload(
+                        [Section(Kind.SHARED_TENSORS, "", self.values[e])]), self.weights[e],
+                        self.method, self.models)
+                else:
+                    upload = self.edges[e].step(name, round_number, personal)
+                if attack is not None:
+                    upload = attack(name, e, upload)
+                try:
+                    self.driver.accept(name, e, upload)
+                except ValueError:
+                    continue  # the engine refuses the upload and drops the edge from the phase
+                received.append(e)
+            figures.update(self.driver.close(name))
+            participants = received
+        return figures
+
+
+def add_to_masked_word(edge: str, word: int, amount: int):
+    """An edge that adds ``amount`` to one word of its masked vector (-1: the weight)."""
+    def attack(name, e, upload):
+        if name != "train" or e != edge:
+            return upload
+        y = upload.sections[0].tensors["y"].clone()
+        y.view(-1)[word] = int((int(y.view(-1)[word]) + amount + 2**31) % 2**32 - 2**31)
+        return Payload([Section(Kind.SECAGG, "masked", {"y": y})])
+    return attack
+
+
+@pytest.mark.parametrize("word, amount, reason", [
+    (-1, 2**31, "total weight .* is outside"),       # the summed weight wraps negative
+    (-1, 3 * 2**30, "total weight .* is outside"),   # 2^30 subtracted: below zero
+    (5, 2**30, "beyond the clip range"),             # one value far outside the clip
+])
+def test_a_tampered_masked_vector_aborts_the_round_by_name_and_the_next_one_runs(
+        tmp_path, word, amount, reason):
+    rounds = DrivenRounds(tmp_path)
+    before = rounds.global_model()
+    figures = rounds.run(1, attack=add_to_masked_word("e3", word, amount))
+    assert re.search(reason, figures["secagg-aborted"])
+    assert "nothing is aggregated" in figures["secagg-aborted"]
+    assert figures["aggregated"] == 0
+    after = rounds.global_model()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the global is untouched
+    figures = rounds.run(2)  # the honest round after it aggregates
+    assert "secagg-aborted" not in figures and figures["aggregated"] == 4
+    total = sum(rounds.weights.values())
+    expected = sum(rounds.weights[e] * 0.1 * (i + 1) for i, e in enumerate(rounds.ids)) / total
+    after = rounds.global_model()
+    assert all(torch.allclose(t, torch.full_like(t, expected), atol=1e-4) for t in after.values())
+
+
+def test_the_unmasked_sum_check_admits_every_honest_extreme():
+    q = Quantizer(clip=2.0, max_weight=100.0, parties=10)
+    xs = [np.full(50, 2.0)] * 3 + [np.full(50, -2.0)] * 3  # every value and weight at its bound
+    total = sum(q.quantize(x, 100.0).astype(np.uint64) for x in xs) % 2**32
+    values, weight = q.dequantize(total.astype(np.uint32))
+    q.check_sum(values, weight, 6)
+    plus = sum(q.quantize(x, 100.0).astype(np.uint64) for x in xs[:3]) % 2**32
+    values, weight = q.dequantize(plus.astype(np.uint32))
+    q.check_sum(values, weight, 3)  # the mean is exactly the clip
+    with pytest.raises(SecAggError, match="secagg_max_weight x 2 edges"):
+        q.check_sum(values, weight, 2)  # 3 edges' weight claimed by 2
+    with pytest.raises(SecAggError, match="clip range"):
+        q.check_sum(values * 1.01, weight, 3)
+    with pytest.raises(SecAggError, match="outside"):
+        q.check_sum(values, -1.0, 3)

@@ -156,14 +156,16 @@ def test_secure_round_sums_exactly_and_the_server_sees_only_masked_vectors(tmp_p
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("phase", ["secagg-advertise:train", "secagg-share:train", "train",
+@pytest.mark.parametrize("phase", ["secagg-advertise:train", "secagg-share:train",
+                                   "secagg-receive:train", "train", "secagg-confirm:train",
                                    "secagg-unmask:train"])
 def test_one_dropout_at_each_phase_keeps_the_sum_exact(tmp_path, phase):
     engine, _, plain, _, outcome = run_secure(tmp_path, edges=4, drops={1: phase},
                                               secagg_graph="full")
     assert outcome["e1"] == "dropped"
     # an edge gone before its masked input is not in the sum; one gone after it still is
-    survivors = ["e0", "e1", "e2", "e3"] if phase == "secagg-unmask:train" else ["e0", "e2", "e3"]
+    after = phase in ("secagg-confirm:train", "secagg-unmask:train")
+    survivors = ["e0", "e1", "e2", "e3"] if after else ["e0", "e2", "e3"]
     assert_exact(engine, plain, survivors)
 
 

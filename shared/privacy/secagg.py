@@ -1,24 +1,41 @@
-"""SecAgg+ (Bell et al., CCS 2020): secure aggregation that survives dropouts.
+"""SecAgg+ (Bell et al., CCS 2020): secure aggregation that survives dropouts, with the
+consistency check of Bonawitz et al. (CCS 2017) against an actively malicious server.
 
 The server learns the sum over the round's surviving edges of each edge's quantized,
-weighted vector and nothing else about any single one. One masked phase runs four steps:
+weighted vector and nothing else about any single one. One masked phase runs six steps:
 
 1. advertise -- each edge u makes two X25519 key pairs (c: encryption of shares, s: mask
    agreement) and a 256-bit self-mask seed b_u, and uploads c_pk, s_pk and a commitment
    to b_u, signed with its Ed25519 identity key (bound to its edge id on the server).
 2. share -- the server draws the neighbour graph over the advertisers U1 (SecAgg+'s
    random k-regular Harary graph, or the full graph) and relays each edge its neighbours'
-   signed adverts; u verifies them, Shamir-shares b_u and s_sk_u (threshold t) among its
-   neighbours and itself, and uploads each neighbour's pair of shares AES-GCM-encrypted
-   under a key that only u and that neighbour can derive (X25519 + HKDF).
-3. masked input -- the server relays each edge the ciphertexts addressed to it and the
-   list U2 of neighbours that shared; u uploads
+   signed adverts; u checks the graph's degree and the threshold t against the run config
+   it got at join (``SecAggPolicy``; never below a majority of its holders), verifies the
+   adverts, Shamir-shares b_u and s_sk_u (threshold t) among its neighbours and itself, and
+   uploads each neighbour's pair of shares AES-GCM-encrypted under a key that only u and
+   that neighbour can derive (X25519 + HKDF).
+3. receive -- the server relays each edge the ciphertexts addressed to it; the edge keeps
+   the shares that authenticate and reports the senders whose shares do not. A reported
+   sender is dropped before masking: U2 is the edges that shared, answered this step and
+   were reported by nobody, so no edge masks against it and its shares are never asked for.
+4. masked input -- u uploads
    y_u = q_u + PRG(b_u) + sum_{v in N(u) & U2} sign(u, v) PRG(s_uv)  (mod 2^32),
-   q_u its fixed-point vector; the pairwise terms cancel in the sum.
-4. unmask -- for each neighbour in U3 (those whose masked input arrived) an edge reveals
-   its share of b, for each in U2 \\ U3 its share of s_sk, never both for one edge; with t
-   shares of each the server removes every self mask and the pairwise masks that dropped
-   edges left behind, and learns sum_u q_u.
+   q_u its fixed-point vector; the pairwise terms cancel in the sum. U3: the inputs that
+   arrived.
+5. confirm -- the server sends every edge of U3 the list U3; each signs (round, phase, its
+   s_pk, sorted U3) with its identity key, once: it never signs another list that round.
+6. unmask -- the server relays each edge U3 and its neighbours' signatures; the edge
+   reveals nothing unless U3 is the list it signed and at least t holders of its shares
+   (itself and its neighbours) signed that same list. It then derives what to reveal from
+   U3 itself: its share of b for each neighbour in U3 and for itself, of s_sk for each
+   neighbour in U2 \\ U3 -- never s_sk of an edge it saw alive, never its own. With t shares
+   of each the server removes every self mask and the pairwise masks that dropped edges
+   left behind. A revealed share that does not lie on the polynomial through t others whose
+   secret matches the edge's signed commitment (b) or public key (s_sk) is set aside and
+   its holder named; the round aborts only when fewer than t consistent shares remain.
+   Before the sum reaches the aggregator, the server checks it against the bounds every
+   honest edge obeys (``Quantizer.check_sum``): an edge can add anything to its masked
+   vector, and the check refuses a sum that no honest edges could have produced.
 
 Masks come from AES-256-CTR keystreams keyed by the full 256-bit seed (never a
 general-purpose RNG). Shamir's scheme is written here over GF(2^521 - 1); the field
@@ -29,11 +46,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import math
 import random
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -66,14 +84,20 @@ RING_BITS = 32
 LIMIT = 2**31 - 1           # |sum of quantized values| must stay below this
 
 
-ADVERTISE, SHARE, UNMASK = "secagg-advertise", "secagg-share", "secagg-unmask"
+MIN_THRESHOLD_FRACTION = 0.5  # the edges' own floor: t > half of an edge's share holders
+MAX_SUBSETS = 20_000        # t-subsets the server tries per secret before it gives up
+
+ADVERTISE, SHARE, RECEIVE = "secagg-advertise", "secagg-share", "secagg-receive"
+CONFIRM, UNMASK = "secagg-confirm", "secagg-unmask"
+BEFORE_MASKING = (ADVERTISE, SHARE, RECEIVE)   # the protocol's steps before the masked phase
+AFTER_MASKING = (CONFIRM, UNMASK)              # and after it
 
 
 def protocol_step(name: str) -> tuple[str, str] | None:
     """("secagg-share", "train") for the phase "secagg-share:train"; None for any phase
     that is not a step of the protocol."""
     step, sep, masked = name.partition(":")
-    return (step, masked) if sep and step in (ADVERTISE, SHARE, UNMASK) else None
+    return (step, masked) if sep and step in BEFORE_MASKING + AFTER_MASKING else None
 
 
 def as_bytes(tensor: torch.Tensor) -> bytes:
@@ -111,18 +135,73 @@ def shamir_split(secret: int, threshold: int, xs: list[int], prime: int = PRIME)
 
 def shamir_combine(shares: Mapping[int, int], prime: int = PRIME) -> int:
     """f(0) by Lagrange interpolation through the given points."""
-    points = list(shares.items())
-    if not points:
+    return interpolator(shares, prime)(0)
+
+
+def lagrange_at(shares: Mapping[int, int], x: int, prime: int = PRIME) -> int:
+    """f(x) for the polynomial of least degree through the given points."""
+    return interpolator(shares, prime)(x)
+
+
+def interpolator(shares: Mapping[int, int], prime: int = PRIME) -> Callable[[int], int]:
+    """x -> f(x) for the polynomial of least degree through the given points: the t
+    inverses of the Lagrange denominators once, then O(t) per point (prefix and suffix
+    products of x - x_j), since the server checks every further share against f."""
+    xs = list(shares)
+    if not xs:
         raise ValueError("no shares to combine")
-    secret = 0
-    for i, (xi, yi) in enumerate(points):
-        numerator, denominator = 1, 1
-        for j, (xj, _) in enumerate(points):
+    weights = []
+    for i, xi in enumerate(xs):
+        denominator = 1
+        for j, xj in enumerate(xs):
             if i != j:
-                numerator = numerator * (-xj) % prime
                 denominator = denominator * (xi - xj) % prime
-        secret = (secret + yi * numerator * pow(denominator, -1, prime)) % prime
-    return secret
+        weights.append(shares[xi] * pow(denominator, -1, prime) % prime)
+
+    def at(x: int) -> int:
+        diffs = [(x - xj) % prime for xj in xs]
+        suffix = [1] * (len(xs) + 1)
+        for i in range(len(xs) - 1, -1, -1):
+            suffix[i] = suffix[i + 1] * diffs[i] % prime
+        value, prefix = 0, 1
+        for i, weight in enumerate(weights):
+            value = (value + weight * prefix % prime * suffix[i + 1]) % prime
+            prefix = prefix * diffs[i] % prime
+        return value
+
+    return at
+
+
+def robust_combine(shares: Mapping[int, int], threshold: int, valid: Callable[[int], bool],
+                   max_subsets: int = MAX_SUBSETS, prime: int = PRIME) -> tuple[int, set[int]]:
+    """The secret of t = ``threshold`` of the shares that passes ``valid`` (the check against
+    what its owner published: a commitment, a public key), and the points of the other
+    shares that do not lie on the polynomial those t fix (tampered, or dealt wrong).
+
+    Any t shares fix a polynomial; a set with a wrong share gives a secret that fails
+    ``valid`` unless its author knew the secret and the other shares. Subsets are tried in
+    the given order, dropping as few of the first points as possible: with e wrong shares
+    among the first t + e, at most C(t + e - 1, e) tries per extra point. Raises
+    SecAggError when no subset passes, i.e. fewer than t consistent shares arrived."""
+    xs = list(shares)
+    if len(xs) < threshold:
+        raise SecAggError(f"only {len(xs)} of the threshold {threshold} shares arrived")
+    tried = 0
+    for extra in range(len(xs) - threshold + 1):
+        pool = xs[:threshold + extra]
+        # a subset without the pool's last point was already tried with one point fewer
+        for left_out in itertools.combinations(pool[:-1], extra):
+            tried += 1
+            if tried > max_subsets:
+                raise SecAggError(f"no {threshold} of the {len(xs)} shares fit together within "
+                                  f"{max_subsets} tries (too many inconsistent shares)")
+            chosen = {x: shares[x] for x in pool if x not in left_out}
+            f = interpolator(chosen, prime)
+            secret = f(0)
+            if valid(secret):
+                return secret, {x for x in xs if x not in chosen and f(x) != shares[x]}
+    raise SecAggError(f"no {threshold} of the {len(xs)} shares give the published secret: "
+                      f"fewer than {threshold} consistent shares")
 
 
 def int_to_share(value: int) -> bytes:
@@ -207,6 +286,23 @@ def verify_advert(round_number: int, phase: str, edge: str, advert: Mapping[str,
                           "identity key") from None
 
 
+def survivors_message(round_number: int, phase: str, signer: str, s_pk: bytes,
+                      survivors: list[str]) -> bytes:
+    """What an edge signs in the confirm step: the survivor list U3 it was told, bound to
+    the round, the phase, the signer and the signer's mask key of this very round (fresh
+    per round, so a signature from an earlier run of the same round number never counts)."""
+    return (f"fedattn-secagg/survivors|{round_number}|{phase}|{signer}|".encode() + s_pk
+            + json.dumps(sorted(survivors)).encode())
+
+
+def signed_by(signing_key: bytes, signature: bytes, message: bytes) -> bool:
+    try:
+        Ed25519PublicKey.from_public_bytes(signing_key).verify(signature, message)
+    except (InvalidSignature, ValueError):
+        return False
+    return True
+
+
 # ---- fixed-point quantization into Z_2^32 --------------------------------------------------
 @dataclass(frozen=True)
 class Quantizer:
@@ -250,6 +346,27 @@ class Quantizer:
         signed = total.view(np.int32).astype(np.float64)
         return signed[:-1] / self.scale, float(signed[-1]) / self.weight_scale
 
+    def check_sum(self, values: np.ndarray, weight: float, count: int) -> None:
+        """The server's check of an unmasked sum over ``count`` edges: 0 < W <= count x
+        max_weight and |mean| <= clip, each up to the rounding of ``count`` summands. Every
+        honest edge checks its own upload before masking, but nothing stops an edge from
+        adding to its masked vector (its weight coordinate above all); a sum outside these
+        bounds is not one honest edges produced, and is refused rather than averaged."""
+        if count < 1:
+            raise SecAggError("an unmasked sum of no edges")
+        weight_bound = count * self.max_weight + count / self.weight_scale
+        if not (math.isfinite(weight) and 0 < weight <= weight_bound):
+            raise SecAggError(f"the unmasked total weight {weight:.6g} is outside (0, {count} x "
+                              f"{self.max_weight:g}] (server.secagg_max_weight x {count} edges): "
+                              "an edge tampered with its masked weight; nothing is aggregated")
+        if values.size:
+            peak = float(np.max(np.abs(values))) / weight
+            bound = self.clip * (1 + 1e-9) + count / (self.scale * weight)
+            if not (math.isfinite(peak) and peak <= bound):
+                raise SecAggError(f"the unmasked mean reaches |{peak:.6g}|, beyond the clip range "
+                                  f"{self.clip:g} (server.secagg_clip): an edge tampered with its "
+                                  "masked values; nothing is aggregated")
+
 
 # ---- the neighbour graph ---------------------------------------------------------------------
 def auto_degree(parties: int) -> int:
@@ -281,15 +398,88 @@ def holder_threshold(holders: int, fraction: float) -> int:
     return max(2, math.floor(fraction * holders) + 1)
 
 
+def graph_degree(parties: int, degree: int) -> int:
+    """Neighbours of every party in ``neighbour_graph(parties, degree)``: the Harary graph
+    joins each party to the ceil(k/2) nearest on either side, so it is regular."""
+    if parties < 2:
+        return 0
+    if degree <= 0 or degree >= parties - 1:
+        return parties - 1
+    return min(2 * ((degree + 1) // 2), parties - 1)
+
+
+@dataclass(frozen=True)
+class SecAggPolicy:
+    """The secure-aggregation parameters of a run, as the server's run config sent at join
+    states them. An edge holds each round's requests to them (the neighbour count for the
+    number of parties, the threshold t, the fixed point) instead of trusting what the
+    server says per round, and never accepts t at or below half of its share holders
+    (``MIN_THRESHOLD_FRACTION``), whatever the config says: below that, two disjoint
+    groups of holders could each hand the server t shares."""
+
+    threshold: float = MIN_THRESHOLD_FRACTION
+    graph: str = "sparse"
+    degree: int = 0
+    clip: float = 16.0
+    max_weight: float = 65536.0
+
+    @classmethod
+    def from_config(cls, section: Any) -> SecAggPolicy:
+        """From the config's ``secagg`` object; ValueError names a field out of range."""
+        if not isinstance(section, Mapping):
+            raise ValueError("secagg: expected an object")
+        extra = set(section) - {"threshold", "graph", "degree", "clip", "max_weight"}
+        if extra:
+            raise ValueError(f"secagg: unknown fields {sorted(extra)}")
+        policy = cls(**section)
+        if not (isinstance(policy.threshold, float | int) and not isinstance(policy.threshold, bool)
+                and MIN_THRESHOLD_FRACTION <= policy.threshold < 1):
+            raise ValueError(f"secagg.threshold must be in [{MIN_THRESHOLD_FRACTION}, 1), got "
+                             f"{policy.threshold!r}")
+        if policy.graph not in ("sparse", "full"):
+            raise ValueError(f"secagg.graph must be sparse or full, got {policy.graph!r}")
+        if not (type(policy.degree) is int and policy.degree >= 0):
+            raise ValueError(f"secagg.degree must be an integer >= 0, got {policy.degree!r}")
+        for name in ("clip", "max_weight"):
+            value = getattr(policy, name)
+            if not (isinstance(value, float | int) and not isinstance(value, bool)
+                    and 0 < value < math.inf):
+                raise ValueError(f"secagg.{name} must be > 0 and finite, got {value!r}")
+        return policy
+
+    def to_config(self) -> dict[str, Any]:
+        return {"threshold": self.threshold, "graph": self.graph, "degree": self.degree,
+                "clip": self.clip, "max_weight": self.max_weight}
+
+    def neighbours(self, parties: int) -> int:
+        """An edge's neighbours when ``parties`` edges advertised keys."""
+        degree = -1 if self.graph == "full" else (self.degree or auto_degree(parties))
+        return graph_degree(parties, degree)
+
+    def min_threshold(self, holders: int) -> int:
+        """The least t an edge accepts for ``holders`` share holders."""
+        return holder_threshold(holders, max(self.threshold, MIN_THRESHOLD_FRACTION))
+
+
 # ---- the edge ---------------------------------------------------------------------------------
 def _hex(data: bytes) -> str:
     return data.hex()
 
 
+def _edge_ids(value: Any, what: str) -> list[str]:
+    """A list of edge ids from a server request (every byte of it is the server's)."""
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise SecAggError(f"the server's {what} is not a list of edge ids")
+    if len(set(value)) != len(value):
+        raise SecAggError(f"the server's {what} names an edge twice")
+    return value
+
+
 @dataclass
 class ClientRound:
     """An edge's secrets for one masked phase; ``to_json`` is what it keeps on disk (0600)
-    between the protocol's phases, so a restart inside a round loses nothing."""
+    between the protocol's phases, so a restart inside a round loses nothing and never
+    makes the edge mask twice or sign two survivor lists."""
 
     round: int
     phase: str
@@ -297,14 +487,17 @@ class ClientRound:
     c_sk: bytes
     s_sk: bytes
     seed: bytes
-    step: str = "advertised"           # advertised | shared | masked | done
+    step: str = "advertised"    # advertised | shared | received | masked | confirmed | done
     threshold: int = 0
+    parties: int = 0
     index: dict[str, int] = field(default_factory=dict)
     neighbours: list[str] = field(default_factory=list)
     adverts: dict[str, dict[str, str]] = field(default_factory=dict)  # neighbour -> hex keys
     own_shares: tuple[str, str] = ("", "")
     held: dict[str, tuple[str, str]] = field(default_factory=dict)     # from -> (b, s) hex
-    survivors: list[str] = field(default_factory=list)                # U2 neighbours
+    reported: list[str] = field(default_factory=list)   # senders whose shares failed
+    survivors: list[str] = field(default_factory=list)  # U2 neighbours, masked against
+    confirmed: list[str] = field(default_factory=list)  # the U3 this edge signed
 
     @classmethod
     def fresh(cls, round_number: int, phase: str, edge: str) -> ClientRound:
@@ -314,18 +507,24 @@ class ClientRound:
     def to_json(self) -> dict[str, Any]:
         return {"round": self.round, "phase": self.phase, "edge": self.edge,
                 "c_sk": _hex(self.c_sk), "s_sk": _hex(self.s_sk), "seed": _hex(self.seed),
-                "step": self.step, "threshold": self.threshold, "index": self.index,
-                "neighbours": self.neighbours, "adverts": self.adverts,
+                "step": self.step, "threshold": self.threshold, "parties": self.parties,
+                "index": self.index, "neighbours": self.neighbours, "adverts": self.adverts,
                 "own_shares": list(self.own_shares),
-                "held": {k: list(v) for k, v in self.held.items()}, "survivors": self.survivors}
+                "held": {k: list(v) for k, v in self.held.items()}, "reported": self.reported,
+                "survivors": self.survivors, "confirmed": self.confirmed}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ClientRound:
         return cls(int(data["round"]), data["phase"], data["edge"], bytes.fromhex(data["c_sk"]),
                    bytes.fromhex(data["s_sk"]), bytes.fromhex(data["seed"]), data["step"],
-                   int(data["threshold"]), dict(data["index"]), list(data["neighbours"]),
-                   dict(data["adverts"]), tuple(data["own_shares"]),
-                   {k: tuple(v) for k, v in data["held"].items()}, list(data["survivors"]))
+                   int(data["threshold"]), int(data["parties"]), dict(data["index"]),
+                   list(data["neighbours"]), dict(data["adverts"]), tuple(data["own_shares"]),
+                   {k: tuple(v) for k, v in data["held"].items()}, list(data["reported"]),
+                   list(data["survivors"]), list(data["confirmed"]))
+
+    def _expect(self, *steps: str, asked: str) -> None:
+        if self.step not in steps:
+            raise SecAggError(f"{asked} asked in state {self.step}")
 
     # ---- step 1 ----------------------------------------------------------------------
     def advertise(self, signing_key: Ed25519PrivateKey) -> dict[str, bytes]:
@@ -339,15 +538,24 @@ class ClientRound:
 
     # ---- step 2 ----------------------------------------------------------------------
     def share(self, threshold: int, index: dict[str, int], adverts: dict[str, dict[str, bytes]],
-              signing_keys: dict[str, bytes]) -> dict[str, bytes]:
-        """Verify the neighbours' signed adverts, then encrypt each neighbour its shares."""
-        if self.step != "advertised":
-            raise SecAggError(f"share step asked twice (state {self.step})")
+              signing_keys: dict[str, bytes], parties: int, policy: SecAggPolicy) -> dict[str, bytes]:
+        """Check the graph and t against the run's ``policy`` (not the server's word), verify
+        the neighbours' signed adverts, then encrypt each neighbour its shares."""
+        self._expect("advertised", asked="share step")
         if self.edge not in index or set(adverts) - set(index) or self.edge in adverts:
             raise SecAggError("the server's share request is inconsistent")
+        if any(type(x) is not int or not 0 < x < PRIME for x in index.values()) \
+                or len(set(index.values())) != len(index):
+            raise SecAggError("the server's share indices are not distinct field points")
+        if len(adverts) != policy.neighbours(parties):
+            raise SecAggError(f"the server gives this edge {len(adverts)} neighbours; the run "
+                              f"config implies {policy.neighbours(parties)} for {parties} edges")
         holders = [self.edge, *sorted(adverts)]
-        if not 2 <= threshold <= len(holders):
-            raise SecAggError(f"threshold {threshold} is not in [2, {len(holders)}]")
+        floor = policy.min_threshold(len(holders))
+        if not floor <= threshold <= len(holders):
+            raise SecAggError(f"threshold {threshold} is not in [{floor}, {len(holders)}] for "
+                              f"{len(holders)} holders (the run config's "
+                              f"secagg.threshold {policy.threshold}, at least a majority)")
         for v, advert in adverts.items():
             verify_advert(self.round, self.phase, v, advert, signing_keys[v])
         xs = [index[h] for h in holders]
@@ -361,9 +569,10 @@ class ClientRound:
             nonce = secrets.token_bytes(NONCE_BYTES)
             plain = int_to_share(b_shares[index[v]]) + int_to_share(s_shares[index[v]])
             out[v] = nonce + AESGCM(key).encrypt(nonce, plain, self._aad(self.edge, v))
-        self.threshold, self.index = threshold, dict(index)
+        self.threshold, self.parties, self.index = threshold, parties, dict(index)
         self.neighbours = holders[1:]
-        self.adverts = {v: {k: a[k].hex() for k in ("c_pk", "s_pk")} for v, a in adverts.items()}
+        self.adverts = {v: {"c_pk": a["c_pk"].hex(), "s_pk": a["s_pk"].hex(),
+                            "sign_pk": signing_keys[v].hex()} for v, a in adverts.items()}
         own = index[self.edge]
         self.own_shares = (int_to_share(b_shares[own]).hex(), int_to_share(s_shares[own]).hex())
         self.step = "shared"
@@ -373,31 +582,49 @@ class ClientRound:
         return f"fedattn-secagg/share|{self.round}|{self.phase}|{sender}->{receiver}".encode()
 
     # ---- step 3 ----------------------------------------------------------------------
-    def mask(self, survivors: list[str], ciphertexts: dict[str, bytes], values: np.ndarray,
-             weight: float, quantizer: Quantizer) -> np.ndarray:
-        """Decrypt the shares addressed to this edge (a tampered one is refused, naming its
-        sender), then the masked vector y_u. ``survivors``: neighbours in U2."""
-        if self.step != "shared":
-            raise SecAggError(f"masked input asked in state {self.step}: an edge masks once")
-        if set(survivors) - set(self.neighbours) or set(ciphertexts) != set(survivors):
-            raise SecAggError("the server's masking request names edges that are not "
-                              "this edge's neighbours, or shares do not match them")
-        if len(survivors) + 1 < self.threshold:
-            raise SecAggError(f"only {len(survivors)} neighbours shared keys; fewer than the "
-                              f"threshold {self.threshold} could ever unmask")
+    def receive(self, ciphertexts: dict[str, bytes]) -> list[str]:
+        """Decrypt the shares addressed to this edge; keep those that authenticate and
+        return the senders of the others (their shares are garbage, tampered or misrouted:
+        the server drops them before masking, so nobody masks against them)."""
+        self._expect("shared", "received", asked="receive step")  # again after a restart
+        if set(ciphertexts) - set(self.neighbours):
+            raise SecAggError(f"the server relays shares from edges that are not this edge's "
+                              f"neighbours: {sorted(set(ciphertexts) - set(self.neighbours))[:5]}")
         c_key = X25519PrivateKey.from_private_bytes(self.c_sk)
-        held = {}
-        for u in survivors:
+        held, reported = {}, []
+        for u in sorted(ciphertexts):
             blob = ciphertexts[u]
             key = agree(c_key, bytes.fromhex(self.adverts[u]["c_pk"]),
                         pair_info("enc", self.round, self.phase, u, self.edge))
             try:
                 plain = AESGCM(key).decrypt(blob[:NONCE_BYTES], blob[NONCE_BYTES:],
                                             self._aad(u, self.edge))
-            except (InvalidTag, ValueError):
-                raise SecAggError(f"the share from edge {u} failed authentication "
-                                  "(tampered or misrouted)") from None
+                if len(plain) != 2 * SHARE_BYTES:
+                    raise SecAggError("a share pair of the wrong length")
+                share_to_int(plain[:SHARE_BYTES])
+                share_to_int(plain[SHARE_BYTES:])
+            except (InvalidTag, ValueError):  # SecAggError is a ValueError
+                reported.append(u)
+                continue
             held[u] = (plain[:SHARE_BYTES].hex(), plain[SHARE_BYTES:].hex())
+        self.held, self.reported, self.step = held, reported, "received"
+        return reported
+
+    # ---- step 4 ----------------------------------------------------------------------
+    def mask(self, survivors: list[str], values: np.ndarray, weight: float,
+             quantizer: Quantizer) -> np.ndarray:
+        """The masked vector y_u. ``survivors``: the neighbours in U2; each must be one whose
+        shares this edge holds (a sender it reported is no survivor)."""
+        if self.step != "received":
+            raise SecAggError(f"masked input asked in state {self.step}: an edge masks once, "
+                              "after checking the shares it holds")
+        survivors = _edge_ids(survivors, "survivor list")
+        if set(survivors) - set(self.held):
+            raise SecAggError(f"the server's masking request names edges whose shares this edge "
+                              f"does not hold: {sorted(set(survivors) - set(self.held))[:5]}")
+        if len(survivors) + 1 < self.threshold:
+            raise SecAggError(f"only {len(survivors)} neighbours shared keys; fewer than the "
+                              f"threshold {self.threshold} could ever unmask")
         q = quantizer.quantize(values, weight)
         y = q + prg_words(self.seed, q.size)
         s_key = X25519PrivateKey.from_private_bytes(self.s_sk)
@@ -408,30 +635,65 @@ class ClientRound:
                 y += prg_words(seed, q.size)
             else:
                 y -= prg_words(seed, q.size)
-        self.held, self.survivors, self.step = held, sorted(survivors), "masked"
+        self.survivors, self.step = sorted(survivors), "masked"
         return y
 
-    # ---- step 4 ----------------------------------------------------------------------
-    def unmask(self, alive: list[str], dropped: list[str], survivors: int) -> dict[str, bytes]:
-        """Reveal b shares of ``alive`` and s_sk shares of ``dropped``, never both for one
-        edge, and nothing when fewer than t edges survived."""
-        if self.step not in ("shared", "masked"):
-            raise SecAggError(f"unmask asked in state {self.step}")
-        if set(alive) & set(dropped):
-            raise SecAggError(f"the server asks for both shares of {sorted(set(alive) & set(dropped))}")
-        holders = set(self.held) | {self.edge}
-        if set(alive) - holders or set(dropped) - holders:
-            raise SecAggError("the server asks for shares this edge does not hold")
-        if survivors < self.threshold:
-            raise SecAggError(f"only {survivors} edges survived, fewer than the threshold "
+    # ---- step 5 ----------------------------------------------------------------------
+    def confirm(self, survivors: list[str], signing_key: Ed25519PrivateKey) -> bytes:
+        """Sign the survivor list U3 the server gives this edge -- one list per round: the
+        signature is what lets the neighbours check that the server told everyone the same."""
+        self._expect("masked", "confirmed", asked="confirm step")
+        survivors = sorted(_edge_ids(survivors, "survivor list"))
+        if self.step == "confirmed" and survivors != self.confirmed:
+            raise SecAggError("the server asks this edge to sign a second, different survivor "
+                              "list this round")
+        if self.edge not in survivors:
+            raise SecAggError("the server's survivor list leaves out this edge, whose masked "
+                              "input it accepted")
+        strangers = (set(survivors) & set(self.neighbours)) - set(self.survivors)
+        if strangers:
+            raise SecAggError(f"the server's survivor list names neighbours this edge did not "
+                              f"mask against: {sorted(strangers)[:5]}")
+        if len(survivors) < self.threshold:
+            raise SecAggError(f"only {len(survivors)} edges survived, fewer than the threshold "
                               f"{self.threshold}: refusing to unmask")
+        s_pk = raw_public(X25519PrivateKey.from_private_bytes(self.s_sk))
+        signature = signing_key.sign(survivors_message(self.round, self.phase, self.edge, s_pk,
+                                                       survivors))
+        self.confirmed, self.step = survivors, "confirmed"
+        return signature
+
+    # ---- step 6 ----------------------------------------------------------------------
+    def unmask(self, survivors: list[str], signatures: dict[str, bytes]) -> dict[str, bytes]:
+        """Reveal, once at least t holders (this edge and its neighbours) signed the same
+        list U3 that this edge signed: b shares of U3's members (this edge included), s_sk
+        shares of the neighbours that shared but are not in U3. What to reveal follows from
+        U3 alone: never s_sk of an edge in U3, never this edge's own."""
+        self._expect("confirmed", asked="unmask")
+        survivors = sorted(_edge_ids(survivors, "survivor list"))
+        if survivors != self.confirmed:
+            raise SecAggError("the unmask request's survivor list differs from the one this "
+                              "edge signed: refusing to unmask")
+        signers = {self.edge}
+        for v, signature in signatures.items():
+            advert = self.adverts.get(v)
+            if advert is None or v not in survivors:
+                continue  # not a holder of this edge's shares, or not a survivor
+            if signed_by(bytes.fromhex(advert["sign_pk"]), signature, survivors_message(
+                    self.round, self.phase, v, bytes.fromhex(advert["s_pk"]), survivors)):
+                signers.add(v)
+        if len(signers) < self.threshold:
+            raise SecAggError(f"only {len(signers)} of this edge's share holders (itself "
+                              f"included) signed the survivor list, fewer than the threshold "
+                              f"{self.threshold}: refusing to unmask")
+        alive = set(survivors)
         out = {}
-        for u in alive:
-            b = self.own_shares[0] if u == self.edge else self.held[u][0]
-            out[f"b:{u}"] = bytes.fromhex(b)
-        for u in dropped:
-            s = self.own_shares[1] if u == self.edge else self.held[u][1]
-            out[f"s:{u}"] = bytes.fromhex(s)
+        for u in [*self.survivors, self.edge]:
+            b, s = self.own_shares if u == self.edge else self.held[u]
+            if u in alive:
+                out[f"b:{u}"] = bytes.fromhex(b)
+            elif u != self.edge:
+                out[f"s:{u}"] = bytes.fromhex(s)
         self.step = "done"
         return out
 
@@ -455,9 +717,13 @@ class ServerRound:
     threshold: int = 0
     shares: dict[str, dict[str, bytes]] = field(default_factory=dict)   # to -> from -> ct
     sharers: set[str] = field(default_factory=set)
+    reports: dict[str, list[str]] = field(default_factory=dict)  # holder -> senders it refused
+    survivors: set[str] = field(default_factory=set)    # U2: shared, checked, not reported
     total: np.ndarray | None = None
-    masked: set[str] = field(default_factory=set)
+    masked: set[str] = field(default_factory=set)       # U3
+    confirmations: dict[str, bytes] = field(default_factory=dict)  # edge -> its signature of U3
     reveals: dict[str, dict[str, bytes]] = field(default_factory=dict)  # holder -> reveals
+    inconsistent: set[str] = field(default_factory=set)  # holders whose shares did not fit
     abort_reason: str = ""
 
     # ---- step 1 ----------------------------------------------------------------------
@@ -504,14 +770,46 @@ class ServerRound:
             self.abort_reason = (f"{len(self.sharers)} edge(s) shared keys, fewer than the "
                                  f"threshold {self.threshold}")
 
-    def mask_request(self, edge: str) -> tuple[list[str], dict[str, bytes]]:
-        survivors = [u for u in self.graph[edge] if u in self.sharers]
-        return survivors, {u: self.shares[edge][u] for u in survivors}
-
     # ---- step 3 ----------------------------------------------------------------------
-    def accept_masked(self, edge: str, y: np.ndarray) -> None:
+    def receive_request(self, edge: str) -> dict[str, bytes]:
+        """The ciphertexts addressed to ``edge``, by sender."""
+        return {u: self.shares[edge][u] for u in self.graph[edge] if u in self.sharers}
+
+    def accept_receive(self, edge: str, reported: list[str]) -> None:
         if edge not in self.sharers:
             raise SecAggError(f"edge {edge} did not share keys this round")
+        senders = set(self.receive_request(edge))
+        if set(reported) - senders:
+            raise SecAggError(f"edge {edge} reports shares it was never sent, from "
+                              f"{sorted(set(reported) - senders)[:5]}")
+        self.reports[edge] = sorted(reported)
+
+    def reported(self) -> dict[str, list[str]]:
+        """sender -> the holders whose share from it failed authentication."""
+        out: dict[str, list[str]] = {}
+        for holder, senders in sorted(self.reports.items()):
+            for u in senders:
+                out.setdefault(u, []).append(holder)
+        return out
+
+    def close_receive(self) -> None:
+        """U2: the sharers that answered this step, less every reported sender -- dropped
+        before masking, so no edge masks against it and nothing of it is ever unmasked."""
+        self.survivors = set(self.reports) - set(self.reported())
+        if len(self.survivors) < self.threshold:
+            self.abort_reason = (f"{len(self.survivors)} edge(s) left after the share check "
+                                 f"(reported: {sorted(self.reported())}), fewer than the "
+                                 f"threshold {self.threshold}")
+
+    def mask_request(self, edge: str) -> list[str]:
+        return [u for u in self.graph[edge] if u in self.survivors]
+
+    # ---- step 4 ----------------------------------------------------------------------
+    def accept_masked(self, edge: str, y: np.ndarray) -> None:
+        if edge not in self.survivors:
+            why = (f"its shares failed authentication at {self.reported()[edge]}"
+                   if edge in self.reported() else "it did not complete the share check")
+            raise SecAggError(f"edge {edge} is not among the round's survivors ({why})")
         if y.shape != (self.length,):
             raise SecAggError(f"masked vector of {y.shape} words, expected {self.length}")
         y = y.view(np.uint32) if y.dtype != np.uint32 else y
@@ -526,60 +824,84 @@ class ServerRound:
             self.abort_reason = (f"{len(self.masked)} masked input(s) arrived, fewer than the "
                                  f"threshold {self.threshold}: nothing is unmasked")
 
-    def unmask_request(self, edge: str) -> dict[str, Any]:
-        held = [u for u in self.graph[edge] if u in self.sharers] + [edge]
-        return {"alive": sorted(u for u in held if u in self.masked),
-                "dropped": sorted(u for u in held if u not in self.masked),
-                "survivors": len(self.masked)}
+    # ---- step 5 ----------------------------------------------------------------------
+    def confirm_request(self, edge: str) -> dict[str, Any]:
+        return {"survivors": sorted(self.masked)}
 
-    # ---- step 4 ----------------------------------------------------------------------
+    def accept_confirm(self, edge: str, signature: bytes) -> None:
+        if edge not in self.masked:
+            raise SecAggError(f"edge {edge} has no masked input this round")
+        message = survivors_message(self.round, self.phase, edge, self.adverts[edge]["s_pk"],
+                                    sorted(self.masked))
+        if not signed_by(self.signing_keys[edge], signature, message):
+            raise SecAggError(f"edge {edge}: the signature of the survivor list is not valid "
+                              "under its identity key")
+        self.confirmations[edge] = signature
+
+    def close_confirm(self) -> None:
+        if len(self.confirmations) < self.threshold:
+            self.abort_reason = (f"{len(self.confirmations)} edge(s) signed the survivor list, "
+                                 f"fewer than the threshold {self.threshold}")
+
+    # ---- step 6 ----------------------------------------------------------------------
+    def unmask_request(self, edge: str) -> tuple[dict[str, Any], dict[str, bytes]]:
+        """U3, and the signatures of it by ``edge``'s neighbours (what it checks first)."""
+        return ({"survivors": sorted(self.masked)},
+                {v: self.confirmations[v] for v in self.graph[edge] if v in self.confirmations})
+
+    def expected_reveal(self, edge: str) -> set[str]:
+        """What an honest ``edge`` reveals: b of its U3 neighbours and itself, s of its U2
+        neighbours outside U3."""
+        held = self.mask_request(edge)
+        return ({f"b:{u}" for u in held if u in self.masked} | {f"b:{edge}"}
+                | {f"s:{u}" for u in held if u not in self.masked})
+
     def accept_reveal(self, edge: str, revealed: dict[str, bytes]) -> None:
-        request = self.unmask_request(edge)
-        expected = {f"b:{u}" for u in request["alive"]} | {f"s:{u}" for u in request["dropped"]}
-        if set(revealed) != expected:
+        if edge not in self.confirmations:
+            raise SecAggError(f"edge {edge} did not sign the survivor list")
+        if set(revealed) != self.expected_reveal(edge):
             raise SecAggError(f"edge {edge}: revealed shares differ from the request")
         for blob in revealed.values():
             share_to_int(blob)
         self.reveals[edge] = dict(revealed)
 
-    def _reconstruct(self, kind: str, u: str) -> bytes:
-        points = {self.index[h]: share_to_int(r[f"{kind}:{u}"])
-                  for h, r in self.reveals.items() if f"{kind}:{u}" in r}
-        if len(points) < self.threshold:
-            raise SecAggError(f"only {len(points)} of the threshold {self.threshold} shares of "
-                              f"edge {u}'s {'self-mask seed' if kind == 'b' else 'mask key'} "
-                              "arrived: the round is aborted, nothing is unmasked")
-        # t points determine the polynomial; the rest must agree with it (a share that does
-        # not is tampered: refuse rather than guess which one).
-        chosen = dict(list(points.items())[: self.threshold])
-        secret = shamir_combine(chosen)
-        if len(points) > self.threshold and shamir_combine(
-                dict(list(points.items())[-self.threshold:])) != secret:
-            raise SecAggError(f"the revealed shares of edge {u} are inconsistent (tampered)")
-        if secret >= 2 ** (8 * SEED_BYTES):
-            raise SecAggError(f"the revealed shares of edge {u} do not form a 256-bit secret")
+    def _reconstruct(self, kind: str, u: str, valid: Callable[[bytes], bool]) -> bytes:
+        """u's seed (kind b) or mask key (s) from the revealed shares: the first t that
+        give a secret passing ``valid``; holders whose shares do not fit are set aside."""
+        what = "self-mask seed" if kind == "b" else "mask key"
+        holders = sorted((h for h, r in self.reveals.items() if f"{kind}:{u}" in r),
+                         key=lambda h: (h in self.inconsistent, h))  # trusted ones first
+        points = {self.index[h]: share_to_int(self.reveals[h][f"{kind}:{u}"]) for h in holders}
+
+        def fits(secret: int) -> bool:
+            return secret < 2 ** (8 * SEED_BYTES) and valid(secret.to_bytes(SEED_BYTES, "big"))
+
+        try:
+            secret, off = robust_combine(points, self.threshold, fits)
+        except SecAggError as err:
+            raise SecAggError(f"edge {u}'s {what} cannot be reconstructed: {err}; the round is "
+                              "aborted, nothing is unmasked") from None
+        self.inconsistent |= {h for h in holders if self.index[h] in off}
         return secret.to_bytes(SEED_BYTES, "big")
 
     def unmask(self) -> np.ndarray:
         """sum_u q_u over U3 (mod 2^32); raises SecAggError (nothing unmasked) when a
-        needed secret cannot be reconstructed or fails its commitment."""
+        needed secret cannot be reconstructed from shares that match its commitment."""
         if self.abort_reason:
             raise SecAggError(self.abort_reason)
         if self.total is None:
             raise SecAggError("no masked input arrived")
         total = self.total.copy()
         for u in sorted(self.masked):
-            seed = self._reconstruct("b", u)
-            if seed_commitment(self.round, self.phase, u, seed) != self.adverts[u]["commit"]:
-                raise SecAggError(f"edge {u}'s reconstructed self-mask seed does not match its "
-                                  "commitment (a tampered share)")
+            commit = self.adverts[u]["commit"]
+            seed = self._reconstruct("b", u, lambda b, u=u, c=commit:
+                                     seed_commitment(self.round, self.phase, u, b) == c)
             total -= prg_words(seed, self.length)
-        for u in sorted(self.sharers - self.masked):
-            s_sk = self._reconstruct("s", u)
+        for u in sorted(self.survivors - self.masked):
+            s_pk = self.adverts[u]["s_pk"]
+            s_sk = self._reconstruct("s", u, lambda k, p=s_pk: raw_public(
+                X25519PrivateKey.from_private_bytes(k)) == p)
             key = X25519PrivateKey.from_private_bytes(s_sk)
-            if raw_public(key) != self.adverts[u]["s_pk"]:
-                raise SecAggError(f"edge {u}'s reconstructed mask key does not match its "
-                                  "advertised public key (a tampered share)")
             for v in self.graph[u]:
                 if v not in self.masked:
                     continue
