@@ -64,10 +64,10 @@ class RawEdge:
                                              self.edge_id, reply.session)
         return reply
 
-    def connect(self) -> None:
+    def connect(self, **join_overrides) -> None:
         """Join, then hold a presence stream open until ``close`` (the server only selects
         connected edges); returns once the server has counted this edge as connected."""
-        self.session = self.join().session
+        self.session = self.join(**join_overrides).session
         self._presence_call = self.stub.Presence(
             pb.PresenceRequest(edge_id=self.edge_id, session=self.session))
 
