@@ -352,6 +352,53 @@ def test_clip_update_norm_bounds_model_tensors_only(tmp_path):
     assert engine.history["rounds"][-1]["train"]["update_norm"] == {"a": 0.0}
 
 
+# ---- the robust aggregates ------------------------------------------------------------
+
+
+def median_round(params: dict, values: list[float]) -> dict[str, torch.Tensor]:
+    """One fedmedian round in which upload i holds ``values[i]`` in every coordinate."""
+    cls = load_method("fedmedian")
+    method = cls(MethodContext(TrainConfig(), cls.Params(**params)))
+    aggregator = method.server(method.build_models())
+    start = aggregator.state[SHARED]
+    aggregator.begin_round(1, [str(i) for i in range(len(values))], len(values))
+    for i, value in enumerate(values):  # weights ignored: the liar's 1e6 buys nothing
+        upload = {k: torch.full_like(v, value) for k, v in start.items()}
+        aggregator.accept(str(i), over_the_wire(shared(upload))[1], 1e6 if i == 0 else 1.0)
+    assert aggregator.finish() == {"aggregated": len(values)}
+    return aggregator.state[SHARED]
+
+
+def test_median_and_trimmed_mean_keep_poisoned_values_out_of_the_global():
+    poisoned = [1e30, 1.0, 2.0, 3.0, -5e29]  # two of five edges lie, far out on either side
+    assert all(bool((v == 2.0).all()) for v in median_round({}, poisoned).values())
+    # trim 0.2 of 5: the largest and the smallest value go, mean(1, 2, 3) = 2
+    trimmed = median_round({"trim_fraction": 0.2}, poisoned)
+    assert all(bool((v == 2.0).all()) for v in trimmed.values())
+    # An even count near float32's limit: (3e38 + 3.2e38) / 2 in float64, not Inf.
+    middle = median_round({}, [3.3e38, 3e38, 1.0, 3.2e38])
+    expected = ((torch.tensor(3e38).double() + torch.tensor(3.2e38).double()) / 2).float()
+    assert all(bool((v == expected).all()) for v in middle.values())
+    with pytest.raises(ValueError, match="trim_fraction must be in"):
+        load_method("fedmedian")(MethodContext(TrainConfig(), load_method("fedmedian").Params(0.5)))
+
+
+def test_pfedka_weighs_edges_by_the_capped_header_not_its_own_scalar():
+    # pFedKA's gate takes n_k from the upload's scalars: it must be the header's
+    # num_examples, which the weight cap bounds, or an edge could claim any share of alpha.
+    from fedattn_shared.methods.pfedka import PFedKA, PFedKAParams
+
+    train = TrainConfig(model="resnet10-cifar-compact", in_channels=1, image_size=28)
+    method = PFedKA(MethodContext(train, PFedKAParams()))
+    aggregator = method.server(method.build_models())
+    aggregator.begin_round(1, ["a"], 1)
+    n = {k: torch.tensor(v) for k, v in (("n", 1e9), ("ce", 1.0))}
+    with pytest.raises(ValueError, match=r"n = 1e\+09 is not the submission's num_examples \(40\)"):
+        aggregator.accept_phase("train", "a", Payload([Section(Kind.SCALAR_SUMMARY, "", n)]), 40.0)
+    n["n"] = torch.tensor(40.0)
+    aggregator.accept_phase("train", "a", Payload([Section(Kind.SCALAR_SUMMARY, "", n)]), 40.0)
+
+
 # ---- configuration ---------------------------------------------------------------------
 
 
