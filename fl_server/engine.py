@@ -115,7 +115,7 @@ class RoundAborted(Exception):
 
 
 # A declared training-set size: decimal digits only (no sign, exponent or Unicode digits).
-DECLARED_COUNT = re.compile(r"^[0-9]{1,20}$")
+DECLARED_COUNT = re.compile(r"[0-9]{1,20}")
 
 
 def select_edges(connected: list[str], fraction: float, seed: int, round_number: int) -> list[str]:
@@ -397,7 +397,7 @@ class Engine:
         declared = record.info.get("num_examples") if record is not None else None
         if declared is None:
             return bound, f"--max-weight {bound}; the edge declared no num_examples at join"
-        if not DECLARED_COUNT.match(declared) or int(declared) < 1:
+        if not DECLARED_COUNT.fullmatch(declared) or int(declared) < 1:
             return 0, (f"its join declared num_examples={declared[:40]!r}, not a whole "
                        "number >= 1")
         if int(declared) > bound:
@@ -455,16 +455,22 @@ class Engine:
                  phase.name, edge, norm, bound)
         return norm
 
-    def aggregate_upload(self, phase: Phase, edge: str, payload: Payload,
-                         weight: float) -> float | None:
-        """Bound the update, then hand the upload to the aggregator (a worker thread, under
-        ``agg_lock``). ValueError and Refused: the upload is refused, nothing was added. Any
-        other exception from the aggregator is a method bug that may have left part of the
-        upload in the sums: the upload is refused and the phase marked tainted, so its
-        round aborts instead of applying a half-added aggregate. Returns the update norm."""
-        norm = self.bound_update(phase, edge, payload) if self.cfg.clip_update_norm else None
+    def aggregate_upload(self, phase: Phase, edge: str, payload: Payload, weight: float,
+                         secured: bool) -> float | None:
+        """Bound the update, then hand the upload to the aggregator, or to secure
+        aggregation for its phases (a worker thread, under ``agg_lock``). ValueError and
+        Refused: the upload is refused, nothing was added. Any other exception is a bug
+        that may have left part of the upload in the sums: the upload is refused and the
+        phase marked tainted, so its round aborts instead of applying a half-added
+        aggregate. Returns the update norm (None when not measured)."""
+        norm = None
+        if self.cfg.clip_update_norm and not secured:
+            norm = self.bound_update(phase, edge, payload)
         try:
-            self.aggregator.accept_phase(phase.name, edge, payload, weight)
+            if secured:
+                self.secagg.accept(phase.name, edge, payload)
+            else:
+                self.aggregator.accept_phase(phase.name, edge, payload, weight)
         except ValueError:
             raise
         except Exception as err:
@@ -577,11 +583,12 @@ class Engine:
         edge = header.edge_id
         norm = None
         if secured:
-            await asyncio.to_thread(self.secagg.accept, phase.name, edge, payload)
+            await asyncio.to_thread(self.aggregate_upload, phase, edge, payload, 0.0, True)
         elif phase.name != EVALUATE:
             weight = self.method.aggregation_weight(int(header.num_examples))
             started = time.monotonic()
-            norm = await asyncio.to_thread(self.aggregate_upload, phase, edge, payload, weight)
+            norm = await asyncio.to_thread(self.aggregate_upload, phase, edge, payload, weight,
+                                           False)
             self.metrics.aggregation_seconds.labels(phase.name, "accept").observe(
                 time.monotonic() - started)
         # Monitoring figures only; non-finite ones would make history.json invalid JSON.
@@ -767,17 +774,21 @@ class Engine:
                   record["round"], phase, reason, exc_info=err if internal else None)
 
     def phase_record(self, phase: Phase) -> dict:
-        return {
+        record = {
             "selected": sorted(phase.tasks), "received": sorted(phase.received),
             "dropped": dict(sorted(phase.dropped.items())), "quorum": phase.quorum,
             "seconds": time.monotonic() - phase.started,
             "edge_metrics": {e: r["metrics"] for e, r in sorted(phase.received.items())
                              if r["metrics"]},
             "num_examples": {e: r["num_examples"] for e, r in sorted(phase.received.items())},
-            **({"update_norm": norms} if (norms := {
-                e: r["update_norm"] for e, r in sorted(phase.received.items())
-                if "update_norm" in r}) else {}),
         }
+        # --clip-update-norm: each accepted upload's distance from the global (before any
+        # scaling), what an operator chooses C from.
+        norms = {e: r["update_norm"] for e, r in sorted(phase.received.items())
+                 if "update_norm" in r}
+        if norms:
+            record["update_norm"] = norms
+        return record
 
     def publish_evaluation(self, per_edge: dict, summary: dict) -> None:
         for edge, splits in per_edge.items():
