@@ -117,8 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="SecAgg+ neighbour graph: sparse k-regular (default) or full")
     robust = p.add_argument_group(
         "untrusted edges", "bounds on what one edge's upload can do to the global; uploads "
-        "over them are refused by name. --method fedmedian (the coordinate-wise median) is "
-        "the robust aggregate.")
+        "over them are refused by name. The robust aggregates: --method fedmedian (the "
+        "coordinate-wise median; with --set fedmedian.trim_fraction=0.1 the trimmed mean).")
     robust.add_argument("--max-weight", type=int,
                         help="bound on any edge's num_examples, its aggregation weight "
                              "(default 1000000); each edge is further capped at the "
