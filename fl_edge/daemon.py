@@ -302,15 +302,23 @@ class EdgeDaemon:
                 self._flush_writes()
 
     # ---- join / presence / leave --------------------------------------------------------
-    def _join(self, stub) -> None:
+    def _join(self, stub, state_fingerprint: str | None = None) -> None:
+        """Joins (a new session). ``state_fingerprint``: what the join says of the private
+        state, when it repeats an earlier join of this session's start."""
+        if state_fingerprint is None:
+            state_fingerprint = self.fingerprint or (self.store.stored_fingerprint() or "")
         key_private, key_share, key_proof = new_key_share(self.signing_key,
                                                           self.identity.edge_id)
+        info = {"hostname": socket.gethostname(), "device": str(self.device),
+                "torch": torch.__version__}
+        if self.data is not None:
+            # The server caps this edge's aggregation weight (num_examples) at it.
+            info["num_examples"] = str(len(self.data.train))
         request = pb.JoinRequest(
             protocol_version=PROTOCOL_VERSION, edge_id=self.identity.edge_id,
             edge_secret=self.identity.secret, join_token=self.opts.join_token,
-            info={"hostname": socket.gethostname(), "device": str(self.device),
-                  "torch": torch.__version__},
-            state_fingerprint=self.fingerprint or (self.store.stored_fingerprint() or ""),
+            info=info,
+            state_fingerprint=state_fingerprint,
             signing_key=self.signing_key.public_key().public_bytes_raw(),
             upload_key_share=key_share, upload_key_proof=key_proof,
         )
@@ -333,6 +341,12 @@ class EdgeDaemon:
         self.chunk_bytes = reply.chunk_bytes or self.chunk_bytes
         if reply.config_json != self.config_json:
             self._setup(reply.config_json, reply.fingerprint)
+            if "num_examples" not in info:
+                # The training split depends on the server's configuration, known only now:
+                # join again to declare its size (the new session replaces this one), saying
+                # the same of the private state (none: the server sends initial weights).
+                self._join(stub, state_fingerprint)
+                return
         self.metrics.connected.set(1)
         log.info("joined %s as %s (method %s)", self.opts.server, self.identity.edge_id,
                  self.method.name)

@@ -70,6 +70,8 @@ FLAG_TARGETS = {
     "max_task_deliveries": ("server", "max_task_deliveries"),
     "init_weights": ("server", "init_weights"), "init_skip_head": ("server", "init_skip_head"),
     "secagg": ("server", "secagg"), "secagg_graph": ("server", "secagg_graph"),
+    "max_weight": ("server", "max_weight"), "clip_update_norm": ("server", "clip_update_norm"),
+    "clip_update_mode": ("server", "clip_update_mode"),
     "model": ("train", "model"), "num_classes": ("train", "num_classes"),
     "in_channels": ("train", "in_channels"), "image_size": ("train", "image_size"),
     "local_epochs": ("train", "local_epochs"), "batch_size": ("train", "batch_size"),
@@ -117,6 +119,21 @@ def build_parser() -> argparse.ArgumentParser:
                           "tune with --set server.secagg_degree/threshold/clip/max_weight/timeout")
     run.add_argument("--secagg-graph", choices=["sparse", "full"],
                      help="SecAgg+ neighbour graph: sparse k-regular (default) or full")
+    robust = p.add_argument_group(
+        "untrusted edges", "bounds on what one edge's upload can do to the global; uploads "
+        "over them are refused by name. The robust aggregates: --method fedmedian (the "
+        "coordinate-wise median; with --set fedmedian.trim_fraction=0.1 the trimmed mean).")
+    robust.add_argument("--max-weight", type=int,
+                        help="bound on any edge's num_examples, its aggregation weight "
+                             "(default 1000000); each edge is further capped at the "
+                             "training-set size it declared at join")
+    robust.add_argument("--clip-update-norm", type=float, metavar="C",
+                        help="bound on the L2 norm of an upload's model delta (upload minus "
+                             "the global, over the shared model tensors; statistics and "
+                             "prototypes are not bounded); 0: none (default)")
+    robust.add_argument("--clip-update-mode", choices=["refuse", "scale"],
+                        help="an upload over --clip-update-norm: refuse it by name (default) "
+                             "or scale its delta down to C")
     net = p.add_argument_group("network")
     net.add_argument("--host")
     net.add_argument("--port", type=int, help="gRPC port (0: any free port)")

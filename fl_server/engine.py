@@ -4,6 +4,14 @@ quorum of results or its deadline, and hands validated results to the aggregator
 Everything runs on one asyncio loop; aggregation and checkpoint writes run in worker
 threads under ``agg_lock`` so the running sum is never touched by two uploads at once
 and never after its phase has closed.
+
+Nothing an edge sends and nothing a method raises ends the process. An upload the method
+or the aggregator cannot take is refused and costs its edge the task. A phase that cannot
+close (its aggregator raises, or the new state holds a non-finite or beyond-float32
+value) aborts its round: the aggregator returns to its state before the round (nothing
+of the round is applied), the history records ``"aborted"`` with the reason, and the next
+round runs. Weights are bounded (``server.max_weight`` and what the edge declared at
+join) and, with ``server.clip_update_norm``, so is each upload's distance from the global.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import logging
 import math
 import platform
 import random
+import re
 import secrets
 import subprocess
 import sys
@@ -30,6 +39,7 @@ import torch
 
 from fedattn_shared import PROTOCOL_VERSION
 from fedattn_shared.config import ServerConfig, TrainConfig
+from fedattn_shared.methods.aggregators import SUM_STEP, RoundSnapshot
 from fedattn_shared.methods.base import EVALUATE, TRAIN, Method, SectionSpec
 from fedattn_shared.state import atomic_write, read_json
 from fedattn_shared.wire import fedattn_pb2 as pb
@@ -84,6 +94,9 @@ class Phase:
     # Set with ``closed``: uploads still receiving for this phase stop at once and give
     # their slot back instead of streaming bytes nobody will aggregate.
     closing: asyncio.Event = field(default_factory=asyncio.Event)
+    # Why the phase's aggregate cannot be trusted: the aggregator failed part way through
+    # an upload, so its sums may hold part of it. The phase then aborts its round.
+    tainted: str = ""
 
     def pending(self) -> list[str]:
         return [e for e in self.tasks if e not in self.received and e not in self.dropped]
@@ -101,6 +114,14 @@ class Refused(Exception):
         super().__init__(reason)
         self.drop = drop
         self.code = code
+
+
+class RoundAborted(Exception):
+    """A phase of the round cannot complete; the round ends with the global as it was."""
+
+
+# A declared training-set size: decimal digits only (no sign, exponent or Unicode digits).
+DECLARED_COUNT = re.compile(r"[0-9]{1,20}")
 
 
 def select_edges(connected: list[str], fraction: float, seed: int, round_number: int) -> list[str]:
@@ -359,6 +380,12 @@ class Engine:
         self.validate_manifest(header.payload, schema, edge)
         if phase.name == TRAIN and header.num_examples < 1 and not self.secured(phase.name):
             raise Refused("num_examples must be >= 1 for a training result", drop=True)
+        if phase.name != EVALUATE and not self.secured(phase.name):
+            # Refused before a byte of the body is read: the weight is the header's.
+            cap, why = self.weight_cap(edge)
+            if header.num_examples > cap:
+                raise Refused(f"num_examples {header.num_examples} exceeds the weight cap "
+                              f"{cap} of edge {edge} ({why})", drop=True)
         if phase.name == EVALUATE:
             self.validate_evaluation(header)
         self.check_metrics(header)
@@ -383,6 +410,103 @@ class Engine:
     def secured(self, phase: str) -> bool:
         """Whether secure aggregation handles this phase's uploads (not the method)."""
         return self.secagg is not None and self.secagg.owns(phase)
+
+    def weight_cap(self, edge_id: str) -> tuple[int, str]:
+        """The largest num_examples (the aggregation weight n_k) this edge's uploads may
+        claim, and where it comes from: the training-set size the edge declared at join
+        (``info["num_examples"]``), never above ``server.max_weight``; ``max_weight``
+        itself for an edge that declared none. A declaration that is not a whole number
+        >= 1 caps the edge at 0: none of its weighted uploads is taken."""
+        bound = self.cfg.max_weight
+        record = self.registry.records.get(edge_id)
+        declared = record.info.get("num_examples") if record is not None else None
+        if declared is None:
+            return bound, f"--max-weight {bound}; the edge declared no num_examples at join"
+        if not DECLARED_COUNT.fullmatch(declared) or int(declared) < 1:
+            return 0, (f"its join declared num_examples={declared[:40]!r}, not a whole "
+                       "number >= 1")
+        if int(declared) > bound:
+            return bound, (f"--max-weight {bound}; the edge declared {int(declared)} at "
+                           "join: raise --max-weight for so large a training set")
+        return int(declared), "the num_examples the edge declared at join"
+
+    def bound_update(self, phase: Phase, edge: str, payload: Payload) -> float | None:
+        """``--clip-update-norm``: the L2 norm of the upload's model delta (upload minus the
+        current global, over the floating tensors of its SHARED_TENSORS sections that the
+        global holds: parameters and BatchNorm statistics alike). Statistics vectors,
+        prototypes, scalars and control variates are not model weights and have no global
+        value to take a difference from: the bound leaves them to the method's checks.
+        Over the bound, ``refuse`` refuses the upload by name; ``scale`` moves it onto the
+        sphere of radius C around the global, in place in the receive buffer (no copy).
+        Returns the norm (before scaling), or None when the upload holds no model tensor.
+        Runs in a worker thread under ``agg_lock``: the global cannot change meanwhile."""
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for section in payload.sections:
+            if section.kind != Kind.SHARED_TENSORS:
+                continue
+            current = self.aggregator.state.get((section.kind, section.name), {})
+            for name, value in section.tensors.items():
+                base = current.get(name)
+                if (base is None or not value.is_floating_point()
+                        or tuple(base.shape) != tuple(value.shape)):
+                    continue
+                pairs.append((value.reshape(-1), base.reshape(-1)))
+        if not pairs:
+            return None
+        squares = 0.0
+        for value, base in pairs:  # float64 in steps: no overflow, no model-sized buffer
+            for start in range(0, value.numel(), SUM_STEP):
+                delta = value[start : start + SUM_STEP].to(torch.float64)
+                delta.sub_(base[start : start + SUM_STEP])
+                squares += float(delta.dot(delta))
+        norm = math.sqrt(squares)
+        bound = self.cfg.clip_update_norm
+        if norm <= bound:
+            return norm
+        if self.cfg.clip_update_mode == "refuse":
+            raise Refused(f"update norm {norm:.6g} exceeds --clip-update-norm {bound:g} (L2 norm "
+                          "of the upload minus the global over its shared model tensors)",
+                          drop=True)
+        scale = bound / norm
+        for value, base in pairs:
+            for start in range(0, value.numel(), SUM_STEP):
+                piece = value[start : start + SUM_STEP]
+                delta = piece.to(torch.float64)
+                delta.sub_(base[start : start + SUM_STEP]).mul_(scale)
+                delta.add_(base[start : start + SUM_STEP])
+                piece.copy_(delta)
+        self.metrics.updates_scaled.inc()
+        log.info("round %d %s: scaled the update of %s from norm %.6g to %g", phase.round,
+                 phase.name, edge, norm, bound)
+        return norm
+
+    def aggregate_upload(self, phase: Phase, edge: str, payload: Payload, weight: float,
+                         secured: bool) -> float | None:
+        """Bound the update, then hand the upload to the aggregator, or to secure
+        aggregation for its phases (a worker thread, under ``agg_lock``). ValueError and
+        Refused: the upload is refused, nothing was added. Any other exception is a bug
+        that may have left part of the upload in the sums: the upload is refused and the
+        phase marked tainted, so its round aborts instead of applying a half-added
+        aggregate. Returns the update norm (None when not measured)."""
+        norm = None
+        if self.cfg.clip_update_norm and not secured:
+            norm = self.bound_update(phase, edge, payload)
+        try:
+            if secured:
+                self.secagg.accept(phase.name, edge, payload)
+            else:
+                self.aggregator.accept_phase(phase.name, edge, payload, weight)
+        except ValueError:
+            raise
+        except Exception as err:
+            phase.tainted = phase.tainted or (
+                f"the aggregator failed on {edge}'s upload ({type(err).__name__}: {err}); its "
+                "sums may hold part of it")
+            log.error("round %d %s: the aggregator failed on %s's upload; the phase will not "
+                      "be applied", phase.round, phase.name, edge, exc_info=True)
+            raise Refused(f"{phase.name} upload: the server could not aggregate it "
+                          f"({type(err).__name__})", drop=True) from None
+        return norm
 
     def validate_manifest(self, manifest: pb.PayloadManifest, schema: list[SectionSpec],
                           edge: str) -> None:
@@ -449,6 +573,9 @@ class Engine:
                 raise Refused(f"evaluation {entry.split}: non-finite loss or Brier sum", drop=True)
 
     async def accept(self, phase: Phase, header: pb.SubmitHeader, payload: Payload) -> None:
+        """Takes a validated upload into the phase. Whatever the method or the aggregator
+        raises on it refuses the upload and costs the edge its task; none of it reaches
+        the event loop or the process."""
         edge = header.edge_id
         secured = self.secured(phase.name)
         try:
@@ -456,45 +583,64 @@ class Engine:
                 self.method.check_upload(phase.name, payload)
         except ValueError as err:
             raise Refused(str(err), drop=True) from None
+        except Exception as err:
+            log.error("round %d %s: method %s failed checking %s's upload", phase.round,
+                      phase.name, self.method.name, edge, exc_info=True)
+            raise Refused(f"the method could not check this upload ({type(err).__name__})",
+                          drop=True) from None
         async with self.agg_lock:
             await self.durable()  # the last round's checkpoint views the state this changes
             if phase.closed or edge not in phase.pending():
                 raise Refused("the phase closed before the upload completed")
-            if secured:
-                try:
-                    await asyncio.to_thread(self.secagg.accept, phase.name, edge, payload)
-                except ValueError as err:
-                    raise Refused(f"{phase.name} upload: {err}", drop=True) from None
-            elif phase.name != EVALUATE:
-                weight = self.method.aggregation_weight(int(header.num_examples))
-                started = time.monotonic()
-                try:
-                    await asyncio.to_thread(self.aggregator.accept_phase, phase.name, edge,
-                                            payload, weight)
-                except ValueError as err:  # values the method cannot use: the edge's fault
-                    raise Refused(f"{phase.name} upload: {err}", drop=True) from None
-                self.metrics.aggregation_seconds.labels(phase.name, "accept").observe(
-                    time.monotonic() - started)
-            # Monitoring figures only; non-finite ones would make history.json invalid JSON.
-            allowed = self.method.metric_names()
-            figures = {k: v for k, v in header.metrics.items()
-                       if k in allowed and math.isfinite(v)}
-            if "dp_epsilon" in header.metrics:
-                self.metrics.dp_epsilon.labels(edge).set(header.metrics["dp_epsilon"])
-            phase.received[edge] = {
-                "num_examples": int(header.num_examples),
-                "metrics": figures,
-                "evaluation": {
-                    e.split: split_figures(np.array(e.counts, dtype=np.int64).reshape(
-                        e.num_classes, e.num_classes), e.loss_sum, e.brier_sum)
-                    for e in header.evaluation
-                },
-            }
-            self.metrics.reported.labels(phase.name).inc()
-            self.metrics.edge_last_round.labels(edge).set(phase.round)
-            for name, value in figures.items():
-                self.metrics.edge_result.labels(edge, name).set(value)
+            try:
+                await self.take(phase, header, payload, secured)
+            except Refused:
+                raise
+            except ValueError as err:  # values the method cannot use: the edge's fault
+                raise Refused(f"{phase.name} upload: {err}", drop=True) from None
+            except Exception as err:
+                log.error("round %d %s: %s's upload failed on the server", phase.round,
+                          phase.name, edge, exc_info=True)
+                raise Refused(f"{phase.name} upload: the server could not take it "
+                              f"({type(err).__name__})", drop=True) from None
             phase.maybe_close()
+
+    async def take(self, phase: Phase, header: pb.SubmitHeader, payload: Payload,
+                   secured: bool) -> None:
+        """The body of ``accept``, under ``agg_lock``: aggregate, then record the result."""
+        edge = header.edge_id
+        norm = None
+        if secured:
+            await asyncio.to_thread(self.aggregate_upload, phase, edge, payload, 0.0, True)
+        elif phase.name != EVALUATE:
+            weight = self.method.aggregation_weight(int(header.num_examples))
+            started = time.monotonic()
+            norm = await asyncio.to_thread(self.aggregate_upload, phase, edge, payload, weight,
+                                           False)
+            self.metrics.aggregation_seconds.labels(phase.name, "accept").observe(
+                time.monotonic() - started)
+        # Monitoring figures only, of the names the method declares (``check_metrics``);
+        # non-finite ones would make history.json invalid JSON.
+        allowed = self.method.metric_names()
+        figures = {k: v for k, v in header.metrics.items() if k in allowed and math.isfinite(v)}
+        if "dp_epsilon" in header.metrics:
+            self.metrics.dp_epsilon.labels(edge).set(header.metrics["dp_epsilon"])
+        result = {
+            "num_examples": int(header.num_examples),
+            "metrics": figures,
+            "evaluation": {
+                e.split: split_figures(np.array(e.counts, dtype=np.int64).reshape(
+                    e.num_classes, e.num_classes), e.loss_sum, e.brier_sum)
+                for e in header.evaluation
+            },
+        }
+        if norm is not None:
+            result["update_norm"] = norm
+        phase.received[edge] = result
+        self.metrics.reported.labels(phase.name).inc()
+        self.metrics.edge_last_round.labels(edge).set(phase.round)
+        for name, value in figures.items():
+            self.metrics.edge_result.labels(edge, name).set(value)
 
     # ---- rounds -------------------------------------------------------------------------
     async def wait_for_edges(self, count: int) -> None:
@@ -527,29 +673,52 @@ class Engine:
     async def run_round(self, round_number: int) -> None:
         """Runs the method's phases in order. Non-evaluation phases go to the selected
         edges (minus those an earlier phase of the round lost); evaluation goes to every
-        connected edge, every --eval-every rounds and after the last."""
+        connected edge, every --eval-every rounds and after the last. A phase that cannot
+        close aborts the round: the aggregator goes back to its state at the round's start,
+        the later aggregating phases are skipped, and evaluation (when due) scores the kept
+        global."""
         started = time.monotonic()
         selected = select_edges(self.registry.connected_ids(), self.cfg.fraction,
                                 self.train.seed, round_number)
-        self.aggregator.begin_round(round_number, selected, len(self.registry.records))
-        if self.secagg is not None:
-            self.secagg.begin_round(round_number, self.registry)
         # Wall-clock start: consecutive starts give the full round period, checkpoint included.
         record: dict[str, Any] = {"round": round_number, "started": time.time(), "aggregate": {}}
+        aborted = False
+        snapshot: RoundSnapshot | None = None
+        try:
+            self.aggregator.begin_round(round_number, selected, len(self.registry.records))
+            if self.secagg is not None:
+                self.secagg.begin_round(round_number, self.registry)
+            # References to the global (no copy); taken before the checkpoint write ends,
+            # which only reads the state.
+            snapshot = self.aggregator.snapshot_round()
+        except Exception as err:
+            self.abort_round(record, "begin", err)
+            aborted = True
         participants = list(selected)
         eval_every = self.cfg.eval_every
         eval_due = bool(eval_every) and (round_number % eval_every == 0
                                          or round_number == self.cfg.rounds)
         phases = self.secagg.expand(self.method.phases) if self.secagg else self.method.phases
-        for name in phases:
+        for index, name in enumerate(phases):
             if name == EVALUATE:
+                if all(later == EVALUATE for later in phases[index + 1:]):
+                    snapshot = None  # nothing left to undo: let the previous global go
                 if eval_due:
                     edges = self.registry.connected_ids()
-                    evaluation = await self.run_phase(EVALUATE, round_number, edges, len(edges))
+                    try:
+                        evaluation = await self.run_phase(EVALUATE, round_number, edges,
+                                                          len(edges))
+                    except RoundAborted as err:  # the global stands; only its scores are lost
+                        record["evaluation_skipped"] = str(err)
+                        log.error("round %d: no evaluation: %s", round_number, err,
+                                  exc_info=err)
+                        continue
                     record[EVALUATE] = self.phase_record(evaluation)
                     per_edge = {e: r["evaluation"] for e, r in evaluation.received.items()}
                     record["evaluation"] = {"per_edge": per_edge, "summary": summarize(per_edge)}
                     self.publish_evaluation(per_edge, record["evaluation"]["summary"])
+                continue
+            if aborted:
                 continue
             secured = self.secured(name)
             if secured and self.secagg.skip(name):
@@ -561,16 +730,26 @@ class Engine:
                 timeout = self.secagg.deadline(name, timeout)
                 if name not in self.method.phases:
                     quorum = len(participants)  # protocol steps wait for every edge
-            phase = await self.run_phase(name, round_number, participants, quorum, timeout)
+            try:
+                phase = await self.run_phase(name, round_number, participants, quorum, timeout)
+            except RoundAborted as err:
+                await self.restore(snapshot)
+                self.abort_round(record, name, err)
+                aborted = True
+                continue
             async with self.agg_lock:
                 closing = time.monotonic()
-                close = self.secagg.close if secured else self.aggregator.close_phase
-                figures = await asyncio.to_thread(close, name)
+                figures, failure = await asyncio.to_thread(self.close_checked, name, secured,
+                                                           phase, snapshot)
                 self.metrics.aggregation_seconds.labels(name, "close").observe(
                     time.monotonic() - closing)
                 if figures.get("aggregated"):
                     self.state_version += 1
             record[name] = self.phase_record(phase)
+            if failure is not None:
+                self.abort_round(record, name, failure)
+                aborted = True
+                continue
             record["aggregate"].update(figures)
             participants = [e for e in participants if e in phase.received]
         record["seconds"] = time.monotonic() - started
@@ -580,8 +759,52 @@ class Engine:
         self.history["rounds"].append(record)
         self.start_checkpoint(record, len(participants), len(selected))
 
+    def close_checked(self, name: str, secured: bool, phase: Phase,
+                      snapshot: RoundSnapshot | None) -> tuple[dict[str, Any], Exception | None]:
+        """Closes a phase (a worker thread, under ``agg_lock``) and checks the state it
+        leaves before anything publishes it (the next broadcast, the checkpoint). Returns
+        (figures, None), or ({}, the reason) after putting the aggregator back to
+        ``snapshot`` when the close raised, the phase was tainted or the new state holds a
+        non-finite or beyond-float32 value."""
+        try:
+            if phase.tainted:
+                raise RoundAborted(phase.tainted)
+            close = self.secagg.close if secured else self.aggregator.close_phase
+            figures = close(name)
+            bad = self.aggregator.unusable_tensors(snapshot) if snapshot is not None else []
+            if bad:
+                more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+                raise RoundAborted(f"the aggregate is not finite within float32 range in "
+                                   f"{', '.join(bad[:3])}{more}; it was not applied")
+            return figures, None
+        except Exception as err:
+            if snapshot is not None:
+                # A failure here leaves the state unknown: it propagates and stops the
+                # server, which resumes from the last checkpoint.
+                self.aggregator.restore_round(snapshot)
+            return {}, err
+
+    async def restore(self, snapshot: RoundSnapshot | None) -> None:
+        """Puts the aggregator back to the round's start (an earlier phase may have
+        changed it) when a later phase cannot even start."""
+        if snapshot is not None:
+            async with self.agg_lock:
+                await asyncio.to_thread(self.aggregator.restore_round, snapshot)
+
+    def abort_round(self, record: dict[str, Any], phase: str, err: Exception) -> None:
+        """Records why the round aborted (history and metrics) and logs it: with the
+        traceback when the cause is an error in the server or the method, without when it
+        is the aggregate's values."""
+        reason = str(err) if isinstance(err, RoundAborted) else f"{type(err).__name__}: {err}"
+        record["aborted"] = f"{phase}: {reason}"
+        record["aggregate"] = {}
+        self.metrics.rounds_aborted.inc()
+        internal = not isinstance(err, RoundAborted) or err.__cause__ is not None
+        log.error("round %d %s: round aborted, the global stays as it was: %s",
+                  record["round"], phase, reason, exc_info=err if internal else None)
+
     def phase_record(self, phase: Phase) -> dict:
-        return {
+        record = {
             "selected": sorted(phase.tasks), "received": sorted(phase.received),
             "dropped": dict(sorted(phase.dropped.items())), "quorum": phase.quorum,
             "seconds": time.monotonic() - phase.started,
@@ -589,6 +812,13 @@ class Engine:
                              if r["metrics"]},
             "num_examples": {e: r["num_examples"] for e, r in sorted(phase.received.items())},
         }
+        # --clip-update-norm: each accepted upload's distance from the global (before any
+        # scaling), what an operator chooses C from.
+        norms = {e: r["update_norm"] for e, r in sorted(phase.received.items())
+                 if "update_norm" in r}
+        if norms:
+            record["update_norm"] = norms
+        return record
 
     def publish_evaluation(self, per_edge: dict, summary: dict) -> None:
         for edge, splits in per_edge.items():
@@ -612,10 +842,16 @@ class Engine:
 
     async def run_phase(self, name: str, round_number: int, edges: list[str], quorum: int,
                         timeout: float | None = None) -> Phase:
-        common_payload = self.aggregator.broadcast(
-            self.secagg.base_phase(name) if self.secagg else name)
-        common = await asyncio.to_thread(encode, common_payload)
-        frames = await asyncio.to_thread(lambda: list(data_frames(common, self.cfg.chunk_bytes)))
+        try:
+            common_payload = self.aggregator.broadcast(
+                self.secagg.base_phase(name) if self.secagg else name)
+            common = await asyncio.to_thread(encode, common_payload)
+            frames = await asyncio.to_thread(
+                lambda: list(data_frames(common, self.cfg.chunk_bytes)))
+            personal = {e: encode(self.personal_downlink(e, name)) for e in edges}
+        except Exception as err:
+            raise RoundAborted(f"the {name} downlink could not be built "
+                               f"({type(err).__name__}: {err})") from err
         # The id changes when the bytes differ (the manifest carries their CRC-32) and, to
         # rule out a CRC collision on the usual path, whenever a phase aggregated uploads;
         # so an edge's cached copy is reused exactly when it is current.
@@ -629,7 +865,7 @@ class Engine:
             name=name, round=round_number, tasks=tasks, quorum=quorum,
             common_id=common_id,
             common=common, common_frames=frames,
-            personal={e: encode(self.personal_downlink(e, name)) for e in edges},
+            personal=personal,
             spec_json=json.dumps({"round": round_number, "rounds": self.cfg.rounds, "phase": name}),
         )
         self.phase = phase

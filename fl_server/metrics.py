@@ -87,6 +87,12 @@ class ServerMetrics:
                                   "Edges whose results were used in the last round's phase",
                                   ["phase"])
         self.refused = counter("fedattn_refused_submissions", "Submissions refused", ["edge"])
+        # aggregate safety (engine: rounds that could not close, updates scaled to the bound)
+        self.rounds_aborted = counter("fedattn_rounds_aborted",
+                                      "Rounds aborted with the global kept: a phase could not "
+                                      "close or its aggregate was not finite")
+        self.updates_scaled = counter("fedattn_updates_scaled",
+                                      "Uploads scaled down to --clip-update-norm")
         self.edge_last_round = gauge("fedattn_edge_last_reported_round",
                                      "Last round in which the edge's result was accepted",
                                      ["edge"])

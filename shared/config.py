@@ -127,6 +127,13 @@ class ServerConfig:
     secagg_clip: float = 16.0         # |value| bound the edge checks before masking
     secagg_max_weight: float = 65536.0  # bound on an edge's weight (n_k) in the fixed point
     secagg_timeout: float = 60.0      # deadline of the advertise, share and unmask phases
+    # Poisoned or oversized uploads (an edge may lie about its weight or send huge values).
+    # Each edge's num_examples is capped at what it declared at join, never above this.
+    max_weight: int = 1_000_000
+    # > 0: bound on the L2 norm of an upload's model delta (upload minus the global, over
+    # the shared model tensors); 0: none. Needs every upload, so not with secure aggregation.
+    clip_update_norm: float = 0.0
+    clip_update_mode: str = "refuse"  # over the bound: refuse the upload | scale it down to it
 
     def validate(self) -> None:
         if self.rounds < 1:
@@ -177,6 +184,21 @@ class ServerConfig:
             if not 0 < getattr(self, name) < math.inf:
                 raise ConfigError(f"server.{name} must be > 0 and finite, got "
                                   f"{getattr(self, name)}")
+        if not 1 <= self.max_weight <= 2**53:  # float64 holds every weight exactly
+            raise ConfigError(f"server.max_weight must be in [1, 2**53], got {self.max_weight}")
+        if not 0 <= self.clip_update_norm < math.inf:
+            raise ConfigError(f"server.clip_update_norm must be >= 0 and finite (0: no bound), "
+                              f"got {self.clip_update_norm}")
+        if self.clip_update_mode not in ("refuse", "scale"):
+            raise ConfigError(f"server.clip_update_mode must be refuse or scale, got "
+                              f"{self.clip_update_mode!r}")
+        if self.clip_update_mode != "refuse" and not self.clip_update_norm:
+            raise ConfigError("server.clip_update_mode is set but server.clip_update_norm is 0: "
+                              "pass --clip-update-norm C")
+        if self.clip_update_norm and self.secagg:
+            raise ConfigError("server.clip_update_norm needs each upload and secure aggregation "
+                              "shows the server only their sum: use one or the other "
+                              "(server.secagg_clip bounds each value under --secagg)")
 
 
 ACCOUNTANTS = ("rdp", "prv", "gdp")

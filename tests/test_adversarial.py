@@ -21,15 +21,8 @@ import urllib.request
 import grpc
 import pytest
 from conftest import Cluster, wait_for
-from test_bad_input import (
-    RawEdge,
-    Task,
-    assert_single_upload_mean,
-    raw_layout,
-    shifted,
-    stream,
-    train_messages,
-)
+from rawedge import RawEdge, Task, raw_layout, shifted, stream, train_messages
+from test_bad_input import assert_single_upload_mean
 
 from fedattn_shared.tls import edge_credentials
 from fedattn_shared.wire import fedattn_pb2 as pb

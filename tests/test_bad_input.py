@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import json
 import secrets
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import grpc
 import pytest
@@ -28,180 +26,28 @@ import torch
 from conftest import Cluster, Proc, wait_for
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from rawedge import (
+    NUM_EXAMPLES,
+    UPLOAD_CHUNK,
+    RawEdge,
+    Task,
+    encoded_train,
+    raw_layout,
+    shifted,
+    stream,
+    train_messages,
+)
 
 from fedattn_shared import PROTOCOL_VERSION
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire import fedattn_pb2_grpc as pb_grpc
-from fedattn_shared.wire.codec import Kind, Payload, PayloadAssembler, Section, encode
-from fedattn_shared.wire.signing import BodyMac, exchange, new_key_share, sign_submission, upload_mac_key
-from fedattn_shared.wire.transport import MAX_MESSAGE_BYTES, channel_options
+from fedattn_shared.wire.codec import Kind, Section
+from fedattn_shared.wire.signing import BodyMac, new_key_share
+from fedattn_shared.wire.transport import MAX_MESSAGE_BYTES
 
 ROUNDS = 200             # more than the suite uses: the run must still be going at the end
 ROUND_TIMEOUT = 15.0
-UPLOAD_CHUNK = 32 << 10  # several data chunks per upload (the model is ~180 KB)
-NUM_EXAMPLES = 5
-NUM_CLASSES = 10
-DOWNLINK_CAP = 1 << 30
 TARGET = "model/classifier.0.weight"  # the tensor the bad uploads tamper with
-
-
-# ---- a raw edge ------------------------------------------------------------------------
-
-
-@dataclass
-class Task:
-    header: pb.TaskHeader
-    globals: dict[str, torch.Tensor]  # the common payload's shared tensors (copies)
-
-
-class RawEdge:
-    """A minimal edge speaking the wire protocol by hand."""
-
-    def __init__(self, port: int, prefix: str = "raw"):
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=channel_options())
-        self.stub = pb_grpc.FederatedLearningStub(self.channel)
-        self.edge_id = f"{prefix}-{secrets.token_hex(4)}"
-        self.secret = secrets.token_hex(32)
-        self.signing_key = Ed25519PrivateKey.generate()
-        self.session = ""
-        self.upload_mac_key = b""
-        self.present = threading.Event()
-        self._presence_call = None
-        self._presence_thread: threading.Thread | None = None
-
-    def join(self, **overrides) -> pb.JoinReply:
-        key_private, share, proof = new_key_share(self.signing_key, self.edge_id)
-        fields = {"protocol_version": PROTOCOL_VERSION, "edge_id": self.edge_id,
-                  "edge_secret": self.secret, "info": {"hostname": "bad-input-suite"},
-                  "signing_key": self.signing_key.public_key().public_bytes_raw(),
-                  "upload_key_share": share, "upload_key_proof": proof}
-        fields.update(overrides)
-        reply = self.stub.Join(pb.JoinRequest(**fields), timeout=10)
-        self.upload_mac_key = upload_mac_key(exchange(key_private, reply.upload_key_share),
-                                             self.edge_id, reply.session)
-        return reply
-
-    def connect(self) -> None:
-        """Join, then hold a presence stream open until ``close`` (the server only selects
-        connected edges); returns once the server has counted this edge as connected."""
-        self.session = self.join().session
-        self._presence_call = self.stub.Presence(
-            pb.PresenceRequest(edge_id=self.edge_id, session=self.session))
-
-        def watch():
-            try:
-                for _ in self._presence_call:
-                    self.present.set()  # the server marks the edge connected before the first event
-            except grpc.RpcError:
-                pass
-
-        self._presence_thread = threading.Thread(target=watch, daemon=True)
-        self._presence_thread.start()
-        wait_for(self.present.is_set, 15, f"presence of {self.edge_id}")
-
-    def next_task(self, timeout: float = 30.0) -> Task:
-        """Long-polls until a task arrives; decodes its common payload (never cached)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            header = None
-            assemblers: list[PayloadAssembler] = []
-            request = pb.TaskRequest(edge_id=self.edge_id, session=self.session, cached_common="")
-            for message in self.stub.NextTask(request, timeout=30):
-                if message.HasField("header"):
-                    assert header is None, "a second task header in one stream"
-                    header = message.header
-                    if header.status == pb.TaskHeader.TASK:
-                        assert not header.common_cached, "nothing was cached, yet no data follows"
-                        assemblers = [PayloadAssembler(header.common, DOWNLINK_CAP, MAX_MESSAGE_BYTES),
-                                      PayloadAssembler(header.personal, DOWNLINK_CAP, MAX_MESSAGE_BYTES)]
-                    continue
-                assert header is not None, "task data before the task header"
-                target = next(a for a in assemblers if not a.complete)
-                target.add(message.data)
-            assert header is not None, "task stream without a header"
-            if header.status == pb.TaskHeader.DONE:
-                raise AssertionError(f"the run ended at round {header.round}; raise ROUNDS")
-            if header.status == pb.TaskHeader.TASK:
-                common, _personal = (a.finish() for a in assemblers)
-                tensors = common.tensors(Kind.SHARED_TENSORS)
-                return Task(header, {name: t.clone() for name, t in tensors.items()})
-        raise AssertionError(f"no task for {self.edge_id} within {timeout}s")
-
-    def submit(self, messages: list[pb.SubmitMessage]) -> pb.SubmitReply:
-        """Signs an unsigned header over itself and the data that follows, as an edge does."""
-        if messages and messages[0].HasField("header") and not messages[0].header.signature:
-            self.sign(messages)
-        return self.stub.Submit(iter(messages), timeout=30)
-
-    def sign(self, messages: list[pb.SubmitMessage], key: Ed25519PrivateKey | None = None,
-             mac_key: bytes | None = None) -> None:
-        """As an edge signs: with its own keys unless a test swaps one in."""
-        header = messages[0].header
-        if not header.body_mac_iv:
-            header.body_mac_iv = BodyMac.new_iv()
-        body = BodyMac(self.upload_mac_key if mac_key is None else mac_key, header.body_mac_iv)
-        for message in messages[1:]:
-            body.update(message.data)
-        header.signature = sign_submission(key or self.signing_key, header, body.tag())
-
-    def header(self, task: Task, manifest: pb.PayloadManifest, **overrides) -> pb.SubmitHeader:
-        fields = {"protocol_version": PROTOCOL_VERSION, "edge_id": self.edge_id,
-                  "session": self.session, "round": task.header.round,
-                  "task_id": task.header.task_id, "phase": task.header.phase,
-                  "task_nonce": task.header.task_nonce,
-                  "num_examples": NUM_EXAMPLES, "payload": manifest}
-        fields.update(overrides)
-        return pb.SubmitHeader(**fields)
-
-    def evaluation(self, task: Task) -> list[pb.SubmitMessage]:
-        counts = [9 if i // NUM_CLASSES == i % NUM_CLASSES else 1 for i in range(NUM_CLASSES ** 2)]
-        result = pb.ConfusionCounts(split="test", num_classes=NUM_CLASSES, counts=counts,
-                                    loss_sum=42.5, brier_sum=17.25)
-        header = self.header(task, encode(Payload()).manifest, num_examples=sum(counts),
-                             evaluation=[result])
-        return [pb.SubmitMessage(header=header)]
-
-    def leave(self) -> None:
-        self.stub.Leave(pb.LeaveRequest(edge_id=self.edge_id, session=self.session,
-                                        reason="bad-input suite"), timeout=10)
-
-    def close(self) -> None:
-        if self._presence_call is not None:
-            self._presence_call.cancel()
-        if self._presence_thread is not None:
-            self._presence_thread.join(timeout=10)
-        self.channel.close()
-
-
-# ---- uploads -----------------------------------------------------------------------------
-
-
-def shifted(tensors: dict[str, torch.Tensor], delta: float) -> dict[str, torch.Tensor]:
-    return {name: (t + delta).to(t.dtype) for name, t in tensors.items()}
-
-
-def encoded_train(tensors: dict[str, torch.Tensor], extra: tuple[Section, ...] = ()):
-    return encode(Payload([Section(Kind.SHARED_TENSORS, "", tensors), *extra]))
-
-
-def train_messages(edge: RawEdge, task: Task, tensors: dict[str, torch.Tensor],
-                   **overrides) -> list[pb.SubmitMessage]:
-    encoded = encoded_train(tensors)
-    chunks = [chunk for _, chunk in encoded.chunks(UPLOAD_CHUNK)]
-    return [pb.SubmitMessage(header=edge.header(task, encoded.manifest, **overrides)),
-            *(pb.SubmitMessage(data=c) for c in chunks)]
-
-
-def raw_layout(edge: RawEdge, task: Task, tensors: dict[str, torch.Tensor]):
-    """(header, chunks) of a valid upload, for scenarios that tamper with the stream."""
-    encoded = encoded_train(tensors)
-    return (edge.header(task, encoded.manifest),
-            [chunk for _, chunk in encoded.chunks(UPLOAD_CHUNK)])
-
-
-def stream(header: pb.SubmitHeader | None, chunks: list[bytes]) -> list[pb.SubmitMessage]:
-    head = [pb.SubmitMessage(header=header)] if header is not None else []
-    return [*head, *(pb.SubmitMessage(data=c) for c in chunks)]
 
 
 # ---- checks --------------------------------------------------------------------------------
@@ -701,8 +547,12 @@ def test_duplicate_submissions_are_refused_and_counted_once(suite):
         after = suite.train_task()
         assert after.header.round == task.header.round + 1
         assert_bit_identical(after.globals, evaluation.globals)
-        history = json.loads((suite.cluster.tmp / "server-state" / "history.json").read_text())
-        record = next(r for r in history["rounds"] if r["round"] == task.header.round)
+        # The round's checkpoint (history.json with it) is written while the next round's
+        # tasks go out: wait for its record rather than read the file once.
+        history = suite.cluster.tmp / "server-state" / "history.json"
+        record = wait_for(lambda: next((r for r in json.loads(history.read_text())["rounds"]
+                                        if r["round"] == task.header.round), None),
+                          30, f"round {task.header.round}'s history record")
         assert record["evaluate"]["received"] == [edge.edge_id]
         assert other.edge_id in record["evaluate"]["dropped"]
     finally:
@@ -714,9 +564,15 @@ def test_duplicate_submissions_are_refused_and_counted_once(suite):
 
 def test_history_matches_and_the_server_still_serves(suite):
     edge = suite.edge
-    suite.train_task()  # completes the last scenario's round: its record is in history.json
-    history = json.loads((suite.cluster.tmp / "server-state" / "history.json").read_text())
-    records = {r["round"]: r for r in history["rounds"]}
+    suite.train_task()  # completes the last scenario's round: its record goes to history.json
+    path = suite.cluster.tmp / "server-state" / "history.json"
+    last = max([*suite.expected_rounds, *suite.expected_evaluations])
+
+    def written() -> dict | None:
+        records = {r["round"]: r for r in json.loads(path.read_text())["rounds"]}
+        return records if last in records else None
+
+    records = wait_for(written, 30, f"round {last}'s history record")
     for round_number, outcome in sorted(suite.expected_rounds.items()):
         record = records[round_number]
         if outcome == "dropped":

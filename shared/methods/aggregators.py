@@ -2,7 +2,9 @@
 
 * ``StreamingMean`` -- streaming weighted sum: each upload is added into a running sum as
   it arrives (O(model) memory, compatible with secure aggregation); the round's mean
-  replaces the global sections.
+  replaces the global sections. The sum is float64 whatever the tensors' dtype: float32
+  overflows at 3.4e38, which one edge with a large weight and finite values reaches, and
+  float64 keeps the mean of any weights up to ``server.max_weight`` exact to float32.
 * ``ServerOptimizer`` -- the same streamed mean, then an optimizer step on the server
   (FedAdam's moments, SCAFFOLD's control variate) whose state lives in the checkpoint.
 * ``CollectThenLearn`` -- keeps every upload of the round and learns from all of them
@@ -12,12 +14,26 @@
 Global state is a dict of sections: (kind, name) -> {tensor name: tensor}. Everything in
 it is broadcast to the edges; ``state_tensors``/``load_state`` cover it plus any
 optimizer state for the checkpoint.
+
+Closing a phase *replaces* the tensors of the global state (and of a server optimizer's
+state) with new ones and never writes into them: the engine keeps references to the
+previous ones (``snapshot_round``) and puts them back (``restore_round``) when a close
+raises or leaves a non-finite value (``unusable_tensors``), so a failed round costs no
+copy of the model. State that is updated in place (a learned aggregator's own network)
+is small and is copied.
+
+Robust aggregation against poisoned uploads: ``fedmedian`` (the coordinate-wise median)
+bounds what a minority of edges can do to each coordinate of the global, where a mean
+follows any single upload; ``--clip-update-norm`` bounds each upload's distance from the
+global before it reaches any aggregator.
 """
 
 from __future__ import annotations
 
 import abc
+import copy
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,6 +46,45 @@ if TYPE_CHECKING:
     from .base import Method
 
 SectionKey = tuple[Kind, str]
+
+# Elements per step when a float32 (or other) vector is added into the float64 sum: a
+# mixed-dtype add_ would first copy the whole operand to float64 (a model-sized buffer);
+# in steps the copy is 2 MiB, and the sum runs faster than in one call.
+SUM_STEP = 1 << 18
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def add_scaled(total: torch.Tensor, values: torch.Tensor, weight: float) -> None:
+    """``total += weight * values`` for a 1-D float64 ``total`` and any 1-D ``values`` of
+    the same length, without a float64 copy of ``values``."""
+    for start in range(0, values.numel(), SUM_STEP):
+        end = start + SUM_STEP
+        total[start:end].add_(values[start:end], alpha=weight)
+
+
+def out_of_range(tensor: torch.Tensor) -> bool:
+    """Whether a floating tensor holds NaN, an infinity or a value beyond float32's range
+    (what an edge could not load into a float32 model). One pass, nothing allocated."""
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return False
+    low, high = torch.aminmax(tensor.detach())
+    # NaN propagates into both and fails both comparisons.
+    return not (bool(low >= -FLOAT32_MAX) and bool(high <= FLOAT32_MAX))
+
+
+@dataclass
+class RoundSnapshot:
+    """The aggregator's state before a round aggregated anything: the global sections'
+    (and replace-only optimizer) tensors by reference, everything written in place copied.
+    ``restore_round`` returns to it exactly."""
+
+    state: dict[SectionKey, dict[str, torch.Tensor]]
+    tensors: dict[str, torch.Tensor]  # state_tensors(): references or copies
+    kept: frozenset[str]  # keys of ``tensors`` held by reference (unchanged while identical)
+    meta: dict[str, Any]
+    round: int
+    selected: list[str]
+    known_edges: int
 
 
 def _flat_key(section: SectionKey, name: str) -> str:
@@ -121,6 +176,43 @@ class Aggregator(abc.ABC):
         self.state = unflatten_sections(tensors, "global:")
         self.round = int(meta.get("round", 0))
 
+    # ---- a round that cannot close --------------------------------------------------
+    def replaced_tensors(self) -> dict[str, torch.Tensor]:
+        """The ``state_tensors`` that closing a phase replaces and never writes into (the
+        global sections): a snapshot holds them by reference, not by copy. A subclass
+        whose close writes into one of these tensors must leave it out here."""
+        return flatten_sections(self.state, "global:")
+
+    def snapshot_round(self) -> RoundSnapshot:
+        """What ``restore_round`` needs to undo the round: called after ``begin_round``,
+        before the round's first upload."""
+        replaced = self.replaced_tensors()
+        tensors, kept = {}, set()
+        for key, tensor in self.state_tensors().items():
+            if replaced.get(key) is tensor:
+                tensors[key] = tensor
+                kept.add(key)
+            else:
+                tensors[key] = tensor.detach().clone()
+        return RoundSnapshot({section: dict(values) for section, values in self.state.items()},
+                             tensors, frozenset(kept), copy.deepcopy(self.state_meta()),
+                             self.round, list(self.selected), self.known_edges)
+
+    def restore_round(self, snapshot: RoundSnapshot) -> None:
+        """Back to ``snapshot``: the global and all server state as before the round, and
+        the round's sums or collected uploads dropped (``begin_round`` again), so the next
+        round starts as if this one had aggregated nothing."""
+        self.load_state(dict(snapshot.tensors), copy.deepcopy(snapshot.meta))
+        self.state = {section: dict(values) for section, values in snapshot.state.items()}
+        self.begin_round(snapshot.round, snapshot.selected, snapshot.known_edges)
+
+    def unusable_tensors(self, snapshot: RoundSnapshot) -> list[str]:
+        """Checkpoint names of the state's tensors that changed since ``snapshot`` and hold
+        a non-finite or beyond-float32 value: such a state is never published."""
+        return [key for key, tensor in self.state_tensors().items()
+                if not (key in snapshot.kept and snapshot.tensors.get(key) is tensor)
+                and out_of_range(tensor)]
+
 
 class PairwiseCosine:
     """Mean pairwise cosine similarity of the round's uploads, per group of tensors, in
@@ -156,19 +248,21 @@ class PairwiseCosine:
         return out
 
 
-def _names_and_shapes(section: Section) -> list[tuple[str, tuple[int, ...]]]:
-    return [(name, shape) for name, _, shape in tensor_entries(section.tensors)]
+def _entries(section: Section) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    return list(tensor_entries(section.tensors))
 
 
 class StreamingMean(Aggregator):
-    """Weighted mean of every uploaded section, kept as a running sum."""
+    """Weighted mean of every uploaded section, kept as a float64 running sum: one vector
+    per section (twice the section's float32 size), whatever the tensors' dtypes; the
+    mean is cast back to each tensor's dtype when the phase closes."""
 
     kind = AggregatorKind.STREAMING_SUM
 
     def __init__(self, method: Method, models: dict[str, nn.Module]):
         super().__init__(method, models)
         self._sum: dict[SectionKey, torch.Tensor] = {}
-        self._layout: dict[SectionKey, list[tuple[str, tuple[int, ...]]]] = {}
+        self._layout: dict[SectionKey, list[tuple[str, torch.dtype, tuple[int, ...]]]] = {}
         self._names: dict[SectionKey, tuple[str, ...]] = {}
         self._weight = 0.0
         self._count = 0
@@ -182,52 +276,69 @@ class StreamingMean(Aggregator):
         self._cosine.reset()
 
     def accept(self, edge_id: str, upload: Payload, weight: float) -> None:
-        """Each section is summed as one flat float32 vector (one operation per section;
-        the layout of names and shapes comes from the first upload)."""
-        if not weight > 0:
-            raise ValueError(f"edge {edge_id}: aggregation weight must be > 0, got {weight}")
+        """Each section is added into its float64 sum as one flat vector when the upload
+        has one (one pass per section), else tensor by tensor; the layout of names, dtypes
+        and shapes comes from the first upload, and a later upload must match it."""
+        if not (weight > 0 and math.isfinite(weight)):
+            raise ValueError(f"edge {edge_id}: aggregation weight must be > 0 and finite, "
+                             f"got {weight}")
+        for section in upload.sections:  # checked before anything is added
+            key = (section.kind, section.name)
+            if key in self._layout and set(section.tensors) != set(self._names[key]):
+                raise ValueError(f"edge {edge_id}: section {section.kind.label}:"
+                                 f"{section.name!r} carries other tensors than this round's "
+                                 "first upload")
         for section in upload.sections:
             key = (section.kind, section.name)
             layout = self._layout.get(key)
             if layout is None:
-                layout = self._layout[key] = _names_and_shapes(section)
-                self._names[key] = tuple(name for name, _ in layout)
+                layout = self._layout[key] = _entries(section)
+                self._names[key] = tuple(name for name, _, _ in layout)
+            total = self._sum.get(key)
+            if total is None:
+                total = self._sum[key] = torch.zeros(
+                    sum(math.prod(shape) for _, _, shape in layout), dtype=torch.float64)
             if section.flat is not None and tuple(section.tensors) == self._names[key]:
-                flat = section.flat.to(torch.float32)
+                add_scaled(total, section.flat, weight)
             else:
-                flat = torch.cat([section.tensors[name].reshape(-1).to(torch.float32)
-                                  for name, _ in layout]) if layout else torch.zeros(0)
-            if key in self._sum:
-                self._sum[key].add_(flat, alpha=weight)
-            else:
-                self._sum[key] = flat.mul(weight)
+                start = 0
+                for name, _, shape in layout:
+                    n = math.prod(shape)
+                    add_scaled(total[start : start + n], section.tensors[name].reshape(-1), weight)
+                    start += n
             if section.kind == Kind.SHARED_TENSORS and self._cosine.groups:
                 self._cosine.add(section.tensors)
         self._weight += weight
         self._count += 1
 
     def accept_sum(self, phase: str, sums: Payload, total_weight: float, count: int) -> None:
-        if not total_weight > 0:
-            raise ValueError(f"the summed aggregation weight must be > 0, got {total_weight}")
+        if not (total_weight > 0 and math.isfinite(total_weight)):
+            raise ValueError(f"the summed aggregation weight must be > 0 and finite, got "
+                             f"{total_weight}")
         for section in sums.sections:
             key = (section.kind, section.name)
-            self._layout[key] = _names_and_shapes(section)
+            self._layout[key] = _entries(section)
             self._names[key] = tuple(section.tensors)
-            self._sum[key] = torch.cat([t.reshape(-1).to(torch.float32)
+            self._sum[key] = torch.cat([t.reshape(-1).to(torch.float64)
                                         for t in section.tensors.values()])
         self._weight += total_weight
         self._count += count
 
     def means(self) -> dict[SectionKey, dict[str, torch.Tensor]]:
+        """The round's mean of each section, each tensor in its uploaded dtype. A section of
+        one dtype becomes one vector of that dtype, its tensors views of it."""
         out = {}
         for key, total in self._sum.items():
-            # In place: the sum is spent once the mean exists (finish drops it), and a
-            # second model-sized vector would be the server's peak memory.
+            # In place: the sum is spent once the mean exists (finish drops it).
             mean = total.div_(self._weight)
+            layout = self._layout[key]
+            dtypes = {dtype for _, dtype, _ in layout}
+            if len(dtypes) == 1:
+                mean = mean.to(dtypes.pop())
             tensors, start = {}, 0
-            for name, shape in self._layout[key]:
+            for name, dtype, shape in layout:
                 n = math.prod(shape)
-                tensors[name] = mean[start : start + n].view(shape)
+                tensors[name] = mean[start : start + n].to(dtype).view(shape)
                 start += n
             out[key] = tensors
         return out
@@ -254,13 +365,19 @@ class StreamingMean(Aggregator):
 
 
 class ServerOptimizer(StreamingMean):
-    """A streamed mean followed by a server-side step implemented in ``apply``."""
+    """A streamed mean followed by a server-side step implemented in ``apply``, which
+    replaces the tensors of ``optimizer_state`` (as of the global), never writes into them."""
 
     kind = AggregatorKind.SERVER_OPTIMIZER
 
     def __init__(self, method: Method, models: dict[str, nn.Module]):
         super().__init__(method, models)
         self.optimizer_state: dict[str, torch.Tensor] = {}
+
+    def replaced_tensors(self) -> dict[str, torch.Tensor]:
+        out = super().replaced_tensors()
+        out.update({f"opt:{k}": v for k, v in self.optimizer_state.items()})
+        return out
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         out = super().state_tensors()

@@ -383,6 +383,10 @@ class GatedAggregator(StreamingMean):
                 raise ValueError(f"n must be a positive whole number of samples, got {n}")
             if ce < 0:
                 raise ValueError(f"ce (a cross-entropy) must be >= 0, got {ce}")
+            # n_k weighs the edge in alpha: it must be the header's, which the server caps
+            # (compared as the float32 the edge sends it in).
+            if n != float(torch.tensor(weight, dtype=torch.float32)):
+                raise ValueError(f"n = {n:g} is not the submission's num_examples ({weight:g})")
             self.scalars[edge_id] = (n, ce)
         elif phase == UPLOAD:
             if edge_id not in self.alpha:
