@@ -66,6 +66,9 @@ def test_slow_edge_is_dropped_at_the_deadline_and_comes_back(cluster, tmp_path):
     edges = [cluster.edge(d, f"fast{i}") for i, d in enumerate(fast)] + [cluster.edge(slow, "slow")]
     # Its late result is refused, not aggregated; rounds went on while it trained.
     edges[2].wait_log("result refused", timeout=240)
+    # A quick machine refuses it while round 1's checkpoint (history.json) is still being
+    # written: read the history once a round is on disk.
+    server.wait_log("checkpoint round 1 written", timeout=60)
     server.kill()
     assert server.popen.returncode != 0 and all(e.popen.poll() is None for e in edges[:2])
     history = read_history(tmp_path / "server-state")
