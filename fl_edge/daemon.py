@@ -88,9 +88,22 @@ RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
 
 
 class EdgeExit(Exception):
-    def __init__(self, code: int, message: str):
+    """The edge stops with ``code`` and ``message``. ``tell_server``: a reason the edge
+    sends the server as it leaves (for refusals of the server's own settings; never local
+    paths or data)."""
+
+    def __init__(self, code: int, message: str, tell_server: str = ""):
         super().__init__(message)
         self.code = code
+        self.tell_server = tell_server
+
+
+def policy_exit(err: PolicyRefusal, ledger_path: Path) -> EdgeExit:
+    """Exit 2 for a server [dp] the edge's policy refuses; the ledger's path is named
+    locally when the limit came from it, and the server hears the refusal alone."""
+    where = f" ({ledger_path})" if err.pinned else ""
+    return EdgeExit(2, f"refusing the server's privacy settings: {err}{where}",
+                    tell_server=f"refused the server's privacy settings: {err}")
 
 
 class Rejoin(Exception):
@@ -377,7 +390,8 @@ class EdgeDaemon:
                 self._setup(reply.config_json, reply.fingerprint)
             except EdgeExit as err:
                 # The server hears why (its history records it) rather than a silent drop.
-                self._leave(stub, f"refused the server's configuration: {str(err)[:400]}")
+                if err.tell_server:
+                    self._leave(stub, err.tell_server[:500])
                 raise
         self.metrics.connected.set(1)
         log.info("joined %s as %s (method %s)", self.opts.server, self.identity.edge_id,
@@ -416,7 +430,11 @@ class EdgeDaemon:
             config = json.loads(config_json)
             if not isinstance(config, dict):
                 raise ValueError("not a JSON object")
-            check_method_allowed(config["method"], self.opts.allow_methods)
+            try:
+                check_method_allowed(config["method"], self.opts.allow_methods)
+            except ValueError as err:
+                raise EdgeExit(2, f"refusing the server's method: {err}",
+                               tell_server=f"refused the server's method: {err}") from None
             train = TrainConfig()
             apply_values(train, "train", config["train"], "server config")
             train.validate()
@@ -435,8 +453,7 @@ class EdgeDaemon:
         try:
             self.opts.privacy.check(dp, pinned)
         except PolicyRefusal as err:
-            raise EdgeExit(2, f"refusing the server's privacy settings: {err} "
-                              f"({self.store.ledger_path})") from None
+            raise policy_exit(err, self.store.ledger_path) from None
         try:
             method_cls = load_method(config["method"])
             params = method_cls.Params()
@@ -490,8 +507,7 @@ class EdgeDaemon:
             privacy = PrivateTraining(algo, method.dp, num_examples, batch_size, ledger,
                                       policy=self.opts.privacy)
         except PolicyRefusal as err:
-            raise EdgeExit(2, f"refusing the server's privacy settings: {err} "
-                              f"({self.store.ledger_path})") from None
+            raise policy_exit(err, self.store.ledger_path) from None
         except (ValueError, StateError) as err:
             raise EdgeExit(2, f"{err} ({self.store.ledger_path})") from None
         self._write(self.store.save_ledger, privacy.ledger())

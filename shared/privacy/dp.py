@@ -142,7 +142,12 @@ class BudgetSpent(Exception):
 
 class PolicyRefusal(ValueError):
     """A server's ``[dp]`` weaker than what the edge agreed to: the message names the field,
-    the server's value and the edge's limit (and where the limit comes from)."""
+    the server's value and the edge's limit (and where the limit comes from). ``pinned``:
+    the limit is the ledger's pin (so the caller can name the ledger's path)."""
+
+    def __init__(self, message: str, pinned: bool = False):
+        super().__init__(message)
+        self.pinned = pinned
 
 
 def _eps(value: float) -> str:
@@ -218,7 +223,7 @@ class PrivacyPolicy:
                 raise PolicyRefusal(
                     f"dp: the server runs without DP-SGD, but this state dir's privacy ledger "
                     f"is pinned to DP-SGD (epsilon {_eps(pinned.epsilon)}, delta "
-                    f"{pinned.delta:.3g}) since its first DP-SGD run")
+                    f"{pinned.delta:.3g}) since its first DP-SGD run", pinned=True)
             if self.max_epsilon is not None:
                 raise PolicyRefusal(
                     f"dp: the server runs without DP-SGD (epsilon unbounded); this edge allows "
@@ -233,25 +238,26 @@ class PrivacyPolicy:
         asked = dp.target_epsilon or math.inf
         limits = []
         if self.max_epsilon is not None:
-            limits.append((self.max_epsilon, "--dp-max-epsilon"))
+            limits.append((self.max_epsilon, "--dp-max-epsilon", False))
         if pinned is not None:
             limits.append((pinned.epsilon, "pinned in this state dir's privacy ledger by its "
-                                           "first DP-SGD run"))
-        for limit, source in limits:
+                                           "first DP-SGD run", True))
+        for limit, source, from_pin in limits:
             if asked > limit * (1 + 1e-12):
                 what = ("sets no budget (a fixed noise multiplier, unbounded spend)"
                         if math.isinf(asked) else f"asks for {asked:g}")
                 raise PolicyRefusal(f"dp.target_epsilon: the server {what}; this edge allows "
-                                    f"at most {_eps(limit)} ({source})")
+                                    f"at most {_eps(limit)} ({source})", pinned=from_pin)
         if pinned is not None:
             if dp.delta and dp.delta > pinned.delta:
                 raise PolicyRefusal(f"dp.delta: the server sends {dp.delta:.3g}; this edge "
                                     f"allows at most {pinned.delta:.3g} (pinned in this state "
-                                    "dir's privacy ledger)")
+                                    "dir's privacy ledger)", pinned=True)
             if dp.accountant != pinned.accountant:
                 raise PolicyRefusal(f"dp.accountant: the server uses {dp.accountant!r}; this "
                                     f"state dir's privacy ledger is kept with "
-                                    f"{pinned.accountant!r} (pinned by its first DP-SGD run)")
+                                    f"{pinned.accountant!r} (pinned by its first DP-SGD run)",
+                                    pinned=True)
 
     @staticmethod
     def check_calibrated(delta: float, num_examples: int, noise_multiplier: float | None,
@@ -269,12 +275,13 @@ class PrivacyPolicy:
         if delta > pinned.delta * (1 + 1e-12):
             raise PolicyRefusal(f"dp.delta: the server's run resolves to delta {delta:.3g} on "
                                 f"this edge; it allows at most {pinned.delta:.3g} (pinned in "
-                                "this state dir's privacy ledger)")
+                                "this state dir's privacy ledger)", pinned=True)
         if noise_multiplier is not None and noise_multiplier < pinned.noise_multiplier * (1 - 1e-9):
             raise PolicyRefusal(
                 f"dp.noise_multiplier: the server's run gives sigma {noise_multiplier:.4g} per "
                 f"sampled batch on this edge; it allows no less than {pinned.noise_multiplier:.4g} "
-                "(calibrated by this state dir's first DP-SGD run, pinned in its privacy ledger)")
+                "(calibrated by this state dir's first DP-SGD run, pinned in its privacy ledger)",
+                pinned=True)
 
 
 class PrivateTraining:
