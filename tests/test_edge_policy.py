@@ -124,8 +124,11 @@ MAX8 = PrivacyPolicy(max_epsilon=8.0)
     (PrivacyPolicy(), PIN, dp(accountant="gdp"),
      "dp.accountant: the server uses 'gdp'; this state dir's privacy ledger is kept with 'rdp'"),
     (PrivacyPolicy(), None, None, None),
+    # [dp] sections that skipped validate(), as a hostile server's would:
     (PrivacyPolicy(), None, dp(delta=0.6), "dp.delta: the server sends 0.6; this edge refuses "
-                                           "any delta >= 0.5"),  # a [dp] that skipped validate()
+                                           "any delta >= 0.5"),
+    (MAX8, None, dp(target_epsilon=math.nan), "dp.target_epsilon: the server sends nan"),
+    (PrivacyPolicy(), PIN, dp(target_epsilon=-1.0), "dp.target_epsilon: the server sends -1.0"),
 ])
 def test_policy_check_names_the_field_the_server_value_and_the_limit(policy, pinned, config,
                                                                       refusal):
@@ -157,6 +160,9 @@ def test_delta_must_be_below_one_over_n_k_and_the_pin():
                                             "less than 1"):
         check(0.001, 100, 0.9, PIN)
     check(0.001, 100, 1.0, PIN)
+    for nan in [(math.nan, 100, None, None), (0.001, 100, math.nan, PIN)]:
+        with pytest.raises(PolicyRefusal):
+            check(*nan)
 
 
 def test_the_first_dp_run_pins_its_limits_and_later_runs_may_be_stricter_never_weaker():

@@ -235,7 +235,11 @@ class PrivacyPolicy:
         if not 0 <= dp.delta < MAX_DELTA:
             raise PolicyRefusal(f"dp.delta: the server sends {dp.delta:g}; this edge refuses "
                                 f"any delta >= {MAX_DELTA}")
+        # Comparisons are written so that a NaN (a [dp] that skipped validate()) is refused.
         asked = dp.target_epsilon or math.inf
+        if not asked > 0:
+            raise PolicyRefusal(f"dp.target_epsilon: the server sends {dp.target_epsilon}; this "
+                                "edge accepts a finite number > 0, or 0 for none")
         limits = []
         if self.max_epsilon is not None:
             limits.append((self.max_epsilon, "--dp-max-epsilon", False))
@@ -243,13 +247,13 @@ class PrivacyPolicy:
             limits.append((pinned.epsilon, "pinned in this state dir's privacy ledger by its "
                                            "first DP-SGD run", True))
         for limit, source, from_pin in limits:
-            if asked > limit * (1 + 1e-12):
+            if not asked <= limit * (1 + 1e-12):
                 what = ("sets no budget (a fixed noise multiplier, unbounded spend)"
                         if math.isinf(asked) else f"asks for {asked:g}")
                 raise PolicyRefusal(f"dp.target_epsilon: the server {what}; this edge allows "
                                     f"at most {_eps(limit)} ({source})", pinned=from_pin)
         if pinned is not None:
-            if dp.delta and dp.delta > pinned.delta:
+            if dp.delta and not dp.delta <= pinned.delta:
                 raise PolicyRefusal(f"dp.delta: the server sends {dp.delta:.3g}; this edge "
                                     f"allows at most {pinned.delta:.3g} (pinned in this state "
                                     "dir's privacy ledger)", pinned=True)
@@ -266,17 +270,17 @@ class PrivacyPolicy:
         delta of 1/n lets a mechanism publish one of the n samples outright and still
         claim it) and the pin, and the calibrated noise (per sampled batch) against the
         pin's floor (None: not calibrated yet)."""
-        if delta >= 1 / num_examples:
+        if not delta < 1 / num_examples:
             raise PolicyRefusal(f"dp.delta: the server's delta {delta:.3g} is not below 1/n_k = "
                                 f"{1 / num_examples:.3g} for this edge's {num_examples} training "
                                 "samples")
         if pinned is None:
             return
-        if delta > pinned.delta * (1 + 1e-12):
+        if not delta <= pinned.delta * (1 + 1e-12):
             raise PolicyRefusal(f"dp.delta: the server's run resolves to delta {delta:.3g} on "
                                 f"this edge; it allows at most {pinned.delta:.3g} (pinned in "
                                 "this state dir's privacy ledger)", pinned=True)
-        if noise_multiplier is not None and noise_multiplier < pinned.noise_multiplier * (1 - 1e-9):
+        if noise_multiplier is not None and not noise_multiplier >= pinned.noise_multiplier * (1 - 1e-9):
             raise PolicyRefusal(
                 f"dp.noise_multiplier: the server's run gives sigma {noise_multiplier:.4g} per "
                 f"sampled batch on this edge; it allows no less than {pinned.noise_multiplier:.4g} "
