@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 from fedattn_shared.logs import setup_logging
+from fedattn_shared.methods.registry import MODULE_SPEC
+from fedattn_shared.privacy.dp import PrivacyPolicy
 
 from .daemon import EdgeDaemon, EdgeExit, EdgeOptions
 
@@ -19,7 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fl-edge",
         description="fedattn edge daemon: joins a fl-server, trains on local data, keeps "
-                    "private state on local disk. The server chooses the method and model. "
+                    "private state on local disk. The server chooses the method and model, "
+                    "within the edge's own rules (see below). "
                     "Offline tools: `fl-edge export ...`, `fl-edge predict ...`.")
     parser.add_argument("--server", required=True, help="HOST:PORT of the fl-server")
     parser.add_argument("--data-dir", required=True, type=Path,
@@ -51,6 +54,25 @@ def build_parser() -> argparse.ArgumentParser:
                        help="micro-batches per optimizer step (default 1)")
     small.add_argument("--amp", action="store_true",
                        help="half-precision forward pass (fp16 on CUDA, bf16 on CPU)")
+    policy = parser.add_argument_group(
+        "what the server may ask of this edge",
+        "The server chooses the method, model and DP-SGD settings; the edge refuses (exit "
+        "status 2, naming the setting) any that its own rules do not allow, before training.")
+    policy.add_argument("--dp-max-epsilon", type=float, default=None, metavar="E",
+                        help="train only under DP-SGD with a privacy budget of at most E: a "
+                             "server without DP-SGD, without a budget (--dp-epsilon) or with a "
+                             "larger one is refused. Implies --require-dp. Independently, the "
+                             "first DP-SGD run on a state dir pins its epsilon, delta, noise "
+                             "and accountant in the privacy ledger as that state dir's limits")
+    policy.add_argument("--require-dp", action="store_true",
+                        help="refuse a server that runs without DP-SGD (a state dir whose "
+                             "privacy ledger exists requires it anyway)")
+    policy.add_argument("--allow-method", action="append", default=[], metavar="MODULE:CLASS",
+                        help="accept this method spec from the server, importing MODULE on "
+                             "this device (repeatable; the exact spec only). Without it the "
+                             "edge runs only methods installed under the fedattn.methods entry "
+                             "points, and refuses any module:Class a server names before "
+                             "importing anything")
     parser.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
                         help="progress bars (auto: when a terminal is attached)")
     parser.add_argument("--log-level", default="INFO")
@@ -126,6 +148,16 @@ def main(argv: list[str] | None = None) -> int:
     if (args.batch_size is not None and args.batch_size < 1) or args.grad_accum < 1:
         print("fl-edge: error: --batch-size and --grad-accum must be >= 1", file=sys.stderr)
         return 2
+    bad_specs = [spec for spec in args.allow_method if not MODULE_SPEC.fullmatch(spec)]
+    if bad_specs:
+        print(f"fl-edge: error: --allow-method {bad_specs[0]!r}: expected package.module:Class",
+              file=sys.stderr)
+        return 2
+    try:
+        privacy = PrivacyPolicy(max_epsilon=args.dp_max_epsilon, require_dp=args.require_dp)
+    except ValueError as err:
+        print(f"fl-edge: error: {err}", file=sys.stderr)
+        return 2
     state_dir = args.state_dir or args.data_dir.resolve().parent / (
         f"{args.data_dir.resolve().name}.fedattn-state")
     options = EdgeOptions(
@@ -133,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         name=args.name, device=args.device, metrics_port=args.metrics_port,
         progress={"auto": None, "on": True, "off": False}[args.progress],
         retry_for=args.retry_for, batch_size=args.batch_size, amp=args.amp,
-        grad_accum=args.grad_accum, tls_dir=args.tls_dir, tls_server_name=args.tls_server_name)
+        grad_accum=args.grad_accum, tls_dir=args.tls_dir, tls_server_name=args.tls_server_name,
+        privacy=privacy, allow_methods=tuple(args.allow_method))
     try:
         return EdgeDaemon(options).run()
     except EdgeExit as err:

@@ -2,7 +2,12 @@
 stream results back; reconnect with backoff whenever the server is away.
 
 The edge takes no method flag: the server's join reply carries the method, model and
-hyperparameters. The model stays resident across rounds; private state is written
+hyperparameters. The edge holds them to its own rules before using any of it: only an
+installed method, or a module:Class it was started with ``--allow-method`` for (refused
+before any import); DP-SGD within its privacy policy and its ledger's pin (refused before
+any training, ``fedattn_shared.privacy.dp``); downlinks no larger than the run's models
+imply (refused on the header, before allocating). A refusal ends the edge with status 2,
+naming the setting. The model stays resident across rounds; private state is written
 atomically after every local training, before the upload.
 """
 
@@ -18,7 +23,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -28,9 +33,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 from fedattn_shared import PROTOCOL_VERSION
 from fedattn_shared.config import ConfigError, DPConfig, TrainConfig, apply_values
 from fedattn_shared.data import DataError, EdgeData, load_edge_data
-from fedattn_shared.methods import load_method
+from fedattn_shared.methods import check_method_allowed, load_method
 from fedattn_shared.methods.base import EVALUATE, TRAIN, EdgeAlgorithm, Method, MethodContext
-from fedattn_shared.privacy.dp import BudgetSpent, PrivateTraining, check_dp
+from fedattn_shared.privacy.dp import (
+    BudgetSpent,
+    PinnedPolicy,
+    PolicyRefusal,
+    PrivacyPolicy,
+    PrivateTraining,
+    check_dp,
+)
 from fedattn_shared.state import StateError
 from fedattn_shared.tls import edge_credentials
 from fedattn_shared.wire import fedattn_pb2 as pb
@@ -76,9 +88,22 @@ RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
 
 
 class EdgeExit(Exception):
-    def __init__(self, code: int, message: str):
+    """The edge stops with ``code`` and ``message``. ``tell_server``: a reason the edge
+    sends the server as it leaves (for refusals of the server's own settings; never local
+    paths or data)."""
+
+    def __init__(self, code: int, message: str, tell_server: str = ""):
         super().__init__(message)
         self.code = code
+        self.tell_server = tell_server
+
+
+def policy_exit(err: PolicyRefusal, ledger_path: Path) -> EdgeExit:
+    """Exit 2 for a server [dp] the edge's policy refuses; the ledger's path is named
+    locally when the limit came from it, and the server hears the refusal alone."""
+    where = f" ({ledger_path})" if err.pinned else ""
+    return EdgeExit(2, f"refusing the server's privacy settings: {err}{where}",
+                    tell_server=f"refused the server's privacy settings: {err}")
 
 
 class Rejoin(Exception):
@@ -103,6 +128,31 @@ class EdgeOptions:
     grad_accum: int = 1
     tls_dir: Path | None = None   # mutual TLS; its certificate names the edge id
     tls_server_name: str = ""
+    # The edge's privacy limits (--dp-max-epsilon, --require-dp): a weaker server is refused.
+    privacy: PrivacyPolicy = field(default_factory=PrivacyPolicy)
+    # module:Class method specs this edge imports when a server names them (--allow-method);
+    # any other method must be installed under the fedattn.methods entry points.
+    allow_methods: tuple[str, ...] = ()
+
+
+# The downlink cap (bytes per payload, the common and the personal part each): before the
+# run's models are known, a bound for any model fedattn ships; after, DOWNLINK_FACTOR x the
+# bytes of the models' state plus DOWNLINK_SLACK (see ``downlink_cap``).
+DOWNLINK_CAP_BEFORE_SETUP = 1 << 30
+DOWNLINK_FACTOR = 4
+DOWNLINK_SLACK = 64 << 20
+
+
+def downlink_cap(models: dict[str, torch.nn.Module]) -> int:
+    """The most bytes one downlink payload of a run may declare. What a method sends an
+    edge is made of its models' tensors: the global (at most every state tensor, in a
+    dtype no wider than float64), SCAFFOLD's control variates beside it, the initial
+    models once; hence a small multiple of the models' state. The slack covers what does
+    not grow with the model (SecAgg+'s keys and shares, prototypes, scalars). A server
+    that declares more is refused before the edge allocates a byte for it."""
+    state = sum(t.numel() * t.element_size() for model in models.values()
+                for t in model.state_dict().values())
+    return DOWNLINK_FACTOR * state + DOWNLINK_SLACK
 
 
 @dataclass
@@ -220,6 +270,7 @@ class EdgeDaemon:
         self.train_cfg: TrainConfig | None = None
         self.privacy: PrivateTraining | None = None
         self.chunk_bytes = 1 << 20
+        self.downlink_cap = DOWNLINK_CAP_BEFORE_SETUP
         self.cached_common: tuple[str, Payload, bytearray] | None = None
         self.buffers = BufferPool(keep=1)
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-writer")
@@ -243,6 +294,9 @@ class EdgeDaemon:
             except Rejoin:
                 log.info("server forgot this session; joining again")
                 continue
+            except WireError as err:
+                raise EdgeExit(2, f"server {self.opts.server} sent a task this edge refuses: "
+                                  f"{err}") from None
             except grpc.RpcError as err:
                 code = err.code() if hasattr(err, "code") else None
                 if code not in RETRYABLE:
@@ -340,7 +394,13 @@ class EdgeDaemon:
         self.session = reply.session
         self.chunk_bytes = reply.chunk_bytes or self.chunk_bytes
         if reply.config_json != self.config_json:
-            self._setup(reply.config_json, reply.fingerprint)
+            try:
+                self._setup(reply.config_json, reply.fingerprint)
+            except EdgeExit as err:
+                # The server hears why (its history records it) rather than a silent drop.
+                if err.tell_server:
+                    self._leave(stub, err.tell_server[:500])
+                raise
             if "num_examples" not in info:
                 # The training split depends on the server's configuration, known only now:
                 # join again to declare its size (the new session replaces this one), saying
@@ -377,24 +437,46 @@ class EdgeDaemon:
 
     # ---- configuration ------------------------------------------------------------------
     def _setup(self, config_json: str, fingerprint: str) -> None:
+        """The server's run configuration, checked against this edge's own rules before
+        anything of it is used: the method must be installed or allowed (checked before
+        any import), the DP-SGD settings within the edge's policy and the ledger's pin."""
         try:
             config = json.loads(config_json)
+            if not isinstance(config, dict):
+                raise ValueError("not a JSON object")
+            try:
+                check_method_allowed(config["method"], self.opts.allow_methods)
+            except ValueError as err:
+                raise EdgeExit(2, f"refusing the server's method: {err}",
+                               tell_server=f"refused the server's method: {err}") from None
             train = TrainConfig()
             apply_values(train, "train", config["train"], "server config")
             train.validate()
-            method_cls = load_method(config["method"])
-            params = method_cls.Params()
-            apply_values(params, config["method"], config.get("params", {}), "server config")
             dp = None
-            if "dp" in config:
+            if config.get("dp") is not None:
                 dp = DPConfig()
                 apply_values(dp, "dp", config["dp"], "server config")
                 dp.validate()
             # What this edge holds every secure-aggregation round to (not the round's word).
             secagg = SecAggPolicy.from_config(config["secagg"]) if "secagg" in config else None
-        except (ConfigError, ValueError, KeyError, TypeError) as err:
+        except (ConfigError, ValueError, KeyError, TypeError, AttributeError) as err:
             raise EdgeExit(2, f"cannot use the server's configuration: {err}") from None
-        method = method_cls(MethodContext(train, params, dp=dp))
+        try:
+            ledger = self.store.load_ledger()
+            pinned = PinnedPolicy.from_ledger(ledger) if ledger is not None else None
+        except StateError as err:
+            raise EdgeExit(2, f"{err} ({self.store.ledger_path})") from None
+        try:
+            self.opts.privacy.check(dp, pinned)
+        except PolicyRefusal as err:
+            raise policy_exit(err, self.store.ledger_path) from None
+        try:
+            method_cls = load_method(config["method"])
+            params = method_cls.Params()
+            apply_values(params, config["method"], config.get("params", {}), "server config")
+            method = method_cls(MethodContext(train, params, dp=dp))
+        except (ConfigError, ValueError, TypeError, AttributeError) as err:
+            raise EdgeExit(2, f"cannot use the server's configuration: {err}") from None
         models = method.build_models()
         local_fingerprint = method.fingerprint(models)
         if local_fingerprint != fingerprint:
@@ -416,9 +498,10 @@ class EdgeDaemon:
             log.info("resumed private state from %s (round %s, phase %s, digest %s)",
                      self.store.path, meta.get("round"), meta.get("phase"), private_digest(algo))
         self.privacy = self._private_training(method, algo, len(data.train),
-                                              self.opts.batch_size or train.batch_size)
+                                              self.opts.batch_size or train.batch_size, ledger)
         self.method, self.algo, self.data, self.train_cfg = method, algo, data, train
         self.secagg.policy = secagg
+        self.downlink_cap = downlink_cap(models)
         self.config_json, self.fingerprint = config_json, fingerprint
         self._write(self.store.save_run_config, config_json, fingerprint)
         self.cached_common = None
@@ -426,9 +509,11 @@ class EdgeDaemon:
                  len(data.test), len(data.global_test) if data.global_test else "no")
 
     def _private_training(self, method: Method, algo: EdgeAlgorithm, num_examples: int,
-                          batch_size: int) -> PrivateTraining | None:
+                          batch_size: int, ledger: dict | None) -> PrivateTraining | None:
         """DP-SGD for the run (once: the models are wrapped for good), calibrated to this
-        edge's data, continuing the ledger on disk."""
+        edge's data, continuing the ledger on disk, within the edge's policy and the
+        ledger's pin. The ledger is written at once, so the first run's pin holds from
+        before its first step."""
         if method.dp is None:
             return None
         if self.opts.amp or self.opts.grad_accum > 1:
@@ -436,10 +521,13 @@ class EdgeDaemon:
                               "with it (dp.max_physical_batch bounds memory instead)")
         try:
             check_dp(method)
-            privacy = PrivateTraining(algo, method.dp, num_examples, batch_size,
-                                      self.store.load_ledger())
+            privacy = PrivateTraining(algo, method.dp, num_examples, batch_size, ledger,
+                                      policy=self.opts.privacy)
+        except PolicyRefusal as err:
+            raise policy_exit(err, self.store.ledger_path) from None
         except (ValueError, StateError) as err:
             raise EdgeExit(2, f"{err} ({self.store.ledger_path})") from None
+        self._write(self.store.save_ledger, privacy.ledger())
         self.metrics.track_privacy(privacy.spent(), privacy.budget)
         log.info("DP-SGD: sigma %.4g, q %.4g, delta %.3g, C %g, %d steps per round, epsilon "
                  "spent so far %.4g of %s", privacy.noise_multiplier, privacy.sample_rate,
@@ -486,7 +574,7 @@ class EdgeDaemon:
         stream = self._call(stub.NextTask, request, timeout=120)
         header = None
         assemblers: list[PayloadAssembler] = []
-        cap = 1 << 34
+        cap = self.downlink_cap
         try:
             for message in stream:
                 if not isinstance(message, memoryview):
@@ -494,6 +582,18 @@ class EdgeDaemon:
                     self.meter.count_message(DOWN, message)
                     if header.status != pb.TaskHeader.TASK:
                         break
+                    for part, manifest in (("common", header.common), ("personal", header.personal)):
+                        if part == "common" and header.common_cached:
+                            continue
+                        if manifest.total_bytes > cap:  # before a byte is allocated
+                            why = ("the bound before the run's models are known"
+                                   if self.method is None else
+                                   f"{DOWNLINK_FACTOR} x the run's model state + "
+                                   f"{DOWNLINK_SLACK >> 20} MiB")
+                            raise WireError(
+                                f"its round {header.round} {header.phase[:40]!r} task declares a "
+                                f"{part} downlink of {manifest.total_bytes} bytes, over this "
+                                f"edge's cap of {cap} bytes ({why})")
                     if not header.common_cached:
                         assemblers.append(PayloadAssembler(header.common, cap, MAX_MESSAGE_BYTES,
                                                            pool=self.buffers))

@@ -34,6 +34,8 @@ def worker(argv: list[str]) -> int:
     p.add_argument("--state-root", required=True, type=Path)
     p.add_argument("--device", default="cpu")
     p.add_argument("--tls-root", type=Path, help="one certificate folder per edge name")
+    p.add_argument("--allow-method", action="append", default=[],
+                   help="a module:Class method the edges may import (fl-edge --allow-method)")
     p.add_argument("data_dirs", nargs="+", type=Path)
     args = p.parse_args(argv)
     setup_logging("WARNING")
@@ -44,7 +46,8 @@ def worker(argv: list[str]) -> int:
         options = EdgeOptions(server=args.server, data_dir=data_dir,
                               state_dir=args.state_root / data_dir.name, name=data_dir.name,
                               device=args.device, progress=False, retry_for=120,
-                              tls_dir=args.tls_root / data_dir.name if args.tls_root else None)
+                              tls_dir=args.tls_root / data_dir.name if args.tls_root else None,
+                              allow_methods=tuple(args.allow_method))
         try:
             codes[data_dir.name] = EdgeDaemon(options).run()
         except EdgeExit as err:
@@ -64,7 +67,9 @@ def worker(argv: list[str]) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fl-sim", description=__doc__.splitlines()[0])
-    p.add_argument("--method", default="fedavg")
+    p.add_argument("--method", default="fedavg",
+                   help="a registered method, or package.module:Class (the simulated edges "
+                        "are then allowed to import it: you chose it, not a remote server)")
     p.add_argument("--edges", type=int, default=100)
     p.add_argument("--fraction", type=float, default=0.1)
     p.add_argument("--rounds", type=int, default=10)
@@ -180,8 +185,10 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(0.1)
             address = f"127.0.0.1:{json.loads(ready.read_text())['port']}"
         groups = [data_dirs[i :: args.procs] for i in range(args.procs)]
+        allow = ["--allow-method", args.method] if ":" in args.method else []
         workers = [spawn(["-m", "fl_edge.sim", "worker", "--server", address, "--state-root",
-                          str(out / "state"), "--device", args.device, *tls, *map(str, group)],
+                          str(out / "state"), "--device", args.device, *tls, *allow,
+                          *map(str, group)],
                          f"worker-{i}.log")
                    for i, group in enumerate(groups) if group]
         print(f"fl-sim: {args.edges} edges in {len(workers)} processes against {address}")

@@ -202,6 +202,9 @@ class ServerConfig:
 
 
 ACCOUNTANTS = ("rdp", "prv", "gdp")
+# A delta this large lets the mechanism publish a sample outright with that probability;
+# each edge bounds it further, by 1/|D_k| (fedattn_shared.privacy.dp).
+MAX_DELTA = 0.5
 
 
 @dataclass
@@ -241,8 +244,10 @@ class DPConfig:
         if self.target_epsilon == 0 and self.noise_multiplier == 0:
             raise ConfigError("--dp needs dp.target_epsilon (--dp-epsilon) or "
                               "dp.noise_multiplier (--dp-noise-multiplier)")
-        if not 0 <= self.delta < 1:
-            raise ConfigError(f"dp.delta must be in [0, 1) (0: 0.1/|D_k|), got {self.delta}")
+        if not 0 <= self.delta < MAX_DELTA:
+            # Opacus reports a negative epsilon for such a delta: nothing would bound the run.
+            raise ConfigError(f"dp.delta must be in [0, {MAX_DELTA}) (0: 0.1/|D_k|; each edge "
+                              f"also refuses delta >= 1/|D_k|), got {self.delta}")
         if not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
             raise ConfigError(f"dp.max_grad_norm must be > 0, got {self.max_grad_norm}")
         if self.accountant not in ACCOUNTANTS:

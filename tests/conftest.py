@@ -124,11 +124,12 @@ class Cluster:
         proc.metrics_port = info["metrics_port"]
         return proc
 
-    def edge(self, data_dir: Path, name: str, *args: str, port: int | None = None) -> Proc:
+    def edge(self, data_dir: Path, name: str, *args: str, port: int | None = None,
+             env: dict | None = None) -> Proc:
         proc = Proc([sys.executable, "-m", "fl_edge", "--insecure",
                      "--server", f"127.0.0.1:{port or self.port}", "--data-dir", str(data_dir),
                      "--state-dir", str(self.tmp / f"state-{name}"), "--name", name,
-                     "--retry-for", "60", *args], self.tmp / f"{name}.log")
+                     "--retry-for", "60", *args], self.tmp / f"{name}.log", env=env)
         self.procs.append(proc)
         return proc
 

@@ -9,9 +9,9 @@ from .base import (
     SectionSpec,
     TensorSpec,
 )
-from .registry import available_methods, load_method
+from .registry import MODULE_SPEC, available_methods, check_method_allowed, load_method
 
 __all__ = [
     "AggregatorKind", "EdgeAlgorithm", "Method", "MethodContext", "SectionSpec", "TensorSpec",
-    "available_methods", "load_method",
+    "MODULE_SPEC", "available_methods", "check_method_allowed", "load_method",
 ]

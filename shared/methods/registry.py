@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import re
+from collections.abc import Collection
 from importlib.metadata import entry_points
 
 from .base import Method
@@ -10,8 +12,32 @@ from .base import Method
 GROUP = "fedattn.methods"
 
 
+# ``package.module:Class``: dotted identifiers, a colon, one identifier.
+MODULE_SPEC = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*", re.ASCII)
+
+
 def available_methods() -> list[str]:
     return sorted(ep.name for ep in entry_points(group=GROUP))
+
+
+def check_method_allowed(name: str, allowed_specs: Collection[str] = ()) -> None:
+    """Refuse (ValueError, naming the way in) a method that a party which did not choose
+    it (an edge, told by its server) has not opted into, before anything is imported: a
+    registered name (the ``fedattn.methods`` entry points installed here; listing them
+    imports nothing), or a ``module:Class`` spec listed in ``allowed_specs``. Importing a
+    module a server names would run that server's choice of code on the device."""
+    if not isinstance(name, str):
+        raise ValueError(f"method must be a string, got {type(name).__name__}")
+    shown = repr(name) if len(name) <= 120 else repr(name[:120]) + "..."
+    if ":" in name:
+        if name in allowed_specs:
+            return
+        raise ValueError(f"method {shown}: a module:Class outside the installed methods; this "
+                         f"edge imports no module a server names unless started with "
+                         f"--allow-method {shown} (installed: {', '.join(available_methods())})")
+    if name not in available_methods():
+        raise ValueError(f"method {shown} is not installed on this edge (installed: "
+                         f"{', '.join(available_methods()) or '(none)'})")
 
 
 def load_method(name: str) -> type[Method]:

@@ -19,6 +19,13 @@ one wrapping per run, and the privacy ledger.
   history and one entry per trained round; the edge writes it before the round's upload
   leaves, and loads it at start, so a restart never resets the budget. When the next
   round would take the spend past ``target_epsilon`` the edge refuses to train.
+* The edge's privacy policy: the server proposes ``[dp]``, the edge decides. Its owner's
+  limits (``PrivacyPolicy``: ``fl-edge --dp-max-epsilon``, ``--require-dp``) and, from the
+  first DP-SGD run on a state dir, the ledger's pin (``PinnedPolicy``: that run's epsilon,
+  delta, noise per sampled batch and accountant) bound every later run: a server asking
+  for more epsilon or delta, less noise, another accountant or no DP at all is refused
+  (``PolicyRefusal``, naming the field, the server's value and the edge's limit) before
+  any training. Delta is refused at >= 0.5 everywhere and, on the edge, at >= 1/|D_k|.
 * Statistics uploads (STAT_VECTORS, PROTOTYPES, SCALAR_SUMMARY) are computed from the
   data, not from the noised gradients: DP-SGD does not cover them. ``stats_sigma`` > 0
   clips each such tensor to L2 norm ``stats_clip`` and adds N(0, (2 stats_clip
@@ -32,13 +39,14 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from ..config import DPConfig
+from ..config import MAX_DELTA, DPConfig
 from ..data.npz import Split
 from ..methods.base import EVALUATE, TRAIN, EdgeAlgorithm, Method
 from ..models.anfr import batchnorm_layers, disable_inplace_activations
@@ -132,6 +140,154 @@ class BudgetSpent(Exception):
     """The next round would spend past the edge's privacy budget."""
 
 
+class PolicyRefusal(ValueError):
+    """A server's ``[dp]`` weaker than what the edge agreed to: the message names the field,
+    the server's value and the edge's limit (and where the limit comes from). ``pinned``:
+    the limit is the ledger's pin (so the caller can name the ledger's path)."""
+
+    def __init__(self, message: str, pinned: bool = False):
+        super().__init__(message)
+        self.pinned = pinned
+
+
+def _eps(value: float) -> str:
+    return "unbounded" if math.isinf(value) else f"{value:g}"
+
+
+@dataclass(frozen=True)
+class PinnedPolicy:
+    """What an edge agreed to the first time it ran DP-SGD on a state dir, kept in that
+    dir's privacy ledger (``"policy"``): the privacy of the data behind the state dir is
+    the edge's, so a later server may ask for less spend, never for more. A server that
+    could rewrite the budget or turn DP off would make every earlier guarantee moot."""
+
+    epsilon: float           # the budget's ceiling; math.inf: the first run set none
+    delta: float             # the resolved delta (0.1 / |D_k| when the server sent 0)
+    noise_multiplier: float  # per sampled batch (sigma / sqrt(K) for K steps per batch)
+    accountant: str          # one ledger, one way of turning its history into epsilon
+
+    def to_json(self) -> dict:
+        return {"epsilon": None if math.isinf(self.epsilon) else self.epsilon,
+                "delta": self.delta, "noise_multiplier": self.noise_multiplier,
+                "accountant": self.accountant}
+
+    @classmethod
+    def from_ledger(cls, ledger: dict) -> PinnedPolicy:
+        """The pin of a ledger. A ledger from before pins existed pins what it recorded
+        last (budget, delta, accountant); its noise floor is set by the next calibration
+        (``noise_multiplier`` 0 here)."""
+        try:
+            pinned = ledger.get("policy")
+            if pinned is None:
+                budget = ledger["budget"]
+                return cls(math.inf if budget is None else float(budget), float(ledger["delta"]),
+                           0.0, str(ledger["accountant"]))
+            epsilon_value = pinned["epsilon"]
+            policy = cls(math.inf if epsilon_value is None else float(epsilon_value),
+                         float(pinned["delta"]), float(pinned["noise_multiplier"]),
+                         str(pinned["accountant"]))
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise StateError(f"privacy ledger's pinned policy unreadable ({err!r}); it is "
+                             "never reset silently: restore it or move the state dir away") from None
+        if not (policy.epsilon > 0 and 0 < policy.delta < MAX_DELTA
+                and math.isfinite(policy.noise_multiplier) and policy.noise_multiplier >= 0):
+            raise StateError(f"privacy ledger's pinned policy is out of range ({pinned}); "
+                             "restore it or move the state dir away")
+        return policy
+
+
+@dataclass(frozen=True)
+class PrivacyPolicy:
+    """The edge's own limits on the DP-SGD a server may run on its data (``fl-edge
+    --dp-max-epsilon``, ``--require-dp``), checked with the ledger's pin before any
+    training: the server proposes, the edge's owner disposes."""
+
+    max_epsilon: float | None = None  # the largest budget this edge accepts; implies DP
+    require_dp: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_epsilon is not None and not (math.isfinite(self.max_epsilon)
+                                                 and self.max_epsilon > 0):
+            raise ValueError(f"--dp-max-epsilon must be a finite number > 0, got {self.max_epsilon}")
+
+    @property
+    def requires_dp(self) -> bool:
+        return self.require_dp or self.max_epsilon is not None
+
+    def check(self, dp: DPConfig | None, pinned: PinnedPolicy | None) -> None:
+        """Refuse (PolicyRefusal) a server ``[dp]`` weaker than this policy or the pin, on
+        what the server's section says alone (no data needed: it runs before the method
+        is loaded). ``check_calibrated`` follows once |D_k| and sigma are known."""
+        if dp is None:
+            if pinned is not None:
+                raise PolicyRefusal(
+                    f"dp: the server runs without DP-SGD, but this state dir's privacy ledger "
+                    f"is pinned to DP-SGD (epsilon {_eps(pinned.epsilon)}, delta "
+                    f"{pinned.delta:.3g}) since its first DP-SGD run", pinned=True)
+            if self.max_epsilon is not None:
+                raise PolicyRefusal(
+                    f"dp: the server runs without DP-SGD (epsilon unbounded); this edge allows "
+                    f"at most epsilon {self.max_epsilon:g} (--dp-max-epsilon)")
+            if self.require_dp:
+                raise PolicyRefusal("dp: the server runs without DP-SGD; this edge trains only "
+                                    "under DP-SGD (--require-dp)")
+            return
+        if not 0 <= dp.delta < MAX_DELTA:
+            raise PolicyRefusal(f"dp.delta: the server sends {dp.delta:g}; this edge refuses "
+                                f"any delta >= {MAX_DELTA}")
+        # Comparisons are written so that a NaN (a [dp] that skipped validate()) is refused.
+        asked = dp.target_epsilon or math.inf
+        if not asked > 0:
+            raise PolicyRefusal(f"dp.target_epsilon: the server sends {dp.target_epsilon}; this "
+                                "edge accepts a finite number > 0, or 0 for none")
+        limits = []
+        if self.max_epsilon is not None:
+            limits.append((self.max_epsilon, "--dp-max-epsilon", False))
+        if pinned is not None:
+            limits.append((pinned.epsilon, "pinned in this state dir's privacy ledger by its "
+                                           "first DP-SGD run", True))
+        for limit, source, from_pin in limits:
+            if not asked <= limit * (1 + 1e-12):
+                what = ("sets no budget (a fixed noise multiplier, unbounded spend)"
+                        if math.isinf(asked) else f"asks for {asked:g}")
+                raise PolicyRefusal(f"dp.target_epsilon: the server {what}; this edge allows "
+                                    f"at most {_eps(limit)} ({source})", pinned=from_pin)
+        if pinned is not None:
+            if dp.delta and not dp.delta <= pinned.delta:
+                raise PolicyRefusal(f"dp.delta: the server sends {dp.delta:.3g}; this edge "
+                                    f"allows at most {pinned.delta:.3g} (pinned in this state "
+                                    "dir's privacy ledger)", pinned=True)
+            if dp.accountant != pinned.accountant:
+                raise PolicyRefusal(f"dp.accountant: the server uses {dp.accountant!r}; this "
+                                    f"state dir's privacy ledger is kept with "
+                                    f"{pinned.accountant!r} (pinned by its first DP-SGD run)",
+                                    pinned=True)
+
+    @staticmethod
+    def check_calibrated(delta: float, num_examples: int, noise_multiplier: float | None,
+                         pinned: PinnedPolicy | None) -> None:
+        """The checks that need this edge's data: the resolved delta against 1/|D_k| (a
+        delta of 1/n lets a mechanism publish one of the n samples outright and still
+        claim it) and the pin, and the calibrated noise (per sampled batch) against the
+        pin's floor (None: not calibrated yet)."""
+        if not delta < 1 / num_examples:
+            raise PolicyRefusal(f"dp.delta: the server's delta {delta:.3g} is not below 1/n_k = "
+                                f"{1 / num_examples:.3g} for this edge's {num_examples} training "
+                                "samples")
+        if pinned is None:
+            return
+        if not delta <= pinned.delta * (1 + 1e-12):
+            raise PolicyRefusal(f"dp.delta: the server's run resolves to delta {delta:.3g} on "
+                                f"this edge; it allows at most {pinned.delta:.3g} (pinned in "
+                                "this state dir's privacy ledger)", pinned=True)
+        if noise_multiplier is not None and not noise_multiplier >= pinned.noise_multiplier * (1 - 1e-9):
+            raise PolicyRefusal(
+                f"dp.noise_multiplier: the server's run gives sigma {noise_multiplier:.4g} per "
+                f"sampled batch on this edge; it allows no less than {pinned.noise_multiplier:.4g} "
+                "(calibrated by this state dir's first DP-SGD run, pinned in its privacy ledger)",
+                pinned=True)
+
+
 class PrivateTraining:
     """DP-SGD for one edge and the whole run: the models are wrapped for per-sample
     gradients and the method's optimizer becomes a DPOptimizer, once (wrapping again each
@@ -140,13 +296,21 @@ class PrivateTraining:
     ``_module.`` prefix; Opacus' hooks sit on their layers."""
 
     def __init__(self, algo: EdgeAlgorithm, dp: DPConfig, num_examples: int, batch_size: int,
-                 ledger: dict | None = None):
+                 ledger: dict | None = None, policy: PrivacyPolicy | None = None):
+        """``ledger``: the state dir's privacy ledger (None: its first DP-SGD run, which
+        pins this run's epsilon, delta, noise and accountant as the dir's limits);
+        ``policy``: the edge's own limits. A server ``[dp]`` weaker than either raises
+        PolicyRefusal before the models are touched."""
         if num_examples < 1:
             raise ValueError("--dp: the edge has no training samples")
+        policy = policy or PrivacyPolicy()
+        pinned = PinnedPolicy.from_ledger(ledger) if ledger is not None else None
+        policy.check(dp, pinned)
         self.algo, self.dp = algo, dp
         self.sample_rate = min(1.0, batch_size / num_examples)
         self.expected_batch = min(batch_size, num_examples)
         self.delta = dp.delta or 0.1 / num_examples
+        policy.check_calibrated(self.delta, num_examples, None, pinned)
         self.repeats = algo.steps_per_batch
         if self.repeats > 1 and dp.max_physical_batch:
             raise ValueError(f"--dp: method {algo.method.name!r} takes {self.repeats} steps on "
@@ -165,7 +329,16 @@ class PrivateTraining:
             self.noise_multiplier = per_batch * math.sqrt(self.repeats)
         # K noisy steps on one sampled batch compose to one Gaussian of sigma / sqrt(K).
         self.batch_sigma = self.noise_multiplier / math.sqrt(self.repeats)
-        self.budget = dp.target_epsilon or math.inf
+        policy.check_calibrated(self.delta, num_examples, self.batch_sigma, pinned)
+        # The budget is the strictest of the server's, the edge's and the pin (the checks
+        # above refused a larger one; this keeps the ledger's ceiling if they ever change).
+        self.budget = min(dp.target_epsilon or math.inf, policy.max_epsilon or math.inf,
+                          pinned.epsilon if pinned is not None else math.inf)
+        if pinned is None or pinned.noise_multiplier == 0:
+            pinned = PinnedPolicy(pinned.epsilon if pinned is not None else self.budget,
+                                  pinned.delta if pinned is not None else self.delta,
+                                  self.batch_sigma, dp.accountant)
+        self.pinned = pinned
         self.history: History = []
         self.stats_history: History = []
         self.rounds: list[dict] = []
@@ -296,6 +469,7 @@ class PrivateTraining:
             "noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate,
             "max_grad_norm": self.dp.max_grad_norm, "history": [list(h) for h in self.history],
             "stats_history": [list(h) for h in self.stats_history], "rounds": self.rounds,
+            "policy": self.pinned.to_json(),
         }
 
     def _load(self, ledger: dict) -> None:
