@@ -358,7 +358,7 @@ def test_a_weaker_budget_or_no_dp_is_refused_by_the_edge_policy_and_the_pinned_l
     assert not (tmp_path / "state-m" / "privacy-ledger.json").exists()
     # The server hears why each edge left, and nothing of the edge's disk.
     left = [line for line in second.log().splitlines() if " left (" in line]
-    assert len(left) == 2 and all("left (refused the server's privacy settings: "
+    assert len(left) == 2 and all("refused the server's privacy settings: "
                                   "dp.target_epsilon: the server asks for 1000" in line
                                   and str(tmp_path) not in line for line in left)
     second.kill()
