@@ -254,58 +254,64 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
 
     # ---- NextTask ---------------------------------------------------------------------
     async def NextTask(self, request: pb.TaskRequest, context):
+        """Long-polls for this edge's task in the open phase and streams it: the header,
+        then the common payload (unless the edge's cached copy is current) and its
+        personal one."""
         await self._auth(request, context)
-        edge = request.edge_id
-        record = self.engine.registry.records[edge]
-        deadline = time.monotonic() + self.cfg.poll_timeout
-        while True:
-            if self.engine.finished:
-                record.heard_run_over = True
-                yield self._meta(edge, pb.TaskMessage(header=pb.TaskHeader(
-                    status=pb.TaskHeader.DONE, round=self.engine.round)))
-                return
-            found = self.engine.task_for(edge)
-            if found is not None:
-                break
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+        try:
+            edge = request.edge_id
+            record = self.engine.registry.records[edge]
+            deadline = time.monotonic() + self.cfg.poll_timeout
+            while True:
+                if self.engine.finished:
+                    record.heard_run_over = True
+                    yield self._meta(edge, pb.TaskMessage(header=pb.TaskHeader(
+                        status=pb.TaskHeader.DONE, round=self.engine.round)))
+                    return
+                found = self.engine.task_for(edge)
+                if found is not None:
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    yield self._meta(edge, pb.TaskMessage(header=pb.TaskHeader(
+                        status=pb.TaskHeader.WAIT)))
+                    return
+                record.wakeup.clear()
+                try:
+                    await asyncio.wait_for(record.wakeup.wait(), timeout=min(remaining, 1.0))
+                except asyncio.TimeoutError:
+                    pass
+            phase, task = found
+            task.deliveries += 1
+            if task.deliveries > self.cfg.max_task_deliveries:
+                # A download that broke is asked for again; one asked for without end is a
+                # session pulling the model over and over (bytes and CPU the server pays).
+                self.engine.drop(phase, edge, f"re-delivery limit: task {task.task_id} was sent "
+                                              f"{self.cfg.max_task_deliveries} times")
                 yield self._meta(edge, pb.TaskMessage(header=pb.TaskHeader(
                     status=pb.TaskHeader.WAIT)))
                 return
-            record.wakeup.clear()
-            try:
-                await asyncio.wait_for(record.wakeup.wait(), timeout=min(remaining, 1.0))
-            except asyncio.TimeoutError:
-                pass
-        phase, task = found
-        task.deliveries += 1
-        if task.deliveries > self.cfg.max_task_deliveries:
-            # A download that broke is asked for again; one asked for without end is a
-            # session pulling the model over and over (bytes and CPU the server pays).
-            self.engine.drop(phase, edge, f"re-delivery limit: task {task.task_id} was sent "
-                                          f"{self.cfg.max_task_deliveries} times")
-            yield self._meta(edge, pb.TaskMessage(header=pb.TaskHeader(
-                status=pb.TaskHeader.WAIT)))
-            return
-        personal = phase.personal[edge]
-        cached = bool(request.cached_common) and request.cached_common == phase.common_id
-        header = pb.TaskHeader(
-            status=pb.TaskHeader.TASK, round=phase.round, task_id=task.task_id, phase=phase.name,
-            spec_json=phase.spec_json, common_id=phase.common_id, common_cached=cached,
-            common=phase.common.manifest, personal=personal.manifest, task_nonce=task.nonce)
-        yield self._meta(edge, pb.TaskMessage(header=header))
-        # Once every task of the phase went out, the shared frames are dropped (one model's
-        # worth of memory through the uploads); a task sent again, to an edge that
-        # restarted, builds its frames from the encoded tensors as it streams.
-        common = [] if cached else (phase.common_frames
-                                    or data_frames(phase.common, self.cfg.chunk_bytes))
-        for kind, frame, size in itertools.chain(common,
-                                                 data_frames(personal, self.cfg.chunk_bytes)):
-            self.meter.count(DOWN, kind.label, len(frame) + GRPC_FRAME_PREFIX, size, edge)
-            yield frame
-        task.delivered = True
-        if all(t.delivered for t in phase.tasks.values()):
-            phase.common_frames = []
+            personal = phase.personal[edge]
+            cached = bool(request.cached_common) and request.cached_common == phase.common_id
+            header = pb.TaskHeader(
+                status=pb.TaskHeader.TASK, round=phase.round, task_id=task.task_id, phase=phase.name,
+                spec_json=phase.spec_json, common_id=phase.common_id, common_cached=cached,
+                common=phase.common.manifest, personal=personal.manifest, task_nonce=task.nonce)
+            yield self._meta(edge, pb.TaskMessage(header=header))
+            # Once every task of the phase went out, the shared frames are dropped (one model's
+            # worth of memory through the uploads); a task sent again, to an edge that
+            # restarted, builds its frames from the encoded tensors as it streams.
+            common = [] if cached else (phase.common_frames
+                                        or data_frames(phase.common, self.cfg.chunk_bytes))
+            for kind, frame, size in itertools.chain(common,
+                                                     data_frames(personal, self.cfg.chunk_bytes)):
+                self.meter.count(DOWN, kind.label, len(frame) + GRPC_FRAME_PREFIX, size, edge)
+                yield frame
+            task.delivered = True
+            if all(t.delivered for t in phase.tasks.values()):
+                phase.common_frames = []
+        except asyncio.CancelledError:
+            return  # gRPC ends the call (the server stops, or the edge went): no traceback
 
     def _meta(self, edge: str, message):
         self.meter.count_message(DOWN, message, edge=edge)

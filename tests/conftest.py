@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -82,6 +85,20 @@ class Proc:
             raise AssertionError(f"{self.log_path.name} exited ({self.popen.returncode}) before "
                                  f"{text!r}:\n{self.log()[-3000:]}")
 
+    def mark(self) -> int:
+        """Where the log ends now: ``logged`` looks only at what comes after it."""
+        return len(self.log())
+
+    def logged(self, mark: int, *needles: str, timeout: float = 15) -> str:
+        """The first log line after ``mark`` holding every needle, waited for."""
+        def line():
+            for text in self.log()[mark:].splitlines():
+                if all(n in text for n in needles):
+                    return text
+            return None
+
+        return wait_for(line, timeout, f"a log line of {self.log_path.name} with {needles}")
+
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.popen.poll() is None:
             os.killpg(self.popen.pid, sig)
@@ -147,3 +164,31 @@ def cluster(tmp_path: Path):
 
 def read_history(checkpoint_dir: Path) -> dict:
     return json.loads((checkpoint_dir / "history.json").read_text())
+
+
+@contextmanager
+def serving(app) -> Iterator[int]:
+    """A real ``ServerApp`` (fl_server.cli) serving gRPC from a thread of this process, for
+    tests that look at or alter the engine while real edges talk to it; yields its port
+    and stops it afterwards."""
+    loop = asyncio.new_event_loop()
+    port = loop.run_until_complete(app.start())
+    stop = asyncio.Event()
+    thread = threading.Thread(target=loop.run_until_complete, args=(app.run(stop),))
+    thread.start()
+    try:
+        yield port
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(timeout=60)
+        loop.close()
+
+
+def edge_data(root: Path, n_train: int = 100) -> Path:
+    """An edge folder whose train split holds exactly ``n_train`` samples (n_k)."""
+    root.mkdir(parents=True)
+    x, y = make_images(n_train, seed=7)
+    np.savez(root / "train.npz", x=x, y=y)
+    x, y = make_images(40, seed=8)
+    np.savez(root / "test.npz", x=x, y=y)
+    return root

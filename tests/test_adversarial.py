@@ -54,16 +54,10 @@ class Fleet:
         return urllib.request.urlopen(url, timeout=10).read().decode()
 
     def log_mark(self) -> int:
-        return len(self.server.log())
+        return self.server.mark()
 
     def logged(self, mark: int, *needles: str) -> str:
-        def line():
-            for text in self.server.log()[mark:].splitlines():
-                if all(n in text for n in needles):
-                    return text
-            return None
-
-        return wait_for(line, 15, f"a server log line with {needles}")
+        return self.server.logged(mark, *needles, timeout=15)
 
     def honest_round(self, task: Task, delta: float = 2.0, **overrides) -> dict:
         """The honest edge's upload of global + delta, accepted; returns its tensors."""
@@ -97,8 +91,8 @@ def fleet(tmp_path_factory):
 def chunk_received(metrics_port: int, edge_id: str) -> bool:
     """Whether the server has counted upload data from ``edge_id`` (its raw byte series)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read()
-    return re.search(r'fedattn_raw_tensor_bytes_total\{[^}]*direction="up",edge="'
-                     + re.escape(edge_id) + '"', text.decode()) is not None
+    return any(line.startswith("fedattn_raw_tensor_bytes_total{") and 'direction="up"' in line
+               and f'edge="{edge_id}"' in line for line in text.decode().splitlines())
 
 
 def stalling(messages: list[pb.SubmitMessage], release: threading.Event):
@@ -393,12 +387,23 @@ def test_sigterm_shuts_down_cleanly_with_streams_open(tmp_path):
     cluster = Cluster(tmp_path)
     edge = None
     try:
-        server = cluster.server("--method", "fedavg", "--model", "lenet-bn", "--min-edges", "2")
+        server = cluster.server("--method", "fedavg", "--model", "lenet-bn", "--min-edges", "2",
+                                "--metrics-port", "0")
         edge = RawEdge(cluster.port)
         edge.connect()
         polling = threading.Thread(target=lambda: _ignore_rpc_errors(pull, edge), daemon=True)
         polling.start()
-        server.wait_log("waiting for 2 connected edge(s)")
+        # Both streams are open at the server: the presence stream and a task long-poll
+        # (its request is the edge's third message up, after the join and the presence's).
+        def polling_at_server() -> bool:
+            url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+            for line in urllib.request.urlopen(url, timeout=10).read().decode().splitlines():
+                if (line.startswith("fedattn_messages_total{") and 'direction="up"' in line
+                        and f'edge="{edge.edge_id}"' in line and 'kind="meta"' in line):
+                    return float(line.rsplit(" ", 1)[1]) >= 3
+            return False
+
+        wait_for(polling_at_server, 15, "the task long-poll at the server")
         server.popen.send_signal(signal.SIGTERM)
         assert server.wait(60) == 0
         log = server.log()

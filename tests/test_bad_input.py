@@ -96,16 +96,10 @@ class Suite:
         raise AssertionError("no training task in 10 tasks")
 
     def log_mark(self) -> int:
-        return len(self.server.log())
+        return self.server.mark()
 
     def logged(self, mark: int, *needles: str) -> str:
-        def line():
-            for text in self.server.log()[mark:].splitlines():
-                if all(n in text for n in needles):
-                    return text
-            return None
-
-        return wait_for(line, 10, f"a server log line with {needles}")
+        return self.server.logged(mark, *needles, timeout=10)
 
     def expect_refusal(self, reply: pb.SubmitReply, mark: int, edge_id: str, *reason: str) -> None:
         assert not reply.accepted

@@ -10,10 +10,9 @@ import math
 import signal
 import warnings
 
-import numpy as np
 import pytest
 import torch
-from conftest import make_images, wait_for
+from conftest import edge_data, make_images, wait_for
 from opacus.accountants import RDPAccountant
 from opacus.validators import ModuleValidator
 from test_method_matrix import run_federation
@@ -381,15 +380,6 @@ def test_fedsap_per_sample_gsr_over_grpc_with_noised_statistics(tmp_path):
 
 
 # ---- real processes: the ledger survives SIGKILL; a spent budget stops the edge ---------------
-
-
-def edge_data(root, n_train: int = 100):
-    root.mkdir(parents=True)
-    x, y = make_images(n_train, seed=7)
-    np.savez(root / "train.npz", x=x, y=y)
-    x, y = make_images(40, seed=8)
-    np.savez(root / "test.npz", x=x, y=y)
-    return root
 
 
 def ledger_of(tmp_path, name: str = "a") -> dict:

@@ -11,20 +11,17 @@ training."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import math
 import sys
-import threading
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from conftest import make_images
+from conftest import edge_data, serving
 
 from fedattn_shared.config import ConfigError, DPConfig, ServerConfig, TrainConfig
 from fedattn_shared.methods import (
@@ -70,16 +67,6 @@ def private(dp_config: DPConfig, n: int = 100, ledger: dict | None = None,
     method = fedavg(dp_config)
     return PrivateTraining(method.edge(method.build_models(), CPU), dp_config, n, 20, ledger,
                            policy=policy)
-
-
-def edge_data(root: Path, n_train: int = 100) -> Path:
-    """An edge folder whose train split holds exactly ``n_train`` samples (n_k)."""
-    root.mkdir(parents=True)
-    x, y = make_images(n_train, seed=7)
-    np.savez(root / "train.npz", x=x, y=y)
-    x, y = make_images(40, seed=8)
-    np.savez(root / "test.npz", x=x, y=y)
-    return root
 
 
 # ---- units: delta bounds, the policy, the pin ------------------------------------------------
@@ -393,18 +380,8 @@ def server_in_process(tmp_path: Path, method: Method, name: str, **server_values
     cfg = ServerConfig(method=name, rounds=1, min_edges=1, host="127.0.0.1", port=0,
                        checkpoint_dir=str(tmp_path / "hostile"), insecure=True,
                        poll_timeout=2.0, round_timeout=60, **server_values)
-    app = ServerApp(cfg, method.train, method)
-    loop = asyncio.new_event_loop()
-    port = loop.run_until_complete(app.start())
-    stop = asyncio.Event()
-    thread = threading.Thread(target=loop.run_until_complete, args=(app.run(stop),))
-    thread.start()
-    try:
+    with serving(ServerApp(cfg, method.train, method)) as port:
         yield port
-    finally:
-        loop.call_soon_threadsafe(stop.set)
-        thread.join(timeout=60)
-        loop.close()
 
 
 def test_delta_is_refused_at_one_over_n_k_and_at_one_half_on_the_edge(cluster, tmp_path):

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import errno
-import threading
 
 import pytest
-from conftest import free_port, read_history, wait_for, write_edge_dirs
+from conftest import free_port, read_history, serving, write_edge_dirs
 
 from fedattn_shared.state import load_tensors
 from fl_server.engine import tensors_digest
@@ -91,7 +90,6 @@ def test_unwritable_state_dir_is_a_clear_error(tmp_path):
 def test_full_disk_keeps_the_old_state_and_names_the_path(tmp_path, monkeypatch):
     """A disk that fills up mid-run: the edge stops with the path named; its last state
     file is untouched and still loads."""
-    import asyncio
 
     from fedattn_shared.config import ServerConfig, TrainConfig
     from fedattn_shared.methods import MethodContext, load_method
@@ -105,12 +103,7 @@ def test_full_disk_keeps_the_old_state_and_names_the_path(tmp_path, monkeypatch)
     app = ServerApp(ServerConfig(method="fedbn", rounds=3, min_edges=1, host="127.0.0.1", port=0,
                                  checkpoint_dir=str(tmp_path / "server"), poll_timeout=2),
                     train, method)
-    loop = asyncio.new_event_loop()
-    port = loop.run_until_complete(app.start())
-    stop = asyncio.Event()
-    thread = threading.Thread(target=loop.run_until_complete, args=(app.run(stop),))
-    thread.start()
-    try:
+    with serving(app) as port:
         state_dir = tmp_path / "state"
         daemon = EdgeDaemon(EdgeOptions(server=f"127.0.0.1:{port}", data_dir=data,
                                         state_dir=state_dir, name="solo", progress=False))
@@ -129,11 +122,6 @@ def test_full_disk_keeps_the_old_state_and_names_the_path(tmp_path, monkeypatch)
             daemon.run()
         assert (state_dir / "private.safetensors").read_bytes() == saves[0]
         load_tensors(state_dir / "private.safetensors")
-    finally:
-        loop.call_soon_threadsafe(stop.set)
-        thread.join(timeout=30)
-        loop.close()
-    wait_for(lambda: not thread.is_alive(), 5, "server thread")
 
 
 @pytest.mark.slow

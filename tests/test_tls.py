@@ -4,7 +4,6 @@ a revoked edge, a certificate used for another edge id, plaintext against TLS.""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -13,7 +12,7 @@ import threading
 
 import grpc
 import pytest
-from conftest import write_edge_dirs
+from conftest import serving, write_edge_dirs
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from fedattn_shared import PROTOCOL_VERSION
@@ -72,17 +71,8 @@ def tls_server(tmp_path, ca, rounds=1, min_edges=2, **options):
                        port=0, checkpoint_dir=str(tmp_path / "server"), tls_dir=str(ca),
                        poll_timeout=2.0, round_timeout=60, eval_every=0, **options)
     app = ServerApp(cfg, train, cls(MethodContext(train, cls.Params())))
-    loop = asyncio.new_event_loop()
-    port = loop.run_until_complete(app.start())
-    stop = asyncio.Event()
-    thread = threading.Thread(target=loop.run_until_complete, args=(app.run(stop),))
-    thread.start()
-    try:
+    with serving(app) as port:
         yield app, port
-    finally:
-        loop.call_soon_threadsafe(stop.set)
-        thread.join(timeout=60)
-        loop.close()
 
 
 def edge_options(tmp_path, port, tls_dir, i=0, **extra):
