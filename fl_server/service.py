@@ -422,17 +422,24 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         closing = asyncio.ensure_future(phase.closing.wait())
         try:
             await asyncio.wait({acquire, closing}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the call ended while waiting: never leak the slot
+            await self._give_up_slot(acquire)
+            raise
         finally:
             closing.cancel()
         if acquire.done() and not acquire.cancelled():
             return
+        await self._give_up_slot(acquire)
+        raise Refused("the phase closed before the upload could start")
+
+    async def _give_up_slot(self, acquire: asyncio.Future) -> None:
+        """Withdraws a pending slot request; a slot granted meanwhile goes back."""
         acquire.cancel()
         try:
-            await acquire
+            await acquire  # raises CancelledError unless the slot was granted first
         except asyncio.CancelledError:
-            raise Refused("the phase closed before the upload could start") from None
-        self.upload_slots.release()  # granted as it was cancelled: give it back
-        raise Refused("the phase closed before the upload could start")
+            return
+        self.upload_slots.release()
 
     async def _receive(self, phase: Phase, header: pb.SubmitHeader, schema: list[SectionSpec],
                        context, edge: str, body: BodyMac) -> tuple[PayloadAssembler, bytes]:

@@ -178,6 +178,46 @@ def test_a_receive_is_cut_when_its_phase_closes(tmp_path):
         cluster.close()
 
 
+def test_a_call_that_gives_up_waiting_for_a_slot_leaves_none_held(tmp_path):
+    # One slot, held by a stalled stream; a second edge's upload waits for it and its
+    # client gives up. The slot it was waiting for must not be granted to the ended call,
+    # or the third edge's upload would wait forever once the stall is cut.
+    cluster = Cluster(tmp_path)
+    edges: list[RawEdge] = []
+    release = threading.Event()
+    try:
+        cluster.server("--method", "fedavg", "--model", "lenet-bn", "--min-edges", "3",
+                       "--eval-every", "0", "--upload-idle-timeout", "4",
+                       "--max-concurrent-uploads", "1", "--round-timeout", "120",
+                       "--metrics-port", "0")
+        edges = [RawEdge(cluster.port, name) for name in ("staller", "quitter", "honest")]
+        for edge in edges:
+            edge.connect()
+        staller, quitter, honest = edges
+        tasks = [edge.next_task() for edge in edges]
+        header, chunks = raw_layout(staller, tasks[0], shifted(tasks[0].globals, 1.0))
+        messages = stream(header, chunks)
+        staller.sign(messages)
+        stalled = threading.Thread(target=lambda: staller.stub.Submit(
+            stalling(messages[:2], release), timeout=120))
+        stalled.start()
+        wait_for(lambda: chunk_received(cluster.procs[0].metrics_port, staller.edge_id), 15,
+                 "the stalled stream's chunk at the server")
+        waiting = train_messages(quitter, tasks[1], tasks[1].globals)
+        quitter.sign(waiting)
+        with pytest.raises(grpc.RpcError) as err:  # waits for the slot, then gives up
+            quitter.stub.Submit(iter(waiting), timeout=1.0)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        reply = honest.submit(train_messages(honest, tasks[2], tasks[2].globals))
+        assert reply.accepted, reply.reason
+        stalled.join(timeout=60)
+    finally:
+        release.set()
+        for edge in edges:
+            edge.close()
+        cluster.close()
+
+
 def test_a_silent_stream_without_a_header_is_cut(fleet):
     attack, honest = fleet.round()
     release = threading.Event()
