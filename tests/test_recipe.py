@@ -344,3 +344,27 @@ def test_flags_reach_train():
     assert (defaults.clip_grad_norm, defaults.augment, defaults.input_size) == (0.0, "none", 0)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--augment", "mixup"])
+
+
+# ---- end to end ----------------------------------------------------------------------------
+
+def test_recipe_flags_reach_real_edges_which_train_and_evaluate_with_them(cluster, tmp_path):
+    """fl-server sends the recipe in [train]; each fl-edge builds the model for input_size
+    (its fingerprint must equal the server's, or it exits 2), trains with clipping and
+    crop-flip, and evaluates at the resized input."""
+    from conftest import read_history, write_edge_dirs
+
+    dirs = write_edge_dirs(tmp_path, 2, per_edge=60)
+    server = cluster.server("--method", "fedavg", "--rounds", "1", "--min-edges", "2",
+                            "--clip-grad-norm", "1.0", "--augment", "crop-flip",
+                            "--input-size", "32")
+    edges = [cluster.edge(d, f"r{i}") for i, d in enumerate(dirs)]
+    assert [e.wait() for e in edges] == [0, 0]
+    assert server.wait() == 0
+    history = read_history(tmp_path / "server-state")
+    train = history["manifest"]["train"]
+    assert (train["clip_grad_norm"], train["augment"], train["input_size"]) == (1.0, "crop-flip", 32)
+    (record,) = history["rounds"]
+    assert record["train"]["received"] == ["r0", "r1"]
+    for figures in record["evaluation"]["per_edge"].values():
+        assert figures["test"]["n"] > 0
