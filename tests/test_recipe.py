@@ -147,6 +147,26 @@ def test_clipping_refuses_dp_sgd_by_name():
                                            "--clip-grad-norm", "1.0"]))
 
 
+def test_under_dp_sgd_per_sample_clipping_is_the_only_clipping_and_augmentation_works():
+    """A real Opacus-wrapped edge: train_local refuses a second clipping; augmentation and
+    resizing happen before the per-sample gradients, so they combine with DP-SGD."""
+    from fedattn_shared.config import DPConfig
+    from fedattn_shared.privacy.dp import PrivateTraining
+
+    cls = load_method("fedavg")
+    dp = DPConfig(enabled=True, noise_multiplier=1.0, planned_rounds=1)
+    method = cls(MethodContext(TrainConfig(model="lenet-bn+gn", image_size=16, input_size=28),
+                               cls.Params(), dp=dp))
+    algo = method.edge(method.build_models(), CPU)
+    data = images(32, size=16)
+    privacy = PrivateTraining(algo, dp, len(data), 8)
+    with pytest.raises(ValueError, match="clip_grad_norm does not combine with DP-SGD"):
+        train_local(algo, data, 1, 8, 0, CPU, False, privacy=privacy, clip_grad_norm=1.0)
+    result = train_local(algo, data, 1, 8, 0, CPU, False, privacy=privacy,
+                         inputs=InputPipeline("crop-flip", 28))
+    assert result.steps >= 1 and math.isfinite(result.mean_loss)
+
+
 # ---- augmentation --------------------------------------------------------------------------
 
 def known_image():
