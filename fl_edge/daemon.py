@@ -699,6 +699,8 @@ class EdgeDaemon:
         elif header.phase == EVALUATE:
             scorer, finetune_epochs = algo.before_evaluate()
             if finetune_epochs:
+                # Fine-tuning is training on the train split: it is clipped and augmented
+                # as local training is; the evaluation below only resizes.
                 result = train_local(scorer, data.train, finetune_epochs,
                                      self.opts.batch_size or train.batch_size, seed, self.device,
                                      self.opts.progress, lr=lr, amp=self.opts.amp,

@@ -332,6 +332,16 @@ def test_mobilenet_v3_small_at_input_64_on_32px_data_trains_and_keeps_a_spatial_
     assert maps[-1] == (1, 1)
 
 
+def test_offline_predict_resizes_to_the_run_input_size():
+    from fl_edge.export import Personalized, predict
+
+    method, algo = make(model="lenet-bn", image_size=16, input_size=28)
+    algo.eval_mode()
+    model = Personalized(method, algo, method.train, "{}", "")
+    probs = predict(model, images(5, size=16).x)
+    assert probs.shape == (5, 10) and torch.allclose(probs.sum(1), torch.ones(5))
+
+
 # ---- configuration and flags ---------------------------------------------------------------
 
 @pytest.mark.parametrize("values, key", [
