@@ -109,8 +109,15 @@ def partition(args, scheme: str, seed: int) -> Path:
     return out
 
 
+def recipe_tag(args) -> str:
+    """Run-folder suffix for a non-default recipe, so --out's cache never mixes recipes."""
+    parts = ([f"clip{args.clip_grad_norm:g}"] if args.clip_grad_norm else []) + \
+        ([args.augment] if args.augment != "none" else [])
+    return "".join(f"-{p}" for p in parts)
+
+
 def run_dir(args, scheme: str, arch: str, method: str, seed: int) -> Path:
-    return args.out / "runs" / scheme / f"{arch}-{method}-s{seed}"
+    return args.out / "runs" / scheme / f"{arch}-{method}{recipe_tag(args)}-s{seed}"
 
 
 def finished(history: Path, rounds: int) -> bool:
@@ -131,7 +138,9 @@ def federate(args, scheme: str, arch: str, method: str, seed: int) -> Path:
             # SCAFFOLD's control-variate update assumes plain SGD (and refuses momentum).
             "train.momentum": 0.0 if method == "scaffold" else args.momentum,
             "train.local_epochs": args.epochs, "train.lr_schedule": "cosine",
-            "server.eval_every": args.eval_every, "server.round_timeout": 3600, **method_sets}
+            "server.eval_every": args.eval_every, "server.round_timeout": 3600,
+            "train.clip_grad_norm": args.clip_grad_norm, "train.augment": args.augment,
+            **method_sets}
     flags = [f"--set={k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in sets.items()]
     started = time.time()
     out.mkdir(parents=True, exist_ok=True)
@@ -285,6 +294,10 @@ def main() -> int:
                    default=list(DEFAULT_FEDADAM_SERVER_LRS), metavar="LR,LR,...",
                    help="FedAdam server learning rates, each run and reported as its own "
                         "column (default 1e-3,3e-3,1e-2)")
+    p.add_argument("--clip-grad-norm", type=float, default=0.0,
+                   help="train.clip_grad_norm for every run (the ANFR paper uses 1.0; 0: off)")
+    p.add_argument("--augment", choices=["none", "crop-flip", "resized-crop"], default="none",
+                   help="train.augment for every run (crop-flip: the CIFAR recipe)")
     p.add_argument("--archs", nargs="+", choices=list(ARCHS), default=list(ARCHS),
                    help="architectures to run (default all)")
     p.add_argument("--cifar10", type=Path, default=CIFAR10,
@@ -319,7 +332,8 @@ def main() -> int:
           f"epochs, {args.limit or 'all'} training images, SGD lr {args.lr} cosine momentum "
           f"{args.momentum} batch {args.batch_size}, seeds {args.seeds}; shards: "
           f"{args.classes_per_edge} classes per edge, dirichlet: alpha {args.alpha}; FedAdam "
-          f"server lr {', '.join(f'{r:g}' for r in args.fedadam_server_lrs)}", flush=True)
+          f"server lr {', '.join(f'{r:g}' for r in args.fedadam_server_lrs)}; gradient clip "
+          f"{args.clip_grad_norm or 'off'}, augmentation {args.augment}", flush=True)
 
     # Seed-major: every cell gets its first seed before any gets its second, so an
     # interrupted run (rerun with --report-only) still covers the whole table.
