@@ -693,6 +693,9 @@ class EdgeDaemon:
                 metrics.update({"train_loss": result.mean_loss,
                                 "last_epoch_loss": result.last_epoch_loss,
                                 **algo.training_metrics()})
+                if train.clip_grad_norm:  # refused with DP: this branch only
+                    metrics.update({"grad_norm": result.grad_norm_mean,
+                                    "clipped_fraction": result.clipped_steps / max(result.steps, 1)})
             self.metrics.observe_training(result, self.device)
             log.info("round %d: trained %d steps in %.2fs (loss %.4f)", header.round,
                      result.steps, result.seconds, result.mean_loss)

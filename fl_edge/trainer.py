@@ -36,6 +36,10 @@ class TrainResult:
     mean_loss: float
     last_epoch_loss: float
     seconds: float
+    # With train.clip_grad_norm: the stepped gradients' mean L2 norm before clipping and the
+    # steps whose norm exceeded the bound (does the clip act, and how often?).
+    grad_norm_mean: float = 0.0
+    clipped_steps: int = 0
 
     @property
     def samples_per_second(self) -> float:
@@ -143,18 +147,21 @@ def train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, 
     cuda = device.type == "cuda"
     scaler = torch.amp.GradScaler("cuda", enabled=amp and cuda)
     autocast_dtype = torch.float16 if cuda else torch.bfloat16
-    steps = examples = 0
-    total_loss = epoch_loss = 0.0
+    steps = examples = clipped = 0
+    total_loss = epoch_loss = norm_sum = 0.0
     start = time.perf_counter()
 
     def step() -> bool:
+        nonlocal clipped, norm_sum
         if privacy is not None:
             return privacy.step(algo.post_backward)
         for opt in optimizers:
             scaler.unscale_(opt)
         algo.post_backward()
         if clip_grad_norm:
-            clip_gradients(optimizers, clip_grad_norm)
+            norm = float(clip_gradients(optimizers, clip_grad_norm))
+            norm_sum += norm
+            clipped += norm > clip_grad_norm
         for opt in optimizers:
             scaler.step(opt)
         scaler.update()
@@ -202,7 +209,8 @@ def train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, 
             log.info("epoch %d/%d loss=%.4f", epoch + 1, epochs, epoch_loss)
     algo.end_train((inputs.eval_batch(x), y) for x, y in _batches(data, batch_size, device))
     seconds = time.perf_counter() - start
-    return TrainResult(steps, examples, total_loss / max(epochs, 1), epoch_loss, seconds)
+    return TrainResult(steps, examples, total_loss / max(epochs, 1), epoch_loss, seconds,
+                       norm_sum / max(steps, 1), clipped)
 
 
 def _batches(data: Split, batch_size: int, device: torch.device):

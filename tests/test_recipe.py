@@ -68,7 +68,8 @@ def test_clipped_sgd_step_moves_parameters_by_exactly_the_clipped_gradient():
     before = flat_params(algo)
     result = train_local(algo, data, 1, 8, 0, CPU, False, lr=1.0, clip_grad_norm=clip)
     moved = before - flat_params(algo)
-    assert result.steps == 1
+    assert result.steps == 1 and result.clipped_steps == 1
+    assert result.grad_norm_mean == pytest.approx(norm, rel=1e-5)  # reported before the clip
     assert float(moved.norm()) == pytest.approx(clip, rel=1e-4)
     assert torch.allclose(moved, g * (clip / norm), atol=1e-6)
 
@@ -81,9 +82,11 @@ def test_clip_bound_larger_than_the_gradient_changes_nothing():
     for algo in (a, b):
         algo.train_mode = algo.eval_mode
     data = images(8)
-    train_local(a, data, 1, 8, 0, CPU, False, lr=0.5)
-    train_local(b, data, 1, 8, 0, CPU, False, lr=0.5, clip_grad_norm=1e9)
+    plain = train_local(a, data, 1, 8, 0, CPU, False, lr=0.5)
+    loose = train_local(b, data, 1, 8, 0, CPU, False, lr=0.5, clip_grad_norm=1e9)
     assert torch.equal(flat_params(a), flat_params(b))
+    assert loose.clipped_steps == 0 and loose.grad_norm_mean > 0
+    assert (plain.clipped_steps, plain.grad_norm_mean) == (0, 0.0)  # off: nothing measured
 
 
 def test_clip_gradients_bounds_the_joint_norm_once_per_parameter():
@@ -398,3 +401,5 @@ def test_recipe_flags_reach_real_edges_which_train_and_evaluate_with_them(cluste
     assert record["train"]["received"] == ["r0", "r1"]
     for figures in record["evaluation"]["per_edge"].values():
         assert figures["test"]["n"] > 0
+    for figures in record["train"]["edge_metrics"].values():  # the clip reports its figures
+        assert figures["grad_norm"] > 0 and 0 <= figures["clipped_fraction"] <= 1

@@ -46,6 +46,7 @@ STANDARD_METRICS = frozenset({
     "train_seconds", "steps", "samples_per_second", "lr", "train_loss", "last_epoch_loss",
     "finetune_loss", "finetune_seconds", "dp_epsilon", "dp_delta", "dp_noise_multiplier",
     "dp_steps", "dp_stats_epsilon", "dp_total_epsilon_rdp",
+    "grad_norm", "clipped_fraction",  # train.clip_grad_norm: mean norm before the clip, share clipped
 })
 
 
