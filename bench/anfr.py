@@ -28,6 +28,10 @@ Protocols:
     .venv/bin/python bench/anfr.py                      # the CPU protocol
     .venv/bin/python bench/anfr.py --full --device cuda
     .venv/bin/python bench/anfr.py attention --data-dir EDGE_DIR RUN_DIR...  # Fig. 3 only
+
+FedAdam's server learning rate (Reddi et al., https://arxiv.org/abs/2003.00295, tune it
+per task over a grid) is swept: each value of --fedadam-server-lrs (default 1e-3,3e-3,1e-2)
+is its own column, "fedadam-slr<lr>", so the table reports FedAdam at each rate.
 """
 
 from __future__ import annotations
@@ -62,20 +66,58 @@ PAPER = {
 }
 
 
+DEFAULT_FEDADAM_SERVER_LRS = (1e-3, 3e-3, 1e-2)
+SWEPT = "fedadam"
+
+
+def server_lrs(text: str) -> list[float]:
+    """``--fedadam-server-lrs 1e-3,3e-3``: positive rates, each once, in the given order."""
+    try:
+        rates = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of numbers: {text!r}") from None
+    if not rates or any(not 0 < r < float("inf") for r in rates) or len(set(rates)) != len(rates):
+        raise argparse.ArgumentTypeError(f"need distinct positive rates, got {text!r}")
+    return rates
+
+
+def variant(method: str, server_lr: float) -> str:
+    return f"{method}-slr{server_lr:g}"
+
+
+def expand(methods: list[str], rates: list[float]) -> list[str]:
+    """Run labels: FedAdam becomes one label per server learning rate, the others stay."""
+    return [label for m in methods
+            for label in ([variant(m, r) for r in rates] if m == SWEPT else [m])]
+
+
+def base_method(label: str) -> tuple[str, dict[str, float]]:
+    """``fedadam-slr0.003`` -> ("fedadam", {"fedadam.server_lr": 0.003})."""
+    method, sep, rate = label.partition("-slr")
+    return (method, {f"{method}.server_lr": float(rate)}) if sep else (label, {})
+
+
 def partition(args, scheme: str, seed: int) -> Path:
     detail = (f"{args.classes_per_edge}c" if scheme == "shards" else f"a{args.alpha}")
     out = args.out / "data" / f"{scheme}-{detail}-e{args.edges}-s{seed}-n{args.limit or 'all'}"
     options = (["--shards-per-edge", str(args.classes_per_edge)] if scheme == "shards"
                else ["--alpha", str(args.alpha), "--min-per-edge", "20"])
     limit = ["--limit", str(args.limit)] if args.limit else []
-    fl_partition(out, args.out, ["--source", str(CIFAR10), "--edges", str(args.edges), "--seed",
+    fl_partition(out, args.out, ["--source", str(args.cifar10), "--edges", str(args.edges), "--seed",
                                  str(seed), "--scheme", scheme, "--global-test-per-class",
                                  str(args.global_test_per_class), *options, *limit])
     return out
 
 
+def recipe_tag(args) -> str:
+    """Run-folder suffix for a non-default recipe, so --out's cache never mixes recipes."""
+    parts = ([f"clip{args.clip_grad_norm:g}"] if args.clip_grad_norm else []) + \
+        ([args.augment] if args.augment != "none" else [])
+    return "".join(f"-{p}" for p in parts)
+
+
 def run_dir(args, scheme: str, arch: str, method: str, seed: int) -> Path:
-    return args.out / "runs" / scheme / f"{arch}-{method}-s{seed}"
+    return args.out / "runs" / scheme / f"{arch}-{method}{recipe_tag(args)}-s{seed}"
 
 
 def finished(history: Path, rounds: int) -> bool:
@@ -89,12 +131,16 @@ def federate(args, scheme: str, arch: str, method: str, seed: int) -> Path:
         return history  # finished earlier: --out doubles as a cache
     data = partition(args, scheme, seed)
     model = ARCHS[arch][1 if args.full else 0]
+    label = method
+    method, method_sets = base_method(label)
     sets = {"train.model": model, "train.in_channels": 3, "train.image_size": 32,
             "train.lr": args.lr, "train.batch_size": args.batch_size,
             # SCAFFOLD's control-variate update assumes plain SGD (and refuses momentum).
             "train.momentum": 0.0 if method == "scaffold" else args.momentum,
             "train.local_epochs": args.epochs, "train.lr_schedule": "cosine",
-            "server.eval_every": args.eval_every, "server.round_timeout": 3600}
+            "server.eval_every": args.eval_every, "server.round_timeout": 3600,
+            "train.clip_grad_norm": args.clip_grad_norm, "train.augment": args.augment,
+            **method_sets}
     flags = [f"--set={k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in sets.items()]
     started = time.time()
     out.mkdir(parents=True, exist_ok=True)
@@ -102,7 +148,7 @@ def federate(args, scheme: str, arch: str, method: str, seed: int) -> Path:
          "--fraction", "1", "--rounds", str(args.rounds), "--procs", str(args.procs),
          "--data-root", str(data), "--out", str(out), "--seed", str(seed), *flags],
         out / "fl-sim.log")
-    print(f"  {scheme:<9} {arch:<9} {method:<8} seed {seed}: {time.time() - started:5.0f} s",
+    print(f"  {scheme:<9} {arch:<9} {label:<8} seed {seed}: {time.time() - started:5.0f} s",
           flush=True)
     return history
 
@@ -124,19 +170,20 @@ def pm(values: list[float]) -> str:
     return f"{statistics.mean(values):.1f} ± {statistics.stdev(values):.1f}"
 
 
-def table(results: dict, scheme: str, methods: list[str], split: str, paper: bool) -> str:
+def table(results: dict, scheme: str, methods: list[str], split: str, paper: bool,
+          archs: tuple[str, ...] | list[str] = tuple(ARCHS)) -> str:
     name = {"global_test": "global model on the shared balanced global_test",
             "test": "mean over edges, each edge's model on its local test split"}[split]
     lines = [f"\n{scheme}: final-round accuracy (%), {name}, mean ± std over seeds"
              + (" [paper Table 1, pretrained -50 at 224 px]" if paper else ""),
              "| architecture | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
-    for arch in ARCHS:
+    for arch in archs:
         cells = []
         for method in methods:
             runs = results.get((scheme, arch, method), [])
             cell = pm([r[split] for r in runs]) if runs else "-"
-            if paper and (arch, method) in PAPER:
-                cell += f" [{PAPER[arch, method]}]"
+            if paper and (arch, base_method(method)[0]) in PAPER:
+                cell += f" [{PAPER[arch, base_method(method)[0]]}]"
             cells.append(cell)
         lines.append(f"| {arch} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -243,6 +290,18 @@ def main() -> int:
                    help="in the order they run (FedAvg first: the paper's headline)")
     p.add_argument("--dirichlet-methods", nargs="+", default=["fedavg"], choices=METHODS,
                    help="methods run on the Dirichlet partition (default FedAvg only)")
+    p.add_argument("--fedadam-server-lrs", type=server_lrs,
+                   default=list(DEFAULT_FEDADAM_SERVER_LRS), metavar="LR,LR,...",
+                   help="FedAdam server learning rates, each run and reported as its own "
+                        "column (default 1e-3,3e-3,1e-2)")
+    p.add_argument("--clip-grad-norm", type=float, default=0.0,
+                   help="train.clip_grad_norm for every run (the ANFR paper uses 1.0; 0: off)")
+    p.add_argument("--augment", choices=["none", "crop-flip", "resized-crop"], default="none",
+                   help="train.augment for every run (crop-flip: the CIFAR recipe)")
+    p.add_argument("--archs", nargs="+", choices=list(ARCHS), default=list(ARCHS),
+                   help="architectures to run (default all)")
+    p.add_argument("--cifar10", type=Path, default=CIFAR10,
+                   help="the cifar-10-batches-bin folder (default ../shared/data/cifar-10/...)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--edges", type=int, default=5)
     p.add_argument("--classes-per-edge", type=int, default=4)
@@ -260,9 +319,9 @@ def main() -> int:
     p.add_argument("--report-only", action="store_true",
                    help="print the tables from the finished runs under --out, run nothing")
     args = p.parse_args()
-    if not CIFAR10.exists():
-        print(f"bench/anfr.py: {CIFAR10} is missing (../shared/data is not beside the repo)",
-              file=sys.stderr)
+    if not args.cifar10.exists():
+        print(f"bench/anfr.py: {args.cifar10} is missing (../shared/data is not beside the "
+              "repo: pass --cifar10)", file=sys.stderr)
         return 2
     if args.full:
         args.edges, args.limit, args.rounds = 10, 0, 50
@@ -272,26 +331,30 @@ def main() -> int:
     print(f"CIFAR-10, {args.edges} edges, {depth} models, {args.rounds} rounds x {args.epochs} "
           f"epochs, {args.limit or 'all'} training images, SGD lr {args.lr} cosine momentum "
           f"{args.momentum} batch {args.batch_size}, seeds {args.seeds}; shards: "
-          f"{args.classes_per_edge} classes per edge, dirichlet: alpha {args.alpha}", flush=True)
+          f"{args.classes_per_edge} classes per edge, dirichlet: alpha {args.alpha}; FedAdam "
+          f"server lr {', '.join(f'{r:g}' for r in args.fedadam_server_lrs)}; gradient clip "
+          f"{args.clip_grad_norm or 'off'}, augmentation {args.augment}", flush=True)
 
     # Seed-major: every cell gets its first seed before any gets its second, so an
     # interrupted run (rerun with --report-only) still covers the whole table.
-    plan = [(scheme, method) for scheme in args.schemes for method in args.methods
-            if scheme == "shards" or method in args.dirichlet_methods]
+    plan = [(scheme, label) for scheme in args.schemes for method in args.methods
+            if scheme == "shards" or method in args.dirichlet_methods
+            for label in expand([method], args.fedadam_server_lrs)]
     results: dict[tuple[str, str, str], list[dict]] = {}
     for seed in args.seeds:
         for scheme, method in plan:
-            for arch in ARCHS:
+            for arch in args.archs:
                 history = (run_dir(args, scheme, arch, method, seed) / "server" / "history.json"
                            if args.report_only else federate(args, scheme, arch, method, seed))
                 if finished(history, args.rounds):
                     results.setdefault((scheme, arch, method), []).append(figures(history))
     for scheme in args.schemes:
         methods = [m for s, m in plan if s == scheme]
-        gfl = [m for m in methods if m in GFL]
+        gfl = [m for m in methods if base_method(m)[0] in GFL]
         if gfl:
-            print(table(results, scheme, gfl, "global_test", paper=scheme == "shards"))
-        print(table(results, scheme, methods, "test", paper=False))
+            print(table(results, scheme, gfl, "global_test", paper=scheme == "shards",
+                        archs=args.archs))
+        print(table(results, scheme, methods, "test", paper=False, archs=args.archs))
     for seed in args.seeds:
         runs = [run_dir(args, "shards", arch, "fedavg", seed) for arch in ("SE-ResNet", "ANFR")]
         if all(finished(r / "server" / "history.json", args.rounds) for r in runs):

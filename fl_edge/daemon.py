@@ -31,7 +31,8 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from fedattn_shared import PROTOCOL_VERSION
-from fedattn_shared.config import ConfigError, DPConfig, TrainConfig, apply_values
+from fedattn_shared.augment import InputPipeline
+from fedattn_shared.config import CLIP_WITH_DP, ConfigError, DPConfig, TrainConfig, apply_values
 from fedattn_shared.data import DataError, EdgeData, load_edge_data
 from fedattn_shared.methods import check_method_allowed, load_method
 from fedattn_shared.methods.base import EVALUATE, TRAIN, EdgeAlgorithm, Method, MethodContext
@@ -457,6 +458,8 @@ class EdgeDaemon:
                 dp = DPConfig()
                 apply_values(dp, "dp", config["dp"], "server config")
                 dp.validate()
+                if dp.enabled and train.clip_grad_norm:
+                    raise ConfigError(CLIP_WITH_DP)
             # What this edge holds every secure-aggregation round to (not the round's word).
             secagg = SecAggPolicy.from_config(config["secagg"]) if "secagg" in config else None
         except (ConfigError, ValueError, KeyError, TypeError, AttributeError) as err:
@@ -674,7 +677,9 @@ class EdgeDaemon:
             result = train_local(algo, data.train, train.local_epochs,
                                  self.opts.batch_size or train.batch_size, seed, self.device,
                                  self.opts.progress, lr=lr, amp=self.opts.amp,
-                                 grad_accum=self.opts.grad_accum, privacy=privacy)
+                                 grad_accum=self.opts.grad_accum, privacy=privacy,
+                                 clip_grad_norm=train.clip_grad_norm,
+                                 inputs=InputPipeline(train.augment, train.input_size))
             upload, dp_figures = self._book_privacy(header, algo.after_train(result.steps))
             self._write_behind(self.store.save, algo, self.fingerprint, header.round,
                                header.phase)
@@ -688,16 +693,23 @@ class EdgeDaemon:
                 metrics.update({"train_loss": result.mean_loss,
                                 "last_epoch_loss": result.last_epoch_loss,
                                 **algo.training_metrics()})
+                if train.clip_grad_norm:  # refused with DP: this branch only
+                    metrics.update({"grad_norm": result.grad_norm_mean,
+                                    "clipped_fraction": result.clipped_steps / max(result.steps, 1)})
             self.metrics.observe_training(result, self.device)
             log.info("round %d: trained %d steps in %.2fs (loss %.4f)", header.round,
                      result.steps, result.seconds, result.mean_loss)
         elif header.phase == EVALUATE:
             scorer, finetune_epochs = algo.before_evaluate()
             if finetune_epochs:
+                # Fine-tuning is training on the train split: it is clipped and augmented
+                # as local training is; the evaluation below only resizes.
                 result = train_local(scorer, data.train, finetune_epochs,
                                      self.opts.batch_size or train.batch_size, seed, self.device,
                                      self.opts.progress, lr=lr, amp=self.opts.amp,
-                                     grad_accum=self.opts.grad_accum)
+                                     grad_accum=self.opts.grad_accum,
+                                     clip_grad_norm=train.clip_grad_norm,
+                                     inputs=InputPipeline(train.augment, train.input_size))
                 # The fine-tuned model is private state: export and predict score it too.
                 self._write_behind(self.store.save, algo, self.fingerprint, header.round,
                                    header.phase)
@@ -709,7 +721,8 @@ class EdgeDaemon:
                                               if data.global_test is not None else [])
             for split_name, split in splits:
                 counts = evaluate(scorer, split, split_name, train.num_classes,
-                                  self.opts.eval_batch_size, self.device)
+                                  self.opts.eval_batch_size, self.device,
+                                  InputPipeline(input_size=train.input_size))
                 evaluation.append(pb.ConfusionCounts(
                     split=split_name, num_classes=train.num_classes,
                     counts=counts.confusion.reshape(-1).tolist(),

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 from tqdm import tqdm
 
+from fedattn_shared.augment import InputPipeline
 from fedattn_shared.data.npz import Split
 from fedattn_shared.methods.base import EdgeAlgorithm
 
@@ -35,6 +36,10 @@ class TrainResult:
     mean_loss: float
     last_epoch_loss: float
     seconds: float
+    # With train.clip_grad_norm: the stepped gradients' mean L2 norm before clipping and the
+    # steps whose norm exceeded the bound (does the clip act, and how often?).
+    grad_norm_mean: float = 0.0
+    clipped_steps: int = 0
 
     @property
     def samples_per_second(self) -> float:
@@ -61,10 +66,36 @@ def loader_seed(seed: int, round_number: int, edge_id: str) -> int:
     return (seed * 1_000_003 + round_number * 7919 + zlib.crc32(edge_id.encode())) % (2**63)
 
 
+#: Offsets the augmentation stream from the loader's (same per-edge-per-round seed, another
+#: stream): shuffling and augmentation draw independently.
+AUGMENT_STREAM = zlib.crc32(b"fedattn augment")
+
+
+def augment_generator(seed: int) -> torch.Generator:
+    """The CPU generator augmentation draws from, for a ``loader_seed`` value."""
+    return torch.Generator().manual_seed((seed + AUGMENT_STREAM) % (2**63))
+
+
+def clip_gradients(optimizers: list[torch.optim.Optimizer], max_norm: float) -> torch.Tensor:
+    """Clip the joint L2 norm of the gradients the optimizers are about to apply (each
+    parameter once, however many groups or optimizers hold it) to ``max_norm``; returns the
+    norm before clipping. One norm over all of them, as ``clip_grad_norm_`` over a model's
+    parameters with a single optimizer."""
+    seen: dict[int, torch.Tensor] = {}
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    seen.setdefault(id(param), param)
+    return torch.nn.utils.clip_grad_norm_(list(seen.values()), max_norm)
+
+
 def train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, seed: int,
                 device: torch.device, progress: bool | None = None, lr: float | None = None,
                 amp: bool = False, grad_accum: int = 1,
-                privacy: PrivateTraining | None = None) -> TrainResult:
+                privacy: PrivateTraining | None = None, clip_grad_norm: float = 0.0,
+                inputs: InputPipeline | None = None,
+                augment_rng: torch.Generator | None = None) -> TrainResult:
     """E local epochs over shuffled batches (the algorithm may add epochs: FedRep's head
     epochs). ``grad_accum`` micro-batches make one optimizer step (for small devices);
     ``amp`` runs the forward pass in half precision (fp16 with a gradient scaler on CUDA,
@@ -72,7 +103,15 @@ def train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, 
     K > 1 takes K of them on every batch (pFedMe's inner solve). With ``privacy`` every
     step is DP-SGD's: Poisson-sampled batches, per-sample clipping and noise, then the
     method's ``post_backward``; ``steps`` counts the steps taken (physical batches that
-    only accumulate toward a logical one are not steps)."""
+    only accumulate toward a logical one are not steps).
+
+    ``clip_grad_norm`` > 0 clips the gradient each optimizer step applies (after the AMP
+    unscale and the method's ``post_backward``, so the bound holds on what is stepped): the
+    accumulated gradient once per step under ``grad_accum``, each of a method's
+    ``steps_per_batch`` steps. It does not combine with DP-SGD, whose per-sample clipping
+    (dp.max_grad_norm) is the only clipping there. ``inputs`` augments every training batch
+    (drawing from ``augment_rng``, by default ``augment_generator(seed)``) and resizes it;
+    the statistics pass of ``end_train`` is resized, never augmented."""
     repeats = algo.steps_per_batch
     if repeats > 1 and grad_accum > 1:
         raise ValueError(f"{algo.method.name} takes {repeats} optimizer steps per batch; "
@@ -80,6 +119,13 @@ def train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, 
     if privacy is not None and (amp or grad_accum > 1):
         raise ValueError("DP-SGD does not combine with amp or grad_accum > 1 (bound memory "
                          "with dp.max_physical_batch instead)")
+    if privacy is not None and clip_grad_norm:
+        raise ValueError("train.clip_grad_norm does not combine with DP-SGD: its per-sample "
+                         "clipping (dp.max_grad_norm) already bounds every step")
+    if not 0 <= clip_grad_norm < float("inf"):
+        raise ValueError(f"clip_grad_norm must be >= 0 and finite, got {clip_grad_norm}")
+    inputs = inputs or InputPipeline()
+    augment_rng = augment_rng if augment_rng is not None else augment_generator(seed)
     epochs = algo.local_epochs(epochs)
     generator = torch.Generator().manual_seed(seed)
     if privacy is not None:
@@ -101,16 +147,21 @@ def train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, 
     cuda = device.type == "cuda"
     scaler = torch.amp.GradScaler("cuda", enabled=amp and cuda)
     autocast_dtype = torch.float16 if cuda else torch.bfloat16
-    steps = examples = 0
-    total_loss = epoch_loss = 0.0
+    steps = examples = clipped = 0
+    total_loss = epoch_loss = norm_sum = 0.0
     start = time.perf_counter()
 
     def step() -> bool:
+        nonlocal clipped, norm_sum
         if privacy is not None:
             return privacy.step(algo.post_backward)
         for opt in optimizers:
             scaler.unscale_(opt)
         algo.post_backward()
+        if clip_grad_norm:
+            norm = float(clip_gradients(optimizers, clip_grad_norm))
+            norm_sum += norm
+            clipped += norm > clip_grad_norm
         for opt in optimizers:
             scaler.step(opt)
         scaler.update()
@@ -128,6 +179,8 @@ def train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, 
         for x, y in batches:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             empty = y.shape[0] == 0  # Poisson sampling (DP-SGD) may draw no sample
+            if not empty and not inputs.identity:
+                x = inputs.train_batch(x, augment_rng)
             for _ in range(repeats):
                 if empty:
                     privacy.empty_batch()
@@ -154,9 +207,10 @@ def train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, 
         total_loss += epoch_loss
         if not show:
             log.info("epoch %d/%d loss=%.4f", epoch + 1, epochs, epoch_loss)
-    algo.end_train(_batches(data, batch_size, device))
+    algo.end_train((inputs.eval_batch(x), y) for x, y in _batches(data, batch_size, device))
     seconds = time.perf_counter() - start
-    return TrainResult(steps, examples, total_loss / max(epochs, 1), epoch_loss, seconds)
+    return TrainResult(steps, examples, total_loss / max(epochs, 1), epoch_loss, seconds,
+                       norm_sum / max(steps, 1), clipped)
 
 
 def _batches(data: Split, batch_size: int, device: torch.device):
@@ -173,12 +227,14 @@ def _batches(data: Split, batch_size: int, device: torch.device):
 
 @torch.no_grad()
 def evaluate(algo: EdgeAlgorithm, data: Split, split: str, num_classes: int, batch_size: int,
-             device: torch.device) -> EvalCounts:
+             device: torch.device, inputs: InputPipeline | None = None) -> EvalCounts:
+    """Counts on a split as it is: ``inputs`` only resizes (evaluation is never augmented)."""
+    inputs = inputs or InputPipeline()
     algo.eval_mode()
     confusion = np.zeros((num_classes, num_classes), dtype=np.int64)
     loss_sum = brier_sum = 0.0
     for x, y in _batches(data, batch_size, device):
-        logits = algo.predict(x).float()
+        logits = algo.predict(inputs.eval_batch(x)).float()
         loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
         probs = logits.softmax(dim=1)
         onehot = F.one_hot(y, num_classes).float()

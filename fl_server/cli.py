@@ -22,7 +22,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
+from fedattn_shared.augment import AUGMENTS
 from fedattn_shared.config import (
+    CLIP_WITH_DP,
     ConfigError,
     DPConfig,
     ServerConfig,
@@ -77,7 +79,8 @@ FLAG_TARGETS = {
     "local_epochs": ("train", "local_epochs"), "batch_size": ("train", "batch_size"),
     "optimizer": ("train", "optimizer"), "lr": ("train", "lr"), "momentum": ("train", "momentum"),
     "weight_decay": ("train", "weight_decay"), "seed": ("train", "seed"),
-    "private": ("train", "private"),
+    "private": ("train", "private"), "clip_grad_norm": ("train", "clip_grad_norm"),
+    "augment": ("train", "augment"), "input_size": ("train", "input_size"),
     "dp": ("dp", "enabled"), "dp_epsilon": ("dp", "target_epsilon"),
     "dp_noise_multiplier": ("dp", "noise_multiplier"), "dp_delta": ("dp", "delta"),
     "dp_max_grad_norm": ("dp", "max_grad_norm"), "dp_accountant": ("dp", "accountant"),
@@ -173,6 +176,18 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=int)
     train.add_argument("--private", type=lambda s: [r for r in s.split(",") if r],
                        help="extra private split rules, comma-separated: bn,head,se-e,attention")
+    train.add_argument("--clip-grad-norm", type=float, metavar="C",
+                       help="clip the L2 norm of each optimizer step's gradient to C on every "
+                            "edge (0: off, the default; not with --dp, which clips per sample)")
+    train.add_argument("--augment", choices=list(AUGMENTS),
+                       help="training-batch augmentation on the edges, seeded per edge and "
+                            "round: none (default), crop-flip (4-px pad, random crop, "
+                            "h-flip), resized-crop (random-resized crop + h-flip); never "
+                            "applied to evaluation")
+    train.add_argument("--input-size", type=int,
+                       help="resize inputs (bilinear, antialiased) to this side before the "
+                            "model, in training and evaluation; models are built for it "
+                            "(0: the data's own --image-size)")
     dp = p.add_argument_group("differential privacy ([dp], sent to every edge)")
     dp.add_argument("--dp", action="store_true",
                     help="sample-level DP-SGD (Opacus) on every edge, with a privacy ledger")
@@ -219,6 +234,8 @@ def resolve(args: argparse.Namespace) -> tuple[ServerConfig, TrainConfig, Method
     server.validate()
     train.validate()
     dp.validate()
+    if dp.enabled and train.clip_grad_norm:
+        raise ConfigError(CLIP_WITH_DP)
     if dp.enabled:
         dp.planned_rounds = dp.planned_rounds or server.rounds
         if dp.fix_model and not train.model.endswith(GROUPNORM_SUFFIX):

@@ -16,7 +16,9 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from fedattn_shared.augment import AUGMENTS, Augment
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -48,6 +50,10 @@ class TrainConfig:
     seed: int = 0
     test_fraction: float = 0.2
     private: list[str] = field(default_factory=list)
+    # The papers' recipe pieces (fedattn_shared.augment, fl_edge.trainer):
+    clip_grad_norm: float = 0.0     # > 0: clip the stepped gradient's L2 norm to this; 0: off
+    augment: Augment = "none"       # none | crop-flip | resized-crop, on training batches only
+    input_size: int = 0             # > 0: resize inputs to this and build models for it; 0: off
 
     def validate(self) -> None:
         if self.num_classes < 2:
@@ -74,6 +80,21 @@ class TrainConfig:
             raise ConfigError("train.momentum and train.weight_decay must be >= 0")
         if not 0 < self.test_fraction < 1:
             raise ConfigError(f"train.test_fraction must be in (0, 1), got {self.test_fraction}")
+        if not 0 <= self.clip_grad_norm < math.inf:
+            raise ConfigError(f"train.clip_grad_norm must be >= 0 and finite (0: off), got "
+                              f"{self.clip_grad_norm}")
+        if self.augment not in AUGMENTS:
+            raise ConfigError(f"train.augment must be one of {', '.join(AUGMENTS)}, got "
+                              f"{self.augment!r}")
+        if self.input_size < 0:
+            raise ConfigError(f"train.input_size must be >= 0 (0: the data's own size), got "
+                              f"{self.input_size}")
+
+    @property
+    def model_size(self) -> int:
+        """The side the models are built for and see: ``input_size`` when set (the edge
+        resizes its data to it), else the data's stored ``image_size``."""
+        return self.input_size or self.image_size
 
     def lr_at(self, round_number: int, rounds: int) -> float:
         """The learning rate of a round (1-based) under the schedule: a pure function of the
@@ -202,6 +223,12 @@ class ServerConfig:
 
 
 ACCOUNTANTS = ("rdp", "prv", "gdp")
+#: Why train.clip_grad_norm and DP-SGD are refused together: Opacus already clips every
+#: sample's gradient to dp.max_grad_norm, and a second clip of the noisy mean would only
+#: rescale the noise the accountant calibrated (DP's clipping is the only clipping).
+CLIP_WITH_DP = ("train.clip_grad_norm does not combine with --dp: DP-SGD clips every "
+                "sample's gradient to dp.max_grad_norm (--dp-max-grad-norm), the only "
+                "clipping under DP; set train.clip_grad_norm = 0")
 # A delta this large lets the mechanism publish a sample outright with that probability;
 # each edge bounds it further, by 1/|D_k| (fedattn_shared.privacy.dp).
 MAX_DELTA = 0.5
@@ -269,6 +296,11 @@ def _check_type(where: str, value: Any, annotation: Any) -> Any:
     if annotation in (int, str, bool, float):
         if type(value) is not annotation:
             raise ConfigError(f"{where}: expected {annotation.__name__}, got {value!r}")
+        return value
+    if origin is Literal:
+        choices = typing.get_args(annotation)
+        if value not in choices or type(value) is not type(choices[0]):
+            raise ConfigError(f"{where}: must be one of {', '.join(map(str, choices))}, got {value!r}")
         return value
     if origin is list:
         (inner,) = typing.get_args(annotation)

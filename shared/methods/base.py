@@ -46,6 +46,7 @@ STANDARD_METRICS = frozenset({
     "train_seconds", "steps", "samples_per_second", "lr", "train_loss", "last_epoch_loss",
     "finetune_loss", "finetune_seconds", "dp_epsilon", "dp_delta", "dp_noise_multiplier",
     "dp_steps", "dp_stats_epsilon", "dp_total_epsilon_rdp",
+    "grad_norm", "clipped_fraction",  # train.clip_grad_norm: mean norm before the clip, share clipped
 })
 
 
@@ -168,7 +169,7 @@ class Method:
         with torch.device("meta"):
             if self._probe is not None:
                 return self._probe()
-            return build_model(t.model, t.num_classes, t.in_channels, t.image_size)
+            return build_model(t.model, t.num_classes, t.in_channels, t.model_size)
 
     def check_rules_apply(self, rules: tuple[str, ...], where: str) -> None:
         """Refuse (ValueError, so fl-server exits 2) split rules that select nothing in the
@@ -188,7 +189,7 @@ class Method:
         """Fresh models, identical on every edge and the server for the same seed."""
         torch.manual_seed(self.train.seed)
         t = self.train
-        models = {name: build_model(t.model, t.num_classes, t.in_channels, t.image_size)
+        models = {name: build_model(t.model, t.num_classes, t.in_channels, t.model_size)
                   for name in self.model_names()}
         if self.personal_copy:
             shared, personal = self.personal_copy
@@ -271,7 +272,7 @@ class Method:
             "model": self.train.model,
             "num_classes": self.train.num_classes,
             "in_channels": self.train.in_channels,
-            "image_size": self.train.image_size,
+            "image_size": self.train.model_size,  # the size the models are built for
             "split": self.split_rules(),
             "tensors": [
                 [model_name, key, list(t.shape), str(t.dtype)]

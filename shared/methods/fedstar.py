@@ -421,7 +421,7 @@ class FedSTAR(PrototypeMethod):
         torch.manual_seed(self.train.seed)
         t = self.train
         models: dict[str, nn.Module] = {
-            "model": build_model(t.model, t.num_classes, t.in_channels, t.image_size)}
+            "model": build_model(t.model, t.num_classes, t.in_channels, t.model_size)}
         if self.personalized:
             models["personal"] = StylePersonalization(t.num_classes, self.feature_dim)
         return models

@@ -501,11 +501,11 @@ class PFedKA(Method):
             raise ValueError(f"pfedka.gru_lr must be > 0 and pfedka.gru_beta >= 0, got "
                              f"{p.gru_lr}, {p.gru_beta}")
         t = self.train
-        self.num_tokens, self.width = token_shape(t.model, t.in_channels, t.image_size)
+        self.num_tokens, self.width = token_shape(t.model, t.in_channels, t.model_size)
         if self.num_tokens < MIN_TOKENS:
             raise ValueError(f"pfedka: {t.model} leaves {self.num_tokens} token(s) at "
-                             f"{t.image_size}x{t.image_size}; cross-attention needs at least "
-                             f"{MIN_TOKENS} (use a larger train.image_size)")
+                             f"{t.model_size}x{t.model_size}; cross-attention needs at least "
+                             f"{MIN_TOKENS} (use a larger train.input_size)")
         self.head = f"backbone.{self.head}"
         self.private_rules = () if p.ca_shared else ("attention",)
 
@@ -516,7 +516,7 @@ class PFedKA(Method):
         torch.manual_seed(self.train.seed)
         t, p = self.train, self.params
         spec = model_spec(t.model)
-        backbone = build_model(t.model, t.num_classes, t.in_channels, t.image_size)
+        backbone = build_model(t.model, t.num_classes, t.in_channels, t.model_size)
         attention = (CrossAttention(self.width, p.ca_dk or self.width, p.ca_residual)
                      if p.cross_attention else None)
         teacher = copy.deepcopy(backbone).requires_grad_(False)

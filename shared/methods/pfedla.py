@@ -114,7 +114,7 @@ class PFedLA(Method):
     def _model_with_attention(self) -> nn.Module:
         """One model as the host will hold it (the host checks its split rules on it)."""
         t = self.train
-        model = build_model(t.model, t.num_classes, t.in_channels, t.image_size)
+        model = build_model(t.model, t.num_classes, t.in_channels, t.model_size)
         insert_attention(model, model_spec(t.model).attention_sites(model), self.attention.build)
         return model
 

@@ -140,7 +140,7 @@ class PrototypeMethod(Method):
             raise ValueError(f"{self.name}.proto_norm: {self.params.proto_norm!r} is not one of "
                              f"{', '.join(PROTO_NORMS)}")
         with torch.device("meta"):  # shapes only: no memory, no draw from the RNG
-            probe = build_model(t.model, t.num_classes, t.in_channels, t.image_size)
+            probe = build_model(t.model, t.num_classes, t.in_channels, t.model_size)
         self.feature_dim = head_module(probe, self.head, t.model).in_features
 
     def split_rules(self) -> dict[str, tuple[str, ...]]:
