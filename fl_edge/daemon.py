@@ -78,7 +78,7 @@ from .store import (
     load_or_create_signing_key,
     private_digest,
 )
-from .trainer import evaluate, loader_seed, train_local
+from .trainer import configure_determinism, evaluate, loader_seed, train_local
 
 log = logging.getLogger("fl_edge")
 
@@ -452,6 +452,7 @@ class EdgeDaemon:
             train = TrainConfig()
             apply_values(train, "train", config["train"], "server config")
             train.validate()
+            configure_determinism(train.deterministic, train.threads)
             dp = None
             if config.get("dp") is not None:
                 dp = DPConfig()

@@ -57,8 +57,30 @@ class EvalCounts:
         return float(np.trace(self.confusion)) / max(self.total, 1)
 
 
+# Flips the seed of the forked global RNG away from the loader generator's seed: the same
+# Mersenne Twister stream would otherwise drive both the data order and dropout.
+GLOBAL_STREAM = 1 << 62
+
+
 def loader_seed(seed: int, round_number: int, edge_id: str) -> int:
+    """The seed of one edge's round: its data order and every other random draw of its
+    training (see ``train_local``), a pure function of the run seed, round and edge."""
     return (seed * 1_000_003 + round_number * 7919 + zlib.crc32(edge_id.encode())) % (2**63)
+
+
+def configure_determinism(deterministic: bool, threads: int) -> None:
+    """The process-wide settings a bit-identical run needs (``train.deterministic``,
+    ``train.threads``), applied by the edge once it has the server's configuration.
+    Deterministic algorithms cost nothing measurable on CPU (its kernels are deterministic
+    for a fixed thread count); ``warn_only`` because some CUDA kernels have no
+    deterministic version and a run should warn, not fail, there. Threads > 0 pin
+    intra-op parallelism: a reduction split over another number of threads rounds
+    differently."""
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    if deterministic:
+        torch.backends.cudnn.benchmark = False  # autotuning may pick another kernel per run
+    if threads > 0:
+        torch.set_num_threads(threads)
 
 
 def train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, seed: int,
@@ -72,7 +94,23 @@ def train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, 
     K > 1 takes K of them on every batch (pFedMe's inner solve). With ``privacy`` every
     step is DP-SGD's: Poisson-sampled batches, per-sample clipping and noise, then the
     method's ``post_backward``; ``steps`` counts the steps taken (physical batches that
-    only accumulate toward a logical one are not steps)."""
+    only accumulate toward a logical one are not steps).
+
+    ``seed`` (``loader_seed``: per edge and round) drives everything random in the round:
+    the data order (``generator``) and, through a forked global torch RNG seeded with it,
+    dropout and any method's or augmentation's draws, so a round is a pure function of
+    the seed and the state it starts from and leaves the caller's RNG untouched. DP-SGD's
+    noise is not among them: it comes from ``privacy``'s own generator."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed ^ GLOBAL_STREAM)  # not the data order's stream
+        return _train_local(algo, data, epochs, batch_size, seed, device, progress, lr, amp,
+                            grad_accum, privacy)
+
+
+def _train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, seed: int,
+                 device: torch.device, progress: bool | None, lr: float | None, amp: bool,
+                 grad_accum: int, privacy: PrivateTraining | None) -> TrainResult:
     repeats = algo.steps_per_batch
     if repeats > 1 and grad_accum > 1:
         raise ValueError(f"{algo.method.name} takes {repeats} optimizer steps per batch; "

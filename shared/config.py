@@ -46,6 +46,10 @@ class TrainConfig:
     momentum: float = 0.0
     weight_decay: float = 0.0
     seed: int = 0
+    # A fixed seed gives bit-identical runs on CPU: deterministic algorithms, every random
+    # draw of an edge's round seeded from (seed, round, edge). Off: torch's defaults.
+    deterministic: bool = True
+    threads: int = 0                # > 0: torch.set_num_threads on every edge; 0: its own
     test_fraction: float = 0.2
     private: list[str] = field(default_factory=list)
 
@@ -72,6 +76,8 @@ class TrainConfig:
                               "train.lr_min in [0, lr]")
         if self.momentum < 0 or self.weight_decay < 0:
             raise ConfigError("train.momentum and train.weight_decay must be >= 0")
+        if self.threads < 0:
+            raise ConfigError(f"train.threads must be >= 0, got {self.threads}")
         if not 0 < self.test_fraction < 1:
             raise ConfigError(f"train.test_fraction must be in (0, 1), got {self.test_fraction}")
 
