@@ -661,6 +661,8 @@ class EdgeDaemon:
         spec = json.loads(header.spec_json or "{}")
         lr = train.lr_at(header.round, int(spec.get("rounds", header.round)))
         seed = loader_seed(train.seed, header.round, self.identity.edge_id)
+        if self.privacy is not None:
+            self.privacy.begin_phase(seed, header.phase)
         if header.phase == TRAIN:
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
@@ -675,7 +677,8 @@ class EdgeDaemon:
             result = train_local(algo, data.train, train.local_epochs,
                                  self.opts.batch_size or train.batch_size, seed, self.device,
                                  self.opts.progress, lr=lr, amp=self.opts.amp,
-                                 grad_accum=self.opts.grad_accum, privacy=privacy)
+                                 grad_accum=self.opts.grad_accum, privacy=privacy,
+                                 deterministic=train.deterministic)
             upload, dp_figures = self._book_privacy(header, algo.after_train(result.steps))
             self._write_behind(self.store.save, algo, self.fingerprint, header.round,
                                header.phase)
@@ -698,7 +701,8 @@ class EdgeDaemon:
                 result = train_local(scorer, data.train, finetune_epochs,
                                      self.opts.batch_size or train.batch_size, seed, self.device,
                                      self.opts.progress, lr=lr, amp=self.opts.amp,
-                                     grad_accum=self.opts.grad_accum)
+                                     grad_accum=self.opts.grad_accum,
+                                     deterministic=train.deterministic)
                 # The fine-tuned model is private state: export and predict score it too.
                 self._write_behind(self.store.save, algo, self.fingerprint, header.round,
                                    header.phase)

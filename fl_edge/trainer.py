@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 import zlib
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -60,6 +62,10 @@ class EvalCounts:
 # Flips the seed of the forked global RNG away from the loader generator's seed: the same
 # Mersenne Twister stream would otherwise drive both the data order and dropout.
 GLOBAL_STREAM = 1 << 62
+# torch's global RNG is one per process; fl-sim hosts several edges as threads of one
+# process, whose rounds would otherwise draw from (and reseed) it in turns that depend on
+# scheduling. A lock, not state: it serialises deterministic rounds within a process.
+GLOBAL_RNG_LOCK = threading.Lock()
 
 
 def loader_seed(seed: int, round_number: int, edge_id: str) -> int:
@@ -86,7 +92,7 @@ def configure_determinism(deterministic: bool, threads: int) -> None:
 def train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, seed: int,
                 device: torch.device, progress: bool | None = None, lr: float | None = None,
                 amp: bool = False, grad_accum: int = 1,
-                privacy: PrivateTraining | None = None) -> TrainResult:
+                privacy: PrivateTraining | None = None, deterministic: bool = True) -> TrainResult:
     """E local epochs over shuffled batches (the algorithm may add epochs: FedRep's head
     epochs). ``grad_accum`` micro-batches make one optimizer step (for small devices);
     ``amp`` runs the forward pass in half precision (fp16 with a gradient scaler on CUDA,
@@ -100,9 +106,12 @@ def train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, 
     the data order (``generator``) and, through a forked global torch RNG seeded with it,
     dropout and any method's or augmentation's draws, so a round is a pure function of
     the seed and the state it starts from and leaves the caller's RNG untouched. DP-SGD's
-    noise is not among them: it comes from ``privacy``'s own generator."""
+    noise is not among them: it comes from ``privacy``'s own generator. With
+    ``deterministic`` (``train.deterministic``) rounds of edges sharing a process (fl-sim)
+    take turns, since they share the global RNG; an edge alone in its process never waits."""
     devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
+    turn = GLOBAL_RNG_LOCK if deterministic else nullcontext()
+    with turn, torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed ^ GLOBAL_STREAM)  # not the data order's stream
         return _train_local(algo, data, epochs, batch_size, seed, device, progress, lr, amp,
                             grad_accum, privacy)
