@@ -231,6 +231,11 @@ class DPConfig:
     stats_sigma: float = 0.0       # noise multiplier for STAT_VECTORS/PROTOTYPES/SCALAR_SUMMARY
     stats_clip: float = 1.0        # L2 bound each such tensor is clipped to before the noise
     stats_in_clear: bool = False   # accept uploading those sections without noise, knowingly
+    # Reproduction only, never deployment: the noise is drawn from (train.seed, round,
+    # edge), so anyone who knows the seed can subtract it and the epsilon means nothing.
+    # Off: each edge seeds its noise from the OS's entropy. Edges refuse it without
+    # fl-edge --allow-seeded-dp-noise.
+    seeded_noise: bool = False
 
     def validate(self) -> None:
         defaults = DPConfig()
