@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
-from conftest import Cluster, write_edge_dirs
+from conftest import REPO, Cluster, write_edge_dirs
 
 from fedattn_shared.methods.aggregators import StreamingMean
 from fedattn_shared.state import load_tensors
@@ -70,6 +73,34 @@ def test_same_seed_bit_identical_federation(tmp_path):
     assert _identical(private_a[0], private_c[0]) != []
 
 
+
+def _sim(root: Path, data_root: Path, seed: int) -> tuple[dict, list[dict]]:
+    """fl-sim: the three edges as threads of one worker process, on a model with dropout,
+    so their rounds share torch's global RNG."""
+    out = root / "sim"
+    subprocess.run([sys.executable, "-m", "fl_edge.sim", "--method", "fedbn", "--edges", str(EDGES),
+                    "--procs", "1", "--fraction", "1", "--rounds", "2", "--data-root",
+                    str(data_root), "--out", str(out), "--seed", str(seed),
+                    "--set", 'train.model="mobilenet-v3-compact"'],
+                   check=True, capture_output=True, timeout=300, cwd=REPO,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    private = [load_tensors(out / "state" / f"data-{i}" / "private.safetensors")[0]
+               for i in range(EDGES)]
+    return _final_global(out / "server"), private
+
+
+def test_edges_sharing_a_process_with_dropout_bit_identical(tmp_path):
+    """fl-sim hosts edges as threads: before their rounds took turns on the global RNG,
+    dropout masks went to whichever thread drew first and every tensor differed."""
+    write_edge_dirs(tmp_path / "data", EDGES, per_edge=[150, 170, 190])
+    global_a, private_a = _sim(tmp_path / "a", tmp_path / "data", seed=5)
+    global_b, private_b = _sim(tmp_path / "b", tmp_path / "data", seed=5)
+    assert global_a and all(private_a)
+    assert _identical(global_a, global_b) == []
+    for i in range(EDGES):
+        assert _identical(private_a[i], private_b[i]) == [], f"edge data-{i}"
+
+
 def _sum_in_order(uploads: list[tuple[torch.Tensor, float]]) -> torch.Tensor:
     from fedattn_shared.methods.registry import load_method
 
@@ -91,7 +122,7 @@ def test_server_sum_independent_of_upload_order():
     permutation of the arrival order gives the same bits. A plain float64 running sum
     does not (checked too, so the data really exercises rounding)."""
     g = torch.Generator().manual_seed(0)
-    n = 100_000
+    n = 30_000
     weights = (1.0, 37.0, 999_983.0, 4096.0, 12.0)
     uploads = []
     for weight in weights[:-1]:
@@ -156,3 +187,15 @@ def test_edge_refuses_seeded_dp_noise_unless_allowed():
     with pytest.raises(PolicyRefusal, match="seeded_noise"):
         PrivacyPolicy().check(dp, None)
     PrivacyPolicy(allow_seeded_noise=True).check(dp, None)
+
+
+def test_secagg_sum_does_not_depend_on_the_secret_masks():
+    """Two SecAgg+ rounds over the same uploads with fresh keys, self-mask seeds and
+    pairwise masks (all from ``secrets``, never the run seed) unmask the same bits: the
+    masks cancel exactly in the modular sum, so a seeded run needs no seeded mask."""
+    import numpy as np
+    from test_secagg import protocol
+
+    first, second = protocol(n=5, length=300), protocol(n=5, length=300)
+    assert np.array_equal(first[0], second[0]) and first[1] == second[1]
+    assert first[0].tobytes() == second[0].tobytes()
