@@ -67,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     policy.add_argument("--require-dp", action="store_true",
                         help="refuse a server that runs without DP-SGD (a state dir whose "
                              "privacy ledger exists requires it anyway)")
+    policy.add_argument("--allow-seeded-dp-noise", action="store_true",
+                        help="accept a server's dp.seeded_noise: DP noise drawn from the run "
+                             "seed, so that a run can be reproduced bit for bit. Whoever knows "
+                             "the seed can remove the noise: for reproductions on your own "
+                             "data, never deployment")
     policy.add_argument("--allow-method", action="append", default=[], metavar="MODULE:CLASS",
                         help="accept this method spec from the server, importing MODULE on "
                              "this device (repeatable; the exact spec only). Without it the "
@@ -154,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     try:
-        privacy = PrivacyPolicy(max_epsilon=args.dp_max_epsilon, require_dp=args.require_dp)
+        privacy = PrivacyPolicy(max_epsilon=args.dp_max_epsilon, require_dp=args.require_dp,
+                                allow_seeded_noise=args.allow_seeded_dp_noise)
     except ValueError as err:
         print(f"fl-edge: error: {err}", file=sys.stderr)
         return 2

@@ -79,7 +79,7 @@ from .store import (
     load_or_create_signing_key,
     private_digest,
 )
-from .trainer import evaluate, loader_seed, train_local
+from .trainer import configure_determinism, evaluate, loader_seed, train_local
 
 log = logging.getLogger("fl_edge")
 
@@ -453,6 +453,7 @@ class EdgeDaemon:
             train = TrainConfig()
             apply_values(train, "train", config["train"], "server config")
             train.validate()
+            configure_determinism(train.deterministic, train.threads)
             dp = None
             if config.get("dp") is not None:
                 dp = DPConfig()
@@ -663,6 +664,8 @@ class EdgeDaemon:
         spec = json.loads(header.spec_json or "{}")
         lr = train.lr_at(header.round, int(spec.get("rounds", header.round)))
         seed = loader_seed(train.seed, header.round, self.identity.edge_id)
+        if self.privacy is not None:
+            self.privacy.begin_phase(seed, header.phase)
         if header.phase == TRAIN:
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
@@ -679,7 +682,8 @@ class EdgeDaemon:
                                  self.opts.progress, lr=lr, amp=self.opts.amp,
                                  grad_accum=self.opts.grad_accum, privacy=privacy,
                                  clip_grad_norm=train.clip_grad_norm,
-                                 inputs=InputPipeline(train.augment, train.input_size))
+                                 inputs=InputPipeline(train.augment, train.input_size),
+                                 deterministic=train.deterministic)
             upload, dp_figures = self._book_privacy(header, algo.after_train(result.steps))
             self._write_behind(self.store.save, algo, self.fingerprint, header.round,
                                header.phase)
@@ -709,7 +713,8 @@ class EdgeDaemon:
                                      self.opts.progress, lr=lr, amp=self.opts.amp,
                                      grad_accum=self.opts.grad_accum,
                                      clip_grad_norm=train.clip_grad_norm,
-                                     inputs=InputPipeline(train.augment, train.input_size))
+                                     inputs=InputPipeline(train.augment, train.input_size),
+                                     deterministic=train.deterministic)
                 # The fine-tuned model is private state: export and predict score it too.
                 self._write_behind(self.store.save, algo, self.fingerprint, header.round,
                                    header.phase)

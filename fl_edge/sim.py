@@ -26,6 +26,7 @@ def worker(argv: list[str]) -> int:
     import torch
 
     from fedattn_shared.logs import setup_logging
+    from fedattn_shared.privacy.dp import PrivacyPolicy
 
     from .daemon import EdgeDaemon, EdgeExit, EdgeOptions
 
@@ -36,6 +37,7 @@ def worker(argv: list[str]) -> int:
     p.add_argument("--tls-root", type=Path, help="one certificate folder per edge name")
     p.add_argument("--allow-method", action="append", default=[],
                    help="a module:Class method the edges may import (fl-edge --allow-method)")
+    p.add_argument("--allow-seeded-dp-noise", action="store_true")
     p.add_argument("data_dirs", nargs="+", type=Path)
     args = p.parse_args(argv)
     setup_logging("WARNING")
@@ -47,7 +49,8 @@ def worker(argv: list[str]) -> int:
                               state_dir=args.state_root / data_dir.name, name=data_dir.name,
                               device=args.device, progress=False, retry_for=120,
                               tls_dir=args.tls_root / data_dir.name if args.tls_root else None,
-                              allow_methods=tuple(args.allow_method))
+                              allow_methods=tuple(args.allow_method),
+                              privacy=PrivacyPolicy(allow_seeded_noise=args.allow_seeded_dp_noise))
         try:
             codes[data_dir.name] = EdgeDaemon(options).run()
         except EdgeExit as err:
@@ -83,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the simulated edges train (all share it)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="passed to the fl-server it starts")
+    p.add_argument("--allow-seeded-dp-noise", action="store_true",
+                   help="the edges accept dp.seeded_noise (bit-identical DP runs; whoever "
+                        "knows the seed can remove the noise: reproductions only)")
     p.add_argument("--tls-dir", type=Path,
                    help="mutual TLS with the CA folder of `fl-server certs init`: each edge "
                         "uses DIR/edges/NAME, issued here when missing; without --server a CA "
@@ -186,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
             address = f"127.0.0.1:{json.loads(ready.read_text())['port']}"
         groups = [data_dirs[i :: args.procs] for i in range(args.procs)]
         allow = ["--allow-method", args.method] if ":" in args.method else []
+        if args.allow_seeded_dp_noise:
+            allow.append("--allow-seeded-dp-noise")
         workers = [spawn(["-m", "fl_edge.sim", "worker", "--server", address, "--state-root",
                           str(out / "state"), "--device", args.device, *tls, *allow,
                           *map(str, group)],

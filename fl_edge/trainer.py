@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 import zlib
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -62,7 +64,18 @@ class EvalCounts:
         return float(np.trace(self.confusion)) / max(self.total, 1)
 
 
+# Flips the seed of the forked global RNG away from the loader generator's seed: the same
+# Mersenne Twister stream would otherwise drive both the data order and dropout.
+GLOBAL_STREAM = 1 << 62
+# torch's global RNG is one per process; fl-sim hosts several edges as threads of one
+# process, whose rounds would otherwise draw from (and reseed) it in turns that depend on
+# scheduling. A lock, not state: it serialises deterministic rounds within a process.
+GLOBAL_RNG_LOCK = threading.Lock()
+
+
 def loader_seed(seed: int, round_number: int, edge_id: str) -> int:
+    """The seed of one edge's round: its data order and every other random draw of its
+    training (see ``train_local``), a pure function of the run seed, round and edge."""
     return (seed * 1_000_003 + round_number * 7919 + zlib.crc32(edge_id.encode())) % (2**63)
 
 
@@ -90,12 +103,28 @@ def clip_gradients(optimizers: list[torch.optim.Optimizer], max_norm: float) -> 
     return torch.nn.utils.clip_grad_norm_(list(seen.values()), max_norm)
 
 
+def configure_determinism(deterministic: bool, threads: int) -> None:
+    """The process-wide settings a bit-identical run needs (``train.deterministic``,
+    ``train.threads``), applied by the edge once it has the server's configuration.
+    Deterministic algorithms cost nothing measurable on CPU (its kernels are deterministic
+    for a fixed thread count); ``warn_only`` because some CUDA kernels have no
+    deterministic version and a run should warn, not fail, there. Threads > 0 pin
+    intra-op parallelism: a reduction split over another number of threads rounds
+    differently."""
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    if deterministic:
+        torch.backends.cudnn.benchmark = False  # autotuning may pick another kernel per run
+    if threads > 0:
+        torch.set_num_threads(threads)
+
+
 def train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, seed: int,
                 device: torch.device, progress: bool | None = None, lr: float | None = None,
                 amp: bool = False, grad_accum: int = 1,
                 privacy: PrivateTraining | None = None, clip_grad_norm: float = 0.0,
                 inputs: InputPipeline | None = None,
-                augment_rng: torch.Generator | None = None) -> TrainResult:
+                augment_rng: torch.Generator | None = None,
+                deterministic: bool = True) -> TrainResult:
     """E local epochs over shuffled batches (the algorithm may add epochs: FedRep's head
     epochs). ``grad_accum`` micro-batches make one optimizer step (for small devices);
     ``amp`` runs the forward pass in half precision (fp16 with a gradient scaler on CUDA,
@@ -111,7 +140,28 @@ def train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, 
     ``steps_per_batch`` steps. It does not combine with DP-SGD, whose per-sample clipping
     (dp.max_grad_norm) is the only clipping there. ``inputs`` augments every training batch
     (drawing from ``augment_rng``, by default ``augment_generator(seed)``) and resizes it;
-    the statistics pass of ``end_train`` is resized, never augmented."""
+    the statistics pass of ``end_train`` is resized, never augmented.
+
+    ``seed`` (``loader_seed``: per edge and round) drives everything random in the round:
+    the data order (``generator``) and, through a forked global torch RNG seeded with it,
+    dropout and any method's draws, so a round is a pure function of the seed and the
+    state it starts from and leaves the caller's RNG untouched. DP-SGD's noise is not among
+    them: it comes from ``privacy``'s own generator. With ``deterministic``
+    (``train.deterministic``) rounds of edges sharing a process (fl-sim) take turns, since
+    they share the global RNG; an edge alone in its process never waits."""
+    devices = [device] if device.type == "cuda" else []
+    turn = GLOBAL_RNG_LOCK if deterministic else nullcontext()
+    with turn, torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed ^ GLOBAL_STREAM)  # not the data order's stream
+        return _train_local(algo, data, epochs, batch_size, seed, device, progress, lr, amp,
+                            grad_accum, privacy, clip_grad_norm, inputs, augment_rng)
+
+
+def _train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, seed: int,
+                 device: torch.device, progress: bool | None, lr: float | None, amp: bool,
+                 grad_accum: int, privacy: PrivateTraining | None, clip_grad_norm: float,
+                 inputs: InputPipeline | None, augment_rng: torch.Generator | None
+                 ) -> TrainResult:
     repeats = algo.steps_per_batch
     if repeats > 1 and grad_accum > 1:
         raise ValueError(f"{algo.method.name} takes {repeats} optimizer steps per batch; "

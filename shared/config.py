@@ -48,6 +48,10 @@ class TrainConfig:
     momentum: float = 0.0
     weight_decay: float = 0.0
     seed: int = 0
+    # A fixed seed gives bit-identical runs on CPU: deterministic algorithms, every random
+    # draw of an edge's round seeded from (seed, round, edge). Off: torch's defaults.
+    deterministic: bool = True
+    threads: int = 0                # > 0: torch.set_num_threads on every edge; 0: its own
     test_fraction: float = 0.2
     private: list[str] = field(default_factory=list)
     # The papers' recipe pieces (fedattn_shared.augment, fl_edge.trainer):
@@ -78,6 +82,8 @@ class TrainConfig:
                               "train.lr_min in [0, lr]")
         if self.momentum < 0 or self.weight_decay < 0:
             raise ConfigError("train.momentum and train.weight_decay must be >= 0")
+        if self.threads < 0:
+            raise ConfigError(f"train.threads must be >= 0, got {self.threads}")
         if not 0 < self.test_fraction < 1:
             raise ConfigError(f"train.test_fraction must be in (0, 1), got {self.test_fraction}")
         if not 0 <= self.clip_grad_norm < math.inf:
@@ -252,6 +258,11 @@ class DPConfig:
     stats_sigma: float = 0.0       # noise multiplier for STAT_VECTORS/PROTOTYPES/SCALAR_SUMMARY
     stats_clip: float = 1.0        # L2 bound each such tensor is clipped to before the noise
     stats_in_clear: bool = False   # accept uploading those sections without noise, knowingly
+    # Reproduction only, never deployment: the noise is drawn from (train.seed, round,
+    # edge), so anyone who knows the seed can subtract it and the epsilon means nothing.
+    # Off: each edge seeds its noise from the OS's entropy. Edges refuse it without
+    # fl-edge --allow-seeded-dp-noise.
+    seeded_noise: bool = False
 
     def validate(self) -> None:
         defaults = DPConfig()

@@ -37,7 +37,9 @@ one wrapping per run, and the privacy ledger.
 from __future__ import annotations
 
 import math
+import secrets
 import warnings
+import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -54,6 +56,8 @@ from ..state import StateError
 from ..wire.codec import Kind, Payload, Section
 
 LEDGER_FORMAT = "fedattn-privacy-ledger/1"
+# Moves dp.seeded_noise's seed off the stream the round's data order and dropout use.
+NOISE_STREAM = 0x2545F4914F6CDD1D
 STATS_KINDS = (Kind.STAT_VECTORS, Kind.PROTOTYPES, Kind.SCALAR_SUMMARY)
 History = list[tuple[float, float, int]]  # (noise multiplier, sample rate, steps)
 
@@ -204,6 +208,7 @@ class PrivacyPolicy:
 
     max_epsilon: float | None = None  # the largest budget this edge accepts; implies DP
     require_dp: bool = False
+    allow_seeded_noise: bool = False  # accept dp.seeded_noise (reproductions, not deployment)
 
     def __post_init__(self) -> None:
         if self.max_epsilon is not None and not (math.isfinite(self.max_epsilon)
@@ -232,6 +237,10 @@ class PrivacyPolicy:
                 raise PolicyRefusal("dp: the server runs without DP-SGD; this edge trains only "
                                     "under DP-SGD (--require-dp)")
             return
+        if dp.seeded_noise and not self.allow_seeded_noise:
+            raise PolicyRefusal("dp.seeded_noise: the server asks for DP noise drawn from the "
+                                "run seed, which it knows and can subtract; this edge refuses "
+                                "(--allow-seeded-dp-noise accepts it, for reproductions only)")
         if not 0 <= dp.delta < MAX_DELTA:
             raise PolicyRefusal(f"dp.delta: the server sends {dp.delta:g}; this edge refuses "
                                 f"any delta >= {MAX_DELTA}")
@@ -344,6 +353,7 @@ class PrivateTraining:
         self.rounds: list[dict] = []
         if ledger is not None:
             self._load(ledger)
+        self.noise: torch.Generator | None = None  # made by _wrap, on the models' device
         self.optimizer = self._wrap()
         self._steps = 0
         self._stats_released = 0
@@ -369,9 +379,23 @@ class PrivateTraining:
                     warnings.simplefilter("ignore")  # its notes on the functorch fallback
                     self.wrapped.append(OutputHookGradSampleModule(
                         model, batch_first=True, loss_reduction="mean", strict=True))
+        # Opacus draws from torch's global RNG unless given a generator, and that RNG is
+        # seeded from the run seed (the models' init, the round's forked RNG): the noise
+        # would be known to the server. Its own generator, seeded from the OS's entropy.
+        device = next(p.device for g in optimizer.param_groups for p in g["params"])
+        self.noise = torch.Generator(device=device)
+        self.noise.manual_seed(secrets.randbits(63))
         return DPOptimizer(optimizer, noise_multiplier=self.noise_multiplier,
                            max_grad_norm=self.dp.max_grad_norm,
-                           expected_batch_size=self.expected_batch, loss_reduction="mean")
+                           expected_batch_size=self.expected_batch, loss_reduction="mean",
+                           generator=self.noise)
+
+    def begin_phase(self, seed: int, phase: str) -> None:
+        """With ``dp.seeded_noise`` (reproductions only), the phase's noise restarts from
+        ``seed`` (the round's ``loader_seed``) and the phase's name; otherwise nothing
+        changes: the noise goes on from the OS-seeded generator."""
+        if self.dp.seeded_noise:
+            self.noise.manual_seed((seed ^ NOISE_STREAM ^ zlib.crc32(phase.encode())) % 2**63)
 
     # ---- the training loop's side ------------------------------------------------------
     def loader(self, data: Split, generator: torch.Generator) -> Iterable:
@@ -438,7 +462,9 @@ class PrivateTraining:
                     continue
                 value = tensor.detach().float()
                 value = value * min(1.0, clip / (float(value.norm()) + 1e-12))
-                noisy = value + torch.randn_like(value) * (2 * clip * sigma)
+                draw = torch.randn(value.shape, generator=self.noise, dtype=value.dtype,
+                                   device=self.noise.device).to(value.device)
+                noisy = value + draw * (2 * clip * sigma)
                 tensors[name] = noisy.to(tensor.dtype)
                 self._stats_released += 1
             sections.append(Section(section.kind, section.name, tensors))
