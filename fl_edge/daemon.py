@@ -339,7 +339,9 @@ class EdgeDaemon:
                 response_deserializer=pb.SubmitReply.FromString)
             self._join(stub)
             stop = threading.Event()
-            presence = threading.Thread(target=self._presence, args=(stub, stop), daemon=True)
+            call = stub.Presence(pb.PresenceRequest(edge_id=self.identity.edge_id,
+                                                    session=self.session))
+            presence = threading.Thread(target=self._presence, args=(call, stop), daemon=True)
             presence.start()
             try:
                 while True:
@@ -353,7 +355,10 @@ class EdgeDaemon:
                         self._handle(stub, received)
             finally:
                 stop.set()
-                self._presence_call_cancel()
+                # Cancelled and its thread joined before the channel closes: a stream still
+                # running through the channel's close can abort the process at exit.
+                call.cancel()
+                presence.join(timeout=10)
                 self._flush_writes()
 
     # ---- join / presence / leave --------------------------------------------------------
@@ -412,20 +417,15 @@ class EdgeDaemon:
         log.info("joined %s as %s (method %s)", self.opts.server, self.identity.edge_id,
                  self.method.name)
 
-    def _presence(self, stub, stop: threading.Event) -> None:
+    def _presence(self, call, stop: threading.Event) -> None:
+        """Holds the presence stream open (the server selects connected edges only and
+        drops the task of one whose stream closes) until ``stop`` or the stream ends."""
         try:
-            self._presence_call = stub.Presence(
-                pb.PresenceRequest(edge_id=self.identity.edge_id, session=self.session))
-            for _ in self._presence_call:
+            for _ in call:
                 if stop.is_set():
                     break
         except grpc.RpcError:
             pass  # the main loop notices a lost server on its own calls
-
-    def _presence_call_cancel(self) -> None:
-        call = getattr(self, "_presence_call", None)
-        if call is not None:
-            call.cancel()
 
     def _leave(self, stub, reason: str) -> None:
         try:
