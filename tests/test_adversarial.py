@@ -17,6 +17,7 @@ import signal
 import threading
 import time
 import urllib.request
+from contextlib import contextmanager
 
 import grpc
 import pytest
@@ -142,80 +143,80 @@ def test_stalled_streams_cannot_hold_the_upload_slots(fleet):
     assert reply.accepted, reply.reason
 
 
-def test_a_receive_is_cut_when_its_phase_closes(tmp_path):
-    # A phase that closed at its quorum aggregates nothing more: a stream still sending
-    # for it gives its slot back at once instead of at its idle deadline.
+@contextmanager
+def raw_fleet(tmp_path, names: tuple[str, ...], *server_args: str):
+    """A real fl-server with ``server_args`` and one connected raw edge per name; yields
+    (cluster, edges), and closes them all afterwards."""
     cluster = Cluster(tmp_path)
     edges: list[RawEdge] = []
-    release = threading.Event()
     try:
-        cluster.server("--method", "fedavg", "--model", "lenet-bn", "--min-edges", "2",
-                       "--quorum", "1", "--eval-every", "0", "--upload-idle-timeout", "120",
-                       "--metrics-port", "0")
-        edges = [RawEdge(cluster.port, "slow"), RawEdge(cluster.port, "fast")]
+        cluster.server("--method", "fedavg", "--model", "lenet-bn", "--eval-every", "0",
+                       "--metrics-port", "0", *server_args)
+        edges = [RawEdge(cluster.port, name) for name in names]
         for edge in edges:
             edge.connect()
-        slow, fast = edges
-        slow_task, fast_task = slow.next_task(), fast.next_task()
-        header, chunks = raw_layout(slow, slow_task, shifted(slow_task.globals, 1.0))
-        messages = stream(header, chunks)
-        slow.sign(messages)
-        replies: list[pb.SubmitReply] = []
-        receiving = threading.Thread(target=lambda: replies.append(
-            slow.stub.Submit(stalling(messages[:2], release), timeout=120)))
-        receiving.start()
-        wait_for(lambda: chunk_received(cluster.procs[0].metrics_port, slow.edge_id), 15,
-                 "the slow stream's first chunk at the server")
-        reply = fast.submit(train_messages(fast, fast_task, shifted(fast_task.globals, 1.0)))
-        assert reply.accepted, reply.reason
-        receiving.join(timeout=60)
-        assert replies and not replies[0].accepted
-        assert "the phase closed before the upload completed" in replies[0].reason
+        yield cluster, edges
     finally:
-        release.set()
         for edge in edges:
             edge.close()
         cluster.close()
+
+
+def test_a_receive_is_cut_when_its_phase_closes(tmp_path):
+    # A phase that closed at its quorum aggregates nothing more: a stream still sending
+    # for it gives its slot back at once instead of at its idle deadline.
+    release = threading.Event()
+    with raw_fleet(tmp_path, ("slow", "fast"), "--min-edges", "2", "--quorum", "1",
+                   "--upload-idle-timeout", "120") as (cluster, (slow, fast)):
+        try:
+            slow_task, fast_task = slow.next_task(), fast.next_task()
+            header, chunks = raw_layout(slow, slow_task, shifted(slow_task.globals, 1.0))
+            messages = stream(header, chunks)
+            slow.sign(messages)
+            replies: list[pb.SubmitReply] = []
+            receiving = threading.Thread(target=lambda: replies.append(
+                slow.stub.Submit(stalling(messages[:2], release), timeout=120)))
+            receiving.start()
+            wait_for(lambda: chunk_received(cluster.procs[0].metrics_port, slow.edge_id), 15,
+                     "the slow stream's first chunk at the server")
+            reply = fast.submit(train_messages(fast, fast_task, shifted(fast_task.globals, 1.0)))
+            assert reply.accepted, reply.reason
+            receiving.join(timeout=60)
+            assert replies and not replies[0].accepted
+            assert "the phase closed before the upload completed" in replies[0].reason
+        finally:
+            release.set()
 
 
 def test_a_call_that_gives_up_waiting_for_a_slot_leaves_none_held(tmp_path):
     # One slot, held by a stalled stream; a second edge's upload waits for it and its
     # client gives up. The slot it was waiting for must not be granted to the ended call,
     # or the third edge's upload would wait forever once the stall is cut.
-    cluster = Cluster(tmp_path)
-    edges: list[RawEdge] = []
     release = threading.Event()
-    try:
-        cluster.server("--method", "fedavg", "--model", "lenet-bn", "--min-edges", "3",
-                       "--eval-every", "0", "--upload-idle-timeout", "4",
-                       "--max-concurrent-uploads", "1", "--round-timeout", "120",
-                       "--metrics-port", "0")
-        edges = [RawEdge(cluster.port, name) for name in ("staller", "quitter", "honest")]
-        for edge in edges:
-            edge.connect()
-        staller, quitter, honest = edges
-        tasks = [edge.next_task() for edge in edges]
-        header, chunks = raw_layout(staller, tasks[0], shifted(tasks[0].globals, 1.0))
-        messages = stream(header, chunks)
-        staller.sign(messages)
-        stalled = threading.Thread(target=lambda: staller.stub.Submit(
-            stalling(messages[:2], release), timeout=120))
-        stalled.start()
-        wait_for(lambda: chunk_received(cluster.procs[0].metrics_port, staller.edge_id), 15,
-                 "the stalled stream's chunk at the server")
-        waiting = train_messages(quitter, tasks[1], tasks[1].globals)
-        quitter.sign(waiting)
-        with pytest.raises(grpc.RpcError) as err:  # waits for the slot, then gives up
-            quitter.stub.Submit(iter(waiting), timeout=1.0)
-        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        reply = honest.submit(train_messages(honest, tasks[2], tasks[2].globals))
-        assert reply.accepted, reply.reason
-        stalled.join(timeout=60)
-    finally:
-        release.set()
-        for edge in edges:
-            edge.close()
-        cluster.close()
+    with raw_fleet(tmp_path, ("staller", "quitter", "honest"), "--min-edges", "3",
+                   "--upload-idle-timeout", "4", "--max-concurrent-uploads", "1",
+                   "--round-timeout", "120") as (cluster, edges):
+        try:
+            staller, quitter, honest = edges
+            tasks = [edge.next_task() for edge in edges]
+            header, chunks = raw_layout(staller, tasks[0], shifted(tasks[0].globals, 1.0))
+            messages = stream(header, chunks)
+            staller.sign(messages)
+            stalled = threading.Thread(target=lambda: staller.stub.Submit(
+                stalling(messages[:2], release), timeout=120))
+            stalled.start()
+            wait_for(lambda: chunk_received(cluster.procs[0].metrics_port, staller.edge_id), 15,
+                     "the stalled stream's chunk at the server")
+            waiting = train_messages(quitter, tasks[1], tasks[1].globals)
+            quitter.sign(waiting)
+            with pytest.raises(grpc.RpcError) as err:  # waits for the slot, then gives up
+                quitter.stub.Submit(iter(waiting), timeout=1.0)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            reply = honest.submit(train_messages(honest, tasks[2], tasks[2].globals))
+            assert reply.accepted, reply.reason
+            stalled.join(timeout=60)
+        finally:
+            release.set()
 
 
 def test_a_silent_stream_without_a_header_is_cut(fleet):
