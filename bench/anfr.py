@@ -144,7 +144,7 @@ def federate(args, scheme: str, arch: str, method: str, seed: int) -> Path:
     flags = [f"--set={k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in sets.items()]
     started = time.time()
     out.mkdir(parents=True, exist_ok=True)
-    run([sys.executable, "-m", "fl_edge.sim", "--method", method, "--edges", str(args.edges),
+    run([sys.executable, "-m", "fl_tools.sim", "--method", method, "--edges", str(args.edges),
          "--fraction", "1", "--rounds", str(args.rounds), "--procs", str(args.procs),
          "--data-root", str(data), "--out", str(out), "--seed", str(seed), *flags],
         out / "fl-sim.log")
@@ -154,7 +154,7 @@ def federate(args, scheme: str, arch: str, method: str, seed: int) -> Path:
 
 
 def figures(history_file: Path) -> dict[str, float]:
-    from fl_server.report import analyze_run, load_history
+    from fl_tools.report import analyze_run, load_history
 
     history = load_history(history_file)
     out = {}

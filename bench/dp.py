@@ -80,7 +80,7 @@ def federate(args, arch: str, eps: float, seed: int) -> Path:
     flags = [f"--set={k}={json.dumps(v)}" for k, v in sets.items()]
     started = time.time()
     out.mkdir(parents=True, exist_ok=True)
-    run([sys.executable, "-m", "fl_edge.sim", "--method", "fedavg", "--edges", str(args.edges),
+    run([sys.executable, "-m", "fl_tools.sim", "--method", "fedavg", "--edges", str(args.edges),
          "--fraction", "1", "--rounds", str(args.rounds), "--procs", str(args.procs),
          "--data-root", str(data), "--out", str(out), "--seed", str(seed),
          "--device", args.device, *flags], out / "fl-sim.log")
@@ -92,7 +92,7 @@ def federate(args, arch: str, eps: float, seed: int) -> Path:
 
 
 def figures(history_file: Path) -> dict[str, float]:
-    from fl_server.report import analyze_run, load_history
+    from fl_tools.report import analyze_run, load_history
 
     history = load_history(history_file)
     out = {split: 100 * analyze_run(history_file, history, split)["final"]["mean_accuracy"]

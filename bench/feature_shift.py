@@ -102,7 +102,7 @@ def federate(args, host: str, attention: str, seed: int) -> Path:
     flags = [f"--set={k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in sets.items()]
     started = time.time()
     out.mkdir(parents=True, exist_ok=True)
-    run([sys.executable, "-m", "fl_edge.sim", "--method", method, "--edges", str(len(DOMAINS)),
+    run([sys.executable, "-m", "fl_tools.sim", "--method", method, "--edges", str(len(DOMAINS)),
          "--fraction", "1", "--rounds", str(args.rounds), "--procs", str(args.procs),
          "--data-root", str(data), "--out", str(out), "--seed", str(seed), *flags],
         out / "fl-sim.log")
@@ -228,7 +228,7 @@ def main() -> int:
     print(table(results, args.hosts, args.attention, edges))
     print(verdict(results, args.hosts, args.attention, edges))
     if "hybrid" in args.attention:
-        from fl_server.report import attention_table, load_edge_history
+        from fl_tools.report import attention_table, load_edge_history
 
         host = "fedbn" if "fedbn" in args.hosts else args.hosts[0]
         state = args.out / "runs" / f"{host}+hybrid-s{args.seeds[0]}" / "state"

@@ -127,7 +127,7 @@ def federate(args, config: Config, alpha: str, seed: int) -> Path:
     flags = [f"--set={k}={json.dumps(v)}" for k, v in sets.items()]  # JSON scalars are TOML
     started = time.time()
     out.mkdir(parents=True, exist_ok=True)
-    run([sys.executable, "-m", "fl_edge.sim", "--method", config.method, "--edges",
+    run([sys.executable, "-m", "fl_tools.sim", "--method", config.method, "--edges",
          str(args.edges), "--fraction", "1", "--rounds", str(args.rounds), "--procs",
          str(args.procs), "--data-root", str(data), "--out", str(out), "--seed", str(seed),
          *flags], out / "fl-sim.log")
@@ -189,7 +189,7 @@ def reported_gsr(history_file: Path) -> dict[str, float]:
 
 
 def figures(history_file: Path, seed: int, analysis: dict | None = None) -> dict:
-    from fl_server.report import analyze_run, load_history
+    from fl_tools.report import analyze_run, load_history
 
     history = load_history(history_file)
     out: dict = {"seed": seed, "analysis": analysis or {}}

@@ -121,7 +121,7 @@ def federate(args, config: Config, dataset: str, seed: int) -> Path:
         subprocess.run(["rm", "-rf", str(out)], check=True)
     out.mkdir(parents=True)
     started = time.time()
-    run([sys.executable, "-m", "fl_edge.sim", "--method", config.method, "--edges",
+    run([sys.executable, "-m", "fl_tools.sim", "--method", config.method, "--edges",
          str(args.edges), "--fraction", str(args.fraction), "--rounds", str(args.rounds),
          "--procs", str(args.procs), "--data-root", str(data), "--out", str(out),
          "--seed", str(seed), "--device", args.device, *flags], out / "fl-sim.log")
@@ -132,7 +132,7 @@ def federate(args, config: Config, dataset: str, seed: int) -> Path:
 
 def figures(history_file: Path) -> dict:
     """Table 1's figures of one run, on the pooled local test splits."""
-    from fl_server.report import convergence_round, load_history, round_figures
+    from fl_tools.report import convergence_round, load_history, round_figures
 
     history = load_history(history_file)
     rounds = []

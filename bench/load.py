@@ -52,7 +52,7 @@ def mnist_source() -> Path:
     shared = SHARED_DATA / "mnist"
     if (shared / "train-images-idx3-ubyte.gz").exists():
         return shared
-    from fl_server.demo import bundled_mnist
+    from fedattn_shared.data.shipped import bundled_mnist
 
     return bundled_mnist()
 
@@ -145,7 +145,7 @@ def load_run(edges: int, args, work: Path) -> dict:
                                  "--round-timeout", str(args.round_timeout),
                                  "--seed", str(args.seed)], port)
     startup_cpu = cpu_seconds(server.pid)  # imports and model build, before any edge
-    sim = subprocess.Popen([PY, "-m", "fl_edge.sim", "--server", f"127.0.0.1:{port}",
+    sim = subprocess.Popen([PY, "-m", "fl_tools.sim", "--server", f"127.0.0.1:{port}",
                             "--data-root", str(data), "--edges", str(edges), "--procs",
                             str(args.procs), "--out", str(work / "sim")],
                            env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
@@ -199,7 +199,7 @@ def soak(args, work: Path, say) -> dict:
 
     def start_worker(i: int) -> subprocess.Popen:
         log = open(work / "logs" / f"worker-{i}.log", "ab")
-        return subprocess.Popen([PY, "-m", "fl_edge.sim", "worker", "--server", f"127.0.0.1:{port}",
+        return subprocess.Popen([PY, "-m", "fl_tools.sim", "worker", "--server", f"127.0.0.1:{port}",
                                  "--state-root", str(work / "state"), *map(str, groups[i])],
                                 stdout=log, stderr=subprocess.STDOUT, env=ENV,
                                 start_new_session=True)

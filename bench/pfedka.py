@@ -121,7 +121,7 @@ def federate(args, config: Config, alpha: str, seed: int, rounds: int | None = N
     flags = [f"--set={k}={toml_value(v)}" for k, v in sets.items()]
     started = time.time()
     out.mkdir(parents=True, exist_ok=True)
-    run([sys.executable, "-m", "fl_edge.sim", "--method", config.method, "--edges",
+    run([sys.executable, "-m", "fl_tools.sim", "--method", config.method, "--edges",
          str(args.edges), "--fraction", str(args.fraction), "--rounds", str(rounds), "--procs",
          str(args.procs), "--data-root", str(data), "--out", str(out), "--seed", str(seed),
          *flags], out / "fl-sim.log")
@@ -164,7 +164,7 @@ def global_accuracy(run_dir: Path, args) -> float:
 
 
 def figures(run_dir: Path, args) -> dict:
-    from fl_server.report import analyze_run, load_history
+    from fl_tools.report import analyze_run, load_history
 
     history_file = run_dir / "server" / "history.json"
     history = load_history(history_file)

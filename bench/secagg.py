@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 from fedattn_shared.config import ServerConfig, TrainConfig  # noqa: E402
 from fedattn_shared.methods import MethodContext, load_method  # noqa: E402
 from fl_edge.daemon import EdgeDaemon, EdgeOptions  # noqa: E402
-from fl_server.cli import ServerApp  # noqa: E402
+from fl_server.app import ServerApp  # noqa: E402
 
 MODEL = "mobilenet-v3-small"
 

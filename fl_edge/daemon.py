@@ -35,7 +35,8 @@ from fedattn_shared.augment import InputPipeline
 from fedattn_shared.config import CLIP_WITH_DP, ConfigError, DPConfig, TrainConfig, apply_values
 from fedattn_shared.data import DataError, EdgeData, load_edge_data
 from fedattn_shared.methods import check_method_allowed, load_method
-from fedattn_shared.methods.base import EVALUATE, TRAIN, EdgeAlgorithm, Method, MethodContext
+from fedattn_shared.methods.base import EdgeAlgorithm, Method, MethodContext
+from fedattn_shared.methods.phases import EVALUATE, TRAIN
 from fedattn_shared.privacy.dp import (
     BudgetSpent,
     PinnedPolicy,
@@ -56,7 +57,8 @@ from fedattn_shared.wire.accounting import (
     ByteMeter,
     data_message_wire_bytes,
 )
-from fedattn_shared.wire.codec import BufferPool, Kind, Payload, PayloadAssembler, WireError, encode
+from fedattn_shared.wire.codec import encode
+from fedattn_shared.wire.payload import Kind, Payload, WireError
 from fedattn_shared.wire.signing import (
     BodyMac,
     exchange,
@@ -66,6 +68,8 @@ from fedattn_shared.wire.signing import (
 )
 from fedattn_shared.wire.transport import (
     MAX_MESSAGE_BYTES,
+    BufferPool,
+    PayloadAssembler,
     channel_options,
     data_frames,
     deserializer,

@@ -19,9 +19,10 @@ import torch
 from fedattn_shared.augment import resize
 from fedattn_shared.config import TrainConfig, apply_values
 from fedattn_shared.methods import load_method
-from fedattn_shared.methods.base import EVALUATE, EdgeAlgorithm, Method, MethodContext
+from fedattn_shared.methods.base import EdgeAlgorithm, Method, MethodContext
+from fedattn_shared.methods.phases import EVALUATE
 from fedattn_shared.state import StateError, load_tensors, save_tensors
-from fedattn_shared.wire.codec import Payload
+from fedattn_shared.wire.payload import Payload
 
 from .store import PrivateStore
 

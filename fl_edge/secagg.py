@@ -40,7 +40,7 @@ from fedattn_shared.privacy.secagg import (
     protocol_step,
 )
 from fedattn_shared.state import StateError, atomic_write_json, read_json
-from fedattn_shared.wire.codec import Kind, Payload, Section
+from fedattn_shared.wire.payload import Kind, Payload, Section
 
 log = logging.getLogger("fl_edge")
 

@@ -32,7 +32,8 @@ from fedattn_shared.state import (
     save_tensors,
 )
 from fedattn_shared.wire import fedattn_pb2 as pb
-from fedattn_shared.wire.codec import Payload, WireError, crc32, decode
+from fedattn_shared.wire.codec import crc32, decode
+from fedattn_shared.wire.payload import Payload, WireError
 
 STATE_FORMAT = "fedattn-edge-state/1"
 PRIVATE_HISTORY_FORMAT = "fedattn-private-history/1"

@@ -40,21 +40,13 @@ import torch
 from fedattn_shared import PROTOCOL_VERSION
 from fedattn_shared.config import ServerConfig, TrainConfig
 from fedattn_shared.methods.aggregators import SUM_STEP, RoundSnapshot
-from fedattn_shared.methods.base import EVALUATE, TRAIN, Method, SectionSpec
+from fedattn_shared.methods.base import Method, SectionSpec
+from fedattn_shared.methods.phases import EVALUATE, TRAIN
 from fedattn_shared.state import atomic_write, read_json
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire.accounting import ByteMeter
-from fedattn_shared.wire.codec import (
-    EncodedPayload,
-    Kind,
-    Payload,
-    Section,
-    WireError,
-    dtype_name,
-    encode,
-    section_layout,
-    torch_dtype,
-)
+from fedattn_shared.wire.codec import EncodedPayload, dtype_name, encode, section_layout, torch_dtype
+from fedattn_shared.wire.payload import Kind, Payload, Section, WireError
 from fedattn_shared.wire.transport import data_frames
 
 from .checkpoint import CheckpointStore

@@ -46,7 +46,7 @@ from fedattn_shared.privacy.secagg import (
     unflatten_sum,
     vector_length,
 )
-from fedattn_shared.wire.codec import Kind, Payload, Section
+from fedattn_shared.wire.payload import Kind, Payload, Section
 
 from .registry import EdgeRegistry
 

@@ -34,13 +34,7 @@ from fedattn_shared.wire.accounting import (
     ByteMeter,
     data_message_wire_bytes,
 )
-from fedattn_shared.wire.codec import (
-    BufferPool,
-    Payload,
-    PayloadAssembler,
-    WireError,
-    nonfinite_tensors,
-)
+from fedattn_shared.wire.payload import Payload, WireError, nonfinite_tensors
 from fedattn_shared.wire.signing import (
     BODY_MAC_IV_BYTES,
     BodyMac,
@@ -49,7 +43,14 @@ from fedattn_shared.wire.signing import (
     verify_key_share,
     verify_submission,
 )
-from fedattn_shared.wire.transport import MAX_MESSAGE_BYTES, data_frames, deserializer, serialize
+from fedattn_shared.wire.transport import (
+    MAX_MESSAGE_BYTES,
+    BufferPool,
+    PayloadAssembler,
+    data_frames,
+    deserializer,
+    serialize,
+)
 
 from .engine import Engine, Phase, Refused
 from .registry import AuthError

@@ -168,7 +168,7 @@ def read_history(checkpoint_dir: Path) -> dict:
 
 @contextmanager
 def serving(app) -> Iterator[int]:
-    """A real ``ServerApp`` (fl_server.cli) serving gRPC from a thread of this process, for
+    """A real ``ServerApp`` (fl_server.app) serving gRPC from a thread of this process, for
     tests that look at or alter the engine while real edges talk to it; yields its port
     and stops it afterwards."""
     loop = asyncio.new_event_loop()

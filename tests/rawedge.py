@@ -18,9 +18,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from fedattn_shared import PROTOCOL_VERSION
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire import fedattn_pb2_grpc as pb_grpc
-from fedattn_shared.wire.codec import Kind, Payload, PayloadAssembler, Section, encode
+from fedattn_shared.wire.codec import encode
+from fedattn_shared.wire.payload import Kind, Payload, Section
 from fedattn_shared.wire.signing import BodyMac, exchange, new_key_share, sign_submission, upload_mac_key
-from fedattn_shared.wire.transport import MAX_MESSAGE_BYTES, channel_options
+from fedattn_shared.wire.transport import MAX_MESSAGE_BYTES, PayloadAssembler, channel_options, payload_chunks
 
 UPLOAD_CHUNK = 32 << 10  # several data chunks per upload (the model is ~180 KB)
 NUM_EXAMPLES = 5
@@ -170,7 +171,7 @@ def encoded_train(tensors: dict[str, torch.Tensor], extra: tuple[Section, ...] =
 def train_messages(edge: RawEdge, task: Task, tensors: dict[str, torch.Tensor],
                    **overrides) -> list[pb.SubmitMessage]:
     encoded = encoded_train(tensors)
-    chunks = [chunk for _, chunk in encoded.chunks(UPLOAD_CHUNK)]
+    chunks = [chunk for _, chunk in payload_chunks(encoded, UPLOAD_CHUNK)]
     return [pb.SubmitMessage(header=edge.header(task, encoded.manifest, **overrides)),
             *(pb.SubmitMessage(data=c) for c in chunks)]
 
@@ -179,7 +180,7 @@ def raw_layout(edge: RawEdge, task: Task, tensors: dict[str, torch.Tensor]):
     """(header, chunks) of a valid upload, for scenarios that tamper with the stream."""
     encoded = encoded_train(tensors)
     return (edge.header(task, encoded.manifest),
-            [chunk for _, chunk in encoded.chunks(UPLOAD_CHUNK)])
+            [chunk for _, chunk in payload_chunks(encoded, UPLOAD_CHUNK)])
 
 
 def stream(header: pb.SubmitHeader | None, chunks: list[bytes]) -> list[pb.SubmitMessage]:

@@ -25,7 +25,9 @@ from fedattn_shared.methods.aggregators import StreamingMean
 from fedattn_shared.methods.fedavg import FedAvg
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire.accounting import ByteMeter
-from fedattn_shared.wire.codec import Kind, Payload, PayloadAssembler, Section, encode
+from fedattn_shared.wire.codec import encode
+from fedattn_shared.wire.payload import Kind, Payload, Section
+from fedattn_shared.wire.transport import PayloadAssembler, payload_chunks
 from fl_server.cli import build_parser, resolve
 from fl_server.engine import Engine, Refused
 from fl_server.metrics import ServerMetrics
@@ -64,7 +66,7 @@ def connect(engine: Engine, declared: dict[str, str | None]) -> None:
 def over_the_wire(payload: Payload) -> tuple[pb.PayloadManifest, Payload]:
     encoded = encode(payload)
     assembler = PayloadAssembler(encoded.manifest, 1 << 30, 1 << 16)
-    for _, chunk in encoded.chunks(1 << 16):
+    for _, chunk in payload_chunks(encoded, 1 << 16):
         assembler.add(chunk)
     return encoded.manifest, assembler.finish()
 

@@ -41,9 +41,9 @@ from rawedge import (
 from fedattn_shared import PROTOCOL_VERSION
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire import fedattn_pb2_grpc as pb_grpc
-from fedattn_shared.wire.codec import Kind, Section
+from fedattn_shared.wire.payload import Kind, Section
 from fedattn_shared.wire.signing import BodyMac, new_key_share
-from fedattn_shared.wire.transport import MAX_MESSAGE_BYTES
+from fedattn_shared.wire.transport import MAX_MESSAGE_BYTES, payload_chunks
 
 ROUNDS = 200             # more than the suite uses: the run must still be going at the end
 ROUND_TIMEOUT = 15.0
@@ -262,7 +262,7 @@ def undeclared_section(edge: RawEdge, task: Task) -> list[pb.SubmitMessage]:
     extra = Section(Kind.STAT_VECTORS, "", {"gsr": torch.ones(16)})
     encoded = encoded_train(shifted(task.globals, 1.0), (extra,))
     return stream(edge.header(task, encoded.manifest),
-                  [chunk for _, chunk in encoded.chunks(UPLOAD_CHUNK)])
+                  [chunk for _, chunk in payload_chunks(encoded, UPLOAD_CHUNK)])
 
 
 def missing_tensor(edge: RawEdge, task: Task) -> list[pb.SubmitMessage]:
@@ -392,7 +392,7 @@ def test_bad_evaluation_drops_the_task_and_leaves_the_global_bit_identical(suite
     if spoil is None:
         encoded = encoded_train(task.globals)
         messages[0].header.payload.CopyFrom(encoded.manifest)
-        messages += stream(None, [chunk for _, chunk in encoded.chunks(UPLOAD_CHUNK)])
+        messages += stream(None, [chunk for _, chunk in payload_chunks(encoded, UPLOAD_CHUNK)])
     else:
         spoil(messages[0].header.evaluation[0])
     mark = suite.log_mark()

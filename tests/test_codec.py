@@ -10,23 +10,18 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from fedattn_shared.tensors import contiguous_run
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire.accounting import GRPC_FRAME_PREFIX, ByteMeter, message_wire_bytes
 from fedattn_shared.wire.codec import (
     MAX_REMEMBERED_LAYOUT_BYTES,
-    Kind,
-    Payload,
-    PayloadAssembler,
-    Section,
-    TensorViews,
-    WireError,
-    contiguous_run,
     decode,
     encode,
-    nonfinite_tensors,
     section_layout,
     section_sizes,
 )
+from fedattn_shared.wire.payload import Kind, Payload, Section, TensorViews, WireError, nonfinite_tensors
+from fedattn_shared.wire.transport import PayloadAssembler, payload_chunks
 
 BIG = 1 << 30
 
@@ -39,7 +34,7 @@ def wire_copy(manifest: pb.PayloadManifest) -> pb.PayloadManifest:
 def transmit(payload: Payload, chunk_bytes: int, max_bytes: int = BIG) -> Payload:
     encoded = encode(payload)
     assembler = PayloadAssembler(wire_copy(encoded.manifest), max_bytes, chunk_bytes)
-    for kind, chunk in encoded.chunks(chunk_bytes):
+    for kind, chunk in payload_chunks(encoded, chunk_bytes):
         assert assembler.add(chunk) == kind
     assert assembler.complete
     return assembler.finish()
@@ -108,7 +103,7 @@ def test_raw_layout_is_little_endian_and_crc_covers_all_bytes():
     ])
     encoded = encode(payload)
     expected = struct.pack("<ffi", 1.0, -2.0, 258) + bytes([1, 0])
-    assert b"".join(chunk for _, chunk in encoded.chunks(1 << 20)) == expected
+    assert b"".join(chunk for _, chunk in payload_chunks(encoded, 1 << 20)) == expected
     assert expected[:4] == b"\x00\x00\x80\x3f"
     assert encoded.manifest.total_bytes == 14
     assert encoded.manifest.crc32 == zlib.crc32(expected)
@@ -136,7 +131,7 @@ def test_empty_payload_and_all_empty_sections():
     payload = Payload([Section(Kind.SCALAR_SUMMARY, "x", {"e": torch.empty(0)}),
                        Section(Kind.PROTOTYPES, "y", {})])
     encoded = encode(payload)
-    assert list(encoded.chunks(8)) == []
+    assert list(payload_chunks(encoded, 8)) == []
     assembler = PayloadAssembler(encoded.manifest, BIG, 8)
     assert assembler.complete
     with pytest.raises(WireError, match="after the declared payload ended"):
@@ -175,7 +170,7 @@ def _layout_payload() -> Payload:
 def test_chunks_stay_inside_sections(chunk_bytes, expected):
     payload = _layout_payload()
     encoded = encode(payload)
-    chunks = list(encoded.chunks(chunk_bytes))
+    chunks = list(payload_chunks(encoded, chunk_bytes))
     assert [len(c) for _, c in chunks] == expected
     assert all(0 < len(c) <= chunk_bytes for _, c in chunks)
     # Walk the byte offsets: each chunk must lie within one section's [start, end).
@@ -205,7 +200,7 @@ def test_frames_and_body_mac_equal_the_joined_chunks(chunk_bytes):
     from fedattn_shared.wire.transport import data_frames
 
     encoded = encode(_layout_payload())
-    chunks = list(encoded.chunks(chunk_bytes))
+    chunks = list(payload_chunks(encoded, chunk_bytes))
     frames = list(data_frames(encoded, chunk_bytes))
     assert [(k, pb.SubmitMessage(data=c).SerializeToString(), len(c)) for k, c in chunks] == frames
     key, iv = bytes(range(32)), BodyMac.new_iv()
@@ -222,14 +217,14 @@ def test_chunks_refuse_a_non_positive_size():
     encoded = encode(_layout_payload())
     for bad in (0, -1):
         with pytest.raises(ValueError):
-            next(iter(encoded.chunks(bad)))
+            next(iter(payload_chunks(encoded, bad)))
 
 
 # ---- corruption and refusals ----------------------------------------------------------
 
 def _sent(chunk_bytes: int = 7):
     encoded = encode(_layout_payload())
-    return encoded, [c for _, c in encoded.chunks(chunk_bytes)]
+    return encoded, [c for _, c in payload_chunks(encoded, chunk_bytes)]
 
 
 def test_flipped_byte_fails_the_crc():
@@ -262,7 +257,7 @@ def test_upload_without_checksum_round_trips_and_leaves_the_crc_unchecked():
     payload = _layout_payload()
     unchecked = encode(payload, checksum=False)
     assert unchecked.manifest.crc32 == 0 != encode(payload).manifest.crc32
-    chunks = [c for _, c in unchecked.chunks(7)]
+    chunks = [c for _, c in payload_chunks(unchecked, 7)]
     assembler = PayloadAssembler(unchecked.manifest, BIG, 7, checksum=False)
     for chunk in chunks:
         assembler.add(chunk)
@@ -299,7 +294,7 @@ def test_extra_chunk_after_the_end_fails():
 
 def test_chunk_crossing_a_section_end_fails():
     encoded, _ = _sent()
-    whole = b"".join(c for _, c in encoded.chunks(1000))
+    whole = b"".join(c for _, c in payload_chunks(encoded, 1000))
     assembler = PayloadAssembler(encoded.manifest, BIG, 1000)
     with pytest.raises(WireError, match="crosses the end of section 0"):
         assembler.add(whole)
@@ -316,7 +311,7 @@ def test_chunk_crossing_a_section_end_fails():
 
 def test_oversize_and_empty_chunks_fail():
     encoded, _ = _sent()
-    whole = b"".join(c for _, c in encoded.chunks(1000))
+    whole = b"".join(c for _, c in payload_chunks(encoded, 1000))
     assembler = PayloadAssembler(encoded.manifest, BIG, 8)
     with pytest.raises(WireError, match="chunk of 9 bytes exceeds 8"):
         assembler.add(whole[:9])
@@ -431,7 +426,7 @@ def test_repeated_manifests_reuse_their_layout_and_encode_hands_out_copies():
     again = encode(payload)
     assert again.manifest.sections[0].name == ""
     assert list(again.manifest.sections[0].tensors[0].shape) == [2, 3]
-    assert_same(decode(again.manifest, b"".join(c for _, c in again.chunks())).tensors(
+    assert_same(decode(again.manifest, b"".join(c for _, c in payload_chunks(again))).tensors(
         Kind.SHARED_TENSORS), payload.sections[0].tensors)
 
 
@@ -488,8 +483,8 @@ def test_encoding_tensors_laid_out_as_one_reads_them_as_one_view():
         name: t.clone() for name, t in tensors.items()})]))
     assert len(contiguous.section_views[0]) == 1 and len(separate.section_views[0]) == 2
     assert contiguous.manifest == separate.manifest  # same layout, same CRC
-    assert b"".join(c for _, c in contiguous.chunks()) == b"".join(
-        c for _, c in separate.chunks())
+    assert b"".join(c for _, c in payload_chunks(contiguous)) == b"".join(
+        c for _, c in payload_chunks(separate))
     # A decoded section encodes from its flat vector too, byte for byte.
     received = transmit(Payload([Section(Kind.SHARED_TENSORS, "", tensors)]), 64)
     again = encode(received)

@@ -21,7 +21,7 @@ from conftest import REPO, Cluster, write_edge_dirs
 
 from fedattn_shared.methods.aggregators import StreamingMean
 from fedattn_shared.state import load_tensors
-from fedattn_shared.wire.codec import Kind, Payload, Section
+from fedattn_shared.wire.payload import Kind, Payload, Section
 
 EDGES = 3
 
@@ -78,7 +78,7 @@ def _sim(root: Path, data_root: Path, seed: int) -> tuple[dict, list[dict]]:
     """fl-sim: the three edges as threads of one worker process, on a model with dropout,
     so their rounds share torch's global RNG."""
     out = root / "sim"
-    subprocess.run([sys.executable, "-m", "fl_edge.sim", "--method", "fedbn", "--edges", str(EDGES),
+    subprocess.run([sys.executable, "-m", "fl_tools.sim", "--method", "fedbn", "--edges", str(EDGES),
                     "--procs", "1", "--fraction", "1", "--rounds", "2", "--data-root",
                     str(data_root), "--out", str(out), "--seed", str(seed),
                     "--set", 'train.model="mobilenet-v3-compact"'],
@@ -150,7 +150,7 @@ def _dp_trained(seeded: bool, phase_seed: int) -> dict[str, torch.Tensor]:
     noise's source varies."""
     from test_dp import dp_config, make_method, split
 
-    from fedattn_shared.methods.base import TRAIN
+    from fedattn_shared.methods.phases import TRAIN
     from fedattn_shared.privacy.dp import PrivacyPolicy, PrivateTraining
     from fl_edge.trainer import train_local
 

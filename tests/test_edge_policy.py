@@ -34,7 +34,8 @@ from fedattn_shared.methods import (
 from fedattn_shared.privacy.dp import PinnedPolicy, PolicyRefusal, PrivacyPolicy, PrivateTraining
 from fedattn_shared.state import StateError
 from fedattn_shared.wire import fedattn_pb2 as pb
-from fedattn_shared.wire.codec import Kind, Payload, Section, encode
+from fedattn_shared.wire.codec import encode
+from fedattn_shared.wire.payload import Kind, Payload, Section
 from fl_edge.daemon import (
     DOWNLINK_CAP_BEFORE_SETUP,
     DOWNLINK_SLACK,
@@ -44,7 +45,7 @@ from fl_edge.daemon import (
     downlink_cap,
 )
 from fl_server import service as server_service
-from fl_server.cli import ServerApp
+from fl_server.app import ServerApp
 from fl_server.cli import main as server_main
 
 CPU = torch.device("cpu")

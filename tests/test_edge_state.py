@@ -15,7 +15,9 @@ from fedattn_shared.config import TrainConfig
 from fedattn_shared.data import DataError, load_edge_data
 from fedattn_shared.methods import MethodContext, load_method
 from fedattn_shared.state import StateError, atomic_write, load_tensors, save_tensors
-from fedattn_shared.wire.codec import Kind, Payload, Section, encode
+from fedattn_shared.wire.codec import encode
+from fedattn_shared.wire.payload import Kind, Payload, Section
+from fedattn_shared.wire.transport import payload_chunks
 from fl_edge.store import PrivateStore, load_or_create_identity, private_digest
 
 
@@ -88,7 +90,7 @@ def test_atomic_write_keeps_old_file_when_interrupted(tmp_path, monkeypatch):
 
 def _global(values: list[float]) -> tuple:
     encoded = encode(Payload([Section(Kind.SHARED_TENSORS, "", {"w": torch.tensor(values)})]))
-    data = bytearray(b"".join(c for _, c in encoded.chunks()))
+    data = bytearray(b"".join(c for _, c in payload_chunks(encoded)))
     return encoded.manifest, data
 
 

@@ -95,7 +95,7 @@ def test_full_disk_keeps_the_old_state_and_names_the_path(tmp_path, monkeypatch)
     from fedattn_shared.methods import MethodContext, load_method
     from fl_edge import store as store_module
     from fl_edge.daemon import EdgeDaemon, EdgeExit, EdgeOptions
-    from fl_server.cli import ServerApp
+    from fl_server.app import ServerApp
 
     data = write_edge_dirs(tmp_path, 1)[0]
     train = TrainConfig()

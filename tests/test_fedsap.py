@@ -16,7 +16,7 @@ from fedattn_shared.methods import MethodContext, load_method
 from fedattn_shared.methods.aggregators import PairwiseCosine
 from fedattn_shared.methods.fedsap import STATS, SqueezeRecorder, gsr_loss
 from fedattn_shared.methods.split import squeeze_excitation_modules
-from fedattn_shared.wire.codec import Kind, Payload, Section
+from fedattn_shared.wire.payload import Kind, Payload, Section
 from fl_edge.store import PrivateStore, private_tensors
 from fl_edge.trainer import train_local
 

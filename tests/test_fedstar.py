@@ -14,7 +14,7 @@ from test_method_matrix import run_federation
 from fedattn_shared.config import ServerConfig, TrainConfig
 from fedattn_shared.data.npz import Split
 from fedattn_shared.methods import MethodContext, load_method
-from fedattn_shared.methods.base import AggregatorKind
+from fedattn_shared.methods.aggregators import AggregatorKind
 from fedattn_shared.methods.fedproto import COUNTS
 from fedattn_shared.methods.fedstar import (
     StylePersonalization,
@@ -24,7 +24,8 @@ from fedattn_shared.methods.fedstar import (
 )
 from fedattn_shared.methods.prototypes import GLOBAL, LOCAL, prototype_logits
 from fedattn_shared.models import build_model, model_spec
-from fedattn_shared.wire.codec import Kind, Payload, Section, encode
+from fedattn_shared.wire.codec import encode
+from fedattn_shared.wire.payload import Kind, Payload, Section
 from fl_edge.trainer import train_local
 from fl_server.checkpoint import CheckpointStore
 
@@ -331,7 +332,7 @@ def test_secure_aggregation_declaration():
 
 
 def engine_for(tmp_path, name: str, model: str):
-    from fl_server.cli import ServerApp
+    from fl_server.app import ServerApp
 
     m = method(name, model=model)
     cfg = ServerConfig(method=name, checkpoint_dir=str(tmp_path / name), insecure=True, port=0)
@@ -390,7 +391,7 @@ def test_only_the_edges_own_class_prototypes_travel_and_the_server_survives_a_re
     The exported model (style vectors included) predicts what the edge evaluated."""
     from fedattn_shared.data import load_edge_data
     from fl_edge import export as tools
-    from fl_server.cli import ServerApp
+    from fl_server.app import ServerApp
 
     classes = [[0, 1, 2], [2, 3], [5, 6, 7, 8]]
     received, engine = run_federation(tmp_path, "fedstar", model=COMPACT, edges=3, rounds=3,

@@ -16,9 +16,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from fedattn_shared.config import ServerConfig, TrainConfig
 from fedattn_shared.methods import MethodContext, load_method
 from fedattn_shared.models import build_model
-from fedattn_shared.wire.codec import Kind
+from fedattn_shared.wire.payload import Kind
 from fl_edge.daemon import EdgeDaemon, EdgeOptions
-from fl_server.cli import ServerApp
+from fl_server.app import ServerApp
 
 
 def run_federation(tmp_path, method_name: str, private: list[str] | None = None,

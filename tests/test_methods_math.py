@@ -18,8 +18,10 @@ from fedattn_shared.methods import (
     available_methods,
     load_method,
 )
-from fedattn_shared.methods.base import EVALUATE, TRAIN
-from fedattn_shared.wire.codec import Kind, Payload, PayloadAssembler, Section, encode
+from fedattn_shared.methods.phases import EVALUATE, TRAIN
+from fedattn_shared.wire.codec import encode
+from fedattn_shared.wire.payload import Kind, Payload, Section
+from fedattn_shared.wire.transport import PayloadAssembler, payload_chunks
 
 SHARED = (Kind.SHARED_TENSORS, "")
 CONTROL = (Kind.CONTROL, "")
@@ -71,7 +73,7 @@ def upload(tensors: dict[str, torch.Tensor], control: dict | None = None) -> Pay
 def over_the_wire(payload: Payload) -> Payload:
     encoded = encode(payload)
     assembler = PayloadAssembler(encoded.manifest, 1 << 30, 64)
-    for _, chunk in encoded.chunks(64):
+    for _, chunk in payload_chunks(encoded, 64):
         assembler.add(chunk)
     return assembler.finish()
 

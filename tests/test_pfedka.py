@@ -16,7 +16,6 @@ from test_method_matrix import run_federation
 from fedattn_shared.config import ServerConfig, TrainConfig
 from fedattn_shared.data.npz import Split
 from fedattn_shared.methods import MethodContext
-from fedattn_shared.methods.base import EVALUATE, TRAIN
 from fedattn_shared.methods.pfedka import (
     UPLOAD,
     PFedKA,
@@ -26,7 +25,8 @@ from fedattn_shared.methods.pfedka import (
     surrogate_loss,
     temperature,
 )
-from fedattn_shared.wire.codec import Kind, Payload, Section
+from fedattn_shared.methods.phases import EVALUATE, TRAIN
+from fedattn_shared.wire.payload import Kind, Payload, Section
 from fl_edge.store import PrivateStore
 from fl_edge.trainer import train_local
 

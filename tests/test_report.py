@@ -14,8 +14,8 @@ import pytest
 from PIL import Image
 
 from fl_server.evaluation import split_figures, summarize
-from fl_server.report import accuracy as acc
-from fl_server.report import (
+from fl_tools.report import accuracy as acc
+from fl_tools.report import (
     config_id,
     group_runs,
     macro_f1,
@@ -278,7 +278,7 @@ def test_report_on_two_seeds_by_two_rounds(tmp_path, capsys):
 
 def test_module_entry_point(tmp_path):
     run0 = write_run(tmp_path, "run", 0, 40001, SEED_ROUNDS[0])
-    done = subprocess.run([sys.executable, "-m", "fl_server.report", str(run0), "--out",
+    done = subprocess.run([sys.executable, "-m", "fl_tools.report", str(run0), "--out",
                            str(tmp_path / "out")], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("# fl-report (test split)")

@@ -24,7 +24,7 @@ from fedattn_shared.wire import fedattn_pb2_grpc as pb_grpc
 from fedattn_shared.wire.signing import new_key_share
 from fl_edge.cli import main as edge_main
 from fl_edge.daemon import EdgeDaemon, EdgeExit, EdgeOptions
-from fl_server.cli import ServerApp
+from fl_server.app import ServerApp
 from fl_server.cli import main as server_main
 
 

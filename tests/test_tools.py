@@ -17,7 +17,7 @@ def run(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
 
 def test_fl_demo_trains_on_bundled_mnist(tmp_path):
     out = tmp_path / "demo"
-    result = run("fl_server.demo", "--method", "fedprox", "--model", "lenet-bn", "--edges", "2",
+    result = run("fl_tools.demo", "--method", "fedprox", "--model", "lenet-bn", "--edges", "2",
                  "--rounds", "2", "--out", str(out), "--set", "fedprox.mu=0.1")
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     history = json.loads((out / "server" / "history.json").read_text())
@@ -28,13 +28,13 @@ def test_fl_demo_trains_on_bundled_mnist(tmp_path):
     assert (out / "report" / "accuracy.png").exists()
     lines = [line for line in result.stdout.splitlines() if line.strip().startswith(("1 ", "2 "))]
     assert len(lines) == 2 and "shared_tensors" in lines[0]
-    again = run("fl_server.demo", "--out", str(out))
+    again = run("fl_tools.demo", "--out", str(out))
     assert again.returncode == 2 and "--force" in again.stderr
 
 
 def test_fl_sim_runs_many_edges_in_few_processes(tmp_path):
     out = tmp_path / "sim"
-    result = run("fl_edge.sim", "--method", "fedavg", "--edges", "6", "--procs", "2",
+    result = run("fl_tools.sim", "--method", "fedavg", "--edges", "6", "--procs", "2",
                  "--fraction", "0.5", "--rounds", "2", "--out", str(out))
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     history = json.loads((out / "server" / "history.json").read_text())
@@ -48,7 +48,7 @@ def test_fl_sim_runs_many_edges_in_few_processes(tmp_path):
 
 def test_fl_sim_over_mutual_tls_issues_a_certificate_per_edge(tmp_path):
     out, ca = tmp_path / "sim", tmp_path / "ca"
-    result = run("fl_edge.sim", "--method", "fedavg", "--edges", "4", "--procs", "2",
+    result = run("fl_tools.sim", "--method", "fedavg", "--edges", "4", "--procs", "2",
                  "--fraction", "1", "--rounds", "1", "--out", str(out), "--tls-dir", str(ca))
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     enrolled = json.loads((ca / "enrolled.json").read_text())
@@ -58,7 +58,7 @@ def test_fl_sim_over_mutual_tls_issues_a_certificate_per_edge(tmp_path):
     assert sorted(history["rounds"][0]["train"]["received"]) == names
     assert "serving on" in (out / "logs" / "server.log").read_text()
     # Against a running server, the folder must already hold its CA.
-    refused = run("fl_edge.sim", "--edges", "4", "--data-root", str(out / "data"),
+    refused = run("fl_tools.sim", "--edges", "4", "--data-root", str(out / "data"),
                   "--server", "127.0.0.1:1", "--out", str(tmp_path / "other"),
                   "--tls-dir", str(tmp_path / "empty"))
     assert refused.returncode == 2 and "holds no CA" in refused.stderr

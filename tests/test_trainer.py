@@ -10,6 +10,7 @@ import torch
 from fedattn_shared.config import ConfigError, TrainConfig
 from fedattn_shared.data.npz import Split
 from fedattn_shared.methods import MethodContext, load_method
+from fedattn_shared.wire.transport import payload_chunks
 from fl_edge.trainer import evaluate, train_local
 
 
@@ -103,18 +104,21 @@ def test_train_and_eval_mode_reach_every_module_even_when_one_differs():
 def receive_random_downlink(algo) -> None:
     """Sends random shared tensors through encode/decode into ``algo`` and checks that each
     landed in its own tensor."""
-    from fedattn_shared.wire.codec import Kind, Payload, Section, decode, encode
+    from fedattn_shared.wire.codec import decode, encode
+    from fedattn_shared.wire.payload import Kind, Payload, Section
 
     sent = {name: torch.randn(algo.state_tensor(name).shape) for name in algo.shared_specs}
     encoded = encode(Payload([Section(Kind.SHARED_TENSORS, "", sent)]))
-    received = decode(encoded.manifest, bytearray(b"".join(c for _, c in encoded.chunks())))
+    received = decode(encoded.manifest, bytearray(b"".join(c for _, c in payload_chunks(encoded))))
     algo.receive("train", received, Payload())
     for name, value in sent.items():
         assert torch.equal(algo.state_tensor(name), value), name
 
 
 def test_shared_tensors_live_in_one_vector_that_loads_and_trains_in_place():
-    from fedattn_shared.wire.codec import Kind, contiguous_run, decode, encode
+    from fedattn_shared.tensors import contiguous_run
+    from fedattn_shared.wire.codec import decode, encode
+    from fedattn_shared.wire.payload import Kind
 
     algo = make()
     shared = [algo.state_tensor(name) for name in algo.shared_specs]
@@ -133,7 +137,7 @@ def test_shared_tensors_live_in_one_vector_that_loads_and_trains_in_place():
     upload = algo.after_train(1)
     encoded = encode(upload)
     assert len(encoded.section_views[0]) == 1
-    back = decode(encoded.manifest, bytearray(b"".join(c for _, c in encoded.chunks())))
+    back = decode(encoded.manifest, bytearray(b"".join(c for _, c in payload_chunks(encoded))))
     for name in algo.shared_specs:
         assert torch.equal(back.tensors(Kind.SHARED_TENSORS)[name], algo.state_tensor(name))
 

@@ -1,14 +1,8 @@
 """Federated methods: one module per method, found through the ``fedattn.methods``
 entry-point group so that a third party can add one as a plug-in."""
 
-from .base import (
-    AggregatorKind,
-    EdgeAlgorithm,
-    Method,
-    MethodContext,
-    SectionSpec,
-    TensorSpec,
-)
+from .aggregators import AggregatorKind
+from .base import EdgeAlgorithm, Method, MethodContext, SectionSpec, TensorSpec
 from .registry import MODULE_SPEC, available_methods, check_method_allowed, load_method
 
 __all__ = [

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import abc
 import copy
+import enum
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -41,13 +42,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..wire.codec import Kind, Payload, Section, tensor_entries
-from .base import TRAIN, AggregatorKind
+from ..wire.payload import Kind, Payload, Section, tensor_entries
+from .phases import TRAIN
 
 if TYPE_CHECKING:
     from .base import Method
 
 SectionKey = tuple[Kind, str]
+
+
+class AggregatorKind(str, enum.Enum):
+    STREAMING_SUM = "streaming_weighted_sum"        # O(model) running sum; SecAgg-compatible
+    SERVER_OPTIMIZER = "server_optimizer"           # an optimizer step over the streamed mean
+    COLLECT = "collect_then_learn"                  # needs the individual uploads
 
 # Elements per step when a float32 (or other) vector is added into the float64 sum: a
 # mixed-dtype add_ would first copy the whole operand to float64 (a model-sized buffer);

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import enum
 import functools
 import hashlib
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -30,14 +29,11 @@ from torch import nn
 
 from ..config import DPConfig, TrainConfig
 from ..models import build_model, model_spec
-from ..wire.codec import Kind, Payload, Section, TensorViews, contiguous_run
+from ..tensors import contiguous_run
+from ..wire.payload import Kind, Payload, Section, TensorViews
 from . import split
-
-if TYPE_CHECKING:
-    from .aggregators import Aggregator
-
-TRAIN = "train"
-EVALUATE = "evaluate"
+from .aggregators import Aggregator, AggregatorKind, StreamingMean
+from .phases import EVALUATE, TRAIN
 
 #: The monitoring figures every edge may report with a result (the training loop's, the
 #: fine-tuning before evaluation, and the DP ledger's). The server keeps only these plus
@@ -48,12 +44,6 @@ STANDARD_METRICS = frozenset({
     "dp_steps", "dp_stats_epsilon", "dp_total_epsilon_rdp",
     "grad_norm", "clipped_fraction",  # train.clip_grad_norm: mean norm before the clip, share clipped
 })
-
-
-class AggregatorKind(str, enum.Enum):
-    STREAMING_SUM = "streaming_weighted_sum"        # O(model) running sum; SecAgg-compatible
-    SERVER_OPTIMIZER = "server_optimizer"           # an optimizer step over the streamed mean
-    COLLECT = "collect_then_learn"                  # needs the individual uploads
 
 
 @dataclass(frozen=True)
@@ -304,8 +294,6 @@ class Method:
         return EdgeAlgorithm(self, models, device)
 
     def server(self, models: dict[str, nn.Module]) -> Aggregator:
-        from .aggregators import StreamingMean
-
         return StreamingMean(self, models)
 
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..wire.codec import Kind
-from .aggregators import ServerOptimizer
-from .base import AggregatorKind, Method
+from ..wire.payload import Kind
+from .aggregators import AggregatorKind, ServerOptimizer
+from .base import Method
 
 SHARED = (Kind.SHARED_TENSORS, "")
 

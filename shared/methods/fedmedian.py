@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..wire.codec import Kind
-from .aggregators import CollectThenLearn
-from .base import AggregatorKind, Method
+from ..wire.payload import Kind
+from .aggregators import AggregatorKind, CollectThenLearn
+from .base import Method
 
 SHARED = (Kind.SHARED_TENSORS, "")
 

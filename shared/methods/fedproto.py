@@ -22,9 +22,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..wire.codec import Kind, Payload, Section
-from .aggregators import CollectThenLearn
-from .base import TRAIN, AggregatorKind, SectionSpec, TensorSpec
+from ..wire.payload import Kind, Payload, Section
+from .aggregators import AggregatorKind, CollectThenLearn
+from .base import SectionSpec, TensorSpec
+from .phases import TRAIN
 from .prototypes import GLOBAL, LOCAL, PrototypeEdge, PrototypeMethod, class_keys
 
 COUNTS = (Kind.SCALAR_SUMMARY, "class_counts")

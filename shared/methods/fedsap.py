@@ -38,8 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..wire.codec import Kind, Payload, Section
-from .base import TRAIN, EdgeAlgorithm, Method, MethodContext, SectionSpec, TensorSpec, qualified
+from ..wire.payload import Kind, Payload, Section
+from .base import EdgeAlgorithm, Method, MethodContext, SectionSpec, TensorSpec, qualified
+from .phases import TRAIN
 from .split import squeeze_excitation_modules
 
 # Which tensors stay on the edge under each personalization strategy (Table I).

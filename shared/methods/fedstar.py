@@ -66,8 +66,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..models import build_model
-from .aggregators import CollectThenLearn
-from .base import AggregatorKind, MethodContext
+from .aggregators import AggregatorKind, CollectThenLearn
+from .base import MethodContext
 from .prototypes import GLOBAL, LOCAL, PrototypeEdge, PrototypeMethod, prototype_logits
 
 VARIANTS = ("full", "ablation")

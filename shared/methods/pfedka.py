@@ -44,18 +44,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..models import build_model, model_spec
-from ..wire.codec import Kind, Payload, Section
+from ..wire.payload import Kind, Payload, Section
 from .aggregators import StreamingMean
-from .base import (
-    EVALUATE,
-    TRAIN,
-    EdgeAlgorithm,
-    Method,
-    MethodContext,
-    SectionSpec,
-    TensorSpec,
-    qualified,
-)
+from .base import EdgeAlgorithm, Method, MethodContext, SectionSpec, TensorSpec, qualified
+from .phases import EVALUATE, TRAIN
 
 log = logging.getLogger(__name__)
 

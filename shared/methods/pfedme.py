@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..wire.codec import Kind
-from .aggregators import ServerOptimizer
-from .base import AggregatorKind, EdgeAlgorithm, Method, MethodContext, qualified
+from ..wire.payload import Kind
+from .aggregators import AggregatorKind, ServerOptimizer
+from .base import EdgeAlgorithm, Method, MethodContext, qualified
 from .fedprox import add_proximal_gradient
 
 SHARED = (Kind.SHARED_TENSORS, "")

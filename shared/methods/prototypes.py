@@ -20,8 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..models import build_model
-from ..wire.codec import Kind, Payload, Section
-from .base import TRAIN, EdgeAlgorithm, Method, MethodContext, SectionSpec, TensorSpec
+from ..wire.payload import Kind, Payload, Section
+from .base import EdgeAlgorithm, Method, MethodContext, SectionSpec, TensorSpec
+from .phases import TRAIN
 
 LOCAL = (Kind.PROTOTYPES, "")           # uplink: the edge's class prototypes
 GLOBAL = (Kind.PROTOTYPES, "global")    # downlink: the global prototypes

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..wire.codec import Kind, Payload, Section
-from .aggregators import ServerOptimizer
-from .base import AggregatorKind, EdgeAlgorithm, Method, SectionSpec
+from ..wire.payload import Kind, Payload, Section
+from .aggregators import AggregatorKind, ServerOptimizer
+from .base import EdgeAlgorithm, Method, SectionSpec
 
 SHARED = (Kind.SHARED_TENSORS, "")
 CONTROL = (Kind.CONTROL, "")

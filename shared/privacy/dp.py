@@ -50,10 +50,11 @@ from torch.utils.data import TensorDataset
 
 from ..config import MAX_DELTA, DPConfig
 from ..data.npz import Split
-from ..methods.base import EVALUATE, TRAIN, EdgeAlgorithm, Method
+from ..methods.base import EdgeAlgorithm, Method
+from ..methods.phases import EVALUATE, TRAIN
 from ..models.anfr import batchnorm_layers, disable_inplace_activations
 from ..state import StateError
-from ..wire.codec import Kind, Payload, Section
+from ..wire.payload import Kind, Payload, Section
 
 LEDGER_FORMAT = "fedattn-privacy-ledger/1"
 # Moves dp.seeded_noise's seed off the stream the round's data order and dropout use.

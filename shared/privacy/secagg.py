@@ -65,8 +65,9 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from ..methods.base import EVALUATE, SectionSpec
-from ..wire.codec import Payload, Section
+from ..methods.base import SectionSpec
+from ..methods.phases import EVALUATE
+from ..wire.payload import Payload, Section
 
 if TYPE_CHECKING:
     from torch import nn

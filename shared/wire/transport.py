@@ -1,11 +1,20 @@
-"""What both ends of the gRPC channel agree on: message caps, keepalive, and the
-streaming of an encoded payload as (header, data chunks) with byte accounting."""
+"""What both ends of the gRPC channel agree on: message caps and keepalive, and all of
+chunking: an encoded payload cut into data chunks that never span two sections (so every
+chunk's bytes are attributable to one kind), sent as pre-built frames, and received back
+into one buffer by ``PayloadAssembler``, which refuses anything off the declared layout
+(the byte cap before any allocation, each chunk against the layout, the CRC at the end)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from .codec import DEFAULT_CHUNK_BYTES, EncodedPayload, Kind
+import numpy as np
+
+from . import fedattn_pb2 as pb
+from .codec import EncodedPayload, crc32, decode, section_sizes
+from .payload import Kind, Payload, WireError
+
+DEFAULT_CHUNK_BYTES = 1 << 20
 
 # Data chunks stay well under gRPC's 4 MiB default; headers (manifests) are small.
 MAX_MESSAGE_BYTES = 4 << 20
@@ -60,7 +69,7 @@ def data_frames(encoded: EncodedPayload, chunk_bytes: int = DEFAULT_CHUNK_BYTES
                 ) -> Iterator[tuple[Kind, bytes, int]]:
     """(kind, frame, chunk length) for each chunk of ``encoded``: each frame is built
     straight from tensor memory, the one copy a chunk costs before gRPC takes it."""
-    for kind, views in encoded.chunk_views(chunk_bytes):
+    for kind, views in chunk_views(encoded, chunk_bytes):
         frame = data_frame(*views)
         yield kind, frame, sum(len(v) for v in views)
 
@@ -99,3 +108,151 @@ def deserializer(message_type):
         return message
 
     return parse
+
+
+# ---- chunking ------------------------------------------------------------------------
+def chunk_views(encoded: EncodedPayload, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+                ) -> Iterator[tuple[Kind, list[memoryview]]]:
+    """Each data chunk as the views of tensor memory it spans (at most ``chunk_bytes``,
+    inside one section), so a sender copies the bytes once, into its frame."""
+    if chunk_bytes < 1:  # 0 would yield empty chunks forever
+        raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+    for kind, views in zip(encoded.section_kinds, encoded.section_views, strict=True):
+        pending: list[memoryview] = []
+        size = 0
+        for view in views:
+            offset = 0
+            while offset < len(view):
+                take = min(chunk_bytes - size, len(view) - offset)
+                pending.append(view[offset : offset + take])
+                size += take
+                offset += take
+                if size == chunk_bytes:
+                    yield kind, pending
+                    pending, size = [], 0
+        if size:
+            yield kind, pending
+
+
+def payload_chunks(encoded: EncodedPayload, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+                   ) -> Iterator[tuple[Kind, bytes]]:
+    """Data chunks of at most ``chunk_bytes``, each inside one section."""
+    for kind, views in chunk_views(encoded, chunk_bytes):
+        yield kind, b"".join(views)
+
+
+class BufferPool:
+    """Receive buffers kept for reuse. A fresh buffer of tens of MB costs a page fault per
+    4 KiB on first touch, for every upload; a server reuses a few instead. Not thread-safe:
+    use it from one thread (the server's event loop)."""
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self._free: dict[int, list[bytearray]] = {}
+
+    def take(self, size: int) -> bytearray:
+        free = self._free.get(size)
+        return free.pop() if free else bytearray(size)
+
+    def give(self, buffer: bytearray) -> None:
+        free = self._free.setdefault(len(buffer), [])
+        if len(free) < self.keep:
+            free.append(buffer)
+
+
+class PayloadAssembler:
+    """Receives one payload chunk by chunk, refusing anything off the declared layout."""
+
+    def __init__(self, manifest: pb.PayloadManifest, max_bytes: int, max_chunk_bytes: int,
+                 pool: BufferPool | None = None, sizes: list[int] | None = None,
+                 checksum: bool = True):
+        """``sizes``: each section's byte length, when the caller has already checked the
+        manifest's shapes against a schema (walking a large manifest again costs ~1 ms).
+        ``checksum=False`` skips the CRC-32: for uploads, checked by their body MAC."""
+        seen_sections = set()
+        for section in manifest.sections:
+            if section.kind not in Kind._value2member_map_:
+                raise WireError(f"section {section.name!r}: unknown kind {section.kind}")
+            if (section.kind, section.name) in seen_sections:
+                raise WireError(f"section {Kind(section.kind).label}:{section.name!r} appears twice")
+            seen_sections.add((section.kind, section.name))
+        # Sizing validates each section's tensor entries (unique names, known dtypes).
+        self.sizes = section_sizes(manifest) if sizes is None else sizes
+        declared = sum(self.sizes)
+        if declared != manifest.total_bytes:
+            raise WireError(
+                f"manifest total_bytes {manifest.total_bytes} != {declared} implied by shapes"
+            )
+        if declared > max_bytes:
+            raise WireError(f"payload of {declared} bytes exceeds the cap of {max_bytes}")
+        self.manifest = manifest
+        self.max_chunk_bytes = max_chunk_bytes
+        self.buffer = pool.take(declared) if pool is not None else bytearray(declared)
+        self._bytes = np.frombuffer(self.buffer, dtype=np.uint8)
+        self.received = 0  # bytes booked by ``reserve``
+        self.written = 0  # bytes copied in by ``write``
+        self.checksum = checksum
+        self.crc = 0
+        self._section = 0
+        self._section_end = self.sizes[0] if self.sizes else 0
+        self._skip_empty_sections()
+
+    def _skip_empty_sections(self) -> None:
+        while self._section < len(self.sizes) and self.received == self._section_end:
+            self._section += 1
+            if self._section < len(self.sizes):
+                self._section_end += self.sizes[self._section]
+
+    def current_kind(self) -> Kind:
+        if self._section >= len(self.sizes):
+            raise WireError("data chunk after the declared payload ended")
+        return Kind(self.manifest.sections[self._section].kind)
+
+    def add(self, chunk: bytes) -> Kind:
+        """Append one chunk; returns the kind of the section it belongs to."""
+        kind, offset = self.reserve(chunk)
+        self.write(offset, chunk)
+        return kind
+
+    def reserve(self, chunk: bytes) -> tuple[Kind, int]:
+        """Checks one chunk against the declared layout and books its place: returns the
+        kind of its section and its offset. Its bytes go in with ``write``."""
+        kind = self.current_kind()
+        if len(chunk) == 0:
+            raise WireError("empty data chunk")
+        if len(chunk) > self.max_chunk_bytes:
+            raise WireError(f"chunk of {len(chunk)} bytes exceeds {self.max_chunk_bytes}")
+        end = self.received + len(chunk)
+        if end > self._section_end:
+            raise WireError(
+                f"chunk crosses the end of section {self._section} "
+                f"({self.manifest.sections[self._section].name!r})"
+            )
+        offset = self.received
+        self.received = end
+        self._skip_empty_sections()
+        return kind, offset
+
+    def write(self, offset: int, chunk: bytes) -> None:
+        """Copies a reserved chunk into place and folds it into the CRC-32, in the order
+        the chunks were reserved. The copy (numpy's) and the CRC (zlib-ng's) release the
+        GIL, so a server runs this on a worker thread while its event loop goes on."""
+        if offset != self.written:
+            raise WireError(f"chunk written at {offset}, expected {self.written}")
+        end = offset + len(chunk)
+        self._bytes[offset:end] = np.frombuffer(chunk, dtype=np.uint8)
+        if self.checksum:
+            self.crc = crc32(chunk, self.crc)
+        self.written = end
+
+    @property
+    def complete(self) -> bool:
+        """Every declared byte has been reserved."""
+        return self.received == len(self.buffer)
+
+    def finish(self) -> Payload:
+        if not self.complete or self.written != len(self.buffer):
+            raise WireError(f"payload truncated: {self.written} of {len(self.buffer)} bytes")
+        if self.checksum and self.crc != self.manifest.crc32:
+            raise WireError(f"payload CRC-32 mismatch ({self.crc:#010x} != {self.manifest.crc32:#010x})")
+        return decode(self.manifest, self.buffer)

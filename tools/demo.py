@@ -16,15 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-BUNDLED_MNIST = Path(__file__).resolve().parent.parent / "shared" / "data" / "bundled" / "mnist"
-
-
-def bundled_mnist() -> Path:
-    """The bundled MNIST subset, wherever the package is installed."""
-    from importlib.resources import files
-
-    path = Path(str(files("fedattn_shared.data") / "bundled" / "mnist"))
-    return path if (path / "train.npz").exists() else BUNDLED_MNIST
+from fedattn_shared.data.shipped import bundled_mnist
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -22,13 +22,12 @@ from fedattn_shared.state import StateError
 
 
 def worker(argv: list[str]) -> int:
-    """``python -m fl_edge.sim worker --server H:P --state-root D DATA_DIR...``"""
+    """``python -m fl_tools.sim worker --server H:P --state-root D DATA_DIR...``"""
     import torch
 
     from fedattn_shared.logs import setup_logging
     from fedattn_shared.privacy.dp import PrivacyPolicy
-
-    from .daemon import EdgeDaemon, EdgeExit, EdgeOptions
+    from fl_edge.daemon import EdgeDaemon, EdgeExit, EdgeOptions
 
     p = argparse.ArgumentParser(prog="fl-sim worker")
     p.add_argument("--server", required=True)
@@ -135,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         data_dirs = sorted(p for p in args.data_root.iterdir() if p.is_dir())
     else:
         from fedattn_shared.data.partition import main as partition
-        from fl_server.demo import bundled_mnist
+        from fedattn_shared.data.shipped import bundled_mnist
 
         data_root = out / "data"
         if not data_root.exists():
@@ -194,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         allow = ["--allow-method", args.method] if ":" in args.method else []
         if args.allow_seeded_dp_noise:
             allow.append("--allow-seeded-dp-noise")
-        workers = [spawn(["-m", "fl_edge.sim", "worker", "--server", address, "--state-root",
+        workers = [spawn(["-m", "fl_tools.sim", "worker", "--server", address, "--state-root",
                           str(out / "state"), "--device", args.device, *tls, *allow,
                           *map(str, group)],
                          f"worker-{i}.log")

@@ -1,0 +1,131 @@
+"""The server's wiring: one running fl-server is the gRPC service over the round engine,
+the health service, the Prometheus endpoint and the enrollment watch, started and stopped
+together. ``fl-server`` (``cli.py``) runs one until the run ends or a signal arrives;
+tests and benches hold one in-process to look at the engine while real gRPC edges talk
+to it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, start_http_server
+
+from fedattn_shared.config import ServerConfig, TrainConfig
+from fedattn_shared.methods.base import Method
+from fedattn_shared.tls import ENROLLED, Enrollment, server_credentials
+from fedattn_shared.wire.accounting import ByteMeter
+from fedattn_shared.wire.transport import server_options
+
+from .engine import Engine
+from .metrics import ServerMetrics
+from .service import FederatedLearningService, service_handler
+
+log = logging.getLogger("fl_server")
+
+# How long a finished server waits for connected edges to hear that the run is over.
+RUN_OVER_LINGER = 30.0
+
+
+class UsageError(Exception):
+    """A setting the server cannot start with (exit status 2, the message names it)."""
+
+
+class ServerApp:
+    """A running fl-server: gRPC service, health, metrics and the round engine.
+
+    ``fl-server`` runs one until the run ends or a signal arrives; tests hold one
+    in-process to look at the engine while real gRPC edges talk to it.
+    """
+
+    def __init__(self, server_cfg: ServerConfig, train: TrainConfig, method: Method):
+        self.cfg = server_cfg
+        self.registry = CollectorRegistry()
+        self.meter = ByteMeter(self.registry)
+        self.engine = Engine(server_cfg, train, method, self.meter, ServerMetrics(self.registry))
+        self.port = 0
+        self.metrics_port: int | None = None
+        self._grpc: grpc.aio.Server | None = None
+        self._health: health.aio.HealthServicer | None = None
+        self._http = None
+        self._watch: asyncio.Task | None = None
+
+    async def start(self) -> int:
+        cfg, engine = self.cfg, self.engine
+        if cfg.resume:
+            engine.resume()
+        elif engine.store.latest() is not None:
+            raise UsageError(f"{cfg.checkpoint_dir} already holds a checkpoint; pass --resume to "
+                             "continue it or choose an empty --checkpoint-dir")
+        Path(cfg.checkpoint_dir).mkdir(parents=True, exist_ok=True)
+        self._grpc = grpc.aio.server(options=server_options())
+        enrollment = Enrollment(Path(cfg.tls_dir) / ENROLLED) if cfg.tls_dir else None
+        service = FederatedLearningService(engine, self.meter, cfg, enrollment)
+        self._watch = asyncio.create_task(service.watch_enrollment())
+        self._grpc.add_generic_rpc_handlers((service_handler(service),))
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
+        address = f"{cfg.host}:{cfg.port}"
+        self.port = (self._grpc.add_secure_port(address, server_credentials(Path(cfg.tls_dir)))
+                     if cfg.tls_dir else self._grpc.add_insecure_port(address))
+        if self.port == 0:
+            raise UsageError(f"cannot listen on {cfg.host}:{cfg.port}")
+        await self._grpc.start()
+        for name in ("", "fedattn.v1.FederatedLearning"):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if cfg.metrics_port >= 0:
+            self._http, _ = start_http_server(cfg.metrics_port, registry=self.registry)
+            self.metrics_port = self._http.server_port
+        log.info("serving on %s:%d (metrics %s), method %s, model %s, fingerprint %s",
+                 cfg.host, self.port, self.metrics_port or "off", engine.method.name,
+                 engine.train.model, engine.fingerprint)
+        if not cfg.tls_dir and not cfg.join_token:
+            log.warning("plaintext gRPC without a join token: anyone who reaches this port can "
+                        "register edge ids (up to --max-edges %d) and submit results; for a "
+                        "closed lab network only", cfg.max_edges)
+        return self.port
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        """Run rounds until the run ends (or ``stop`` is set), then shut down."""
+        stop = stop or asyncio.Event()
+        run_task = asyncio.create_task(self.engine.run())
+        stop_task = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait({run_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            if run_task in done:
+                run_task.result()
+                await self._tell_edges_run_over()
+            else:
+                log.info("stopping on request; the last completed round stays checkpointed")
+                run_task.cancel()
+        finally:
+            stop_task.cancel()
+            await self.stop()
+
+    async def _tell_edges_run_over(self) -> None:
+        """Keep the port open until every connected edge has been told that the run is
+        over (an edge still uploading a late result asks for its next task only after the
+        upload), at most RUN_OVER_LINGER seconds: an edge that misses it would retry until
+        its --retry-for and exit with an error."""
+        deadline = time.monotonic() + RUN_OVER_LINGER
+        records = self.engine.registry.records.values()
+        while time.monotonic() < deadline:
+            if all(r.heard_run_over for r in records if r.connected):
+                return
+            await asyncio.sleep(0.1)
+        log.info("exiting without telling every connected edge that the run is over")
+
+    async def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        if self._grpc is not None:
+            await self._grpc.stop(grace=2)
+        if self._http is not None:
+            self._http.shutdown()
+            self._http = None

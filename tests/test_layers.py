@@ -1,0 +1,116 @@
+"""The package layers, read from the source: the shared package imports no daemon or
+tool, the two daemon packages never import each other (or a tool), and no module imports
+itself through a chain of others (an import cycle), counting imports inside functions
+too; only ``if TYPE_CHECKING:`` blocks are left out (they never run)."""
+
+from __future__ import annotations
+
+import ast
+from itertools import pairwise
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = {"fedattn_shared": REPO / "shared", "fl_server": REPO / "fl_server",
+            "fl_edge": REPO / "fl_edge", "fl_tools": REPO / "tools"}
+GENERATED = {"fedattn_shared.wire.fedattn_pb2", "fedattn_shared.wire.fedattn_pb2_grpc"}
+# What each package may import of the others.
+ALLOWED = {
+    "fedattn_shared": set(),
+    "fl_server": {"fedattn_shared"},
+    "fl_edge": {"fedattn_shared"},
+    "fl_tools": {"fedattn_shared", "fl_server", "fl_edge"},
+}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package, root in PACKAGES.items():
+        for path in root.rglob("*.py"):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join([package, *parts])] = path
+    return found
+
+
+def _type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """The project modules ``name`` imports (a ``from package import module`` counts as
+    the module)."""
+    is_package = path.name == "__init__.py"
+    out: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _type_checking(child):
+                for other in child.orelse:
+                    visit(other)
+                continue
+            if isinstance(child, ast.Import):
+                out.update(alias.name for alias in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = name.split(".")
+                    base = base if is_package else base[:-1]
+                    base = base[: len(base) - (child.level - 1)]
+                    target = ".".join(base + ([child.module] if child.module else []))
+                else:
+                    target = child.module or ""
+                submodules = {f"{target}.{alias.name}" for alias in child.names}
+                out.update(submodules & known)
+                if not submodules <= known:  # names defined in ``target`` itself
+                    out.add(target)
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return {m for m in out if m in known and m != name}
+
+
+def graph() -> dict[str, set[str]]:
+    found = modules()
+    known = set(found)
+    return {name: imports_of(name, path, known) - GENERATED for name, path in found.items()}
+
+
+def test_packages_import_only_the_layers_below():
+    wrong = []
+    for module, targets in graph().items():
+        package = module.split(".")[0]
+        for target in targets:
+            other = target.split(".")[0]
+            if other != package and other not in ALLOWED[package]:
+                wrong.append(f"{module} imports {target}")
+    assert not wrong, wrong
+
+
+def test_no_import_cycle():
+    edges = graph()
+    # A module's package __init__ runs before it: importing a.b.c imports a.b too.
+    cycles = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def walk(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(edges.get(node, ())):
+            if state.get(target) == 1:
+                cycles.append(path[path.index(target):] + [target])
+            elif target not in state:
+                walk(target)
+        path.pop()
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            walk(node)
+    # A package's __init__ importing its own submodules is how packages export names;
+    # only a submodule importing back into a package that imports it is a cycle.
+    real = [c for c in cycles
+            if not all(b.startswith(a + ".") for a, b in pairwise(c))]
+    assert not real, "\n".join(" -> ".join(c) for c in real)
