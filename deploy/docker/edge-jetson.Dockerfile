@@ -17,6 +17,7 @@ COPY pyproject.toml README.md ./
 COPY shared ./shared
 COPY fl_server ./fl_server
 COPY fl_edge ./fl_edge
+COPY tools ./tools
 COPY proto ./proto
 # pip keeps the base's torch (it satisfies torch>=2.1); the check fails the build if
 # anything replaced it with a wheel without CUDA.

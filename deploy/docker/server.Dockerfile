@@ -16,6 +16,7 @@ COPY pyproject.toml README.md ./
 COPY shared ./shared
 COPY fl_server ./fl_server
 COPY fl_edge ./fl_edge
+COPY tools ./tools
 COPY proto ./proto
 RUN pip install --no-cache-dir -c constraints.txt .
 
