@@ -15,6 +15,7 @@ A new method gets these tests for free, as a new optimizer gets torch's.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -40,7 +41,7 @@ from fedattn_shared.methods import (
 )
 from fedattn_shared.methods.phases import EVALUATE, TRAIN
 from fedattn_shared.privacy.dp import check_dp
-from fedattn_shared.state import load_tensors
+from fedattn_shared.state import load_tensors, save_tensors
 from fedattn_shared.wire.payload import Payload
 from fl_edge.daemon import EdgeDaemon, EdgeOptions
 from fl_edge.store import PrivateStore
@@ -110,10 +111,16 @@ def raw(tensor: torch.Tensor) -> bytes:
     return tensor.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def assert_same_payload(a: Payload, b: Payload) -> None:
-    assert [(s.kind, s.name, list(s.tensors)) for s in a.sections] == \
-        [(s.kind, s.name, list(s.tensors)) for s in b.sections]
-    for sa, sb in zip(a.sections, b.sections, strict=True):
+def assert_same_payload(a: Payload, b: Payload, ordered: bool = True) -> None:
+    """Bit for bit the same sections and tensors; ``ordered``: in the same order too."""
+    def layout(payload):
+        sections = [(s.kind, s.name, list(s.tensors) if ordered else sorted(s.tensors))
+                    for s in payload.sections]
+        return sections if ordered else sorted(sections)
+
+    assert layout(a) == layout(b)
+    for sa in a.sections:
+        sb = b.get(sa.kind, sa.name)
         for name, t in sa.tensors.items():
             u = sb.tensors[name]
             assert (t.dtype, t.shape, raw(t)) == (u.dtype, u.shape, raw(u)), \
@@ -229,14 +236,57 @@ def test_edge_private_state_round_trips_bit_identically(name, rounds, tmp_path):
         assert (tensor.dtype, raw(tensor)) == (again[key].dtype, raw(again[key])), f"{key} differs"
 
 
-@pytest.mark.parametrize("name", METHODS)
-def test_aggregator_state_round_trips_to_the_same_downlinks(name, rounds):
+# Known: aggregator state that the checkpoint does not hold.
+UNSAVED = {
+    "fedstar": "fedstar: the server's PrototypeTransformer trains with dropout drawn from "
+               "torch's global RNG, which no checkpoint holds (fl_server never seeds it): a "
+               "resumed server learns other prototypes than an uninterrupted one from the "
+               "same uploads; learn() should fork the RNG seeded by (train seed, round)",
+}
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.xfail(strict=True, raises=AssertionError,
+                                            reason=UNSAVED[n]))
+    if n in UNSAVED else n for n in METHODS])
+def test_aggregator_state_round_trips_to_the_same_server(name, rounds, tmp_path):
+    """The aggregator's state through the checkpoint's formats (safetensors, JSON) into a
+    fresh aggregator: the same downlinks now, and after one more round of the same uploads
+    (which also covers state no downlink shows, a server optimizer's moments)."""
     r = driven(rounds, name)
-    torch.manual_seed(99)
-    fresh = r.method.server(r.method.build_models())
-    fresh.load_state(r.aggregator.state_tensors(), r.aggregator.state_meta())
+    save_tensors(tmp_path / "state.safetensors", r.aggregator.state_tensors())
+    meta = json.loads(json.dumps(r.aggregator.state_meta()))
+    torch.manual_seed(99)  # fresh models start elsewhere
+    restored = r.method.server(r.method.build_models())
+    restored.load_state(load_tensors(tmp_path / "state.safetensors")[0], meta)
+    servers = (r.aggregator, restored)
     for phase in r.method.phases:
-        assert_same_payload(r.aggregator.broadcast(phase), fresh.broadcast(phase))
+        assert_same_payload(*(s.broadcast(phase) for s in servers), ordered=False)
+    for server in servers:  # the original goes on too: this test is the last to use it
+        server.begin_round(2, list(EDGES), len(EDGES))
+        for phase, uploads in r.uploads.items():
+            for edge_id, upload in zip(EDGES, uploads, strict=True):
+                server.personal(edge_id, phase)
+                server.accept_phase(phase, edge_id, upload, float(len(r.data)))
+            server.close_phase(phase)
+    for phase in r.method.phases:
+        assert_same_payload(*(s.broadcast(phase) for s in servers), ordered=False)
+    for edge_id in EDGES:
+        assert_same_payload(*(s.personal(edge_id, TRAIN) for s in servers), ordered=False)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "fedattn_shared.state.load_tensors returns a checkpoint's tensors in safetensors' "
+    "file order (by dtype, then name), not the order saved; a resumed server's downlink "
+    "then lays the global model out in another order than before the restart (another "
+    "manifest, and the edges' one-copy load_shared path no longer applies)"))
+def test_a_checkpointed_aggregator_broadcasts_in_the_same_order(tmp_path):
+    method = small_method("fedavg")
+    aggregator = method.server(method.build_models())
+    save_tensors(tmp_path / "state.safetensors", aggregator.state_tensors())
+    restored = method.server(method.build_models())
+    restored.load_state(load_tensors(tmp_path / "state.safetensors")[0], aggregator.state_meta())
+    assert_same_payload(aggregator.broadcast(TRAIN), restored.broadcast(TRAIN))
 
 
 # ---- 2. private tensors never travel ------------------------------------------------------
