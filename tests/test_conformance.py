@@ -20,12 +20,12 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import read_history, serving, write_edge_dirs
+from test_bad_input import assert_bit_identical, tensor_bytes
 from test_codec import transmit
 from test_dp import dp_config, private_edge, split
 
@@ -73,6 +73,42 @@ def registered_methods() -> list[str]:
 METHODS = registered_methods() + MODULE_METHODS
 
 
+# Known defects, by test: each keeps failing (a strict xfail) until the defect is fixed.
+KNOWN_DEFECTS: dict[str, dict[str, str]] = {
+    # private tensors whose values the method publishes under a shared name
+    "travel": {
+        "pfedme": "pfedme (buffers_from_personal=True, the default): the personal model's BN "
+                  "running statistics are copied into the global model w, which is uploaded, so "
+                  "personal/*.running_mean|var travel by value as global/*; a reconstruction the "
+                  "module documents, but the split declares them private",
+    },
+    # aggregator state that the checkpoint does not hold
+    "server state": {
+        "fedstar": "fedstar: the server's PrototypeTransformer trains with dropout drawn from "
+                   "torch's global RNG, which no checkpoint holds (fl_server never seeds it): a "
+                   "resumed server learns other prototypes than an uninterrupted one from the "
+                   "same uploads; learn() should fork the RNG seeded by (train seed, round)",
+    },
+    # the method says it supports DP-SGD, yet nothing it accepts runs under it
+    "dp": {
+        "fedbn": "fedbn: dp_refusal() is None, yet no model runs it under DP-SGD: its private "
+                 "rule 'bn' selects nothing once BatchNorm is replaced by GroupNorm (+gn), and "
+                 "check_dp refuses every model that keeps BatchNorm; dp_refusal() should say so",
+        "pfedla": "pfedla (default attention 'hybrid'): dp_refusal() is None, but its coordinate "
+                  "attention adds BatchNorm (ca.bn1) after the +gn replacement, so check_dp "
+                  "refuses even lenet-bn+gn, advising the --dp-fix-model already applied; "
+                  "dp_refusal() should name attention='se'/'eca' instead",
+    },
+}
+
+
+def methods_except(defects: dict[str, str], raises: type | tuple[type, ...] = AssertionError):
+    """METHODS as parameters, those with a known defect marked as strict xfails naming it:
+    the test must keep failing on them until the defect is fixed."""
+    return [pytest.param(n, marks=pytest.mark.xfail(strict=True, raises=raises, reason=defects[n]))
+            if n in defects else n for n in METHODS]
+
+
 @pytest.fixture(autouse=True)
 def plugin_installed(monkeypatch) -> None:
     """The plug-in distribution is installed for the test: importable and registered here,
@@ -107,10 +143,6 @@ def private_state(method: Method, models: dict[str, torch.nn.Module]) -> dict[st
     return {k: t for k, t in qualified_state(models).items() if k not in shared}
 
 
-def raw(tensor: torch.Tensor) -> bytes:
-    return tensor.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
-
-
 def assert_same_payload(a: Payload, b: Payload, ordered: bool = True) -> None:
     """Bit for bit the same sections and tensors; ``ordered``: in the same order too."""
     def layout(payload):
@@ -123,7 +155,7 @@ def assert_same_payload(a: Payload, b: Payload, ordered: bool = True) -> None:
         sb = b.get(sa.kind, sa.name)
         for name, t in sa.tensors.items():
             u = sb.tensors[name]
-            assert (t.dtype, t.shape, raw(t)) == (u.dtype, u.shape, raw(u)), \
+            assert (t.dtype, t.shape, tensor_bytes(t)) == (u.dtype, u.shape, tensor_bytes(u)), \
                 f"{sa.kind.name}:{sa.name!r} {name} differs"
 
 
@@ -184,10 +216,9 @@ class Round:
 
 
 @pytest.fixture(scope="module")
-def rounds() -> Iterator[dict[str, Round]]:
+def rounds() -> dict[str, Round]:
     """One hand-driven round per method, shared by the tests that look at its results."""
-    cache: dict[str, Round] = {}
-    yield cache
+    return {}
 
 
 def driven(rounds: dict[str, Round], name: str) -> Round:
@@ -226,32 +257,17 @@ def test_edge_private_state_round_trips_bit_identically(name, rounds, tmp_path):
     torch.manual_seed(99)  # a fresh edge starts elsewhere
     fresh = r.method.edge(r.method.build_models(), CPU)
     PrivateStore(tmp_path / "a").load(fresh, fingerprint)
-    want, got = private_state(r.method, trained.models), private_state(r.method, fresh.models)
-    assert list(want) == list(got)
-    for key, tensor in want.items():
-        assert raw(tensor) == raw(got[key]), f"{key} did not come back"
+    assert_bit_identical(private_state(r.method, fresh.models),
+                         private_state(r.method, trained.models))
     # Method state and optimizer state: what the reloaded edge saves is what was saved.
     PrivateStore(tmp_path / "b").save(fresh, fingerprint, 1, TRAIN)
     saved, meta = load_tensors(tmp_path / "a" / "private.safetensors")
     again, meta_again = load_tensors(tmp_path / "b" / "private.safetensors")
-    assert meta == meta_again and sorted(saved) == sorted(again)
-    for key, tensor in saved.items():
-        assert (tensor.dtype, raw(tensor)) == (again[key].dtype, raw(again[key])), f"{key} differs"
+    assert meta == meta_again
+    assert_bit_identical(again, saved)
 
 
-# Known: aggregator state that the checkpoint does not hold.
-UNSAVED = {
-    "fedstar": "fedstar: the server's PrototypeTransformer trains with dropout drawn from "
-               "torch's global RNG, which no checkpoint holds (fl_server never seeds it): a "
-               "resumed server learns other prototypes than an uninterrupted one from the "
-               "same uploads; learn() should fork the RNG seeded by (train seed, round)",
-}
-
-
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, raises=AssertionError,
-                                            reason=UNSAVED[n]))
-    if n in UNSAVED else n for n in METHODS])
+@pytest.mark.parametrize("name", methods_except(KNOWN_DEFECTS["server state"]))
 def test_aggregator_state_round_trips_to_the_same_server(name, rounds, tmp_path):
     """The aggregator's state through the checkpoint's formats (safetensors, JSON) into a
     fresh aggregator: the same downlinks now, and after one more round of the same uploads
@@ -306,7 +322,7 @@ def spy_on_uploads(method: Method) -> list[tuple[str, str, dict[str, bytes]]]:
         accept = aggregator.accept_phase
 
         def spy(phase, edge_id, upload, weight):
-            received.append((phase, edge_id, {f"{s.kind.name}:{s.name}:{n}": raw(t)
+            received.append((phase, edge_id, {f"{s.kind.name}:{s.name}:{n}": tensor_bytes(t)
                                               for s in upload.sections
                                               for n, t in s.tensors.items()}))
             return accept(phase, edge_id, upload, weight)
@@ -352,19 +368,7 @@ def telling(tensor: torch.Tensor) -> bool:
         bool((tensor != tensor.reshape(-1)[0]).any())
 
 
-# Known: values of a private tensor that the method publishes under a shared name.
-TRAVELLING = {
-    "pfedme": "pfedme (buffers_from_personal=True, the default): the personal model's BN "
-              "running statistics are copied into the global model w, which is uploaded, so "
-              "personal/*.running_mean|var travel by value as global/*; a reconstruction the "
-              "module documents, but the split declares them private",
-}
-
-
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, raises=AssertionError,
-                                            reason=TRAVELLING[n]))
-    if n in TRAVELLING else n for n in METHODS])
+@pytest.mark.parametrize("name", methods_except(KNOWN_DEFECTS["travel"]))
 def test_private_tensors_never_travel(name, tmp_path):
     method = small_method(name)
     received = federate(tmp_path, name, method)
@@ -380,29 +384,14 @@ def test_private_tensors_never_travel(name, tmp_path):
         assert not names & set(private), f"private tensors uploaded: {sorted(names & set(private))}"
         for key, tensor in private.items():
             if telling(tensor):
-                leaked = [where for where, blob in uploaded if raw(tensor) in blob]
+                leaked = [where for where, blob in uploaded if tensor_bytes(tensor) in blob]
                 assert not leaked, f"{edge_id}'s private {key} travelled inside {leaked}"
 
 
 # ---- 4. DP-SGD: declared support agrees with what runs ---------------------------------------
 
 
-# Known defects: the method says it supports DP-SGD, yet nothing it accepts runs under it.
-DP_DEFECTS = {
-    "fedbn": "fedbn: dp_refusal() is None, yet no model runs it under DP-SGD: its private "
-             "rule 'bn' selects nothing once BatchNorm is replaced by GroupNorm (+gn), and "
-             "check_dp refuses every model that keeps BatchNorm; dp_refusal() should say so",
-    "pfedla": "pfedla (default attention 'hybrid'): dp_refusal() is None, but its coordinate "
-              "attention adds BatchNorm (ca.bn1) after the +gn replacement, so check_dp "
-              "refuses even lenet-bn+gn, advising the --dp-fix-model already applied; "
-              "dp_refusal() should name attention='se'/'eca' instead",
-}
-
-
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, raises=(ValueError, LookupError),
-                                            reason=DP_DEFECTS[n]))
-    if n in DP_DEFECTS else n for n in METHODS])
+@pytest.mark.parametrize("name", methods_except(KNOWN_DEFECTS["dp"], (ValueError, LookupError)))
 def test_dp_refusal_is_none_exactly_when_a_dp_sgd_step_runs(name):
     refusal = small_method(name).dp_refusal()
     if refusal is not None:
