@@ -42,7 +42,7 @@ from fedattn_shared.methods import (
 from fedattn_shared.methods.phases import EVALUATE, TRAIN
 from fedattn_shared.privacy.dp import check_dp
 from fedattn_shared.state import load_tensors, save_tensors
-from fedattn_shared.wire.payload import Payload
+from fedattn_shared.wire.payload import Payload, nonfinite_tensors
 from fl_edge.daemon import EdgeDaemon, EdgeOptions
 from fl_edge.store import PrivateStore
 from fl_edge.trainer import train_local
@@ -210,6 +210,7 @@ class Round:
                 upload = algo.phase_upload(phase)
             received = transmit(upload, 1 << 16)
             assert_matches_schema(received, schema)
+            assert nonfinite_tensors(received) == []
             self.uploads[phase].append(received)
             self.aggregator.accept_phase(phase, edge_id, received, float(len(self.data)))
         self.aggregator.close_phase(phase)
@@ -232,6 +233,9 @@ def driven(rounds: dict[str, Round], name: str) -> Round:
 
 @pytest.mark.parametrize("name", METHODS)
 def test_uploads_match_the_declared_schema_in_every_phase(name, rounds):
+    """Every upload of every phase the method declares, from edges that received the
+    server's downlinks and trained with the real loop, passes the server's schema rule
+    after the codec; nothing is uploaded in evaluate, where the edge scores every class."""
     r = driven(rounds, name)
     assert set(r.uploads) == set(r.method.phases) - {EVALUATE}
     assert r.method.uplink_schema(EVALUATE, r.server_models) == []
@@ -250,6 +254,8 @@ def test_uploads_match_the_declared_schema_in_every_phase(name, rounds):
 
 @pytest.mark.parametrize("name", METHODS)
 def test_edge_private_state_round_trips_bit_identically(name, rounds, tmp_path):
+    """What PrivateStore saves of a trained edge (private model tensors, method state,
+    optimizer state) loads into a fresh edge bit for bit."""
     r = driven(rounds, name)
     trained = r.edges[EDGES[0]]
     fingerprint = r.method.fingerprint(trained.models)
@@ -370,6 +376,8 @@ def telling(tensor: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("name", methods_except(KNOWN_DEFECTS["travel"]))
 def test_private_tensors_never_travel(name, tmp_path):
+    """A real federation: every phase's upload of both edges passed the server's gate and
+    reached the aggregator; none carries a private tensor's name, nor its bytes."""
     method = small_method(name)
     received = federate(tmp_path, name, method)
     phases = [p for p in method.phases if p != EVALUATE]
@@ -393,6 +401,8 @@ def test_private_tensors_never_travel(name, tmp_path):
 
 @pytest.mark.parametrize("name", methods_except(KNOWN_DEFECTS["dp"], (ValueError, LookupError)))
 def test_dp_refusal_is_none_exactly_when_a_dp_sgd_step_runs(name):
+    """A method without a DP refusal passes check_dp on a GroupNorm model and takes real
+    DP-SGD steps (Opacus); one with a refusal is refused by check_dp with it, naming itself."""
     refusal = small_method(name).dp_refusal()
     if refusal is not None:
         method = small_method(name, dp=dp_config())
@@ -416,6 +426,9 @@ def test_dp_refusal_is_none_exactly_when_a_dp_sgd_step_runs(name):
 
 @pytest.mark.parametrize("name", METHODS)
 def test_secagg_accepts_exactly_what_its_sections_cover(name):
+    """Summable and clear sections lie within the schema and apart; secure aggregation
+    accepts the method exactly when they cover every phase's schema and something is
+    summed, masks exactly the summable phases, and never takes a collect-then-learn method."""
     method = small_method(name)
     models = method.build_models()
     covered, summed = True, False
@@ -443,6 +456,9 @@ def test_secagg_accepts_exactly_what_its_sections_cover(name):
 
 
 def test_plugin_is_registered_through_its_entry_point(monkeypatch):
+    """tests/plugins' distribution registers its method through the fedattn.methods entry
+    point: listed and loaded here and in a child process, allowed on an edge without
+    --allow-method, and gone again once the folder leaves the path."""
     cls = load_method(PLUGIN)
     assert PLUGIN in available_methods() and cls.name == PLUGIN
     assert cls.__module__ == "fedattn_example_plugin"
@@ -459,5 +475,6 @@ def test_plugin_is_registered_through_its_entry_point(monkeypatch):
 
 
 def test_every_registered_method_is_in_the_suite():
+    """The suite's parameters are the registry: the installed methods and the plug-in."""
     assert PLUGIN in METHODS
     assert set(available_methods()) | {PLUGIN} <= set(METHODS)
