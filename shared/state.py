@@ -83,6 +83,10 @@ def read_json(path: str | Path) -> Any:
         raise StateError(f"{path}: unreadable or corrupt JSON ({err})") from None
 
 
+# The metadata entry that holds the tensors' order (see ``save_tensors``).
+ORDER_KEY = "fedattn.order"
+
+
 def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor],
                  metadata: dict[str, str] | None = None, durable: bool = True,
                  recycle: Path | None = None) -> None:
@@ -96,6 +100,10 @@ def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor],
     it exists, it becomes the temp file and is overwritten in place: on ext4, rewriting
     45 MB of a file takes ~12 ms of CPU where a fresh file takes ~90 ms (its blocks and
     pages are allocated anew)."""
+    # safetensors lays tensors out by dtype and name; the order they were given in (a
+    # model's, which a server's downlink and an edge's one-copy load follow) is kept in
+    # the metadata and restored by ``load_tensors``.
+    metadata = {**(metadata or {}), ORDER_KEY: json.dumps(list(tensors))}
     if not all(t.dtype in _SAFETENSORS_DTYPES for t in tensors.values()):
         seen: set[int] = set()
         owned = {k: _owning(v, seen) for k, v in tensors.items()}
@@ -194,4 +202,12 @@ def load_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, s
         raise
     except (OSError, SafetensorError, ValueError, UnicodeDecodeError) as err:
         raise StateError(f"{path}: unreadable or corrupt safetensors file ({err})") from None
+    order = metadata.pop(ORDER_KEY, None)
+    if order is not None:
+        try:
+            names = json.loads(order)
+        except ValueError:
+            names = None
+        if isinstance(names, list) and sorted(names) == sorted(tensors):
+            tensors = {name: tensors[name] for name in names}
     return tensors, metadata

@@ -19,9 +19,11 @@ def test_in_place_file_has_the_safetensors_layout_byte_for_byte(tmp_path):
     spare.write_bytes(b"\xff" * 1000)  # longer than the new file: the tail must go
     path = tmp_path / "state.safetensors"
     save_tensors(path, {"w": torch.tensor([1.0, 2.0])}, recycle=spare)
-    header = b'{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}'
-    assert len(header) == 54  # padded with 2 spaces to 56, a multiple of 8
-    expected = struct.pack("<Q", 56) + header + b"  " + struct.pack("<2f", 1.0, 2.0)
+    # The metadata keeps the order the tensors were given in (safetensors sorts them).
+    header = (b'{"__metadata__":{"fedattn.order":"[\\"w\\"]"},'
+              b'"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}')
+    assert len(header) == 97  # padded with 7 spaces to 104, a multiple of 8
+    expected = struct.pack("<Q", 104) + header + b"       " + struct.pack("<2f", 1.0, 2.0)
     assert path.read_bytes() == expected
     assert not spare.exists()  # consumed: renamed into place
     assert oct(path.stat().st_mode & 0o777) == "0o600"

@@ -300,11 +300,6 @@ def test_aggregator_state_round_trips_to_the_same_server(name, rounds, tmp_path)
         assert_same_payload(*(s.personal(edge_id, TRAIN) for s in servers), ordered=False)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "fedattn_shared.state.load_tensors returns a checkpoint's tensors in safetensors' "
-    "file order (by dtype, then name), not the order saved; a resumed server's downlink "
-    "then lays the global model out in another order than before the restart (another "
-    "manifest, and the edges' one-copy load_shared path no longer applies)"))
 def test_a_checkpointed_aggregator_broadcasts_in_the_same_order(tmp_path):
     method = small_method("fedavg")
     aggregator = method.server(method.build_models())
