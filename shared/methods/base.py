@@ -21,13 +21,13 @@ import json
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import DPConfig, TrainConfig
+from ..config import DPConfig, TrainConfig, check_choices
 from ..models import build_model, model_spec
 from ..tensors import contiguous_run
 from ..wire.payload import Kind, Payload, Section, TensorViews
@@ -118,29 +118,185 @@ def unqualify(name: str) -> tuple[str, str]:
     return model_name, key
 
 
-class Method:
-    """Base class of every method. Subclasses set the class attributes and override hooks."""
+def _same(configured: int) -> int:
+    return configured
 
-    name: ClassVar[str] = ""
-    Params: ClassVar[type] = NoParams
-    aggregator_kind: ClassVar[AggregatorKind] = AggregatorKind.STREAMING_SUM
-    private_rules: ClassVar[tuple[str, ...]] = ()
-    phases: ClassVar[tuple[str, ...]] = (TRAIN, EVALUATE)
-    # The model a run of this method uses when no source (file, flag, --set) names one.
-    default_model: ClassVar[str | None] = None
+
+def _nothing(*_: Any) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """What a method declares once, for the class: validated when the class is built and
+    frozen from then on (a method instance never reassigns any of it).
+
+    A method declares it as constants of its class body (``name = "fedbn"``,
+    ``private_rules = ("bn",)``, ``aggregator = MedianAggregator``, ...), as plug-ins
+    always have; ``Method.__init_subclass__`` folds them into ``cls.spec``, on top of the
+    parent's, and the names stay readable on the class and its instances."""
+
+    name: str = ""
+    #: The hyperparameter dataclass (``[<name>]`` in a config, ``--set <name>.key=``).
+    Params: type = NoParams
+    #: The server half; its class declares the aggregator kind (``Aggregator.kind``).
+    aggregator: type[Aggregator] = StreamingMean
+    #: Split rules of the method itself; rules that depend on the parameters come from
+    #: ``Method.method_rules`` instead (validated the same way, once per instance).
+    private_rules: tuple[str, ...] = ()
+    phases: tuple[str, ...] = (TRAIN, EVALUATE)
+    #: The model a run of this method uses when no source (file, flag, --set) names one.
+    default_model: str | None = None
     #: DP-SGD support (``--dp``): True when every loss term ``training_step`` returns is a
     #: batch mean of per-sample terms, each depending on its own sample only (what
     #: per-sample clipping bounds), and parameter-only terms are ``post_backward`` (applied
     #: after clipping and noise). A method that does not declare it is refused under --dp;
-    #: one whose support depends on its parameters overrides ``dp_refusal``.
-    dp_support: ClassVar[bool] = False
+    #: one whose support depends on its parameters overrides ``Method.dp_refusal``.
+    dp_support: bool = False
     #: (shared model, private model): a second model per edge that starts as a copy of the
     #: shared one and never leaves the edge (Ditto's and pFedMe's personal model, FedAvg-FT's
     #: fine-tuned one). None: the models of ``model_names`` as they are split.
-    personal_copy: ClassVar[tuple[str, str] | None] = None
+    personal_copy: tuple[str, str] | None = None
     #: Names of the figures ``EdgeAlgorithm.training_metrics`` reports, beyond
     #: ``STANDARD_METRICS``; the server ignores any other name an edge sends.
-    extra_metrics: ClassVar[tuple[str, ...]] = ()
+    extra_metrics: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        where = f"method {self.name or '(unnamed)'!r}"
+        if not isinstance(self.name, str):
+            raise TypeError(f"{where}: name must be a string")
+        if not (isinstance(self.Params, type) and dataclasses.is_dataclass(self.Params)):
+            raise TypeError(f"{where}: Params must be a dataclass, got {self.Params!r}")
+        if not (isinstance(self.aggregator, type) and issubclass(self.aggregator, Aggregator)
+                and isinstance(getattr(self.aggregator, "kind", None), AggregatorKind)):
+            raise TypeError(f"{where}: aggregator must be an Aggregator class declaring its "
+                            f"kind, got {self.aggregator!r}")
+        for key in ("private_rules", "phases", "extra_metrics"):
+            value = getattr(self, key)
+            if not (isinstance(value, tuple) and all(isinstance(v, str) for v in value)):
+                raise TypeError(f"{where}: {key} must be a tuple of strings, got {value!r}")
+        split.check_rules(self.private_rules, where=f"{where} private_rules")
+        if (TRAIN not in self.phases or EVALUATE not in self.phases
+                or len(set(self.phases)) != len(self.phases)):
+            raise TypeError(f"{where}: phases {self.phases!r} must name {TRAIN!r} and "
+                            f"{EVALUATE!r}, each phase once")
+        if self.personal_copy is not None and not (
+                isinstance(self.personal_copy, tuple) and len(self.personal_copy) == 2
+                and len(set(self.personal_copy)) == 2):
+            raise TypeError(f"{where}: personal_copy must be (shared, private), two names")
+        overlap = STANDARD_METRICS & set(self.extra_metrics)
+        if overlap:
+            raise TypeError(f"{where}: extra_metrics repeat standard ones: {sorted(overlap)}")
+
+    @property
+    def aggregator_kind(self) -> AggregatorKind:
+        return self.aggregator.kind
+
+
+_SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(MethodSpec))
+
+
+class _Declared:
+    """A name of the spec, read on the class or an instance, never assigned: a method
+    whose declaration depends on its parameters overrides the hook that reads it."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.field = name
+
+    def __get__(self, obj: Any, owner: type) -> Any:
+        return getattr(owner.spec, self.field)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        raise AttributeError(f"{self.field} is part of the method's declaration "
+                             f"({type(obj).__name__}.spec), fixed when the class was built")
+
+
+@dataclass(frozen=True)
+class PhasePrivacy:
+    """What the privacy layers may do with one phase's uploads, in one declaration.
+
+    ``summable``: sections the server only ever needs as their weighted sum over the
+    round's edges, so secure aggregation may mask them (the server unmasks only the sum).
+    ``clear``: sections a SecAgg-compatible method sends in the clear on purpose although
+    they are not summable (pFedKA's scalars, from which the server computes each edge's
+    weight before any tensor is masked); SecAgg refuses any other non-summable section.
+    ``dp_public``: (kind, section, tensor) of statistics uploads that only repeat what the
+    submission header already carries in the clear (n_k): ``--dp-stats-sigma`` sends
+    them as they are."""
+
+    summable: frozenset[tuple[Kind, str]] = frozenset()
+    clear: frozenset[tuple[Kind, str]] = frozenset()
+    dp_public: frozenset[tuple[Kind, str, str]] = frozenset()
+
+
+def fingerprint_of(name: str, train: TrainConfig, split_rules: dict[str, tuple[str, ...]],
+                   models: dict[str, nn.Module]) -> str:
+    """The fingerprint of method ``name`` on ``models`` split by ``split_rules``."""
+    description = {
+        "method": name,
+        "model": train.model,
+        "num_classes": train.num_classes,
+        "in_channels": train.in_channels,
+        "image_size": train.model_size,  # the size the models are built for
+        "split": split_rules,
+        "tensors": [
+            [model_name, key, list(t.shape), str(t.dtype)]
+            for model_name, model in sorted(models.items())
+            for key, t in model.state_dict().items()
+        ],
+    }
+    blob = json.dumps(description, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:32]
+
+
+class _MethodType(type):
+    """Builds a method in two steps: ``__init__`` (the subclass checks its parameters and
+    derives what it needs), then ``_validate`` once, on the finished instance -- so split
+    rules that depend on the parameters are checked exactly like declared ones."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        method = super().__call__(*args, **kwargs)
+        method._validate()
+        return method
+
+
+class Method(metaclass=_MethodType):
+    """Base class of every method: a declaration (``spec``) and the hooks it overrides.
+
+    Lifecycle: the class body's constants become ``cls.spec`` (validated when the class is
+    built); an instance is built from a ``MethodContext`` (its ``__init__`` checks its
+    parameters; ``Literal`` choices are checked here first), then its split rules, the
+    declared and the parameter-dependent ones (``method_rules``) and the user's
+    ``train.private``, are checked against the run's model once.
+    """
+
+    spec: MethodSpec = MethodSpec()
+    name = _Declared()
+    Params = _Declared()
+    aggregator = _Declared()
+    private_rules = _Declared()
+    phases = _Declared()
+    default_model = _Declared()
+    dp_support = _Declared()
+    personal_copy = _Declared()
+    extra_metrics = _Declared()
+    aggregator_kind = _Declared()
+
+    def __init_subclass__(cls, **declared: Any) -> None:
+        super().__init_subclass__()
+        # Declarations as class-body constants (the plug-in style) or class keywords.
+        for key in _SPEC_FIELDS:
+            value = cls.__dict__.get(key)
+            if key in cls.__dict__ and not isinstance(value, _Declared):
+                declared.setdefault(key, value)
+                delattr(cls, key)
+        if "aggregator_kind" in cls.__dict__:
+            raise TypeError(f"{cls.__name__}: the aggregator kind comes from the aggregator "
+                            "class (declare aggregator = <Aggregator subclass>)")
+        unknown = set(declared) - set(_SPEC_FIELDS)
+        if unknown:
+            raise TypeError(f"{cls.__name__}: unknown declaration(s) {sorted(unknown)}")
+        cls.spec = dataclasses.replace(cls.spec, **declared)
 
     def __init__(self, context: MethodContext):
         self.train = context.train
@@ -148,9 +304,19 @@ class Method:
         self.dp = context.dp
         self._probe = context.probe
         split.check_rules(self.train.private)
+        check_choices(self.params, self.name)
         self.head = model_spec(self.train.model).head
-        self.check_rules_apply(self.private_rules, where=f"method {self.name!r}")
+
+    def _validate(self) -> None:
+        """Once, after ``__init__``: every split rule must select something in the run's
+        model (the metaclass calls it)."""
+        self.check_rules_apply(self.method_rules(), where=f"method {self.name!r}")
         self.check_rules_apply(tuple(self.train.private), where="train.private")
+
+    def method_rules(self) -> tuple[str, ...]:
+        """The method's own split rules: the declared ``private_rules``, or, for a method
+        whose split depends on its parameters (Fed-SAP's personalization), an override."""
+        return self.private_rules
 
     def probe_model(self) -> nn.Module:
         """The run's model on the meta device: shapes and module types only, no memory and
@@ -188,7 +354,7 @@ class Method:
 
     def split_rules(self) -> dict[str, tuple[str, ...]]:
         """Private rules per model: the method's own plus the user's ``train.private``."""
-        rules = tuple(dict.fromkeys(self.private_rules + tuple(self.train.private)))
+        rules = tuple(dict.fromkeys(self.method_rules() + tuple(self.train.private)))
         split_rules = {name: rules for name in self.model_names()}
         if self.personal_copy:
             split_rules[self.personal_copy[1]] = ("all",)
@@ -229,23 +395,15 @@ class Method:
         on a decoded upload that matched the schema, before it reaches the aggregator.
         Raise ValueError with the reason: the server refuses the upload and drops the task."""
 
-    def summable_sections(self, phase: str, models: dict[str, nn.Module]) -> set[tuple[Kind, str]]:
-        """Upload sections of ``phase`` that the server only ever needs as their weighted
-        sum over the round's edges, so secure aggregation could mask them (the server
-        unmasks only the sum). Default: every section for the streaming-sum and
-        server-optimizer aggregators, none for collect-then-learn (it needs each upload).
-        A method mixing both declares the exact set; a secure-aggregation transport must
-        refuse a method whose uploads are not all summable."""
+    def privacy(self, phase: str, models: dict[str, nn.Module]) -> PhasePrivacy:
+        """The privacy traits of ``phase``'s uploads (see ``PhasePrivacy``). Default: every
+        section summable for the streaming-sum and server-optimizer aggregators, none for
+        collect-then-learn (it needs each upload); nothing in the clear, nothing public.
+        A method mixing both declares the exact sets."""
         if self.aggregator_kind == AggregatorKind.COLLECT:
-            return set()
-        return {(spec.kind, spec.name) for spec in self.uplink_schema(phase, models)}
-
-    def secagg_clear_sections(self, phase: str, models: dict[str, nn.Module]) -> set[tuple[Kind, str]]:
-        """Upload sections of ``phase`` that this method's secure-aggregation-compatible
-        path sends in the clear although they are not summable (pFedKA's scalars, from which
-        the server computes each edge's weight before any tensor is masked). Secure
-        aggregation refuses a method with any other non-summable section. Default: none."""
-        return set()
+            return PhasePrivacy()
+        return PhasePrivacy(summable=frozenset(
+            (spec.kind, spec.name) for spec in self.uplink_schema(phase, models)))
 
     def similarity_groups(self, models: dict[str, nn.Module]) -> dict[str, list[str]]:
         """Groups of shared tensors (qualified names) whose mean pairwise cosine similarity
@@ -257,21 +415,7 @@ class Method:
 
     def fingerprint(self, models: dict[str, nn.Module]) -> str:
         """Identifies the method, model and split: stored private state must match it."""
-        description = {
-            "method": self.name,
-            "model": self.train.model,
-            "num_classes": self.train.num_classes,
-            "in_channels": self.train.in_channels,
-            "image_size": self.train.model_size,  # the size the models are built for
-            "split": self.split_rules(),
-            "tensors": [
-                [model_name, key, list(t.shape), str(t.dtype)]
-                for model_name, model in sorted(models.items())
-                for key, t in model.state_dict().items()
-            ],
-        }
-        blob = json.dumps(description, sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:32]
+        return fingerprint_of(self.name, self.train, self.split_rules(), models)
 
     def dp_refusal(self) -> str | None:
         """Why this configuration cannot train under DP-SGD, or None when it can."""
@@ -279,12 +423,6 @@ class Method:
             return None
         return (f"method {self.name!r} does not declare DP-SGD support (Method.dp_support): "
                 "its loss is not known to be a mean of per-sample terms")
-
-    def dp_public_tensors(self, phase: str) -> set[tuple[Kind, str, str]]:
-        """(kind, section, tensor) of statistics uploads that only repeat what the
-        submission header already carries in the clear (n_k): ``--dp-stats-sigma`` sends
-        them as they are. None by default."""
-        return set()
 
     def describe_params(self) -> dict[str, Any]:
         return dataclasses.asdict(self.params)
@@ -294,7 +432,7 @@ class Method:
         return EdgeAlgorithm(self, models, device)
 
     def server(self, models: dict[str, nn.Module]) -> Aggregator:
-        return StreamingMean(self, models)
+        return self.aggregator(self, models)
 
 
 def _set_mode(model: nn.Module, modules: list[nn.Module], training: bool) -> None:

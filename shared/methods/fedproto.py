@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..wire.payload import Kind, Payload, Section
-from .aggregators import AggregatorKind, CollectThenLearn
+from .aggregators import CollectThenLearn
 from .base import SectionSpec, TensorSpec
 from .phases import TRAIN
 from .prototypes import GLOBAL, LOCAL, PrototypeEdge, PrototypeMethod, class_keys
@@ -74,7 +74,7 @@ class FedProtoAggregator(CollectThenLearn):
 class FedProto(PrototypeMethod):
     name = "fedproto"
     Params = FedProtoParams
-    aggregator_kind = AggregatorKind.COLLECT
+    aggregator = FedProtoAggregator
 
     def __init__(self, context):
         super().__init__(context)
@@ -109,6 +109,3 @@ class FedProto(PrototypeMethod):
 
     def edge(self, models, device):
         return FedProtoEdge(self, models, device)
-
-    def server(self, models):
-        return FedProtoAggregator(self, models)

@@ -291,7 +291,10 @@ class FedSAP(Method):
         if not squeeze_excitation_modules(self.probe_model()):
             raise ValueError(f"fedsap: model {self.train.model!r} has no squeeze-excitation "
                              "modules (use mobilenet-v3-small, se-cnn, anfr-se-* or se-resnet-*)")
-        self.private_rules = PERSONALIZATION[p.personalization]
+
+    def method_rules(self) -> tuple[str, ...]:
+        """Table I's strategy decides what stays on the edge."""
+        return PERSONALIZATION[self.params.personalization]
 
     def dp_refusal(self) -> str | None:
         p: FedSAPParams = self.params

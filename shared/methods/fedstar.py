@@ -66,7 +66,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..models import build_model
-from .aggregators import AggregatorKind, CollectThenLearn
+from .aggregators import CollectThenLearn
 from .base import MethodContext
 from .prototypes import GLOBAL, LOCAL, PrototypeEdge, PrototypeMethod, prototype_logits
 
@@ -372,7 +372,7 @@ def _choice(name: str, value: str, options: tuple[str, ...]) -> None:
 class FedSTAR(PrototypeMethod):
     name = "fedstar"
     Params = FedSTARParams
-    aggregator_kind = AggregatorKind.COLLECT
+    aggregator = FedSTARAggregator
 
     def dp_refusal(self) -> str | None:
         return ("fedstar: L_shared and L_pull average over the batch's samples of classes with "
@@ -428,6 +428,3 @@ class FedSTAR(PrototypeMethod):
 
     def edge(self, models, device):
         return FedSTAREdge(self, models, device)
-
-    def server(self, models):
-        return FedSTARAggregator(self, models)

@@ -46,7 +46,15 @@ from torch import nn
 from ..models import build_model, model_spec
 from ..wire.payload import Kind, Payload, Section
 from .aggregators import StreamingMean
-from .base import EdgeAlgorithm, Method, MethodContext, SectionSpec, TensorSpec, qualified
+from .base import (
+    EdgeAlgorithm,
+    Method,
+    MethodContext,
+    PhasePrivacy,
+    SectionSpec,
+    TensorSpec,
+    qualified,
+)
 from .phases import EVALUATE, TRAIN
 
 log = logging.getLogger(__name__)
@@ -471,6 +479,7 @@ class PFedKA(Method):
     dp_support = True  # CE + lambda * KD, both batch means of per-sample terms
     Params = PFedKAParams
     phases = (TRAIN, UPLOAD, EVALUATE)
+    aggregator = GatedAggregator
 
     def __init__(self, context: MethodContext):
         super().__init__(context)
@@ -499,20 +508,34 @@ class PFedKA(Method):
                              f"{t.model_size}x{t.model_size}; cross-attention needs at least "
                              f"{MIN_TOKENS} (use a larger train.input_size)")
         self.head = f"backbone.{self.head}"
-        self.private_rules = () if p.ca_shared else ("attention",)
+
+    def method_rules(self) -> tuple[str, ...]:
+        # W_Q, W_K, W_V stay on the edge unless shared; without cross-attention there are none.
+        p: PFedKAParams = self.params
+        return ("attention",) if p.cross_attention and not p.ca_shared else ()
+
+    def probe_model(self) -> nn.Module:
+        """The student as the edge holds it (the split rules are checked on it), on the
+        meta device: no memory, no draw from the RNG."""
+        with torch.device("meta"):
+            return self._student()
+
+    def _student(self) -> Student:
+        t, p = self.train, self.params
+        spec = model_spec(t.model)
+        backbone = build_model(t.model, t.num_classes, t.in_channels, t.model_size)
+        attention = (CrossAttention(self.width, p.ca_dk or self.width, p.ca_residual)
+                     if p.cross_attention else None)
+        return Student(backbone, spec.tokens, spec.head, attention)
 
     def model_names(self) -> tuple[str, ...]:
         return (STUDENT, TEACHER)
 
     def build_models(self) -> dict[str, nn.Module]:
         torch.manual_seed(self.train.seed)
-        t, p = self.train, self.params
-        spec = model_spec(t.model)
-        backbone = build_model(t.model, t.num_classes, t.in_channels, t.model_size)
-        attention = (CrossAttention(self.width, p.ca_dk or self.width, p.ca_residual)
-                     if p.cross_attention else None)
-        teacher = copy.deepcopy(backbone).requires_grad_(False)
-        return {STUDENT: Student(backbone, spec.tokens, spec.head, attention), TEACHER: teacher}
+        student = self._student()
+        teacher = copy.deepcopy(student.backbone).requires_grad_(False)
+        return {STUDENT: student, TEACHER: teacher}
 
     def split_rules(self) -> dict[str, tuple[str, ...]]:
         rules = super().split_rules()
@@ -527,23 +550,19 @@ class PFedKA(Method):
             return super().uplink_schema(TRAIN, models)
         return []
 
-    def summable_sections(self, phase: str, models: dict[str, nn.Module]) -> set[tuple[Kind, str]]:
-        """The students are summed with weights alpha_k; the scalars feed the GRU one by one."""
+    def privacy(self, phase: str, models: dict[str, nn.Module]) -> PhasePrivacy:
+        """The students are summed with weights alpha_k (maskable); the scalars feed the
+        GRU one by one, so the SecAgg-compatible path sends {n_k, l_k} in the clear first,
+        alpha_k back to each edge, which then masks alpha_k * theta_k. Of the scalars, n is
+        the header's num_examples again (public under --dp-stats-sigma); ce is a statistic
+        of the training data."""
         if phase == UPLOAD:
-            return {(s.kind, s.name) for s in self.uplink_schema(UPLOAD, models)}
-        return set()
-
-    def secagg_clear_sections(self, phase: str, models: dict[str, nn.Module]) -> set[tuple[Kind, str]]:
-        """The SecAgg-compatible path: {n_k, l_k} in the clear first, alpha_k back to each
-        edge, which then masks alpha_k * theta_k."""
-        return {SCALARS} if phase == TRAIN else set()
-
-    def dp_public_tensors(self, phase: str) -> set[tuple[Kind, str, str]]:
-        # n is the header's num_examples again; ce is a statistic of the training data.
-        return {(*SCALARS, "n")} if phase == TRAIN else set()
+            return PhasePrivacy(summable=frozenset(
+                (s.kind, s.name) for s in self.uplink_schema(UPLOAD, models)))
+        if phase == TRAIN:
+            return PhasePrivacy(clear=frozenset({SCALARS}),
+                                dp_public=frozenset({(*SCALARS, "n")}))
+        return PhasePrivacy()
 
     def edge(self, models: dict[str, nn.Module], device: torch.device) -> PFedKAEdge:
         return PFedKAEdge(self, models, device)
-
-    def server(self, models: dict[str, nn.Module]) -> GatedAggregator:
-        return GatedAggregator(self, models)

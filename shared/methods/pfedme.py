@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..wire.payload import Kind
-from .aggregators import AggregatorKind, ServerOptimizer
+from .aggregators import ServerOptimizer
 from .base import EdgeAlgorithm, Method, MethodContext, qualified
 from .fedprox import add_proximal_gradient
 
@@ -116,7 +116,7 @@ class PFedMe(Method):
     dp_support = True  # cross-entropy only; parameter-only terms are post_backward
     Params = PFedMeParams
     personal_copy = ("global", "personal")
-    aggregator_kind = AggregatorKind.SERVER_OPTIMIZER
+    aggregator = PFedMeAggregator
 
     def __init__(self, context: MethodContext):
         super().__init__(context)
@@ -134,6 +134,3 @@ class PFedMe(Method):
 
     def edge(self, models, device):
         return PFedMeEdge(self, models, device)
-
-    def server(self, models):
-        return PFedMeAggregator(self, models)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..wire.payload import Kind, Payload, Section
-from .aggregators import AggregatorKind, ServerOptimizer
+from .aggregators import ServerOptimizer
 from .base import EdgeAlgorithm, Method, SectionSpec
 
 SHARED = (Kind.SHARED_TENSORS, "")
@@ -92,7 +92,7 @@ class Scaffold(Method):
     name = "scaffold"
     dp_support = True  # cross-entropy only; parameter-only terms are post_backward
     Params = ScaffoldParams
-    aggregator_kind = AggregatorKind.SERVER_OPTIMIZER
+    aggregator = ScaffoldAggregator
 
     def __init__(self, context):
         super().__init__(context)
@@ -119,6 +119,3 @@ class Scaffold(Method):
 
     def edge(self, models, device):
         return ScaffoldEdge(self, models, device)
-
-    def server(self, models):
-        return ScaffoldAggregator(self, models)
