@@ -26,7 +26,7 @@ from ..wire.payload import Kind, Payload, Section
 from .aggregators import CollectThenLearn
 from .base import SectionSpec, TensorSpec
 from .phases import TRAIN
-from .prototypes import GLOBAL, LOCAL, PrototypeEdge, PrototypeMethod, class_keys
+from .prototypes import GLOBAL, LOCAL, ProtoNorm, PrototypeEdge, PrototypeMethod, class_keys
 
 COUNTS = (Kind.SCALAR_SUMMARY, "class_counts")
 
@@ -34,7 +34,7 @@ COUNTS = (Kind.SCALAR_SUMMARY, "class_counts")
 @dataclass
 class FedProtoParams:
     lam: float = 1.0           # weight of the prototype regulariser (FedProto's lambda)
-    proto_norm: str = "none"   # "layernorm": standardise each h before the class mean
+    proto_norm: ProtoNorm = "none"  # "layernorm": standardise each h before the class mean
 
 
 class FedProtoEdge(PrototypeEdge):

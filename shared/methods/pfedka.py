@@ -37,7 +37,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -76,7 +76,7 @@ class PFedKAParams:
     # Eq. 5 [reconstructed]: tau = clip(tau_0 (1 + log(1 + G)), tau_min, tau_max), G the
     # teacher-student KL at tau 1 over the previous participation's last epoch; "fixed"
     # keeps tau = tau_0.
-    tau_rule: str = "gap_log"
+    tau_rule: Literal["gap_log", "fixed"] = "gap_log"
     tau_0: float = 1.0
     tau_min: float = 1.0
     tau_max: float = 2.0
@@ -84,12 +84,12 @@ class PFedKAParams:
     # scale-free) or p_k ("p_k", literal; nearly inert with 100 edges); share =
     # b / (a + b + eps) ("ce_share": CE dominates -> U_k) or a / (a + b + eps)
     # ("kd_share"), b = log(1 + CE_prev), a = log(1 + KD_prev); U_k / 2 before any history.
-    lambda_bound: str = "p_k_rel"
-    lambda_direction: str = "ce_share"
+    lambda_bound: Literal["p_k_rel", "p_k"] = "p_k_rel"
+    lambda_direction: Literal["ce_share", "kd_share"] = "ce_share"
     eps: float = 1e-8
     # [reconstructed] "round": the student starts from the teacher every round (the
     # protocol matches FedAvg); "persistent": it is kept on the edge across rounds.
-    student_init: str = "round"
+    student_init: Literal["round", "persistent"] = "round"
     # [reconstructed] whether W_Q, W_K, W_V travel and are averaged like any layer (the
     # paper's +8.6 % traffic matches this); false keeps them on the edge.
     ca_shared: bool = True
@@ -100,7 +100,7 @@ class PFedKAParams:
     ca_dk: int = 0  # key dimension d_k; 0: the token width d
     # Eqs. 15-17 [reconstructed]: how the GRU is trained is not stated. "surrogate": one
     # Adam step per round on sum_k alpha_k l~_k + beta KL(alpha || p); "frozen": never.
-    gru_train: str = "surrogate"
+    gru_train: Literal["surrogate", "frozen"] = "surrogate"
     gru_hidden: int = 32
     gru_lr: float = 1e-3
     gru_beta: float = 1.0
@@ -465,15 +465,6 @@ class GatedAggregator(StreamingMean):
 
 
 # ---- the method ----------------------------------------------------------------------
-CHOICES = {
-    "tau_rule": ("gap_log", "fixed"),
-    "lambda_bound": ("p_k_rel", "p_k"),
-    "lambda_direction": ("ce_share", "kd_share"),
-    "student_init": ("round", "persistent"),
-    "gru_train": ("surrogate", "frozen"),
-}
-
-
 class PFedKA(Method):
     name = "pfedka"
     dp_support = True  # CE + lambda * KD, both batch means of per-sample terms
@@ -484,10 +475,6 @@ class PFedKA(Method):
     def __init__(self, context: MethodContext):
         super().__init__(context)
         p: PFedKAParams = self.params
-        for key, allowed in CHOICES.items():
-            if getattr(p, key) not in allowed:
-                raise ValueError(f"pfedka.{key}: {getattr(p, key)!r} is not one of "
-                                 f"{', '.join(allowed)}")
         if not 0 < p.tau_min <= p.tau_max < float("inf"):
             raise ValueError(f"pfedka.tau_min/tau_max: need 0 < tau_min <= tau_max, got "
                              f"{p.tau_min}, {p.tau_max}")
