@@ -300,7 +300,7 @@ def test_scaffold_edge_control_variate_after_k_steps():
     x = {"model/weight": torch.randn(3, 2), "model/bias": torch.randn(3)}
     c = {"model/weight": torch.full((3, 2), 0.3), "model/bias": t(0.3, -0.2, 0.1)}
     c_i = {"model/weight": torch.full((3, 2), -0.1), "model/bias": t(0.05, 0.0, 0.2)}
-    edge.load_state_tensors({f"c_local/{k}": v for k, v in c_i.items()})
+    edge.load_extra_state({f"c_local/{k}": v for k, v in c_i.items()})
     edge.receive(TRAIN, Payload([Section(Kind.SHARED_TENSORS, "", x),
                                  Section(Kind.CONTROL, "", c)]), Payload())
     assert torch.equal(model.weight, x["model/weight"])
@@ -340,7 +340,7 @@ def test_scaffold_edge_control_variate_after_k_steps():
         assert close(edge.c_local[k], expected_c[k], 1e-5)
         assert close(up.tensors(*CONTROL)[k], expected_c[k] - c_i[k], 1e-5)
         assert close(up.tensors(*SHARED)[k], y[k], 1e-5)
-        assert close(edge.state_tensors()[f"c_local/{k}"], expected_c[k], 1e-5)
+        assert close(edge.extra_state()[f"c_local/{k}"], expected_c[k], 1e-5)
 
 
 # ---- FedProx --------------------------------------------------------------------------

@@ -463,15 +463,35 @@ def _pack(tensors: list[torch.Tensor]) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class LoopSchedule:
+    """The shape of the training loop, for the few methods that change it (an edge's
+    ``schedule``; the default leaves the loop as configured).
+
+    ``steps_per_batch``: optimizer steps on each batch before ``after_batch`` (pFedMe's K
+    inner steps); more than 1 does not combine with gradient accumulation (the edge
+    refuses it at start). ``epochs(E)``: how many epochs a round runs given the configured
+    E (FedRep adds its head epochs). ``begin_epoch(epoch)``: before each epoch, 0-based
+    (FedRep switches between head and body; pFedKA keeps figures of the last epoch only).
+    ``after_batch()``: after the steps on one batch (pFedMe's update of the local model
+    toward the personalized solution)."""
+
+    steps_per_batch: int = 1
+    epochs: Callable[[int], int] = _same
+    begin_epoch: Callable[[int], None] = _nothing
+    after_batch: Callable[[], None] = _nothing
+
+
 class EdgeAlgorithm:
     """Edge-side hooks around the generic training loop in ``fl_edge.trainer``.
 
     The loop calls, per round: ``receive`` (the downlink), ``begin_train``, then for each
-    of ``local_epochs(E)`` epochs ``begin_epoch`` and for every batch, ``steps_per_batch``
-    times, ``training_step`` -> backward -> ``post_backward`` (parameter-only terms as
-    gradient post-processing, so they also survive DP-SGD's clipping) -> optimizer steps,
-    then ``after_batch``; after the last epoch ``end_train`` (one pass over the data, if the
-    method wants it) and ``after_train`` for the upload; ``training_metrics`` adds
+    of ``schedule.epochs(E)`` epochs ``schedule.begin_epoch`` and for every batch,
+    ``schedule.steps_per_batch`` times, ``training_step`` -> backward -> ``post_backward``
+    (parameter-only terms as gradient post-processing, so they also survive DP-SGD's
+    clipping) -> optimizer steps, then ``schedule.after_batch``; after the last epoch
+    ``end_train`` (one pass over the data, if the method wants it) and ``after_train`` for
+    the upload; ``training_metrics`` adds
     monitoring scalars to the result. ``predict`` is the personalized model used for
     evaluation and export; ``before_evaluate`` may name another algorithm (a fine-tuned
     copy) for evaluation to train first and score.
@@ -479,10 +499,8 @@ class EdgeAlgorithm:
     loop sets it before ``begin_train``).
     """
 
-    #: Optimizer steps the loop takes on each batch before ``after_batch``: pFedMe solves
-    #: its personalized inner problem with K steps on one batch. 1 for most methods; more
-    #: than 1 does not combine with gradient accumulation (the edge refuses it at start).
-    steps_per_batch: int = 1
+    #: The loop's shape (see ``LoopSchedule``); a method that changes it sets its own.
+    schedule: LoopSchedule = LoopSchedule()
 
     def __init__(self, method: Method, models: dict[str, nn.Module], device: torch.device):
         self.method = method
@@ -491,9 +509,9 @@ class EdgeAlgorithm:
         self.shared_specs = method.shared_specs(self.models)
         self.global_tensors: Mapping[str, torch.Tensor] = {}
         self._optimizers: list[torch.optim.Optimizer] | None = None
-        self._state_tensors: dict[str, torch.Tensor] | None = None
+        self._live_tensors: dict[str, torch.Tensor] | None = None
         self._private_names: list[str] | None = None
-        shared = [self.state_tensor(name) for name in self.shared_specs]
+        shared = [self.live_tensor(name) for name in self.shared_specs]
         # Names and shapes of the shared tensors when _pack laid them out as one vector.
         self._packed = ((tuple(self.shared_specs), tuple(tuple(t.shape) for t in shared))
                         if _pack(shared) else None)
@@ -503,19 +521,19 @@ class EdgeAlgorithm:
         self.num_examples = 0
 
     # ---- tensors --------------------------------------------------------------------
-    def state_tensor(self, name: str) -> torch.Tensor:
+    def live_tensor(self, name: str) -> torch.Tensor:
         """The live parameter or buffer ``model/key`` (updated in place by training)."""
-        if self._state_tensors is None:
-            self._state_tensors = {
+        if self._live_tensors is None:
+            self._live_tensors = {
                 qualified(model_name, key): tensor
                 for model_name, model in self.models.items()
                 for key, tensor in model.state_dict(keep_vars=True).items()}
-        return self._state_tensors[name]
+        return self._live_tensors[name]
 
     def private_names(self) -> list[str]:
         """Every model tensor that never travels (``model/key``), by model then key. Named
         once: ``state_dict()`` walks every module, ~3 ms a round for a small CNN; the
-        tensors themselves come from ``state_tensor``, the live objects, as loads use."""
+        tensors themselves come from ``live_tensor``, the live objects, as loads use."""
         if self._private_names is None:
             self._private_names = [
                 qualified(model_name, key) for model_name in sorted(self.models)
@@ -529,15 +547,15 @@ class EdgeAlgorithm:
                     and self._packed == (tensors.layout.names, tensors.layout.shapes)):
                 # The whole shared section, in the order _pack laid the tensors out: one
                 # copy, while they still lie that way.
-                run = contiguous_run(self.state_tensor(name) for name in tensors)
+                run = contiguous_run(self.live_tensor(name) for name in tensors)
                 if run is not None and run.numel() == tensors.flat.numel():
                     run.copy_(tensors.flat)
                     return
             for name, value in tensors.items():
-                self.state_tensor(name).copy_(value)
+                self.live_tensor(name).copy_(value)
 
     def shared_values(self) -> dict[str, torch.Tensor]:
-        return {name: self.state_tensor(name).detach().clone() for name in self.shared_specs}
+        return {name: self.live_tensor(name).detach().clone() for name in self.shared_specs}
 
     def named_trainable(self, model_name: str) -> Iterable[tuple[str, nn.Parameter]]:
         return ((qualified(model_name, k), p) for k, p in self.models[model_name].named_parameters()
@@ -586,28 +604,15 @@ class EdgeAlgorithm:
         x, y = batch
         return F.cross_entropy(self.models["model"](x), y)
 
-    def local_epochs(self, configured: int) -> int:
-        """How many epochs the loop runs this round, given the configured E (FedRep trains
-        its head for extra epochs before the E epochs of the body)."""
-        return configured
-
-    def begin_epoch(self, epoch: int) -> None:
-        """Before each epoch (0-based) of a training phase: FedRep switches between
-        training the head and the body here; pFedKA keeps figures of the last epoch only."""
-
     def post_backward(self) -> None:
         """Gradient post-processing for parameter-only terms (proximal pulls, corrections)."""
-
-    def after_batch(self) -> None:
-        """After the ``steps_per_batch`` optimizer steps on one batch (pFedMe's update of
-        the local model toward the personalized solution)."""
 
     def after_train(self, steps: int) -> Payload:
         """The training upload: by default the shared tensors, as views of the live model
         (nothing changes them while the upload streams; the next receive overwrites them)."""
         if not self.shared_specs:
             return Payload()
-        live = {name: self.state_tensor(name).detach() for name in self.shared_specs}
+        live = {name: self.live_tensor(name).detach() for name in self.shared_specs}
         return Payload([Section(Kind.SHARED_TENSORS, "", live)])
 
     def end_train(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -663,8 +668,10 @@ class EdgeAlgorithm:
         return figures
 
     # ---- private method state (besides model tensors and optimizer state) -------------
-    def state_tensors(self) -> dict[str, torch.Tensor]:
+    def extra_state(self) -> dict[str, torch.Tensor]:
+        """Private tensors of the method beyond its models and optimizer state (SCAFFOLD's
+        c_i, Fed-SAP's own statistics), saved in the edge's state dir."""
         return {}
 
-    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Restore what ``state_tensors`` returned."""
+    def load_extra_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore what ``extra_state`` returned."""

@@ -264,10 +264,10 @@ class FedSAPEdge(EdgeAlgorithm):
         return upload
 
     # The previous round's statistics are local-align's next target: private state.
-    def state_tensors(self) -> dict[str, torch.Tensor]:
+    def extra_state(self) -> dict[str, torch.Tensor]:
         return {f"stats/{k}": v for k, v in self.own_stats.items()}
 
-    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+    def load_extra_state(self, tensors: dict[str, torch.Tensor]) -> None:
         self.own_stats = {k[len("stats/"):]: v.to(self.device) for k, v in tensors.items()
                           if k.startswith("stats/")}
 

@@ -48,6 +48,7 @@ from ..wire.payload import Kind, Payload, Section
 from .aggregators import StreamingMean
 from .base import (
     EdgeAlgorithm,
+    LoopSchedule,
     Method,
     MethodContext,
     PhasePrivacy,
@@ -206,6 +207,7 @@ class PFedKAEdge(EdgeAlgorithm):
         self.alpha: float | None = None
         self._sums = torch.zeros(3, device=device)  # on the device: no sync per step
         self._batches = 0
+        self.schedule = LoopSchedule(begin_epoch=self._begin_epoch)  # last-epoch figures
 
     @property
     def params(self) -> PFedKAParams:
@@ -253,7 +255,7 @@ class PFedKAEdge(EdgeAlgorithm):
         self.lam = (kd_weight(ce, kd, p_k, max(int(edges), 1), p.lambda_bound,
                               p.lambda_direction, p.eps) if p.kd else 0.0)
 
-    def begin_epoch(self, epoch: int) -> None:
+    def _begin_epoch(self, epoch: int) -> None:
         self._sums.zero_()
         self._batches = 0
 
@@ -299,16 +301,16 @@ class PFedKAEdge(EdgeAlgorithm):
         return self.student(x, teacher_tokens)
 
     # ---- private state (the teacher is a private model; the store keeps it) ------------
-    def state_tensors(self) -> dict[str, torch.Tensor]:
+    def extra_state(self) -> dict[str, torch.Tensor]:
         """The trained student's shared tensors (the next downlink would replace them, but
         they are half of the personalized model) and the statistics for tau and lambda."""
-        out = {f"student/{name}": self.state_tensor(name).detach() for name in self.shared_specs}
+        out = {f"student/{name}": self.live_tensor(name).detach() for name in self.shared_specs}
         out["trained"] = torch.tensor(float(self.trained))
         if self.history is not None:
             out["history"] = torch.tensor(self.history, dtype=torch.float64)
         return out
 
-    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+    def load_extra_state(self, tensors: dict[str, torch.Tensor]) -> None:
         self.trained = bool(tensors["trained"]) if "trained" in tensors else False
         if self.trained:
             self.load_shared({name: tensors[f"student/{name}"] for name in self.shared_specs})

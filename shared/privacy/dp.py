@@ -321,11 +321,11 @@ class PrivateTraining:
         self.expected_batch = min(batch_size, num_examples)
         self.delta = dp.delta or 0.1 / num_examples
         policy.check_calibrated(self.delta, num_examples, None, pinned)
-        self.repeats = algo.steps_per_batch
+        self.repeats = algo.schedule.steps_per_batch
         if self.repeats > 1 and dp.max_physical_batch:
             raise ValueError(f"--dp: method {algo.method.name!r} takes {self.repeats} steps on "
                              "each batch; that does not combine with dp.max_physical_batch")
-        epochs = algo.local_epochs(algo.method.train.local_epochs)
+        epochs = algo.schedule.epochs(algo.method.train.local_epochs)
         self.batches_per_round = epochs * int(1 / self.sample_rate)
         if dp.noise_multiplier > 0:
             self.noise_multiplier = dp.noise_multiplier
