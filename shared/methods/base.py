@@ -29,7 +29,7 @@ from torch import nn
 
 from ..config import DPConfig, TrainConfig, check_choices
 from ..models import build_model, model_spec
-from ..tensors import contiguous_run
+from ..tensors import PackedTensors
 from ..wire.payload import Kind, Payload, Section, TensorViews
 from . import split
 from .aggregators import Aggregator, AggregatorKind, StreamingMean
@@ -442,27 +442,6 @@ def _set_mode(model: nn.Module, modules: list[nn.Module], training: bool) -> Non
         model.train(training)
 
 
-def _pack(tensors: list[torch.Tensor]) -> bool:
-    """Moves ``tensors`` (parameters and buffers of one dtype on one device) into one
-    storage, back to back in this order; each keeps its identity (its ``.data`` becomes a
-    view), so optimizers and modules see no change. A download is then loaded, and an
-    upload read, as one vector instead of hundreds of tensors. Tied tensors (one object
-    under two names) are left as they are. Returns whether it packed them."""
-    if (len(tensors) < 2 or len({id(t) for t in tensors}) != len(tensors)
-            or len({(t.dtype, t.device) for t in tensors}) != 1):
-        return False
-    flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype,
-                       device=tensors[0].device)
-    offset = 0
-    with torch.no_grad():
-        for tensor in tensors:
-            piece = flat[offset : offset + tensor.numel()].view(tensor.shape)
-            piece.copy_(tensor)
-            tensor.data = piece
-            offset += tensor.numel()
-    return True
-
-
 @dataclass(frozen=True)
 class LoopSchedule:
     """The shape of the training loop, for the few methods that change it (an edge's
@@ -511,10 +490,10 @@ class EdgeAlgorithm:
         self._optimizers: list[torch.optim.Optimizer] | None = None
         self._live_tensors: dict[str, torch.Tensor] | None = None
         self._private_names: list[str] | None = None
-        shared = [self.live_tensor(name) for name in self.shared_specs]
-        # Names and shapes of the shared tensors when _pack laid them out as one vector.
-        self._packed = ((tuple(self.shared_specs), tuple(tuple(t.shape) for t in shared))
-                        if _pack(shared) else None)
+        # The shared tensors, packed into one vector where they can be (the plumbing that
+        # makes a download one copy and an upload one read).
+        self.shared_tensors = PackedTensors(
+            {name: self.live_tensor(name) for name in self.shared_specs})
         # The module lists, for the per-round mode switch and figures (naming a model's
         # modules again every round costs ~1 ms of Python).
         self._modules = {name: list(model.modules()) for name, model in self.models.items()}
@@ -542,20 +521,17 @@ class EdgeAlgorithm:
         return self._private_names
 
     def load_shared(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy received values into the live tensors they name: the whole shared section
+        as one vector when it arrives so (``PackedTensors.load_vector``), else by name."""
+        if isinstance(tensors, TensorViews) and self.shared_tensors.load_vector(
+                tensors.layout.names, tensors.layout.shapes, tensors.flat):
+            return
         with torch.no_grad():
-            if (isinstance(tensors, TensorViews)
-                    and self._packed == (tensors.layout.names, tensors.layout.shapes)):
-                # The whole shared section, in the order _pack laid the tensors out: one
-                # copy, while they still lie that way.
-                run = contiguous_run(self.live_tensor(name) for name in tensors)
-                if run is not None and run.numel() == tensors.flat.numel():
-                    run.copy_(tensors.flat)
-                    return
             for name, value in tensors.items():
                 self.live_tensor(name).copy_(value)
 
     def shared_values(self) -> dict[str, torch.Tensor]:
-        return {name: self.live_tensor(name).detach().clone() for name in self.shared_specs}
+        return self.shared_tensors.clone()
 
     def named_trainable(self, model_name: str) -> Iterable[tuple[str, nn.Parameter]]:
         return ((qualified(model_name, k), p) for k, p in self.models[model_name].named_parameters()
@@ -612,8 +588,7 @@ class EdgeAlgorithm:
         (nothing changes them while the upload streams; the next receive overwrites them)."""
         if not self.shared_specs:
             return Payload()
-        live = {name: self.live_tensor(name).detach() for name in self.shared_specs}
-        return Payload([Section(Kind.SHARED_TENSORS, "", live)])
+        return Payload([Section(Kind.SHARED_TENSORS, "", self.shared_tensors.views())])
 
     def end_train(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """After the last epoch: ``batches`` walks the edge's training data once, in order,
