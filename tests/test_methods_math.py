@@ -590,3 +590,23 @@ def test_load_method_by_module_path(tmp_path, monkeypatch):
 def test_load_method_garbage(name, message):
     with pytest.raises(ValueError, match=message):
         load_method(name)
+
+
+def test_declarations_are_one_frozen_spec_checked_when_the_class_is_built():
+    """A method's constants become ``cls.spec`` (validated at class creation, inherited and
+    overridden per subclass); the kind comes from the aggregator class, never declared."""
+    from fedattn_shared.methods import MethodSpec
+    from fedattn_shared.methods.aggregators import CollectThenLearn
+
+    fedmedian = load_method("fedmedian")
+    assert isinstance(fedmedian.spec, MethodSpec)
+    assert fedmedian.aggregator_kind is fedmedian.spec.aggregator.kind is AggregatorKind.COLLECT
+    with pytest.raises(TypeError, match="aggregator kind comes from the aggregator class"):
+        type("Declared", (Method,), {"name": "x", "aggregator_kind": AggregatorKind.COLLECT})
+    with pytest.raises(TypeError, match="phases"):
+        type("NoTrain", (Method,), {"name": "x", "phases": ("evaluate",)})
+    with pytest.raises(ValueError, match="unknown"):
+        type("BadRule", (Method,), {"name": "x", "private_rules": ("nonsense",)})
+    child = type("Child", (fedmedian,), {"name": "child", "aggregator": CollectThenLearn})
+    assert child.spec.Params is fedmedian.Params and child.name == "child"
+    assert fedmedian.name == "fedmedian"

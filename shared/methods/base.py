@@ -1,12 +1,35 @@
 """The Method abstraction: everything a federated method declares, in one place.
 
 A method module declares
-  * its models (named: one for most methods, two for Ditto, ...),
-  * a split rule per model (which tensors are shared, which stay private),
-  * the edge side: hooks into the one generic training loop (``EdgeAlgorithm``),
-  * the server side: an aggregator of one of three kinds (``aggregators.py``),
+  * its declaration, ``MethodSpec``: name, ``Params`` dataclass, aggregator class, split
+    rules, phases, default model, DP-SGD support, personal copy, extra metric names. Written
+    as constants of the class body (``name = "fedbn"``, ``private_rules = ("bn",)``,
+    ``aggregator = MedianAggregator``) -- the plug-in style every method already used --
+    and folded by ``Method.__init_subclass__`` into one frozen ``cls.spec``, validated
+    when the class is built. The names stay readable on the class and on instances
+    (``Method.name``, ``method.phases``), but no instance can assign them: what depends
+    on the parameters is a hook the base calls (``method_rules`` for Fed-SAP's and
+    pFedKA's split), checked once, after ``__init__``, exactly like declared rules;
+  * its models (named: one for most methods, two for Ditto, ...) and a split rule per
+    model (which tensors are shared, which stay private);
+  * the server side: an aggregator class of one of three kinds (``aggregators.py``); the
+    kind is the aggregator class's own ``kind``, so ``method.aggregator_kind`` is derived,
+    never declared twice;
+  * the edge side: hooks into the one generic training loop (``EdgeAlgorithm``); the few
+    methods that reshape the loop (pFedMe's K steps per batch, FedRep's extra epochs)
+    set one ``LoopSchedule`` instead of a hook each;
   * its payload schema: the sections each phase uploads, checked on the server before
-    any byte of an upload touches the aggregate.
+    any byte of an upload touches the aggregate, and their privacy traits in one
+    ``PhasePrivacy`` per phase (what SecAgg may mask, what it sends in the clear, which
+    statistics DP leaves as they are).
+
+Hyperparameter choices are ``Literal[...]`` types on the ``Params`` dataclass: the config
+loader and ``Method.__init__`` check them with one message. Plumbing that is not a
+method's math -- packing the shared tensors into one vector so a download is one copy --
+lives in ``fedattn_shared.tensors`` (``PackedTensors``): the base owns the plumbing, the
+subclass the math, as ``torch.optim.Optimizer`` does. A method that runs another on
+changed models (pFedLA) is a subclass of that method built per host (``PFedLA[host]``),
+so every host hook is inherited rather than forwarded.
 
 The daemons only ever talk to this interface; none of them branches on a method name.
 """

@@ -7,9 +7,11 @@ A local attention layer goes after each conv block of the backbone (the backbone
 sites: ``lenet-bn``, ``alexnet-bn``, ``mobilenet-v2``): SE, ECA, CoordAtt, CBAM (pFedLA_s:
 one mechanism everywhere) or the hybrid (pFedLA_h: a softmax-weighted convex combination of
 the SE, ECA and CoordAtt masks per layer, eqs. 7-8). Everything else is the host method
-(``base``: FedAvg, FedProx, FedBN, Ditto or pFedMe), composed through the Method API, not
-re-implemented: pFedLA is the host method applied to models with attention inserted, with
-the split rule ``attention`` added to the host's private rules, so the attention layers
+(``base``: FedAvg, FedProx, FedBN, Ditto or pFedMe), not re-implemented: pFedLA is a model
+transform over the host -- building it gives a ``PFedLA[host]``, a subclass of the host's
+class that inherits every hook (nothing forwarded by hand) and changes only the models
+(attention inserted), the weighting and the name -- with the split rule ``attention``
+added to the host's private rules, so the attention layers
 (their weights, the hybrid logits, CoordAtt's and CBAM's BatchNorm statistics) stay on the
 edge in every model the host keeps (Ditto's and pFedMe's personal models have their own).
 The wire carries exactly the host's sections; the server averages the base layers with
