@@ -270,7 +270,7 @@ class PrivateStore:
                     algo.live_tensor(name).copy_(tensors[f"model/{name}"])
             _load_optimizers(algo, tensors, json.loads(meta["optimizer_groups"]))
             algo.load_extra_state({k[len("method/"):]: v for k, v in tensors.items()
-                                     if k.startswith("method/")})
+                                   if k.startswith("method/")})
         except (KeyError, RuntimeError, ValueError) as err:
             raise StateError(f"{self.path}: does not fit the model ({err})") from None
         return meta
