@@ -610,3 +610,9 @@ def test_declarations_are_one_frozen_spec_checked_when_the_class_is_built():
     child = type("Child", (fedmedian,), {"name": "child", "aggregator": CollectThenLearn})
     assert child.spec.Params is fedmedian.Params and child.name == "child"
     assert fedmedian.name == "fedmedian"
+    # An edge half written against the old one-off hooks is refused, naming the new place.
+    from fedattn_shared.methods import EdgeAlgorithm
+    with pytest.raises(TypeError, match=r"steps_per_batch: this hook is now schedule"):
+        type("OldEdge", (EdgeAlgorithm,), {"steps_per_batch": 5})
+    with pytest.raises(TypeError, match="now extra_state"):
+        type("OldState", (EdgeAlgorithm,), {"state_tensors": lambda self: {}})

@@ -44,7 +44,7 @@ import json
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -503,6 +503,23 @@ class EdgeAlgorithm:
 
     #: The loop's shape (see ``LoopSchedule``); a method that changes it sets its own.
     schedule: LoopSchedule = LoopSchedule()
+
+    #: Hooks of earlier versions and where they live now: a subclass defining one would
+    #: otherwise be silently ignored.
+    _MOVED: ClassVar[dict[str, str]] = {
+        "steps_per_batch": "schedule = LoopSchedule(steps_per_batch=...)",
+        "local_epochs": "schedule = LoopSchedule(epochs=...)",
+        "begin_epoch": "schedule = LoopSchedule(begin_epoch=...)",
+        "after_batch": "schedule = LoopSchedule(after_batch=...)",
+        "state_tensors": "extra_state", "load_state_tensors": "load_extra_state",
+        "state_tensor": "live_tensor",
+    }
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for old, new in EdgeAlgorithm._MOVED.items():
+            if old in cls.__dict__:
+                raise TypeError(f"{cls.__name__}.{old}: this hook is now {new}")
 
     def __init__(self, method: Method, models: dict[str, nn.Module], device: torch.device):
         self.method = method
