@@ -157,4 +157,6 @@ def _hosted(host_cls: type[Method]) -> type[PFedLA]:
     declared: dict[str, Any] = {f.name: getattr(host_cls.spec, f.name)
                                 for f in dataclasses.fields(MethodSpec)}
     declared.update(name="pfedla", Params=PFedLAParams)
-    return types.new_class(f"PFedLA[{host_cls.name}]", (PFedLA, host_cls), declared)
+    name = f"PFedLA[{host_cls.name}]"
+    return types.new_class(name, (PFedLA, host_cls), declared, lambda ns: ns.update(
+        __module__=__name__, __qualname__=name))
