@@ -491,8 +491,8 @@ class EdgeDaemon:
             raise EdgeExit(2, f"this edge builds model fingerprint {local_fingerprint} but the "
                               f"server's is {fingerprint}: fedattn versions differ")
         algo = method.edge(models, self.device)
-        if algo.steps_per_batch > 1 and self.opts.grad_accum > 1:
-            raise EdgeExit(2, f"method {method.name!r} takes {algo.steps_per_batch} optimizer "
+        if algo.schedule.steps_per_batch > 1 and self.opts.grad_accum > 1:
+            raise EdgeExit(2, f"method {method.name!r} takes {algo.schedule.steps_per_batch} optimizer "
                               "steps per batch and does not combine with --grad-accum")
         try:
             data = load_edge_data(self.opts.data_dir, train)

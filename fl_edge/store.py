@@ -109,7 +109,7 @@ def _load_optimizers(algo: EdgeAlgorithm, tensors: dict[str, torch.Tensor], grou
 
 def private_tensors(algo: EdgeAlgorithm) -> dict[str, torch.Tensor]:
     """Every model tensor that never travels (qualified ``model/key``), in name order."""
-    return {name: algo.state_tensor(name).detach() for name in algo.private_names()}
+    return {name: algo.live_tensor(name).detach() for name in algo.private_names()}
 
 
 def private_digest(algo: EdgeAlgorithm) -> str:
@@ -244,7 +244,7 @@ class PrivateStore:
         tensors = {f"model/{name}": value for name, value in private_tensors(algo).items()}
         opt_tensors, groups = _optimizer_tensors(algo)
         tensors.update(opt_tensors)
-        tensors.update({f"method/{k}": v for k, v in algo.state_tensors().items()})
+        tensors.update({f"method/{k}": v for k, v in algo.extra_state().items()})
         meta = {
             "format": STATE_FORMAT,
             "fingerprint": fingerprint,
@@ -267,10 +267,10 @@ class PrivateStore:
         try:
             with torch.no_grad():
                 for name in private_tensors(algo):
-                    algo.state_tensor(name).copy_(tensors[f"model/{name}"])
+                    algo.live_tensor(name).copy_(tensors[f"model/{name}"])
             _load_optimizers(algo, tensors, json.loads(meta["optimizer_groups"]))
-            algo.load_state_tensors({k[len("method/"):]: v for k, v in tensors.items()
-                                     if k.startswith("method/")})
+            algo.load_extra_state({k[len("method/"):]: v for k, v in tensors.items()
+                                   if k.startswith("method/")})
         except (KeyError, RuntimeError, ValueError) as err:
             raise StateError(f"{self.path}: does not fit the model ({err})") from None
         return meta

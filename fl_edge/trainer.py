@@ -162,7 +162,7 @@ def _train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int,
                  grad_accum: int, privacy: PrivateTraining | None, clip_grad_norm: float,
                  inputs: InputPipeline | None, augment_rng: torch.Generator | None
                  ) -> TrainResult:
-    repeats = algo.steps_per_batch
+    repeats = algo.schedule.steps_per_batch
     if repeats > 1 and grad_accum > 1:
         raise ValueError(f"{algo.method.name} takes {repeats} optimizer steps per batch; "
                          "that does not combine with gradient accumulation (grad_accum > 1)")
@@ -176,7 +176,7 @@ def _train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int,
         raise ValueError(f"clip_grad_norm must be >= 0 and finite, got {clip_grad_norm}")
     inputs = inputs or InputPipeline()
     augment_rng = augment_rng if augment_rng is not None else augment_generator(seed)
-    epochs = algo.local_epochs(epochs)
+    epochs = algo.schedule.epochs(epochs)
     generator = torch.Generator().manual_seed(seed)
     if privacy is not None:
         loader = privacy.loader(data, generator)
@@ -222,7 +222,7 @@ def _train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int,
     for opt in optimizers:
         opt.zero_grad(set_to_none=True)
     for epoch in range(epochs):
-        algo.begin_epoch(epoch)
+        algo.schedule.begin_epoch(epoch)
         epoch_loss, epoch_batches = 0.0, 0
         batches = tqdm(loader, desc=f"epoch {epoch + 1}/{epochs}", leave=False, disable=not show)
         pending = 0
@@ -244,7 +244,7 @@ def _train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int,
                 if pending == grad_accum:
                     steps += step()
                     pending = 0
-            algo.after_batch()
+            algo.schedule.after_batch()
             if empty:
                 continue
             value = float(loss.detach())

@@ -9,6 +9,7 @@ The server resolves everything and sends ``[train]`` and the method's section to
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import sys
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from fedattn_shared.augment import AUGMENTS, Augment
+from fedattn_shared.augment import Augment
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -39,9 +40,9 @@ class TrainConfig:
     image_size: int = 28
     local_epochs: int = 1           # 0: no local steps (measures the transport alone)
     batch_size: int = 32
-    optimizer: str = "sgd"
+    optimizer: Literal["sgd", "adam"] = "sgd"
     lr: float = 0.01
-    lr_schedule: str = "constant"   # constant | cosine | step, over rounds
+    lr_schedule: Literal["constant", "cosine", "step"] = "constant"  # over rounds
     lr_min: float = 0.0             # cosine: the last round's learning rate
     lr_step_rounds: int = 10        # step: decay every this many rounds
     lr_gamma: float = 0.1           # step: decay factor
@@ -60,13 +61,12 @@ class TrainConfig:
     input_size: int = 0             # > 0: resize inputs to this and build models for it; 0: off
 
     def validate(self) -> None:
+        check_choices(self, "train")
         if self.num_classes < 2:
             raise ConfigError(f"train.num_classes must be >= 2, got {self.num_classes}")
         if self.class_names and len(self.class_names) != self.num_classes:
             raise ConfigError(f"train.class_names has {len(self.class_names)} names for "
                               f"{self.num_classes} classes")
-        if self.optimizer not in ("sgd", "adam"):
-            raise ConfigError(f"train.optimizer must be 'sgd' or 'adam', got {self.optimizer!r}")
         if self.local_epochs < 0:
             raise ConfigError(f"train.local_epochs must be >= 0, got {self.local_epochs}")
         for name in ("batch_size", "in_channels", "image_size"):
@@ -74,9 +74,6 @@ class TrainConfig:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
         if not self.lr > 0:
             raise ConfigError(f"train.lr must be > 0, got {self.lr}")
-        if self.lr_schedule not in ("constant", "cosine", "step"):
-            raise ConfigError(f"train.lr_schedule must be constant, cosine or step, got "
-                              f"{self.lr_schedule!r}")
         if self.lr_step_rounds < 1 or not 0 < self.lr_gamma <= 1 or not 0 <= self.lr_min <= self.lr:
             raise ConfigError("train.lr_step_rounds must be >= 1, train.lr_gamma in (0, 1], "
                               "train.lr_min in [0, lr]")
@@ -89,9 +86,6 @@ class TrainConfig:
         if not 0 <= self.clip_grad_norm < math.inf:
             raise ConfigError(f"train.clip_grad_norm must be >= 0 and finite (0: off), got "
                               f"{self.clip_grad_norm}")
-        if self.augment not in AUGMENTS:
-            raise ConfigError(f"train.augment must be one of {', '.join(AUGMENTS)}, got "
-                              f"{self.augment!r}")
         if self.input_size < 0:
             raise ConfigError(f"train.input_size must be >= 0 (0: the data's own size), got "
                               f"{self.input_size}")
@@ -148,7 +142,7 @@ class ServerConfig:
     max_task_deliveries: int = 3      # streams a task may be sent on (a broken download retries)
     # Secure aggregation (SecAgg+): the server learns only the weighted sum.
     secagg: bool = False
-    secagg_graph: str = "sparse"      # sparse: k-regular, k = secagg_degree; full: everyone
+    secagg_graph: Literal["sparse", "full"] = "sparse"  # sparse: k-regular, k = secagg_degree; full: everyone
     secagg_degree: int = 0            # 0: the smallest even k >= 3 log2(n) [reconstructed]
     secagg_threshold: float = 0.5     # t = floor(fraction * holders) + 1
     secagg_clip: float = 16.0         # |value| bound the edge checks before masking
@@ -160,9 +154,10 @@ class ServerConfig:
     # > 0: bound on the L2 norm of an upload's model delta (upload minus the global, over
     # the shared model tensors); 0: none. Needs every upload, so not with secure aggregation.
     clip_update_norm: float = 0.0
-    clip_update_mode: str = "refuse"  # over the bound: refuse the upload | scale it down to it
+    clip_update_mode: Literal["refuse", "scale"] = "refuse"  # over the bound: refuse | scale down
 
     def validate(self) -> None:
+        check_choices(self, "server")
         if self.rounds < 1:
             raise ConfigError(f"server.rounds must be >= 1, got {self.rounds}")
         if self.min_edges < 1:
@@ -197,9 +192,6 @@ class ServerConfig:
             raise ConfigError(f"server.metrics_port out of range: {self.metrics_port}")
         if self.eval_every < 0:
             raise ConfigError(f"server.eval_every must be >= 0, got {self.eval_every}")
-        if self.secagg_graph not in ("sparse", "full"):
-            raise ConfigError(f"server.secagg_graph must be sparse or full, got "
-                              f"{self.secagg_graph!r}")
         if self.secagg_degree < 0:
             raise ConfigError(f"server.secagg_degree must be >= 0, got {self.secagg_degree}")
         # Edges refuse a threshold at or below half of the share holders (SecAggPolicy):
@@ -216,9 +208,6 @@ class ServerConfig:
         if not 0 <= self.clip_update_norm < math.inf:
             raise ConfigError(f"server.clip_update_norm must be >= 0 and finite (0: no bound), "
                               f"got {self.clip_update_norm}")
-        if self.clip_update_mode not in ("refuse", "scale"):
-            raise ConfigError(f"server.clip_update_mode must be refuse or scale, got "
-                              f"{self.clip_update_mode!r}")
         if self.clip_update_mode != "refuse" and not self.clip_update_norm:
             raise ConfigError("server.clip_update_mode is set but server.clip_update_norm is 0: "
                               "pass --clip-update-norm C")
@@ -228,7 +217,8 @@ class ServerConfig:
                               "(server.secagg_clip bounds each value under --secagg)")
 
 
-ACCOUNTANTS = ("rdp", "prv", "gdp")
+Accountant = Literal["rdp", "prv", "gdp"]
+ACCOUNTANTS: tuple[str, ...] = typing.get_args(Accountant)
 #: Why train.clip_grad_norm and DP-SGD are refused together: Opacus already clips every
 #: sample's gradient to dp.max_grad_norm, and a second clip of the noisy mean would only
 #: rescale the noise the accountant calibrated (DP's clipping is the only clipping).
@@ -251,7 +241,7 @@ class DPConfig:
     noise_multiplier: float = 0.0  # > 0: a fixed sigma (target_epsilon, if set, caps the spend)
     delta: float = 0.0             # 0: 0.1 / |D_k| on each edge
     max_grad_norm: float = 1.0     # per-sample clipping bound C
-    accountant: str = "rdp"        # rdp | prv | gdp (Opacus' accountants)
+    accountant: Accountant = "rdp"  # Opacus' accountants
     planned_rounds: int = 0        # rounds the calibration covers; 0: server.rounds
     fix_model: bool = False        # replace every BatchNorm by GroupNorm (+ its activation)
     max_physical_batch: int = 0    # BatchMemoryManager's bound on a physical batch; 0: none
@@ -288,9 +278,7 @@ class DPConfig:
                               f"also refuses delta >= 1/|D_k|), got {self.delta}")
         if not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
             raise ConfigError(f"dp.max_grad_norm must be > 0, got {self.max_grad_norm}")
-        if self.accountant not in ACCOUNTANTS:
-            raise ConfigError(f"dp.accountant must be one of {', '.join(ACCOUNTANTS)}, got "
-                              f"{self.accountant!r}")
+        check_choices(self, "dp")
         if self.planned_rounds < 0 or self.max_physical_batch < 0:
             raise ConfigError("dp.planned_rounds and dp.max_physical_batch must be >= 0")
         if not (math.isfinite(self.stats_sigma) and self.stats_sigma >= 0):
@@ -311,7 +299,7 @@ def _check_type(where: str, value: Any, annotation: Any) -> Any:
     if origin is Literal:
         choices = typing.get_args(annotation)
         if value not in choices or type(value) is not type(choices[0]):
-            raise ConfigError(f"{where}: must be one of {', '.join(map(str, choices))}, got {value!r}")
+            raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(str, choices))}")
         return value
     if origin is list:
         (inner,) = typing.get_args(annotation)
@@ -328,6 +316,24 @@ def _check_type(where: str, value: Any, annotation: Any) -> Any:
     if annotation is type(None) and value is None:
         return None
     raise ConfigError(f"{where}: unsupported type {annotation}")
+
+
+@functools.cache
+def _choice_fields(cls: type) -> tuple[tuple[str, Any], ...]:
+    hints = typing.get_type_hints(cls)
+    return tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls)
+                 if typing.get_origin(hints[f.name]) is Literal)
+
+
+def check_choices(obj: Any, section: str) -> None:
+    """Refuse (ConfigError) a field typed ``Literal[...]`` holding another value, with one
+    message for every choice in every config and method's Params: ``section.key: 'x' is
+    not one of a, b``. The loader checks values as it sets them; this covers dataclasses
+    built directly (a test, a host method's params)."""
+    if not dataclasses.is_dataclass(obj):
+        return
+    for name, annotation in _choice_fields(type(obj)):
+        _check_type(f"{section}.{name}", getattr(obj, name), annotation)
 
 
 def apply_values(obj: Any, section: str, values: dict[str, Any], source: str) -> None:

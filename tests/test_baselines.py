@@ -188,7 +188,7 @@ def test_fedrep_trains_the_head_first_then_the_body_by_hand():
 def test_fedrep_epochs_and_bad_params():
     method = make("fedrep", {"head_epochs": 10}, model="se-cnn", num_classes=3)
     edge = method.edge({"model": BodyHead()}, CPU)
-    assert edge.local_epochs(1) == 11 and edge.local_epochs(0) == 0
+    assert edge.schedule.epochs(1) == 11 and edge.schedule.epochs(0) == 0
     with pytest.raises(ValueError, match="fedrep.head_epochs"):
         make("fedrep", {"head_epochs": -1})
 

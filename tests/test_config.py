@@ -227,7 +227,7 @@ def test_defaults_validate():
 @pytest.mark.parametrize("changes, message", [
     ({"num_classes": 1}, r"train\.num_classes must be >= 2"),
     ({"num_classes": 3, "class_names": ["a", "b"]}, r"class_names has 2 names for 3 classes"),
-    ({"optimizer": "rmsprop"}, r"train\.optimizer must be 'sgd' or 'adam'"),
+    ({"optimizer": "rmsprop"}, r"train\.optimizer: 'rmsprop' is not one of sgd, adam"),
     ({"local_epochs": -1}, r"train\.local_epochs must be >= 0"),
     ({"batch_size": 0}, r"train\.batch_size must be >= 1"),
     ({"in_channels": 0}, r"train\.in_channels must be >= 1"),

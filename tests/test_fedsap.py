@@ -415,3 +415,21 @@ def test_training_metrics_report_the_mean_gsr_term_and_the_drift():
     assert metrics["stats_drift"] == pytest.approx(statistics_drift(edge.own_stats, edge.target))
     off, models = fedsap(target="off")
     assert off.edge(models, torch.device("cpu")).training_metrics() == {}
+
+
+def test_parameter_dependent_rules_are_checked_like_declared_ones(monkeypatch):
+    """Fed-SAP's split depends on ``personalization``; the base checks the chosen rules on
+    the run's model once the method is built, as it checks declared ones: a rule that
+    selects nothing is refused (here 'bn' on the BatchNorm-free anfr-se-compact)."""
+    from fedattn_shared.methods import fedsap
+
+    cls = load_method("fedsap")
+    train = TrainConfig(model="anfr-se-compact", in_channels=3, image_size=32, num_classes=10)
+    method = cls(MethodContext(train, cls.Params()))  # pse: the SE excitation, which it has
+    assert method.split_rules()["model"] == ("se-e",)
+    monkeypatch.setitem(fedsap.PERSONALIZATION, "pse", ("bn",))
+    with pytest.raises(ValueError, match="split rule 'bn' selects nothing in model "
+                                          "'anfr-se-compact'"):
+        cls(MethodContext(train, cls.Params()))
+    with pytest.raises(AttributeError, match="part of the method's declaration"):
+        method.private_rules = ("bn",)  # declarations are fixed once the class is built

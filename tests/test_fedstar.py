@@ -323,12 +323,12 @@ def test_secure_aggregation_declaration():
     for name, model in (("fedavg", "lenet-bn"), ("fedsap", "se-cnn")):
         m = method(name, model=model)
         schema = m.uplink_schema("train", m.build_models())
-        assert m.summable_sections("train", m.build_models()) == {(s.kind, s.name) for s in schema}
+        assert m.privacy("train", m.build_models()).summable == {(s.kind, s.name) for s in schema}
     for name in ("fedstar", "fedproto", "fedmedian"):
         m = method(name) if name != "fedmedian" else method(name, model="lenet-bn")
         assert m.aggregator_kind == AggregatorKind.COLLECT
         assert m.uplink_schema("train", m.build_models())
-        assert m.summable_sections("train", m.build_models()) == set()
+        assert m.privacy("train", m.build_models()).summable == set()
 
 
 def engine_for(tmp_path, name: str, model: str):

@@ -300,7 +300,7 @@ def test_scaffold_edge_control_variate_after_k_steps():
     x = {"model/weight": torch.randn(3, 2), "model/bias": torch.randn(3)}
     c = {"model/weight": torch.full((3, 2), 0.3), "model/bias": t(0.3, -0.2, 0.1)}
     c_i = {"model/weight": torch.full((3, 2), -0.1), "model/bias": t(0.05, 0.0, 0.2)}
-    edge.load_state_tensors({f"c_local/{k}": v for k, v in c_i.items()})
+    edge.load_extra_state({f"c_local/{k}": v for k, v in c_i.items()})
     edge.receive(TRAIN, Payload([Section(Kind.SHARED_TENSORS, "", x),
                                  Section(Kind.CONTROL, "", c)]), Payload())
     assert torch.equal(model.weight, x["model/weight"])
@@ -340,7 +340,7 @@ def test_scaffold_edge_control_variate_after_k_steps():
         assert close(edge.c_local[k], expected_c[k], 1e-5)
         assert close(up.tensors(*CONTROL)[k], expected_c[k] - c_i[k], 1e-5)
         assert close(up.tensors(*SHARED)[k], y[k], 1e-5)
-        assert close(edge.state_tensors()[f"c_local/{k}"], expected_c[k], 1e-5)
+        assert close(edge.extra_state()[f"c_local/{k}"], expected_c[k], 1e-5)
 
 
 # ---- FedProx --------------------------------------------------------------------------
@@ -590,3 +590,29 @@ def test_load_method_by_module_path(tmp_path, monkeypatch):
 def test_load_method_garbage(name, message):
     with pytest.raises(ValueError, match=message):
         load_method(name)
+
+
+def test_declarations_are_one_frozen_spec_checked_when_the_class_is_built():
+    """A method's constants become ``cls.spec`` (validated at class creation, inherited and
+    overridden per subclass); the kind comes from the aggregator class, never declared."""
+    from fedattn_shared.methods import MethodSpec
+    from fedattn_shared.methods.aggregators import CollectThenLearn
+
+    fedmedian = load_method("fedmedian")
+    assert isinstance(fedmedian.spec, MethodSpec)
+    assert fedmedian.aggregator_kind is fedmedian.spec.aggregator.kind is AggregatorKind.COLLECT
+    with pytest.raises(TypeError, match="aggregator kind comes from the aggregator class"):
+        type("Declared", (Method,), {"name": "x", "aggregator_kind": AggregatorKind.COLLECT})
+    with pytest.raises(TypeError, match="phases"):
+        type("NoTrain", (Method,), {"name": "x", "phases": ("evaluate",)})
+    with pytest.raises(ValueError, match="unknown"):
+        type("BadRule", (Method,), {"name": "x", "private_rules": ("nonsense",)})
+    child = type("Child", (fedmedian,), {"name": "child", "aggregator": CollectThenLearn})
+    assert child.spec.Params is fedmedian.Params and child.name == "child"
+    assert fedmedian.name == "fedmedian"
+    # An edge half written against the old one-off hooks is refused, naming the new place.
+    from fedattn_shared.methods import EdgeAlgorithm
+    with pytest.raises(TypeError, match=r"steps_per_batch: this hook is now schedule"):
+        type("OldEdge", (EdgeAlgorithm,), {"steps_per_batch": 5})
+    with pytest.raises(TypeError, match="now extra_state"):
+        type("OldState", (EdgeAlgorithm,), {"state_tensors": lambda self: {}})

@@ -130,7 +130,7 @@ def test_gradients_reach_student_encoder_and_projections_never_the_teacher(resid
     edge.num_examples = 8
     edge.train_mode()
     edge.begin_train()
-    edge.begin_epoch(0)
+    edge.schedule.begin_epoch(0)
     torch.manual_seed(0)
     loss = edge.training_step((torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))))
     loss.backward()
@@ -167,7 +167,7 @@ def test_training_loss_is_ce_plus_lambda_tau2_kd_and_ce_is_the_last_epochs():
 
     ces = []
     for epoch, epoch_batches in ((0, batches[:1]), (1, batches[1:])):
-        edge.begin_epoch(epoch)
+        edge.schedule.begin_epoch(epoch)
         for batch in epoch_batches:
             ce, kd = by_hand(*batch)
             ces.append(float(ce.detach()))

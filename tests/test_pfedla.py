@@ -130,3 +130,20 @@ def test_report_refuses_histories_without_hybrid_weights(tmp_path, capsys):
     assert report.main(["--edge-state", str(tmp_path)]) == 2
     assert "no hybrid attention weights" in capsys.readouterr().err
     assert report.main(["--edge-state", str(tmp_path / "missing")]) == 2
+
+
+@pytest.mark.parametrize("host", sorted(HOST_PRIVATE))
+def test_every_host_hook_is_inherited_not_forwarded(host):
+    """pFedLA is the host on other models (``PFedLA[host]``): the host's upload checks and
+    privacy traits are its own by construction, none forwarded (and so none missed)."""
+    method = make({"base": host})
+    host_cls = load_method(host)
+    assert isinstance(method, host_cls) and method.host is method
+    assert type(method).check_upload is host_cls.check_upload
+    assert type(method).privacy is host_cls.privacy
+    assert method.spec.aggregator is host_cls.spec.aggregator
+    assert (method.name, method.Params, method.phases) == ("pfedla", load_method("pfedla").Params,
+                                                           host_cls.phases)
+    models = method.build_models()
+    summable = method.privacy(TRAIN, models).summable
+    assert summable == {(s.kind, s.name) for s in method.uplink_schema(TRAIN, models)}

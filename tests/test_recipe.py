@@ -139,8 +139,8 @@ def test_clipping_applies_to_every_step_of_a_multi_step_method(monkeypatch):
 
     monkeypatch.setattr(trainer, "clip_gradients", counting)
     result = train_local(algo, images(16), 1, 8, 0, CPU, False, clip_grad_norm=0.5)
-    assert algo.steps_per_batch > 1
-    assert len(calls) == result.steps == 2 * algo.steps_per_batch
+    assert algo.schedule.steps_per_batch > 1
+    assert len(calls) == result.steps == 2 * algo.schedule.steps_per_batch
 
 
 def test_clipping_refuses_dp_sgd_by_name():
@@ -359,7 +359,8 @@ def test_validation_refuses_bad_values_by_name(values, key):
 
 def test_augment_is_checked_against_its_names():
     train = TrainConfig()
-    with pytest.raises(ConfigError, match=r"train\.augment: must be one of none, crop-flip, resized-crop"):
+    with pytest.raises(ConfigError,
+                       match=r"train\.augment: 'flip' is not one of none, crop-flip, resized-crop"):
         apply_values(train, "train", {"augment": "flip"}, "run.toml")
     with pytest.raises(ConfigError, match=r"train\.augment"):
         TrainConfig(augment="cutout").validate()

@@ -107,12 +107,12 @@ def receive_random_downlink(algo) -> None:
     from fedattn_shared.wire.codec import decode, encode
     from fedattn_shared.wire.payload import Kind, Payload, Section
 
-    sent = {name: torch.randn(algo.state_tensor(name).shape) for name in algo.shared_specs}
+    sent = {name: torch.randn(algo.live_tensor(name).shape) for name in algo.shared_specs}
     encoded = encode(Payload([Section(Kind.SHARED_TENSORS, "", sent)]))
     received = decode(encoded.manifest, bytearray(b"".join(c for _, c in payload_chunks(encoded))))
     algo.receive("train", received, Payload())
     for name, value in sent.items():
-        assert torch.equal(algo.state_tensor(name), value), name
+        assert torch.equal(algo.live_tensor(name), value), name
 
 
 def test_shared_tensors_live_in_one_vector_that_loads_and_trains_in_place():
@@ -121,12 +121,12 @@ def test_shared_tensors_live_in_one_vector_that_loads_and_trains_in_place():
     from fedattn_shared.wire.payload import Kind
 
     algo = make()
-    shared = [algo.state_tensor(name) for name in algo.shared_specs]
+    shared = [algo.live_tensor(name) for name in algo.shared_specs]
     run = contiguous_run(shared)
     assert run is not None and run.numel() == sum(t.numel() for t in shared)
     # Parameters kept their identity: the modules and the optimizer hold the same objects.
     params = dict(algo.models["model"].named_parameters())
-    assert all(algo.state_tensor(f"model/{k}") is p for k, p in params.items()
+    assert all(algo.live_tensor(f"model/{k}") is p for k, p in params.items()
                if f"model/{k}" in algo.shared_specs)
     receive_random_downlink(algo)  # in one copy; every tensor gets its own values
     # Training updates the parameters, so the upload (read as the one vector) changes.
@@ -139,11 +139,11 @@ def test_shared_tensors_live_in_one_vector_that_loads_and_trains_in_place():
     assert len(encoded.section_views[0]) == 1
     back = decode(encoded.manifest, bytearray(b"".join(c for _, c in payload_chunks(encoded))))
     for name in algo.shared_specs:
-        assert torch.equal(back.tensors(Kind.SHARED_TENSORS)[name], algo.state_tensor(name))
+        assert torch.equal(back.tensors(Kind.SHARED_TENSORS)[name], algo.live_tensor(name))
 
 
 def test_a_replaced_parameter_still_loads():
     algo = make()
     name = next(iter(algo.shared_specs))
-    algo.state_tensor(name).data = torch.zeros_like(algo.state_tensor(name))  # out of the vector
+    algo.live_tensor(name).data = torch.zeros_like(algo.live_tensor(name))  # out of the vector
     receive_random_downlink(algo)

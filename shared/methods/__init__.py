@@ -2,10 +2,20 @@
 entry-point group so that a third party can add one as a plug-in."""
 
 from .aggregators import AggregatorKind
-from .base import EdgeAlgorithm, Method, MethodContext, SectionSpec, TensorSpec
+from .base import (
+    EdgeAlgorithm,
+    LoopSchedule,
+    Method,
+    MethodContext,
+    MethodSpec,
+    PhasePrivacy,
+    SectionSpec,
+    TensorSpec,
+)
 from .registry import MODULE_SPEC, available_methods, check_method_allowed, load_method
 
 __all__ = [
-    "AggregatorKind", "EdgeAlgorithm", "Method", "MethodContext", "SectionSpec", "TensorSpec",
+    "AggregatorKind", "EdgeAlgorithm", "LoopSchedule", "Method", "MethodContext", "MethodSpec",
+    "PhasePrivacy", "SectionSpec", "TensorSpec",
     "MODULE_SPEC", "available_methods", "check_method_allowed", "load_method",
 ]

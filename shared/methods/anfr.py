@@ -10,8 +10,6 @@ under ``fedavg`` instead.
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from .base import Method, MethodContext
 from .split import attention_types
 
@@ -28,7 +26,7 @@ def is_anfr(model) -> bool:
 class ANFR(Method):
     name = "anfr"
     dp_support = True  # cross-entropy only; parameter-only terms are post_backward
-    default_model: ClassVar[str] = "anfr-se-compact"
+    default_model = "anfr-se-compact"
 
     def __init__(self, context: MethodContext):
         super().__init__(context)

@@ -1,12 +1,35 @@
 """The Method abstraction: everything a federated method declares, in one place.
 
 A method module declares
-  * its models (named: one for most methods, two for Ditto, ...),
-  * a split rule per model (which tensors are shared, which stay private),
-  * the edge side: hooks into the one generic training loop (``EdgeAlgorithm``),
-  * the server side: an aggregator of one of three kinds (``aggregators.py``),
+  * its declaration, ``MethodSpec``: name, ``Params`` dataclass, aggregator class, split
+    rules, phases, default model, DP-SGD support, personal copy, extra metric names. Written
+    as constants of the class body (``name = "fedbn"``, ``private_rules = ("bn",)``,
+    ``aggregator = MedianAggregator``) -- the plug-in style every method already used --
+    and folded by ``Method.__init_subclass__`` into one frozen ``cls.spec``, validated
+    when the class is built. The names stay readable on the class and on instances
+    (``Method.name``, ``method.phases``), but no instance can assign them: what depends
+    on the parameters is a hook the base calls (``method_rules`` for Fed-SAP's and
+    pFedKA's split), checked once, after ``__init__``, exactly like declared rules;
+  * its models (named: one for most methods, two for Ditto, ...) and a split rule per
+    model (which tensors are shared, which stay private);
+  * the server side: an aggregator class of one of three kinds (``aggregators.py``); the
+    kind is the aggregator class's own ``kind``, so ``method.aggregator_kind`` is derived,
+    never declared twice;
+  * the edge side: hooks into the one generic training loop (``EdgeAlgorithm``); the few
+    methods that reshape the loop (pFedMe's K steps per batch, FedRep's extra epochs)
+    set one ``LoopSchedule`` instead of a hook each;
   * its payload schema: the sections each phase uploads, checked on the server before
-    any byte of an upload touches the aggregate.
+    any byte of an upload touches the aggregate, and their privacy traits in one
+    ``PhasePrivacy`` per phase (what SecAgg may mask, what it sends in the clear, which
+    statistics DP leaves as they are).
+
+Hyperparameter choices are ``Literal[...]`` types on the ``Params`` dataclass: the config
+loader and ``Method.__init__`` check them with one message. Plumbing that is not a
+method's math -- packing the shared tensors into one vector so a download is one copy --
+lives in ``fedattn_shared.tensors`` (``PackedTensors``): the base owns the plumbing, the
+subclass the math, as ``torch.optim.Optimizer`` does. A method that runs another on
+changed models (pFedLA) is a subclass of that method built per host (``PFedLA[host]``),
+so every host hook is inherited rather than forwarded.
 
 The daemons only ever talk to this interface; none of them branches on a method name.
 """
@@ -27,9 +50,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import DPConfig, TrainConfig
+from ..config import DPConfig, TrainConfig, check_choices
 from ..models import build_model, model_spec
-from ..tensors import contiguous_run
+from ..tensors import PackedTensors
 from ..wire.payload import Kind, Payload, Section, TensorViews
 from . import split
 from .aggregators import Aggregator, AggregatorKind, StreamingMean
@@ -118,29 +141,185 @@ def unqualify(name: str) -> tuple[str, str]:
     return model_name, key
 
 
-class Method:
-    """Base class of every method. Subclasses set the class attributes and override hooks."""
+def _same(configured: int) -> int:
+    return configured
 
-    name: ClassVar[str] = ""
-    Params: ClassVar[type] = NoParams
-    aggregator_kind: ClassVar[AggregatorKind] = AggregatorKind.STREAMING_SUM
-    private_rules: ClassVar[tuple[str, ...]] = ()
-    phases: ClassVar[tuple[str, ...]] = (TRAIN, EVALUATE)
-    # The model a run of this method uses when no source (file, flag, --set) names one.
-    default_model: ClassVar[str | None] = None
+
+def _nothing(*_: Any) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """What a method declares once, for the class: validated when the class is built and
+    frozen from then on (a method instance never reassigns any of it).
+
+    A method declares it as constants of its class body (``name = "fedbn"``,
+    ``private_rules = ("bn",)``, ``aggregator = MedianAggregator``, ...), as plug-ins
+    always have; ``Method.__init_subclass__`` folds them into ``cls.spec``, on top of the
+    parent's, and the names stay readable on the class and its instances."""
+
+    name: str = ""
+    #: The hyperparameter dataclass (``[<name>]`` in a config, ``--set <name>.key=``).
+    Params: type = NoParams
+    #: The server half; its class declares the aggregator kind (``Aggregator.kind``).
+    aggregator: type[Aggregator] = StreamingMean
+    #: Split rules of the method itself; rules that depend on the parameters come from
+    #: ``Method.method_rules`` instead (validated the same way, once per instance).
+    private_rules: tuple[str, ...] = ()
+    phases: tuple[str, ...] = (TRAIN, EVALUATE)
+    #: The model a run of this method uses when no source (file, flag, --set) names one.
+    default_model: str | None = None
     #: DP-SGD support (``--dp``): True when every loss term ``training_step`` returns is a
     #: batch mean of per-sample terms, each depending on its own sample only (what
     #: per-sample clipping bounds), and parameter-only terms are ``post_backward`` (applied
     #: after clipping and noise). A method that does not declare it is refused under --dp;
-    #: one whose support depends on its parameters overrides ``dp_refusal``.
-    dp_support: ClassVar[bool] = False
+    #: one whose support depends on its parameters overrides ``Method.dp_refusal``.
+    dp_support: bool = False
     #: (shared model, private model): a second model per edge that starts as a copy of the
     #: shared one and never leaves the edge (Ditto's and pFedMe's personal model, FedAvg-FT's
     #: fine-tuned one). None: the models of ``model_names`` as they are split.
-    personal_copy: ClassVar[tuple[str, str] | None] = None
+    personal_copy: tuple[str, str] | None = None
     #: Names of the figures ``EdgeAlgorithm.training_metrics`` reports, beyond
     #: ``STANDARD_METRICS``; the server ignores any other name an edge sends.
-    extra_metrics: ClassVar[tuple[str, ...]] = ()
+    extra_metrics: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        where = f"method {self.name or '(unnamed)'!r}"
+        if not isinstance(self.name, str):
+            raise TypeError(f"{where}: name must be a string")
+        if not (isinstance(self.Params, type) and dataclasses.is_dataclass(self.Params)):
+            raise TypeError(f"{where}: Params must be a dataclass, got {self.Params!r}")
+        if not (isinstance(self.aggregator, type) and issubclass(self.aggregator, Aggregator)
+                and isinstance(getattr(self.aggregator, "kind", None), AggregatorKind)):
+            raise TypeError(f"{where}: aggregator must be an Aggregator class declaring its "
+                            f"kind, got {self.aggregator!r}")
+        for key in ("private_rules", "phases", "extra_metrics"):
+            value = getattr(self, key)
+            if not (isinstance(value, tuple) and all(isinstance(v, str) for v in value)):
+                raise TypeError(f"{where}: {key} must be a tuple of strings, got {value!r}")
+        split.check_rules(self.private_rules, where=f"{where} private_rules")
+        if (TRAIN not in self.phases or EVALUATE not in self.phases
+                or len(set(self.phases)) != len(self.phases)):
+            raise TypeError(f"{where}: phases {self.phases!r} must name {TRAIN!r} and "
+                            f"{EVALUATE!r}, each phase once")
+        if self.personal_copy is not None and not (
+                isinstance(self.personal_copy, tuple) and len(self.personal_copy) == 2
+                and len(set(self.personal_copy)) == 2):
+            raise TypeError(f"{where}: personal_copy must be (shared, private), two names")
+        overlap = STANDARD_METRICS & set(self.extra_metrics)
+        if overlap:
+            raise TypeError(f"{where}: extra_metrics repeat standard ones: {sorted(overlap)}")
+
+    @property
+    def aggregator_kind(self) -> AggregatorKind:
+        return self.aggregator.kind
+
+
+_SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(MethodSpec))
+
+
+class _Declared:
+    """A name of the spec, read on the class or an instance, never assigned: a method
+    whose declaration depends on its parameters overrides the hook that reads it."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.field = name
+
+    def __get__(self, obj: Any, owner: type) -> Any:
+        return getattr(owner.spec, self.field)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        raise AttributeError(f"{self.field} is part of the method's declaration "
+                             f"({type(obj).__name__}.spec), fixed when the class was built")
+
+
+@dataclass(frozen=True)
+class PhasePrivacy:
+    """What the privacy layers may do with one phase's uploads, in one declaration.
+
+    ``summable``: sections the server only ever needs as their weighted sum over the
+    round's edges, so secure aggregation may mask them (the server unmasks only the sum).
+    ``clear``: sections a SecAgg-compatible method sends in the clear on purpose although
+    they are not summable (pFedKA's scalars, from which the server computes each edge's
+    weight before any tensor is masked); SecAgg refuses any other non-summable section.
+    ``dp_public``: (kind, section, tensor) of statistics uploads that only repeat what the
+    submission header already carries in the clear (n_k): ``--dp-stats-sigma`` sends
+    them as they are."""
+
+    summable: frozenset[tuple[Kind, str]] = frozenset()
+    clear: frozenset[tuple[Kind, str]] = frozenset()
+    dp_public: frozenset[tuple[Kind, str, str]] = frozenset()
+
+
+def fingerprint_of(name: str, train: TrainConfig, split_rules: dict[str, tuple[str, ...]],
+                   models: dict[str, nn.Module]) -> str:
+    """The fingerprint of method ``name`` on ``models`` split by ``split_rules``."""
+    description = {
+        "method": name,
+        "model": train.model,
+        "num_classes": train.num_classes,
+        "in_channels": train.in_channels,
+        "image_size": train.model_size,  # the size the models are built for
+        "split": split_rules,
+        "tensors": [
+            [model_name, key, list(t.shape), str(t.dtype)]
+            for model_name, model in sorted(models.items())
+            for key, t in model.state_dict().items()
+        ],
+    }
+    blob = json.dumps(description, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:32]
+
+
+class _MethodType(type):
+    """Builds a method in two steps: ``__init__`` (the subclass checks its parameters and
+    derives what it needs), then ``_validate`` once, on the finished instance -- so split
+    rules that depend on the parameters are checked exactly like declared ones."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        method = super().__call__(*args, **kwargs)
+        method._validate()
+        return method
+
+
+class Method(metaclass=_MethodType):
+    """Base class of every method: a declaration (``spec``) and the hooks it overrides.
+
+    Lifecycle: the class body's constants become ``cls.spec`` (validated when the class is
+    built); an instance is built from a ``MethodContext`` (its ``__init__`` checks its
+    parameters; ``Literal`` choices are checked here first), then its split rules, the
+    declared and the parameter-dependent ones (``method_rules``) and the user's
+    ``train.private``, are checked against the run's model once.
+    """
+
+    spec: MethodSpec = MethodSpec()
+    name = _Declared()
+    Params = _Declared()
+    aggregator = _Declared()
+    private_rules = _Declared()
+    phases = _Declared()
+    default_model = _Declared()
+    dp_support = _Declared()
+    personal_copy = _Declared()
+    extra_metrics = _Declared()
+    aggregator_kind = _Declared()
+
+    def __init_subclass__(cls, **declared: Any) -> None:
+        super().__init_subclass__()
+        # Declarations as class-body constants (the plug-in style) or class keywords.
+        for key in _SPEC_FIELDS:
+            value = cls.__dict__.get(key)
+            if key in cls.__dict__ and not isinstance(value, _Declared):
+                declared.setdefault(key, value)
+                delattr(cls, key)
+        if "aggregator_kind" in cls.__dict__:
+            raise TypeError(f"{cls.__name__}: the aggregator kind comes from the aggregator "
+                            "class (declare aggregator = <Aggregator subclass>)")
+        unknown = set(declared) - set(_SPEC_FIELDS)
+        if unknown:
+            raise TypeError(f"{cls.__name__}: unknown declaration(s) {sorted(unknown)}")
+        cls.spec = dataclasses.replace(cls.spec, **declared)
 
     def __init__(self, context: MethodContext):
         self.train = context.train
@@ -148,9 +327,19 @@ class Method:
         self.dp = context.dp
         self._probe = context.probe
         split.check_rules(self.train.private)
+        check_choices(self.params, self.name)
         self.head = model_spec(self.train.model).head
-        self.check_rules_apply(self.private_rules, where=f"method {self.name!r}")
+
+    def _validate(self) -> None:
+        """Once, after ``__init__``: every split rule must select something in the run's
+        model (the metaclass calls it)."""
+        self.check_rules_apply(self.method_rules(), where=f"method {self.name!r}")
         self.check_rules_apply(tuple(self.train.private), where="train.private")
+
+    def method_rules(self) -> tuple[str, ...]:
+        """The method's own split rules: the declared ``private_rules``, or, for a method
+        whose split depends on its parameters (Fed-SAP's personalization), an override."""
+        return self.private_rules
 
     def probe_model(self) -> nn.Module:
         """The run's model on the meta device: shapes and module types only, no memory and
@@ -188,7 +377,7 @@ class Method:
 
     def split_rules(self) -> dict[str, tuple[str, ...]]:
         """Private rules per model: the method's own plus the user's ``train.private``."""
-        rules = tuple(dict.fromkeys(self.private_rules + tuple(self.train.private)))
+        rules = tuple(dict.fromkeys(self.method_rules() + tuple(self.train.private)))
         split_rules = {name: rules for name in self.model_names()}
         if self.personal_copy:
             split_rules[self.personal_copy[1]] = ("all",)
@@ -229,23 +418,15 @@ class Method:
         on a decoded upload that matched the schema, before it reaches the aggregator.
         Raise ValueError with the reason: the server refuses the upload and drops the task."""
 
-    def summable_sections(self, phase: str, models: dict[str, nn.Module]) -> set[tuple[Kind, str]]:
-        """Upload sections of ``phase`` that the server only ever needs as their weighted
-        sum over the round's edges, so secure aggregation could mask them (the server
-        unmasks only the sum). Default: every section for the streaming-sum and
-        server-optimizer aggregators, none for collect-then-learn (it needs each upload).
-        A method mixing both declares the exact set; a secure-aggregation transport must
-        refuse a method whose uploads are not all summable."""
+    def privacy(self, phase: str, models: dict[str, nn.Module]) -> PhasePrivacy:
+        """The privacy traits of ``phase``'s uploads (see ``PhasePrivacy``). Default: every
+        section summable for the streaming-sum and server-optimizer aggregators, none for
+        collect-then-learn (it needs each upload); nothing in the clear, nothing public.
+        A method mixing both declares the exact sets."""
         if self.aggregator_kind == AggregatorKind.COLLECT:
-            return set()
-        return {(spec.kind, spec.name) for spec in self.uplink_schema(phase, models)}
-
-    def secagg_clear_sections(self, phase: str, models: dict[str, nn.Module]) -> set[tuple[Kind, str]]:
-        """Upload sections of ``phase`` that this method's secure-aggregation-compatible
-        path sends in the clear although they are not summable (pFedKA's scalars, from which
-        the server computes each edge's weight before any tensor is masked). Secure
-        aggregation refuses a method with any other non-summable section. Default: none."""
-        return set()
+            return PhasePrivacy()
+        return PhasePrivacy(summable=frozenset(
+            (spec.kind, spec.name) for spec in self.uplink_schema(phase, models)))
 
     def similarity_groups(self, models: dict[str, nn.Module]) -> dict[str, list[str]]:
         """Groups of shared tensors (qualified names) whose mean pairwise cosine similarity
@@ -257,21 +438,7 @@ class Method:
 
     def fingerprint(self, models: dict[str, nn.Module]) -> str:
         """Identifies the method, model and split: stored private state must match it."""
-        description = {
-            "method": self.name,
-            "model": self.train.model,
-            "num_classes": self.train.num_classes,
-            "in_channels": self.train.in_channels,
-            "image_size": self.train.model_size,  # the size the models are built for
-            "split": self.split_rules(),
-            "tensors": [
-                [model_name, key, list(t.shape), str(t.dtype)]
-                for model_name, model in sorted(models.items())
-                for key, t in model.state_dict().items()
-            ],
-        }
-        blob = json.dumps(description, sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:32]
+        return fingerprint_of(self.name, self.train, self.split_rules(), models)
 
     def dp_refusal(self) -> str | None:
         """Why this configuration cannot train under DP-SGD, or None when it can."""
@@ -279,12 +446,6 @@ class Method:
             return None
         return (f"method {self.name!r} does not declare DP-SGD support (Method.dp_support): "
                 "its loss is not known to be a mean of per-sample terms")
-
-    def dp_public_tensors(self, phase: str) -> set[tuple[Kind, str, str]]:
-        """(kind, section, tensor) of statistics uploads that only repeat what the
-        submission header already carries in the clear (n_k): ``--dp-stats-sigma`` sends
-        them as they are. None by default."""
-        return set()
 
     def describe_params(self) -> dict[str, Any]:
         return dataclasses.asdict(self.params)
@@ -294,7 +455,7 @@ class Method:
         return EdgeAlgorithm(self, models, device)
 
     def server(self, models: dict[str, nn.Module]) -> Aggregator:
-        return StreamingMean(self, models)
+        return self.aggregator(self, models)
 
 
 def _set_mode(model: nn.Module, modules: list[nn.Module], training: bool) -> None:
@@ -304,36 +465,35 @@ def _set_mode(model: nn.Module, modules: list[nn.Module], training: bool) -> Non
         model.train(training)
 
 
-def _pack(tensors: list[torch.Tensor]) -> bool:
-    """Moves ``tensors`` (parameters and buffers of one dtype on one device) into one
-    storage, back to back in this order; each keeps its identity (its ``.data`` becomes a
-    view), so optimizers and modules see no change. A download is then loaded, and an
-    upload read, as one vector instead of hundreds of tensors. Tied tensors (one object
-    under two names) are left as they are. Returns whether it packed them."""
-    if (len(tensors) < 2 or len({id(t) for t in tensors}) != len(tensors)
-            or len({(t.dtype, t.device) for t in tensors}) != 1):
-        return False
-    flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype,
-                       device=tensors[0].device)
-    offset = 0
-    with torch.no_grad():
-        for tensor in tensors:
-            piece = flat[offset : offset + tensor.numel()].view(tensor.shape)
-            piece.copy_(tensor)
-            tensor.data = piece
-            offset += tensor.numel()
-    return True
+@dataclass(frozen=True)
+class LoopSchedule:
+    """The shape of the training loop, for the few methods that change it (an edge's
+    ``schedule``; the default leaves the loop as configured).
+
+    ``steps_per_batch``: optimizer steps on each batch before ``after_batch`` (pFedMe's K
+    inner steps); more than 1 does not combine with gradient accumulation (the edge
+    refuses it at start). ``epochs(E)``: how many epochs a round runs given the configured
+    E (FedRep adds its head epochs). ``begin_epoch(epoch)``: before each epoch, 0-based
+    (FedRep switches between head and body; pFedKA keeps figures of the last epoch only).
+    ``after_batch()``: after the steps on one batch (pFedMe's update of the local model
+    toward the personalized solution)."""
+
+    steps_per_batch: int = 1
+    epochs: Callable[[int], int] = _same
+    begin_epoch: Callable[[int], None] = _nothing
+    after_batch: Callable[[], None] = _nothing
 
 
 class EdgeAlgorithm:
     """Edge-side hooks around the generic training loop in ``fl_edge.trainer``.
 
     The loop calls, per round: ``receive`` (the downlink), ``begin_train``, then for each
-    of ``local_epochs(E)`` epochs ``begin_epoch`` and for every batch, ``steps_per_batch``
-    times, ``training_step`` -> backward -> ``post_backward`` (parameter-only terms as
-    gradient post-processing, so they also survive DP-SGD's clipping) -> optimizer steps,
-    then ``after_batch``; after the last epoch ``end_train`` (one pass over the data, if the
-    method wants it) and ``after_train`` for the upload; ``training_metrics`` adds
+    of ``schedule.epochs(E)`` epochs ``schedule.begin_epoch`` and for every batch,
+    ``schedule.steps_per_batch`` times, ``training_step`` -> backward -> ``post_backward``
+    (parameter-only terms as gradient post-processing, so they also survive DP-SGD's
+    clipping) -> optimizer steps, then ``schedule.after_batch``; after the last epoch
+    ``end_train`` (one pass over the data, if the method wants it) and ``after_train`` for
+    the upload; ``training_metrics`` adds
     monitoring scalars to the result. ``predict`` is the personalized model used for
     evaluation and export; ``before_evaluate`` may name another algorithm (a fine-tuned
     copy) for evaluation to train first and score.
@@ -341,10 +501,25 @@ class EdgeAlgorithm:
     loop sets it before ``begin_train``).
     """
 
-    #: Optimizer steps the loop takes on each batch before ``after_batch``: pFedMe solves
-    #: its personalized inner problem with K steps on one batch. 1 for most methods; more
-    #: than 1 does not combine with gradient accumulation (the edge refuses it at start).
-    steps_per_batch: int = 1
+    #: The loop's shape (see ``LoopSchedule``); a method that changes it sets its own.
+    schedule: LoopSchedule = LoopSchedule()
+
+    #: Hooks of earlier versions and where they live now: a subclass defining one would
+    #: otherwise be silently ignored.
+    _MOVED: ClassVar[dict[str, str]] = {
+        "steps_per_batch": "schedule = LoopSchedule(steps_per_batch=...)",
+        "local_epochs": "schedule = LoopSchedule(epochs=...)",
+        "begin_epoch": "schedule = LoopSchedule(begin_epoch=...)",
+        "after_batch": "schedule = LoopSchedule(after_batch=...)",
+        "state_tensors": "extra_state", "load_state_tensors": "load_extra_state",
+        "state_tensor": "live_tensor",
+    }
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for old, new in EdgeAlgorithm._MOVED.items():
+            if old in cls.__dict__:
+                raise TypeError(f"{cls.__name__}.{old}: this hook is now {new}")
 
     def __init__(self, method: Method, models: dict[str, nn.Module], device: torch.device):
         self.method = method
@@ -353,31 +528,31 @@ class EdgeAlgorithm:
         self.shared_specs = method.shared_specs(self.models)
         self.global_tensors: Mapping[str, torch.Tensor] = {}
         self._optimizers: list[torch.optim.Optimizer] | None = None
-        self._state_tensors: dict[str, torch.Tensor] | None = None
+        self._live_tensors: dict[str, torch.Tensor] | None = None
         self._private_names: list[str] | None = None
-        shared = [self.state_tensor(name) for name in self.shared_specs]
-        # Names and shapes of the shared tensors when _pack laid them out as one vector.
-        self._packed = ((tuple(self.shared_specs), tuple(tuple(t.shape) for t in shared))
-                        if _pack(shared) else None)
+        # The shared tensors, packed into one vector where they can be (the plumbing that
+        # makes a download one copy and an upload one read).
+        self.shared_tensors = PackedTensors(
+            {name: self.live_tensor(name) for name in self.shared_specs})
         # The module lists, for the per-round mode switch and figures (naming a model's
         # modules again every round costs ~1 ms of Python).
         self._modules = {name: list(model.modules()) for name, model in self.models.items()}
         self.num_examples = 0
 
     # ---- tensors --------------------------------------------------------------------
-    def state_tensor(self, name: str) -> torch.Tensor:
+    def live_tensor(self, name: str) -> torch.Tensor:
         """The live parameter or buffer ``model/key`` (updated in place by training)."""
-        if self._state_tensors is None:
-            self._state_tensors = {
+        if self._live_tensors is None:
+            self._live_tensors = {
                 qualified(model_name, key): tensor
                 for model_name, model in self.models.items()
                 for key, tensor in model.state_dict(keep_vars=True).items()}
-        return self._state_tensors[name]
+        return self._live_tensors[name]
 
     def private_names(self) -> list[str]:
         """Every model tensor that never travels (``model/key``), by model then key. Named
         once: ``state_dict()`` walks every module, ~3 ms a round for a small CNN; the
-        tensors themselves come from ``state_tensor``, the live objects, as loads use."""
+        tensors themselves come from ``live_tensor``, the live objects, as loads use."""
         if self._private_names is None:
             self._private_names = [
                 qualified(model_name, key) for model_name in sorted(self.models)
@@ -386,20 +561,17 @@ class EdgeAlgorithm:
         return self._private_names
 
     def load_shared(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy received values into the live tensors they name: the whole shared section
+        as one vector when it arrives so (``PackedTensors.load_vector``), else by name."""
+        if isinstance(tensors, TensorViews) and self.shared_tensors.load_vector(
+                tensors.layout.names, tensors.layout.shapes, tensors.flat):
+            return
         with torch.no_grad():
-            if (isinstance(tensors, TensorViews)
-                    and self._packed == (tensors.layout.names, tensors.layout.shapes)):
-                # The whole shared section, in the order _pack laid the tensors out: one
-                # copy, while they still lie that way.
-                run = contiguous_run(self.state_tensor(name) for name in tensors)
-                if run is not None and run.numel() == tensors.flat.numel():
-                    run.copy_(tensors.flat)
-                    return
             for name, value in tensors.items():
-                self.state_tensor(name).copy_(value)
+                self.live_tensor(name).copy_(value)
 
     def shared_values(self) -> dict[str, torch.Tensor]:
-        return {name: self.state_tensor(name).detach().clone() for name in self.shared_specs}
+        return self.shared_tensors.clone()
 
     def named_trainable(self, model_name: str) -> Iterable[tuple[str, nn.Parameter]]:
         return ((qualified(model_name, k), p) for k, p in self.models[model_name].named_parameters()
@@ -448,29 +620,15 @@ class EdgeAlgorithm:
         x, y = batch
         return F.cross_entropy(self.models["model"](x), y)
 
-    def local_epochs(self, configured: int) -> int:
-        """How many epochs the loop runs this round, given the configured E (FedRep trains
-        its head for extra epochs before the E epochs of the body)."""
-        return configured
-
-    def begin_epoch(self, epoch: int) -> None:
-        """Before each epoch (0-based) of a training phase: FedRep switches between
-        training the head and the body here; pFedKA keeps figures of the last epoch only."""
-
     def post_backward(self) -> None:
         """Gradient post-processing for parameter-only terms (proximal pulls, corrections)."""
-
-    def after_batch(self) -> None:
-        """After the ``steps_per_batch`` optimizer steps on one batch (pFedMe's update of
-        the local model toward the personalized solution)."""
 
     def after_train(self, steps: int) -> Payload:
         """The training upload: by default the shared tensors, as views of the live model
         (nothing changes them while the upload streams; the next receive overwrites them)."""
         if not self.shared_specs:
             return Payload()
-        live = {name: self.state_tensor(name).detach() for name in self.shared_specs}
-        return Payload([Section(Kind.SHARED_TENSORS, "", live)])
+        return Payload([Section(Kind.SHARED_TENSORS, "", self.shared_tensors.views())])
 
     def end_train(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """After the last epoch: ``batches`` walks the edge's training data once, in order,
@@ -525,8 +683,10 @@ class EdgeAlgorithm:
         return figures
 
     # ---- private method state (besides model tensors and optimizer state) -------------
-    def state_tensors(self) -> dict[str, torch.Tensor]:
+    def extra_state(self) -> dict[str, torch.Tensor]:
+        """Private tensors of the method beyond its models and optimizer state (SCAFFOLD's
+        c_i, Fed-SAP's own statistics), saved in the edge's state dir."""
         return {}
 
-    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Restore what ``state_tensors`` returned."""
+    def load_extra_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore what ``extra_state`` returned."""

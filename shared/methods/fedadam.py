@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..wire.payload import Kind
-from .aggregators import AggregatorKind, ServerOptimizer
+from .aggregators import ServerOptimizer
 from .base import Method
 
 SHARED = (Kind.SHARED_TENSORS, "")
@@ -49,7 +49,4 @@ class FedAdam(Method):
     name = "fedadam"
     dp_support = True  # cross-entropy only; parameter-only terms are post_backward
     Params = FedAdamParams
-    aggregator_kind = AggregatorKind.SERVER_OPTIMIZER
-
-    def server(self, models):
-        return FedAdamAggregator(self, models)
+    aggregator = FedAdamAggregator

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..wire.payload import Kind
-from .aggregators import AggregatorKind, CollectThenLearn
+from .aggregators import CollectThenLearn
 from .base import Method
 
 SHARED = (Kind.SHARED_TENSORS, "")
@@ -60,13 +60,10 @@ class FedMedian(Method):
     name = "fedmedian"
     dp_support = True  # cross-entropy only; parameter-only terms are post_backward
     Params = FedMedianParams
-    aggregator_kind = AggregatorKind.COLLECT
+    aggregator = MedianAggregator
 
     def __init__(self, context):
         super().__init__(context)
         if not 0 <= self.params.trim_fraction < 0.5:
             raise ValueError(f"fedmedian.trim_fraction must be in [0, 0.5) (0: the median), "
                              f"got {self.params.trim_fraction}")
-
-    def server(self, models):
-        return MedianAggregator(self, models)

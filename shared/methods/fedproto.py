@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 
 from ..wire.payload import Kind, Payload, Section
-from .aggregators import AggregatorKind, CollectThenLearn
+from .aggregators import CollectThenLearn
 from .base import SectionSpec, TensorSpec
 from .phases import TRAIN
-from .prototypes import GLOBAL, LOCAL, PrototypeEdge, PrototypeMethod, class_keys
+from .prototypes import GLOBAL, LOCAL, ProtoNorm, PrototypeEdge, PrototypeMethod, class_keys
 
 COUNTS = (Kind.SCALAR_SUMMARY, "class_counts")
 
@@ -34,7 +34,7 @@ COUNTS = (Kind.SCALAR_SUMMARY, "class_counts")
 @dataclass
 class FedProtoParams:
     lam: float = 1.0           # weight of the prototype regulariser (FedProto's lambda)
-    proto_norm: str = "none"   # "layernorm": standardise each h before the class mean
+    proto_norm: ProtoNorm = "none"  # "layernorm": standardise each h before the class mean
 
 
 class FedProtoEdge(PrototypeEdge):
@@ -74,7 +74,7 @@ class FedProtoAggregator(CollectThenLearn):
 class FedProto(PrototypeMethod):
     name = "fedproto"
     Params = FedProtoParams
-    aggregator_kind = AggregatorKind.COLLECT
+    aggregator = FedProtoAggregator
 
     def __init__(self, context):
         super().__init__(context)
@@ -109,6 +109,3 @@ class FedProto(PrototypeMethod):
 
     def edge(self, models, device):
         return FedProtoEdge(self, models, device)
-
-    def server(self, models):
-        return FedProtoAggregator(self, models)

@@ -18,7 +18,7 @@ class FedProxParams:
 def add_proximal_gradient(edge: EdgeAlgorithm, reference: dict, mu: float) -> None:
     """grad += mu * (w - reference[w]) for every trainable tensor that has a reference."""
     for name, ref in reference.items():
-        param = edge.state_tensor(name)
+        param = edge.live_tensor(name)
         if param.requires_grad and param.grad is not None:
             param.grad.add_(param.detach() - ref, alpha=mu)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import EdgeAlgorithm, Method, MethodContext
+from .base import EdgeAlgorithm, LoopSchedule, Method, MethodContext
 from .split import private_names
 
 
@@ -30,12 +30,13 @@ class FedRepEdge(EdgeAlgorithm):
         head = private_names(model, ("head",), method.head)
         self.head_params = [p for k, p in model.named_parameters() if k in head]
         self.body_params = [p for k, p in model.named_parameters() if k not in head]
+        self.schedule = LoopSchedule(epochs=self._epochs, begin_epoch=self._begin_epoch)
 
-    def local_epochs(self, configured: int) -> int:
+    def _epochs(self, configured: int) -> int:
         # E = 0 means no local training at all (a transport measurement): no head epochs.
         return self.method.params.head_epochs + configured if configured else 0
 
-    def begin_epoch(self, epoch: int) -> None:
+    def _begin_epoch(self, epoch: int) -> None:
         head_turn = epoch < self.method.params.head_epochs
         for p in self.head_params:
             p.requires_grad_(head_turn)

@@ -33,6 +33,7 @@ import contextlib
 import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -58,14 +59,19 @@ TARGETS = {
     "off": "no regularization (pSE alone)",
 }
 STATS = "gsr"  # name of the STAT_VECTORS section
-STATS_MODES = ("train", "eval", "eval-upload")
+StatsMode = Literal["train", "eval", "eval-upload"]
+STATS_MODES: tuple[str, ...] = get_args(StatsMode)
+Personalization = Literal["pse", "fedavg", "local", "agg-se-e"]
+Target = Literal["global", "local-align", "l2", "off"]
+GsrForm = Literal["batch", "per-sample"]
+assert get_args(Personalization) == tuple(PERSONALIZATION) and get_args(Target) == tuple(TARGETS)
 
 
 @dataclass
 class FedSAPParams:
     lam: float = 2.0                 # lambda, Table II's best
-    personalization: str = "pse"
-    target: str = "global"
+    personalization: Personalization = "pse"
+    target: Target = "global"
     # S_G^0 is all zeros, so round 1's GSR pulls the statistics toward zero (faithful to
     # the paper). True skips GSR until a first target exists.
     wait_for_stats: bool = False
@@ -76,22 +82,22 @@ class FedSAPParams:
     #                 forward per batch with BN normalising by its running statistics
     #                 (about 1.5x the step cost), s_up from an eval-mode pass;
     #   "eval-upload" s_batch from the training forward, s_up in eval mode (mixes the two).
-    stats_mode: str = "train"
+    stats_mode: StatsMode = "train"
     # Eq. 6 as printed sums the squared deviations over channels ("sum"). With lambda = 2
     # that term outweighs the cross-entropy by 10-20x (2,296 channels on MobileNetV3-small)
     # and, pulled toward S_G^0 = 0, every squeeze collapses to zero and accuracy to chance
     # (measured: README, Fed-SAP notes). "mean" (an MSE per module, summed over modules)
     # matches the paper's mild lambda sensitivity (Table II) and trains: the default.
-    reduction: str = "mean"
+    reduction: Literal["sum", "mean"] = "mean"
     # [reconstructed, for DP-SGD] "batch" is eq. 6: the squared distance of the batch-mean
     # squeeze. It is not a sum of per-sample losses (each sample's gradient depends on the
     # whole batch's mean), so per-sample clipping does not bound one sample's influence and
     # --dp refuses it. "per-sample" pulls each sample's squeeze instead: the batch mean of
     # ||s_i - target||^2 (= eq. 6's term plus the batch's squeeze variance; same target).
-    gsr_form: str = "batch"
+    gsr_form: GsrForm = "batch"
 
 
-GSR_FORMS = ("batch", "per-sample")
+GSR_FORMS: tuple[str, ...] = get_args(GsrForm)
 
 
 def gsr_loss(squeezes: dict[str, torch.Tensor], target: dict[str, torch.Tensor],
@@ -258,10 +264,10 @@ class FedSAPEdge(EdgeAlgorithm):
         return upload
 
     # The previous round's statistics are local-align's next target: private state.
-    def state_tensors(self) -> dict[str, torch.Tensor]:
+    def extra_state(self) -> dict[str, torch.Tensor]:
         return {f"stats/{k}": v for k, v in self.own_stats.items()}
 
-    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+    def load_extra_state(self, tensors: dict[str, torch.Tensor]) -> None:
         self.own_stats = {k[len("stats/"):]: v.to(self.device) for k, v in tensors.items()
                           if k.startswith("stats/")}
 
@@ -274,24 +280,15 @@ class FedSAP(Method):
     def __init__(self, context: MethodContext):
         super().__init__(context)
         p: FedSAPParams = self.params
-        if p.personalization not in PERSONALIZATION:
-            raise ValueError(f"fedsap.personalization: {p.personalization!r} is not one of "
-                             f"{', '.join(PERSONALIZATION)}")
-        if p.target not in TARGETS:
-            raise ValueError(f"fedsap.target: {p.target!r} is not one of {', '.join(TARGETS)}")
-        if p.reduction not in ("sum", "mean"):
-            raise ValueError(f"fedsap.reduction: {p.reduction!r} is not sum or mean")
-        if p.stats_mode not in STATS_MODES:
-            raise ValueError(f"fedsap.stats_mode: {p.stats_mode!r} is not one of "
-                             f"{', '.join(STATS_MODES)}")
-        if p.gsr_form not in GSR_FORMS:
-            raise ValueError(f"fedsap.gsr_form: {p.gsr_form!r} is not one of {', '.join(GSR_FORMS)}")
         if not 0 <= p.lam < float("inf"):
             raise ValueError(f"fedsap.lam must be a finite number >= 0, got {p.lam}")
         if not squeeze_excitation_modules(self.probe_model()):
             raise ValueError(f"fedsap: model {self.train.model!r} has no squeeze-excitation "
                              "modules (use mobilenet-v3-small, se-cnn, anfr-se-* or se-resnet-*)")
-        self.private_rules = PERSONALIZATION[p.personalization]
+
+    def method_rules(self) -> tuple[str, ...]:
+        """Table I's strategy decides what stays on the edge."""
+        return PERSONALIZATION[self.params.personalization]
 
     def dp_refusal(self) -> str | None:
         p: FedSAPParams = self.params

@@ -59,28 +59,30 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..models import build_model
-from .aggregators import AggregatorKind, CollectThenLearn
+from .aggregators import CollectThenLearn
 from .base import MethodContext
-from .prototypes import GLOBAL, LOCAL, PrototypeEdge, PrototypeMethod, prototype_logits
+from .prototypes import GLOBAL, LOCAL, ProtoNorm, PrototypeEdge, PrototypeMethod, prototype_logits
 
-VARIANTS = ("full", "ablation")
-CE_INPUTS = ("film", "raw")
-PREDICTS = ("head", "predicted-style")
-ABLATION_LOSSES = ("mse", "shared")
-ATTENTION_AXES = ("classes", "clients")
+Variant = Literal["full", "ablation"]
+CeInput = Literal["film", "raw"]
+Predict = Literal["head", "predicted-style"]
+AblationLoss = Literal["mse", "shared"]
+AttentionAxis = Literal["classes", "clients"]
+VARIANTS, CE_INPUTS, PREDICTS, ABLATION_LOSSES, ATTENTION_AXES = (
+    get_args(t) for t in (Variant, CeInput, Predict, AblationLoss, AttentionAxis))
 EPS = 1e-6
 
 
 @dataclass
 class FedSTARParams:
-    variant: str = "full"            # "ablation": attention aggregation only
+    variant: Variant = "full"           # "ablation": attention aggregation only
     lambda_shared: float = 1.0       # the paper
     lambda_pull: float = 0.7         # the paper (0.6 on DomainNet)
     # Edge choices the paper leaves open ([reconstructed]; README, FedSTAR section).
@@ -91,13 +93,13 @@ class FedSTARParams:
     train_film: bool = True          # the paper-matching code never trains gamma/beta ...
     train_gate: bool = True          # ... nor G (both are outside its optimizer)
     detach_pull_target: bool = False  # the code detaches p_personal: u and G then get no gradient
-    ce_input: str = "film"           # CE on head(FiLM(h)) (code) or on head(h) ("raw")
-    predict: str = "head"            # see the module docstring; never the true label
-    proto_norm: str = "none"         # paper: plain mean of h; "layernorm": the code's
-    ablation_loss: str = "mse"
+    ce_input: CeInput = "film"         # CE on head(FiLM(h)) (code) or on head(h) ("raw")
+    predict: Predict = "head"          # see the module docstring; never the true label
+    proto_norm: ProtoNorm = "none"       # paper: plain mean of h; "layernorm": the code's
+    ablation_loss: AblationLoss = "mse"
     lambda_mse: float = 1.0
     # Server (the authors' serverstar.py unless noted).
-    attn_axis: str = "classes"       # the code attends across one client's classes
+    attn_axis: AttentionAxis = "classes"     # the code attends across one client's classes
     layers: int = 1
     heads: int = 8
     dropout: float = 0.05
@@ -364,15 +366,10 @@ class FedSTARAggregator(CollectThenLearn):
             self.optimizer.load_state_dict({"state": state, "param_groups": meta["optimizer_groups"]})
 
 
-def _choice(name: str, value: str, options: tuple[str, ...]) -> None:
-    if value not in options:
-        raise ValueError(f"fedstar.{name}: {value!r} is not one of {', '.join(options)}")
-
-
 class FedSTAR(PrototypeMethod):
     name = "fedstar"
     Params = FedSTARParams
-    aggregator_kind = AggregatorKind.COLLECT
+    aggregator = FedSTARAggregator
 
     def dp_refusal(self) -> str | None:
         return ("fedstar: L_shared and L_pull average over the batch's samples of classes with "
@@ -382,11 +379,6 @@ class FedSTAR(PrototypeMethod):
     def __init__(self, context: MethodContext):
         super().__init__(context)
         p: FedSTARParams = self.params
-        _choice("variant", p.variant, VARIANTS)
-        _choice("ce_input", p.ce_input, CE_INPUTS)
-        _choice("predict", p.predict, PREDICTS)
-        _choice("ablation_loss", p.ablation_loss, ABLATION_LOSSES)
-        _choice("attn_axis", p.attn_axis, ATTENTION_AXES)
         for name in ("lambda_shared", "lambda_pull", "lambda_mse", "u_lr_scale",
                      "server_momentum", "embed_std"):
             value = getattr(p, name)
@@ -428,6 +420,3 @@ class FedSTAR(PrototypeMethod):
 
     def edge(self, models, device):
         return FedSTAREdge(self, models, device)
-
-    def server(self, models):
-        return FedSTARAggregator(self, models)

@@ -37,7 +37,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +46,16 @@ from torch import nn
 from ..models import build_model, model_spec
 from ..wire.payload import Kind, Payload, Section
 from .aggregators import StreamingMean
-from .base import EdgeAlgorithm, Method, MethodContext, SectionSpec, TensorSpec, qualified
+from .base import (
+    EdgeAlgorithm,
+    LoopSchedule,
+    Method,
+    MethodContext,
+    PhasePrivacy,
+    SectionSpec,
+    TensorSpec,
+    qualified,
+)
 from .phases import EVALUATE, TRAIN
 
 log = logging.getLogger(__name__)
@@ -68,7 +77,7 @@ class PFedKAParams:
     # Eq. 5 [reconstructed]: tau = clip(tau_0 (1 + log(1 + G)), tau_min, tau_max), G the
     # teacher-student KL at tau 1 over the previous participation's last epoch; "fixed"
     # keeps tau = tau_0.
-    tau_rule: str = "gap_log"
+    tau_rule: Literal["gap_log", "fixed"] = "gap_log"
     tau_0: float = 1.0
     tau_min: float = 1.0
     tau_max: float = 2.0
@@ -76,12 +85,12 @@ class PFedKAParams:
     # scale-free) or p_k ("p_k", literal; nearly inert with 100 edges); share =
     # b / (a + b + eps) ("ce_share": CE dominates -> U_k) or a / (a + b + eps)
     # ("kd_share"), b = log(1 + CE_prev), a = log(1 + KD_prev); U_k / 2 before any history.
-    lambda_bound: str = "p_k_rel"
-    lambda_direction: str = "ce_share"
+    lambda_bound: Literal["p_k_rel", "p_k"] = "p_k_rel"
+    lambda_direction: Literal["ce_share", "kd_share"] = "ce_share"
     eps: float = 1e-8
     # [reconstructed] "round": the student starts from the teacher every round (the
     # protocol matches FedAvg); "persistent": it is kept on the edge across rounds.
-    student_init: str = "round"
+    student_init: Literal["round", "persistent"] = "round"
     # [reconstructed] whether W_Q, W_K, W_V travel and are averaged like any layer (the
     # paper's +8.6 % traffic matches this); false keeps them on the edge.
     ca_shared: bool = True
@@ -92,7 +101,7 @@ class PFedKAParams:
     ca_dk: int = 0  # key dimension d_k; 0: the token width d
     # Eqs. 15-17 [reconstructed]: how the GRU is trained is not stated. "surrogate": one
     # Adam step per round on sum_k alpha_k l~_k + beta KL(alpha || p); "frozen": never.
-    gru_train: str = "surrogate"
+    gru_train: Literal["surrogate", "frozen"] = "surrogate"
     gru_hidden: int = 32
     gru_lr: float = 1e-3
     gru_beta: float = 1.0
@@ -198,6 +207,7 @@ class PFedKAEdge(EdgeAlgorithm):
         self.alpha: float | None = None
         self._sums = torch.zeros(3, device=device)  # on the device: no sync per step
         self._batches = 0
+        self.schedule = LoopSchedule(begin_epoch=self._begin_epoch)  # last-epoch figures
 
     @property
     def params(self) -> PFedKAParams:
@@ -245,7 +255,7 @@ class PFedKAEdge(EdgeAlgorithm):
         self.lam = (kd_weight(ce, kd, p_k, max(int(edges), 1), p.lambda_bound,
                               p.lambda_direction, p.eps) if p.kd else 0.0)
 
-    def begin_epoch(self, epoch: int) -> None:
+    def _begin_epoch(self, epoch: int) -> None:
         self._sums.zero_()
         self._batches = 0
 
@@ -291,16 +301,16 @@ class PFedKAEdge(EdgeAlgorithm):
         return self.student(x, teacher_tokens)
 
     # ---- private state (the teacher is a private model; the store keeps it) ------------
-    def state_tensors(self) -> dict[str, torch.Tensor]:
+    def extra_state(self) -> dict[str, torch.Tensor]:
         """The trained student's shared tensors (the next downlink would replace them, but
         they are half of the personalized model) and the statistics for tau and lambda."""
-        out = {f"student/{name}": self.state_tensor(name).detach() for name in self.shared_specs}
+        out = {f"student/{name}": self.live_tensor(name).detach() for name in self.shared_specs}
         out["trained"] = torch.tensor(float(self.trained))
         if self.history is not None:
             out["history"] = torch.tensor(self.history, dtype=torch.float64)
         return out
 
-    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+    def load_extra_state(self, tensors: dict[str, torch.Tensor]) -> None:
         self.trained = bool(tensors["trained"]) if "trained" in tensors else False
         if self.trained:
             self.load_shared({name: tensors[f"student/{name}"] for name in self.shared_specs})
@@ -457,28 +467,16 @@ class GatedAggregator(StreamingMean):
 
 
 # ---- the method ----------------------------------------------------------------------
-CHOICES = {
-    "tau_rule": ("gap_log", "fixed"),
-    "lambda_bound": ("p_k_rel", "p_k"),
-    "lambda_direction": ("ce_share", "kd_share"),
-    "student_init": ("round", "persistent"),
-    "gru_train": ("surrogate", "frozen"),
-}
-
-
 class PFedKA(Method):
     name = "pfedka"
     dp_support = True  # CE + lambda * KD, both batch means of per-sample terms
     Params = PFedKAParams
     phases = (TRAIN, UPLOAD, EVALUATE)
+    aggregator = GatedAggregator
 
     def __init__(self, context: MethodContext):
         super().__init__(context)
         p: PFedKAParams = self.params
-        for key, allowed in CHOICES.items():
-            if getattr(p, key) not in allowed:
-                raise ValueError(f"pfedka.{key}: {getattr(p, key)!r} is not one of "
-                                 f"{', '.join(allowed)}")
         if not 0 < p.tau_min <= p.tau_max < float("inf"):
             raise ValueError(f"pfedka.tau_min/tau_max: need 0 < tau_min <= tau_max, got "
                              f"{p.tau_min}, {p.tau_max}")
@@ -499,20 +497,34 @@ class PFedKA(Method):
                              f"{t.model_size}x{t.model_size}; cross-attention needs at least "
                              f"{MIN_TOKENS} (use a larger train.input_size)")
         self.head = f"backbone.{self.head}"
-        self.private_rules = () if p.ca_shared else ("attention",)
+
+    def method_rules(self) -> tuple[str, ...]:
+        # W_Q, W_K, W_V stay on the edge unless shared; without cross-attention there are none.
+        p: PFedKAParams = self.params
+        return ("attention",) if p.cross_attention and not p.ca_shared else ()
+
+    def probe_model(self) -> nn.Module:
+        """The student as the edge holds it (the split rules are checked on it), on the
+        meta device: no memory, no draw from the RNG."""
+        with torch.device("meta"):
+            return self._student()
+
+    def _student(self) -> Student:
+        t, p = self.train, self.params
+        spec = model_spec(t.model)
+        backbone = build_model(t.model, t.num_classes, t.in_channels, t.model_size)
+        attention = (CrossAttention(self.width, p.ca_dk or self.width, p.ca_residual)
+                     if p.cross_attention else None)
+        return Student(backbone, spec.tokens, spec.head, attention)
 
     def model_names(self) -> tuple[str, ...]:
         return (STUDENT, TEACHER)
 
     def build_models(self) -> dict[str, nn.Module]:
         torch.manual_seed(self.train.seed)
-        t, p = self.train, self.params
-        spec = model_spec(t.model)
-        backbone = build_model(t.model, t.num_classes, t.in_channels, t.model_size)
-        attention = (CrossAttention(self.width, p.ca_dk or self.width, p.ca_residual)
-                     if p.cross_attention else None)
-        teacher = copy.deepcopy(backbone).requires_grad_(False)
-        return {STUDENT: Student(backbone, spec.tokens, spec.head, attention), TEACHER: teacher}
+        student = self._student()
+        teacher = copy.deepcopy(student.backbone).requires_grad_(False)
+        return {STUDENT: student, TEACHER: teacher}
 
     def split_rules(self) -> dict[str, tuple[str, ...]]:
         rules = super().split_rules()
@@ -527,23 +539,19 @@ class PFedKA(Method):
             return super().uplink_schema(TRAIN, models)
         return []
 
-    def summable_sections(self, phase: str, models: dict[str, nn.Module]) -> set[tuple[Kind, str]]:
-        """The students are summed with weights alpha_k; the scalars feed the GRU one by one."""
+    def privacy(self, phase: str, models: dict[str, nn.Module]) -> PhasePrivacy:
+        """The students are summed with weights alpha_k (maskable); the scalars feed the
+        GRU one by one, so the SecAgg-compatible path sends {n_k, l_k} in the clear first,
+        alpha_k back to each edge, which then masks alpha_k * theta_k. Of the scalars, n is
+        the header's num_examples again (public under --dp-stats-sigma); ce is a statistic
+        of the training data."""
         if phase == UPLOAD:
-            return {(s.kind, s.name) for s in self.uplink_schema(UPLOAD, models)}
-        return set()
-
-    def secagg_clear_sections(self, phase: str, models: dict[str, nn.Module]) -> set[tuple[Kind, str]]:
-        """The SecAgg-compatible path: {n_k, l_k} in the clear first, alpha_k back to each
-        edge, which then masks alpha_k * theta_k."""
-        return {SCALARS} if phase == TRAIN else set()
-
-    def dp_public_tensors(self, phase: str) -> set[tuple[Kind, str, str]]:
-        # n is the header's num_examples again; ce is a statistic of the training data.
-        return {(*SCALARS, "n")} if phase == TRAIN else set()
+            return PhasePrivacy(summable=frozenset(
+                (s.kind, s.name) for s in self.uplink_schema(UPLOAD, models)))
+        if phase == TRAIN:
+            return PhasePrivacy(clear=frozenset({SCALARS}),
+                                dp_public=frozenset({(*SCALARS, "n")}))
+        return PhasePrivacy()
 
     def edge(self, models: dict[str, nn.Module], device: torch.device) -> PFedKAEdge:
         return PFedKAEdge(self, models, device)
-
-    def server(self, models: dict[str, nn.Module]) -> GatedAggregator:
-        return GatedAggregator(self, models)

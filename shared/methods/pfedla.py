@@ -7,9 +7,11 @@ A local attention layer goes after each conv block of the backbone (the backbone
 sites: ``lenet-bn``, ``alexnet-bn``, ``mobilenet-v2``): SE, ECA, CoordAtt, CBAM (pFedLA_s:
 one mechanism everywhere) or the hybrid (pFedLA_h: a softmax-weighted convex combination of
 the SE, ECA and CoordAtt masks per layer, eqs. 7-8). Everything else is the host method
-(``base``: FedAvg, FedProx, FedBN, Ditto or pFedMe), composed through the Method API, not
-re-implemented: pFedLA is the host method applied to models with attention inserted, with
-the split rule ``attention`` added to the host's private rules, so the attention layers
+(``base``: FedAvg, FedProx, FedBN, Ditto or pFedMe), not re-implemented: pFedLA is a model
+transform over the host -- building it gives a ``PFedLA[host]``, a subclass of the host's
+class that inherits every hook (nothing forwarded by hand) and changes only the models
+(attention inserted), the weighting and the name -- with the split rule ``attention``
+added to the host's private rules, so the attention layers
 (their weights, the hybrid logits, CoordAtt's and CBAM's BatchNorm statistics) stay on the
 edge in every model the host keeps (Ditto's and pFedMe's personal models have their own).
 The wire carries exactly the host's sections; the server averages the base layers with
@@ -23,29 +25,35 @@ round in its private history file (``fl-report --edge-state`` turns those into T
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import types
+import typing
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from ..config import apply_values, parse_set
+from ..config import apply_values, check_choices, parse_set
 from ..models import MODELS, build_model, model_spec
 from ..models.attention import KINDS, AttentionSpec, insert_attention
-from .base import Method, MethodContext, TensorSpec
+from .base import Method, MethodContext, MethodSpec, fingerprint_of
 from .registry import load_method
 
 # The hosts of the paper's experiments (Table 1).
-HOSTS = ("fedavg", "fedprox", "fedbn", "ditto", "pfedme")
-WEIGHTINGS = ("uniform", "samples")
+Host = Literal["fedavg", "fedprox", "fedbn", "ditto", "pfedme"]
+HOSTS: tuple[str, ...] = typing.get_args(Host)
+Attention = Literal["se", "eca", "ca", "cbam", "hybrid"]
+assert typing.get_args(Attention) == tuple(KINDS), "pfedla.attention's choices follow KINDS"
 
 
 @dataclass
 class PFedLAParams:
-    attention: str = "hybrid"           # se | eca | ca | cbam | hybrid
-    base: str = "fedavg"                # the host method
+    attention: Attention = "hybrid"
+    base: Host = "fedavg"               # the host method
     base_params: list[str] = field(default_factory=list)  # the host's, "key=value" (TOML values)
-    weighting: str = "uniform"          # the paper's 1/N; "samples" = n_k-weighted
+    weighting: Literal["uniform", "samples"] = "uniform"  # the paper's 1/N, or n_k-weighted
     share_attention: bool = False       # the "non-local" comparison: attention aggregated too
     se_reduction: int = 0               # 0: the backbone's (lenet-bn 4, alexnet-bn 16)
     eca_min_kernel: int = 3             # timm's floor (reproduces 45,950 on LeNet); 1 = ECA paper
@@ -54,25 +62,30 @@ class PFedLAParams:
 
 
 class PFedLA(Method):
-    """The host method's declarations, delegated, on models with attention layers."""
+    """The host method on models with attention layers: building one returns an instance
+    of ``PFedLA[host]``, a subclass of both this class and the host's, so every host
+    declaration and hook (schema, upload checks, privacy traits, edge and server halves)
+    is the host's own, by inheritance; this class adds only the model transform (attention
+    inserted, the ``attention`` rule added to the split), the weighting and its name."""
 
     name = "pfedla"
     Params = PFedLAParams
 
+    def __new__(cls, context: MethodContext) -> PFedLA:
+        if cls is not PFedLA:
+            return super().__new__(cls)
+        check_choices(context.params, "pfedla")
+        return super().__new__(_hosted(load_method(context.params.base)))
+
     def __init__(self, context: MethodContext):
-        super().__init__(context)
-        p: PFedLAParams = self.params
-        if p.attention not in KINDS:
-            raise ValueError(f"pfedla.attention: {p.attention!r} is not one of {', '.join(KINDS)}")
-        if p.base not in HOSTS:
-            raise ValueError(f"pfedla.base: {p.base!r} is not one of {', '.join(HOSTS)}")
-        if p.weighting not in WEIGHTINGS:
-            raise ValueError(f"pfedla.weighting: {p.weighting!r} is not uniform or samples")
-        spec = model_spec(self.train.model)
+        p: PFedLAParams = context.params
+        check_choices(p, "pfedla")
+        self.options = p
+        spec = model_spec(context.train.model)
         if spec.attention_sites is None:
             with_sites = ", ".join(sorted(name for name, s in MODELS.items()
                                           if s.attention_sites is not None))
-            raise ValueError(f"pfedla: model {self.train.model!r} has no attention sites "
+            raise ValueError(f"pfedla: model {context.train.model!r} has no attention sites "
                              f"(use {with_sites})")
         self.attention = AttentionSpec(
             p.attention, se_reduction=p.se_reduction or spec.se_reduction,
@@ -82,27 +95,27 @@ class PFedLA(Method):
         host_params = host_cls.Params()
         settings = parse_set([f"{p.base}.{item}" for item in p.base_params]).get(p.base, {})
         apply_values(host_params, p.base, settings, "pfedla.base_params")
-        private = list(self.train.private)
+        private = list(context.train.private)
         if not p.share_attention and "attention" not in private:
             private.append("attention")
-        self.host = host_cls(MethodContext(dataclasses.replace(self.train, private=private),
-                                           host_params, probe=self._model_with_attention))
-        self.aggregator_kind = self.host.aggregator_kind
-        self.phases = self.host.phases
+        # The host, built on the same instance: its hooks read its own params and see
+        # the train config with the attention rule; pFedLA's own options are ``options``.
+        super().__init__(MethodContext(dataclasses.replace(context.train, private=private),
+                                       host_params, probe=self._model_with_attention,
+                                       dp=context.dp))
 
-    # ---- the host's declarations on models with attention ------------------------------
-    def model_names(self) -> tuple[str, ...]:
-        return self.host.model_names()
+    @property
+    def host(self) -> Method:
+        """The host method: this very instance (pFedLA is the host on other models)."""
+        return self
 
-    def metric_names(self) -> frozenset[str]:
-        return self.host.metric_names()
+    @property
+    def host_name(self) -> str:
+        return self.options.base
 
-    def dp_refusal(self) -> str | None:
-        refusal = self.host.dp_refusal()
-        return f"pfedla over {refusal}" if refusal else None
-
+    # ---- the transform ------------------------------------------------------------
     def build_models(self) -> dict[str, nn.Module]:
-        models = self.host.build_models()
+        models = super().build_models()
         sites = model_spec(self.train.model).attention_sites
         for model in models.values():
             # The same draw for every model: Ditto's and pFedMe's personal models start as
@@ -112,38 +125,38 @@ class PFedLA(Method):
         return models
 
     def _model_with_attention(self) -> nn.Module:
-        """One model as the host will hold it (the host checks its split rules on it)."""
+        """One model as the host will hold it (the split rules are checked on it)."""
         t = self.train
         model = build_model(t.model, t.num_classes, t.in_channels, t.model_size)
         insert_attention(model, model_spec(t.model).attention_sites(model), self.attention.build)
         return model
 
-    def split_rules(self) -> dict[str, tuple[str, ...]]:
-        return self.host.split_rules()
-
-    def shared_specs(self, models: dict[str, nn.Module]) -> dict[str, TensorSpec]:
-        return self.host.shared_specs(models)
-
-    def initial_state(self, models):
-        return self.host.initial_state(models)
-
-    def uplink_schema(self, phase, models):
-        return self.host.uplink_schema(phase, models)
-
-    def similarity_groups(self, models):
-        return self.host.similarity_groups(models)
+    # ---- what pFedLA changes beyond the models -------------------------------------
+    def dp_refusal(self) -> str | None:
+        refusal = super().dp_refusal()
+        return f"pfedla over {refusal}" if refusal else None
 
     def aggregation_weight(self, num_examples: int) -> float:
-        if self.params.weighting == "uniform":
+        if self.options.weighting == "uniform":
             return 1.0
-        return self.host.aggregation_weight(num_examples)
+        return super().aggregation_weight(num_examples)
 
     def fingerprint(self, models: dict[str, nn.Module]) -> str:
-        blob = f"{super().fingerprint(models)}|{self.host.fingerprint(models)}".encode()
-        return hashlib.sha256(blob).hexdigest()[:32]
+        own = fingerprint_of(self.name, self.train, self.split_rules(), models)
+        host = fingerprint_of(self.host_name, self.train, self.split_rules(), models)
+        return hashlib.sha256(f"{own}|{host}".encode()).hexdigest()[:32]
 
-    def edge(self, models, device):
-        return self.host.edge(models, device)
+    def describe_params(self) -> dict[str, Any]:
+        return dataclasses.asdict(self.options)
 
-    def server(self, models):
-        return self.host.server(models)
+
+@functools.cache
+def _hosted(host_cls: type[Method]) -> type[PFedLA]:
+    """``PFedLA[host]``: pFedLA's transform first, then the host's class. Its declaration
+    is the host's, under pFedLA's name and parameters."""
+    declared: dict[str, Any] = {f.name: getattr(host_cls.spec, f.name)
+                                for f in dataclasses.fields(MethodSpec)}
+    declared.update(name="pfedla", Params=PFedLAParams)
+    name = f"PFedLA[{host_cls.name}]"
+    return types.new_class(name, (PFedLA, host_cls), declared, lambda ns: ns.update(
+        __module__=__name__, __qualname__=name))

@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from ..wire.payload import Kind
-from .aggregators import AggregatorKind, ServerOptimizer
-from .base import EdgeAlgorithm, Method, MethodContext, qualified
+from .aggregators import ServerOptimizer
+from .base import EdgeAlgorithm, LoopSchedule, Method, MethodContext, qualified
 from .fedprox import add_proximal_gradient
 
 SHARED = (Kind.SHARED_TENSORS, "")
@@ -48,7 +48,9 @@ class PFedMeParams:
 class PFedMeEdge(EdgeAlgorithm):
     def __init__(self, method: PFedMe, models, device):
         super().__init__(method, models, device)
-        self.steps_per_batch = method.params.inner_steps
+        # K inner steps on each batch, then the outer update of w.
+        self.schedule = LoopSchedule(steps_per_batch=method.params.inner_steps,
+                                     after_batch=self._after_batch)
         local, personal = self.models["global"], self.models["personal"]
         # Live views of w: the pull toward w follows w's updates within the round.
         self.anchor = {qualified("personal", k): p.detach()
@@ -57,7 +59,7 @@ class PFedMeEdge(EdgeAlgorithm):
                       zip(local.parameters(), personal.parameters(), strict=True)]
 
     def parameter_groups(self) -> list[dict]:
-        """Only theta is stepped by the optimizer; w moves in ``after_batch``. The group's
+        """Only theta is stepped by the optimizer; w moves after each batch. The group's
         learning rate follows the round's schedule scaled to ``personal_lr``."""
         scale = self.method.params.personal_lr / self.method.train.lr
         return [{"params": [p for _, p in self.named_trainable("personal")],
@@ -81,7 +83,7 @@ class PFedMeEdge(EdgeAlgorithm):
         return group["lr"] / group["lr_scale"]
 
     @torch.no_grad()
-    def after_batch(self) -> None:
+    def _after_batch(self) -> None:
         step = self.outer_lr() * self.method.params.lam
         for w, theta in self.pairs:
             w.sub_(w - theta, alpha=step)
@@ -116,7 +118,7 @@ class PFedMe(Method):
     dp_support = True  # cross-entropy only; parameter-only terms are post_backward
     Params = PFedMeParams
     personal_copy = ("global", "personal")
-    aggregator_kind = AggregatorKind.SERVER_OPTIMIZER
+    aggregator = PFedMeAggregator
 
     def __init__(self, context: MethodContext):
         super().__init__(context)
@@ -134,6 +136,3 @@ class PFedMe(Method):
 
     def edge(self, models, device):
         return PFedMeEdge(self, models, device)
-
-    def server(self, models):
-        return PFedMeAggregator(self, models)

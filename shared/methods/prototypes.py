@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +27,8 @@ from .phases import TRAIN
 
 LOCAL = (Kind.PROTOTYPES, "")           # uplink: the edge's class prototypes
 GLOBAL = (Kind.PROTOTYPES, "global")    # downlink: the global prototypes
-PROTO_NORMS = ("none", "layernorm")
+ProtoNorm = Literal["none", "layernorm"]  # "layernorm": standardise each h first
+PROTO_NORMS: tuple[str, ...] = get_args(ProtoNorm)
 
 
 def prototype_logits(h: torch.Tensor, prototypes: torch.Tensor) -> torch.Tensor:
@@ -137,9 +139,6 @@ class PrototypeMethod(Method):
     def __init__(self, context: MethodContext):
         super().__init__(context)
         t = self.train
-        if self.params.proto_norm not in PROTO_NORMS:
-            raise ValueError(f"{self.name}.proto_norm: {self.params.proto_norm!r} is not one of "
-                             f"{', '.join(PROTO_NORMS)}")
         with torch.device("meta"):  # shapes only: no memory, no draw from the RNG
             probe = build_model(t.model, t.num_classes, t.in_channels, t.model_size)
         self.feature_dim = head_module(probe, self.head, t.model).in_features

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..wire.payload import Kind, Payload, Section
-from .aggregators import AggregatorKind, ServerOptimizer
+from .aggregators import ServerOptimizer
 from .base import EdgeAlgorithm, Method, SectionSpec
 
 SHARED = (Kind.SHARED_TENSORS, "")
@@ -33,7 +33,7 @@ class ScaffoldEdge(EdgeAlgorithm):
     def __init__(self, method, models, device):
         super().__init__(method, models, device)
         self.control_names = list(control_specs(method, self.models))
-        self.c_local = {name: torch.zeros_like(self.state_tensor(name)).detach()
+        self.c_local = {name: torch.zeros_like(self.live_tensor(name)).detach()
                         for name in self.control_names}
         self.c_global = dict(self.c_local)
 
@@ -44,7 +44,7 @@ class ScaffoldEdge(EdgeAlgorithm):
 
     def post_backward(self) -> None:
         for name in self.control_names:
-            param = self.state_tensor(name)
+            param = self.live_tensor(name)
             if param.grad is not None:
                 param.grad.add_(self.c_global[name] - self.c_local[name])
 
@@ -53,7 +53,7 @@ class ScaffoldEdge(EdgeAlgorithm):
         delta_c = {}
         for name in self.control_names:
             if steps > 0:
-                y = self.state_tensor(name).detach()
+                y = self.live_tensor(name).detach()
                 drift = (self.global_tensors[name] - y) / (steps * lr)
                 new = self.c_local[name] - self.c_global[name] + drift
             else:
@@ -63,10 +63,10 @@ class ScaffoldEdge(EdgeAlgorithm):
         return Payload([Section(Kind.SHARED_TENSORS, "", self.shared_values()),
                         Section(Kind.CONTROL, "", delta_c)])
 
-    def state_tensors(self):
+    def extra_state(self):
         return {f"c_local/{k}": v for k, v in self.c_local.items()}
 
-    def load_state_tensors(self, tensors):
+    def load_extra_state(self, tensors):
         for name in self.control_names:
             key = f"c_local/{name}"
             if key in tensors:
@@ -92,7 +92,7 @@ class Scaffold(Method):
     name = "scaffold"
     dp_support = True  # cross-entropy only; parameter-only terms are post_backward
     Params = ScaffoldParams
-    aggregator_kind = AggregatorKind.SERVER_OPTIMIZER
+    aggregator = ScaffoldAggregator
 
     def __init__(self, context):
         super().__init__(context)
@@ -119,6 +119,3 @@ class Scaffold(Method):
 
     def edge(self, models, device):
         return ScaffoldEdge(self, models, device)
-
-    def server(self, models):
-        return ScaffoldAggregator(self, models)

@@ -76,7 +76,7 @@ def statistics_sections(method: Method, models: dict[str, nn.Module]) -> list[st
     for phase in method.phases:
         if phase == EVALUATE:
             continue
-        public = method.dp_public_tensors(phase)
+        public = method.privacy(phase, models).dp_public
         for spec in method.uplink_schema(phase, models):
             if spec.kind in STATS_KINDS and any((spec.kind, spec.name, t) not in public
                                                 for t in spec.tensors):
@@ -321,11 +321,11 @@ class PrivateTraining:
         self.expected_batch = min(batch_size, num_examples)
         self.delta = dp.delta or 0.1 / num_examples
         policy.check_calibrated(self.delta, num_examples, None, pinned)
-        self.repeats = algo.steps_per_batch
+        self.repeats = algo.schedule.steps_per_batch
         if self.repeats > 1 and dp.max_physical_batch:
             raise ValueError(f"--dp: method {algo.method.name!r} takes {self.repeats} steps on "
                              "each batch; that does not combine with dp.max_physical_batch")
-        epochs = algo.local_epochs(algo.method.train.local_epochs)
+        epochs = algo.schedule.epochs(algo.method.train.local_epochs)
         self.batches_per_round = epochs * int(1 / self.sample_rate)
         if dp.noise_multiplier > 0:
             self.noise_multiplier = dp.noise_multiplier
@@ -356,6 +356,7 @@ class PrivateTraining:
             self._load(ledger)
         self.noise: torch.Generator | None = None  # made by _wrap, on the models' device
         self.optimizer = self._wrap()
+        self._public: dict[str, frozenset[tuple[Kind, str, str]]] = {}
         self._steps = 0
         self._stats_released = 0
 
@@ -449,7 +450,9 @@ class PrivateTraining:
         sigma = self.dp.stats_sigma
         if sigma == 0:
             return upload
-        public = self.algo.method.dp_public_tensors(phase)
+        if phase not in self._public:  # the method's declaration: fixed for the run
+            self._public[phase] = self.algo.method.privacy(phase, self.algo.models).dp_public
+        public = self._public[phase]
         clip = self.dp.stats_clip
         sections = []
         for section in upload.sections:

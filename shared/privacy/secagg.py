@@ -925,14 +925,14 @@ def masked_phases(method: Method, models: dict[str, nn.Module]) -> dict[str, lis
     """The phases whose uploads secure aggregation masks, each with its sections (all of
     that phase's uploads, summed in schema order). A section the aggregator needs edge by
     edge is refused, naming it -- unless the method sends it in the clear on purpose
-    (``Method.secagg_clear_sections``)."""
+    (``PhasePrivacy.clear`` of ``Method.privacy``)."""
     out: dict[str, list[SectionSpec]] = {}
     for phase in method.phases:
         if phase == EVALUATE:
             continue
         schema = method.uplink_schema(phase, models)
-        summable = method.summable_sections(phase, models)
-        clear = method.secagg_clear_sections(phase, models)
+        traits = method.privacy(phase, models)
+        summable, clear = traits.summable, traits.clear
         masked = []
         for spec in schema:
             key = (spec.kind, spec.name)
