@@ -429,8 +429,8 @@ def test_secagg_accepts_exactly_what_its_sections_cover(name):
     covered, summed = True, False
     for phase in (p for p in method.phases if p != EVALUATE):
         schema = {(s.kind, s.name) for s in method.uplink_schema(phase, models)}
-        summable = method.summable_sections(phase, models)
-        clear = method.secagg_clear_sections(phase, models)
+        privacy = method.privacy(phase, models)
+        summable, clear = set(privacy.summable), set(privacy.clear)
         assert summable <= schema and clear <= schema and not summable & clear, phase
         covered &= summable | clear == schema
         summed |= bool(summable)
@@ -443,7 +443,7 @@ def test_secagg_accepts_exactly_what_its_sections_cover(name):
         return
     assert covered and summed
     assert method.aggregator_kind != AggregatorKind.COLLECT
-    assert all(driver.owns(p) == bool(method.summable_sections(p, models))
+    assert all(driver.owns(p) == bool(method.privacy(p, models).summable)
                for p in method.phases if p != EVALUATE)
 
 
