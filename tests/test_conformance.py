@@ -82,23 +82,10 @@ KNOWN_DEFECTS: dict[str, dict[str, str]] = {
                   "personal/*.running_mean|var travel by value as global/*; a reconstruction the "
                   "module documents, but the split declares them private",
     },
-    # aggregator state that the checkpoint does not hold
-    "server state": {
-        "fedstar": "fedstar: the server's PrototypeTransformer trains with dropout drawn from "
-                   "torch's global RNG, which no checkpoint holds (fl_server never seeds it): a "
-                   "resumed server learns other prototypes than an uninterrupted one from the "
-                   "same uploads; learn() should fork the RNG seeded by (train seed, round)",
-    },
-    # the method says it supports DP-SGD, yet nothing it accepts runs under it
-    "dp": {
-        "fedbn": "fedbn: dp_refusal() is None, yet no model runs it under DP-SGD: its private "
-                 "rule 'bn' selects nothing once BatchNorm is replaced by GroupNorm (+gn), and "
-                 "check_dp refuses every model that keeps BatchNorm; dp_refusal() should say so",
-        "pfedla": "pfedla (default attention 'hybrid'): dp_refusal() is None, but its coordinate "
-                  "attention adds BatchNorm (ca.bn1) after the +gn replacement, so check_dp "
-                  "refuses even lenet-bn+gn, advising the --dp-fix-model already applied; "
-                  "dp_refusal() should name attention='se'/'eca' instead",
-    },
+    # aggregator state that the checkpoint does not hold (none known)
+    "server state": {},
+    # the method says it supports DP-SGD, yet nothing it accepts runs under it (none known)
+    "dp": {},
 }
 
 

@@ -317,7 +317,11 @@ class FedSTARAggregator(CollectThenLearn):
         class_ids = torch.tensor(classes)
 
         self.net.train()
-        z = self.net(prototypes, client, class_ids, mask, self.params.attn_axis)
+        # Dropout draws from a generator of (seed, round), not the process's global one,
+        # which no checkpoint holds: a resumed server learns what an uninterrupted one would.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed * 1_000_003 + self.round)
+            z = self.net(prototypes, client, class_ids, mask, self.params.attn_axis)
         loss = server_loss(z, prototypes, mask)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()

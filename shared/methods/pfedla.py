@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..config import apply_values, check_choices, parse_set
 from ..models import MODELS, build_model, model_spec
@@ -133,8 +134,20 @@ class PFedLA(Method):
 
     # ---- what pFedLA changes beyond the models -------------------------------------
     def dp_refusal(self) -> str | None:
+        """The host's refusal, or the attention layers': coordinate attention, CBAM and the
+        hybrid hold BatchNorm of their own, inserted after ``--dp-fix-model`` replaced the
+        backbone's, and batch statistics mix samples, which per-sample clipping does not
+        bound."""
         refusal = super().dp_refusal()
-        return f"pfedla over {refusal}" if refusal else None
+        if refusal:
+            return f"pfedla over {refusal}"
+        with torch.device("meta"):
+            layer = self.attention.build(64)
+        if any(isinstance(m, _BatchNorm) for m in layer.modules()):
+            return (f"pfedla.attention={self.options.attention!r} holds BatchNorm inside its "
+                    "attention layers, which DP-SGD cannot cover (--dp-fix-model converts the "
+                    "backbone's only): use pfedla.attention='se' or 'eca' under --dp")
+        return None
 
     def aggregation_weight(self, num_examples: int) -> float:
         if self.options.weighting == "uniform":
