@@ -112,7 +112,7 @@ class ServerApp:
         upload), at most RUN_OVER_LINGER seconds: an edge that misses it would retry until
         its --retry-for and exit with an error."""
         deadline = time.monotonic() + RUN_OVER_LINGER
-        records = self.engine.registry.records.values()
+        records = self.engine.edges.records.values()
         while time.monotonic() < deadline:
             if all(r.heard_run_over for r in records if r.connected):
                 return

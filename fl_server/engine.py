@@ -23,196 +23,37 @@ import hmac
 import json
 import logging
 import math
-import platform
-import random
 import re
 import secrets
-import subprocess
-import sys
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from fedattn_shared import PROTOCOL_VERSION
 from fedattn_shared.config import ServerConfig, TrainConfig
 from fedattn_shared.methods.aggregators import SUM_STEP, RoundSnapshot
 from fedattn_shared.methods.base import Method, SectionSpec
 from fedattn_shared.methods.phases import EVALUATE, TRAIN
-from fedattn_shared.state import atomic_write, read_json
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire.accounting import ByteMeter
-from fedattn_shared.wire.codec import EncodedPayload, dtype_name, encode, section_layout, torch_dtype
-from fedattn_shared.wire.payload import Kind, Payload, Section, WireError
+from fedattn_shared.wire.codec import dtype_name, encode, section_layout, torch_dtype
+from fedattn_shared.wire.payload import Kind, Payload, WireError
 from fedattn_shared.wire.transport import data_frames
 
-from .checkpoint import CheckpointStore
+from .edges import EdgeBook
 from .evaluation import split_figures, summarize
+from .history import RunHistory, tensors_digest
+from .initial import initial_payload
 from .metrics import ServerMetrics, drop_reason_label
-from .registry import EdgeRegistry
+from .phase import Phase, Refused, RoundAborted, Task, select_edges
 from .secagg import SecAggDriver
 
 log = logging.getLogger("fl_server")
 
 
-@dataclass
-class Task:
-    task_id: int
-    edge_id: str
-    delivered: bool = False
-    deliveries: int = 0  # streams that started sending it (bounded: --max-task-deliveries)
-    nonce: bytes = field(default_factory=lambda: secrets.token_bytes(16))
-
-
-@dataclass
-class Phase:
-    name: str
-    round: int
-    tasks: dict[str, Task]
-    quorum: int
-    common_id: str
-    common: EncodedPayload
-    common_frames: list[tuple[Kind, bytes, int]]  # serialized once, sent to every edge
-    personal: dict[str, EncodedPayload]
-    spec_json: str
-    started: float = field(default_factory=time.monotonic)
-    received: dict[str, dict] = field(default_factory=dict)
-    dropped: dict[str, str] = field(default_factory=dict)
-    closed: bool = False
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    # Set with ``closed``: uploads still receiving for this phase stop at once and give
-    # their slot back instead of streaming bytes nobody will aggregate.
-    closing: asyncio.Event = field(default_factory=asyncio.Event)
-    # Why the phase's aggregate cannot be trusted: the aggregator failed part way through
-    # an upload, so its sums may hold part of it. The phase then aborts its round.
-    tainted: str = ""
-
-    def pending(self) -> list[str]:
-        return [e for e in self.tasks if e not in self.received and e not in self.dropped]
-
-    def maybe_close(self) -> None:
-        if len(self.received) >= self.quorum or not self.pending():
-            self.done.set()
-
-
-class Refused(Exception):
-    """A submission or request refused; ``drop`` says whether it costs the edge its task,
-    ``code`` the gRPC status a refused unary call answers (None: PERMISSION_DENIED)."""
-
-    def __init__(self, reason: str, drop: bool = False, code: Any = None):
-        super().__init__(reason)
-        self.drop = drop
-        self.code = code
-
-
-class RoundAborted(Exception):
-    """A phase of the round cannot complete; the round ends with the global as it was."""
-
-
 # A declared training-set size: decimal digits only (no sign, exponent or Unicode digits).
 DECLARED_COUNT = re.compile(r"[0-9]{1,20}")
-
-
-def select_edges(connected: list[str], fraction: float, seed: int, round_number: int) -> list[str]:
-    if fraction >= 1.0:
-        return list(connected)
-    count = max(1, math.ceil(fraction * len(connected)))
-    return sorted(random.Random(seed * 100_003 + round_number).sample(connected, count))
-
-
-def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
-    digest = hashlib.sha256()
-    for name in sorted(tensors):
-        digest.update(name.encode())
-        digest.update(tensors[name].detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
-    return digest.hexdigest()
-
-
-INIT_SECTION = "init"
-
-
-def load_initial_weights(models: dict, path: Path, head: str = "", skip_head: bool = False) -> None:
-    """Copy a safetensors file into the models. Keys are ``model/key`` (qualified) or plain
-    state-dict keys, which then apply to every model of the method; every model tensor
-    must be covered, with the same shape. ``head`` is the classifier's state-dict prefix;
-    with ``skip_head`` it keeps its fresh seeded initialisation and the file's head
-    tensors, of any shape, are ignored (ImageNet weights for another number of classes)."""
-    from fedattn_shared.state import StateError, load_tensors
-
-    if not path.exists():
-        raise StateError(f"--init-weights {path}: no such file")
-    tensors, _ = load_tensors(path)
-
-    def in_head(key: str) -> bool:
-        key = key.partition("/")[2] if "/" in key else key
-        return bool(head) and (key == head or key.startswith(head + "."))
-
-    used = {key for key in tensors if skip_head and in_head(key)}
-    with torch.no_grad():
-        for name, model in models.items():
-            for key, target in model.state_dict(keep_vars=True).items():
-                if skip_head and in_head(key):
-                    continue
-                source_key = f"{name}/{key}" if f"{name}/{key}" in tensors else key
-                if source_key not in tensors:
-                    raise StateError(f"--init-weights {path}: no tensor for {name}/{key}")
-                value = tensors[source_key]
-                if tuple(value.shape) != tuple(target.shape):
-                    hint = (" (the classifier head, for another number of classes? "
-                            "--init-skip-head keeps the model's fresh head)") if in_head(key) else ""
-                    raise StateError(f"--init-weights {path}: {source_key} has shape "
-                                     f"{list(value.shape)}, the model needs {list(target.shape)}"
-                                     + hint)
-                target.copy_(value)
-                used.add(source_key)
-    unused = sorted(set(tensors) - used)
-    if unused:
-        raise StateError(f"--init-weights {path}: tensors the model does not have: {unused[:5]}")
-
-
-def run_manifest(server: ServerConfig, train: TrainConfig, method: Method) -> dict:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).resolve().parent, timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        sha = ""
-    from importlib.metadata import PackageNotFoundError, version
-
-    def v(name: str) -> str:
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return "not installed"
-
-    return {
-        "fedattn": v("fedattn"), "git_sha": sha or "unknown", "python": sys.version.split()[0],
-        "platform": platform.platform(), "torch": torch.__version__, "grpcio": v("grpcio"),
-        "protocol_version": PROTOCOL_VERSION, "method": method.name,
-        "aggregator": method.aggregator_kind.value,
-        "server": {**server.__dict__, "join_token": "<redacted>" if server.join_token else ""},
-        "train": train.__dict__, "params": method.describe_params(),
-        "dp": dataclasses.asdict(method.dp) if method.dp is not None else None,
-        "seeds": {"train": train.seed},
-    }
-
-
-def history_text(history: dict[str, Any], encoded: list[tuple[dict, str]]) -> str:
-    """history.json's text, one line per round. ``encoded`` keeps each round's JSON from
-    one call to the next: records never change once their round is over, so each is
-    encoded once, by the C encoder. (The pure Python encoder, which ``indent`` selects,
-    re-encoding the whole history cost the event loop ~0.3 ms per past round, every
-    round.) A history that was replaced (a resume) is encoded afresh."""
-    rounds = history["rounds"]
-    if len(encoded) > len(rounds) or (encoded and encoded[0][0] is not rounds[0]):
-        encoded.clear()
-    for record in rounds[len(encoded):]:
-        encoded.append((record, json.dumps(record, sort_keys=True)))
-    head = "".join(f"{json.dumps(key)}: {json.dumps(value, sort_keys=True)}, "
-                   for key, value in sorted(history.items()) if key != "rounds")
-    return "{" + head + '"rounds": [\n' + ",\n".join(text for _, text in encoded) + "\n]}"
 
 
 class Engine:
@@ -227,25 +68,16 @@ class Engine:
         self.fingerprint = method.fingerprint(self.models)
         # Pretrained weights: the global starts from them, and edges without private state
         # get the whole initial models once, so their private parts start there too.
-        self.init_payload: Payload | None = None
-        if server.init_weights:
-            load_initial_weights(self.models, Path(server.init_weights),
-                                 method.head, server.init_skip_head)
-            self.init_payload = Payload([Section(Kind.SHARED_TENSORS, INIT_SECTION, {
-                f"{name}/{key}": t.detach().clone()
-                for name, model in self.models.items() for key, t in model.state_dict().items()})])
+        self.init_payload = initial_payload(self.models, server.init_weights, method.head,
+                                            server.init_skip_head)
         self.aggregator = method.server(self.models)
         self.schemas: dict[str, list[SectionSpec]] = {
             phase: method.uplink_schema(phase, self.models) for phase in method.phases}
-        self.registry = EdgeRegistry(server.max_edges)
+        self.edges = EdgeBook(server.max_edges)
         # Secure aggregation: refuses (ValueError, exit 2) a method it cannot serve.
         self.secagg = (SecAggDriver(server, method, self.models, self.aggregator)
                        if server.secagg else None)
-        self.store = CheckpointStore(Path(server.checkpoint_dir), server.keep_checkpoints)
-        self.history_path = Path(server.checkpoint_dir) / "history.json"
-        self.history: dict[str, Any] = {"manifest": run_manifest(server, train, method),
-                                        "rounds": []}
-        self._encoded_rounds: list[tuple[dict, str]] = []  # (record, its JSON)
+        self.runlog = RunHistory(server, train, method, metrics)
         self.round = 0
         self.task_counter = 0
         self.state_version = 0
@@ -253,7 +85,6 @@ class Engine:
         self.phase: Phase | None = None
         self.finished = False
         self.agg_lock = asyncio.Lock()
-        self.checkpointing: asyncio.Task | None = None
         # "method" is what the edge loads: the registered name or a module:Class spec.
         config = {"method": server.method, "train": train.__dict__,
                   "params": method.describe_params()}
@@ -265,71 +96,39 @@ class Engine:
 
     # ---- state ------------------------------------------------------------------------
     def resume(self) -> None:
-        round_number, tensors, state = self.store.load()
-        if state.get("fingerprint") != self.fingerprint:
-            raise ValueError(f"{self.store.root}: checkpoint is for a different model/method "
-                             f"(fingerprint {state.get('fingerprint')}, this run "
-                             f"{self.fingerprint}); resume with the same configuration")
-        if state.get("config") != json.loads(self.config_json):
-            raise ValueError(f"{self.store.root}: checkpoint was written with a different "
-                             "configuration; resume with the same flags and config file")
+        """Continues the run from its latest checkpoint (``--resume``)."""
+        round_number, tensors, state = self.runlog.load(self.fingerprint,
+                                                        json.loads(self.config_json))
         self.aggregator.load_state(tensors, state["aggregator"])
-        self.registry = EdgeRegistry.from_json(state["registry"], self.cfg.max_edges)
+        self.edges = EdgeBook.from_json(state["registry"], self.cfg.max_edges)
         self.round = round_number
         self.task_counter = int(state["task_counter"])
-        if self.history_path.exists():
-            history = read_json(self.history_path)
-            history["rounds"] = [r for r in history["rounds"] if r["round"] <= round_number]
-            self.history = history
         log.info("resumed from round %d (state digest %s)", round_number,
                  tensors_digest(self.aggregator.state_tensors()))
 
-    def snapshot(self) -> tuple[int, dict[str, torch.Tensor], dict, str]:
+    @property
+    def history(self) -> dict[str, Any]:
+        """history.json's content (manifest and round records)."""
+        return self.runlog.data
+
+    @property
+    def store(self):
+        """The checkpoint store (app.start refuses a directory that already holds one)."""
+        return self.runlog.store
+
+    def snapshot(self):
         """Everything a checkpoint holds, taken between rounds."""
         state = {
             "round": self.round, "fingerprint": self.fingerprint,
             "config": json.loads(self.config_json), "aggregator": self.aggregator.state_meta(),
-            "registry": self.registry.to_json(), "task_counter": self.task_counter,
+            "registry": self.edges.to_json(), "task_counter": self.task_counter,
         }
         tensors = self.aggregator.state_tensors()  # live: nothing aggregates until written
-        return self.round, tensors, state, history_text(self.history, self._encoded_rounds)
-
-    def write_checkpoint(self, round_number: int, tensors: dict[str, torch.Tensor], state: dict,
-                         history_json: str) -> None:
-        # history first: a crash before the manifest moves resumes the previous round and
-        # truncates the history to it.
-        atomic_write(self.history_path, (history_json + "\n").encode(), mode=0o644)
-        self.store.save(round_number, tensors, state)
-        log.info("checkpoint round %d written", round_number)
-
-    def start_checkpoint(self, record: dict[str, Any], participants: int, selected: int) -> None:
-        """Writes the round's checkpoint on a worker thread while the next round's tasks
-        go out. The snapshot is taken now; the tensors it views change only when the next
-        round aggregates, and that waits for the write (``durable``). A crash before the
-        write ends resumes from the round before, as a crash later in the round would.
-        The round counts as completed (metrics, log) once its checkpoint is on disk."""
-        snapshot = self.snapshot()
-        test = record.get("evaluation", {}).get("summary", {}).get("test", {})
-
-        async def write() -> None:
-            started = time.monotonic()
-            await asyncio.to_thread(self.write_checkpoint, *snapshot)
-            self.metrics.checkpoint_seconds.observe(time.monotonic() - started)
-            self.metrics.checkpoint_round.set(record["round"])
-            self.metrics.checkpoint_timestamp.set_to_current_time()
-            self.metrics.round.set(record["round"])
-            self.metrics.rounds_completed.inc()
-            self.metrics.round_seconds.observe(record["seconds"])
-            log.info("round %d done in %.2fs: %d/%d results, mean test accuracy %s",
-                     record["round"], record["seconds"], participants, selected,
-                     f"{test['mean_accuracy']:.4f}" if test else "n/a")
-
-        self.checkpointing = asyncio.create_task(write())
+        return self.runlog.snapshot(self.round, tensors, state)
 
     async def durable(self) -> None:
         """Waits until the last round's checkpoint is on disk; re-raises its failure."""
-        if self.checkpointing is not None:
-            await asyncio.shield(self.checkpointing)
+        await self.runlog.durable()
 
     # ---- edges ------------------------------------------------------------------------
     def edge_lost(self, edge_id: str, reason: str) -> None:
@@ -410,7 +209,7 @@ class Engine:
         itself for an edge that declared none. A declaration that is not a whole number
         >= 1 caps the edge at 0: none of its weighted uploads is taken."""
         bound = self.cfg.max_weight
-        record = self.registry.records.get(edge_id)
+        record = self.edges.records.get(edge_id)
         declared = record.info.get("num_examples") if record is not None else None
         if declared is None:
             return bound, f"--max-weight {bound}; the edge declared no num_examples at join"
@@ -637,10 +436,10 @@ class Engine:
     # ---- rounds -------------------------------------------------------------------------
     async def wait_for_edges(self, count: int) -> None:
         announced = False
-        while len(self.registry.connected_ids()) < count:
+        while len(self.edges.connected_ids()) < count:
             if not announced:
                 log.info("waiting for %d connected edge(s) (have %d)", count,
-                         len(self.registry.connected_ids()))
+                         len(self.edges.connected_ids()))
                 announced = True
             await asyncio.sleep(0.1)
 
@@ -659,7 +458,7 @@ class Engine:
         await self.durable()
         self.finished = True
         self.phase = None
-        self.registry.wake_all()
+        self.edges.wake_all()
         log.info("run finished after %d rounds", self.round)
 
     async def run_round(self, round_number: int) -> None:
@@ -670,16 +469,16 @@ class Engine:
         the later aggregating phases are skipped, and evaluation (when due) scores the kept
         global."""
         started = time.monotonic()
-        selected = select_edges(self.registry.connected_ids(), self.cfg.fraction,
+        selected = select_edges(self.edges.connected_ids(), self.cfg.fraction,
                                 self.train.seed, round_number)
         # Wall-clock start: consecutive starts give the full round period, checkpoint included.
         record: dict[str, Any] = {"round": round_number, "started": time.time(), "aggregate": {}}
         aborted = False
         snapshot: RoundSnapshot | None = None
         try:
-            self.aggregator.begin_round(round_number, selected, len(self.registry.records))
+            self.aggregator.begin_round(round_number, selected, len(self.edges.records))
             if self.secagg is not None:
-                self.secagg.begin_round(round_number, self.registry)
+                self.secagg.begin_round(round_number, self.edges)
             # References to the global (no copy); taken before the checkpoint write ends,
             # which only reads the state.
             snapshot = self.aggregator.snapshot_round()
@@ -696,7 +495,7 @@ class Engine:
                 if all(later == EVALUATE for later in phases[index + 1:]):
                     snapshot = None  # nothing left to undo: let the previous global go
                 if eval_due:
-                    edges = self.registry.connected_ids()
+                    edges = self.edges.connected_ids()
                     try:
                         evaluation = await self.run_phase(EVALUATE, round_number, edges,
                                                           len(edges))
@@ -748,8 +547,8 @@ class Engine:
         record["bytes"] = self.meter.take_round()
         await self.durable()  # a round that aggregated nothing did not wait for the last one
         self.round = round_number
-        self.history["rounds"].append(record)
-        self.start_checkpoint(record, len(participants), len(selected))
+        self.runlog.data["rounds"].append(record)
+        self.runlog.start_checkpoint(self.snapshot(), record, len(participants), len(selected))
 
     def close_checked(self, name: str, secured: bool, phase: Phase,
                       snapshot: RoundSnapshot | None) -> tuple[dict[str, Any], Exception | None]:
@@ -826,7 +625,7 @@ class Engine:
         payload = self.aggregator.personal(edge_id, phase)
         if self.secured(phase):
             payload = Payload(payload.sections + self.secagg.personal(edge_id, phase).sections)
-        record = self.registry.records[edge_id]
+        record = self.edges.records[edge_id]
         if record.needs_init and self.init_payload is not None:
             record.needs_init = False
             payload = Payload(self.init_payload.sections + payload.sections)
@@ -864,7 +663,7 @@ class Engine:
         self.metrics.selected.labels(name).inc(len(tasks))
         log.info("round %d %s: %d task(s), quorum %d", round_number, name, len(tasks), quorum)
         for edge in edges:
-            self.registry.records[edge].wakeup.set()
+            self.edges.records[edge].wakeup.set()
         # While the edges download, the last round's checkpoint finishes (or its failure
         # stops the server here, before anything of this round is aggregated).
         await self.durable()

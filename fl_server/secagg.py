@@ -48,7 +48,7 @@ from fedattn_shared.privacy.secagg import (
 )
 from fedattn_shared.wire.payload import Kind, Payload, Section
 
-from .registry import EdgeRegistry
+from .edges import EdgeBook
 
 log = logging.getLogger("fl_server")
 
@@ -110,8 +110,8 @@ class SecAggDriver:
     def deadline(self, name: str, default: float) -> float:
         return self.cfg.secagg_timeout if protocol_step(name) else default
 
-    def begin_round(self, round_number: int, registry: EdgeRegistry) -> None:
-        keys = {e: bytes.fromhex(r.signing_key) for e, r in registry.records.items()
+    def begin_round(self, round_number: int, edges: EdgeBook) -> None:
+        keys = {e: bytes.fromhex(r.signing_key) for e, r in edges.records.items()
                 if r.signing_key}
         self.rounds = {}
         for phase in self.masked:

@@ -52,8 +52,9 @@ from fedattn_shared.wire.transport import (
     serialize,
 )
 
-from .engine import Engine, Phase, Refused
-from .registry import AuthError
+from .edges import AuthError
+from .engine import Engine
+from .phase import Phase, Refused
 
 log = logging.getLogger("fl_server")
 
@@ -132,7 +133,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
             log.warning("refused %s from %s: %s", edge_id[:64], context.peer(), refusal)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
         try:
-            self.engine.registry.check(edge_id, request.session)
+            self.engine.edges.check(edge_id, request.session)
         except AuthError as err:
             self.meter.count_message(UP, request, edge=UNREGISTERED)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(err))
@@ -152,13 +153,13 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
             except (OSError, ValueError) as err:
                 log.error("cannot read the enrolment list: %s", err)
                 continue
-            for edge, record in list(self.engine.registry.records.items()):
+            for edge, record in list(self.engine.edges.records.items()):
                 refusal = record.session and self.enrollment.check(
                     edge, serial=record.cert_serial or None)
                 if refusal:
                     record.end_session()
                     self.engine.edge_lost(edge, "revoked")
-                    self.engine.metrics.connected.set(len(self.engine.registry.connected_ids()))
+                    self.engine.metrics.connected.set(len(self.engine.edges.connected_ids()))
                     log.warning("edge %s: session ended: %s", edge, refusal)
 
     # ---- Join -------------------------------------------------------------------------
@@ -213,7 +214,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
                           code=grpc.StatusCode.INVALID_ARGUMENT) from None
         serial = self.enrollment.serial(edge_id) if self.enrollment is not None else ""
         try:
-            record = self.engine.registry.join(edge_id, request.edge_secret, dict(request.info),
+            record = self.engine.edges.join(edge_id, request.edge_secret, dict(request.info),
                                                request.signing_key, cert_serial=serial)
         except AuthError as err:
             raise Refused(str(err)) from None
@@ -231,10 +232,10 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
     # ---- Presence ---------------------------------------------------------------------
     async def Presence(self, request: pb.PresenceRequest, context):
         await self._auth(request, context)
-        record = self.engine.registry.records[request.edge_id]
+        record = self.engine.edges.records[request.edge_id]
         session_over = record.session_over
         record.connected = True
-        self.engine.metrics.connected.set(len(self.engine.registry.connected_ids()))
+        self.engine.metrics.connected.set(len(self.engine.edges.connected_ids()))
         try:
             while record.session == request.session:
                 event = pb.PresenceEvent(server_time=time.time())
@@ -251,7 +252,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
                 record.connected = False
                 self.engine.edge_lost(request.edge_id, "disconnected")
                 log.info("edge %s disconnected", request.edge_id)
-            self.engine.metrics.connected.set(len(self.engine.registry.connected_ids()))
+            self.engine.metrics.connected.set(len(self.engine.edges.connected_ids()))
 
     # ---- NextTask ---------------------------------------------------------------------
     async def NextTask(self, request: pb.TaskRequest, context):
@@ -261,7 +262,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         await self._auth(request, context)
         try:
             edge = request.edge_id
-            record = self.engine.registry.records[edge]
+            record = self.engine.edges.records[edge]
             deadline = time.monotonic() + self.cfg.poll_timeout
             while True:
                 if self.engine.finished:
@@ -376,7 +377,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
             self.meter.count_message(UP, first, edge=UNREGISTERED)
             raise Refused(f"protocol version {header.protocol_version} unsupported")
         try:
-            record = self.engine.registry.check(edge, header.session)
+            record = self.engine.edges.check(edge, header.session)
         except AuthError as err:
             self.meter.count_message(UP, first, edge=UNREGISTERED)
             raise Refused(str(err)) from None
@@ -527,7 +528,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
     # ---- Leave ------------------------------------------------------------------------
     async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveReply:
         await self._auth(request, context)
-        record = self.engine.registry.records[request.edge_id]
+        record = self.engine.edges.records[request.edge_id]
         record.end_session()
         reason = request.reason[:MAX_LEAVE_REASON]
         self.engine.edge_lost(request.edge_id, f"left: {reason}" if reason else "left")

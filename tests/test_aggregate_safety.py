@@ -29,8 +29,9 @@ from fedattn_shared.wire.codec import encode
 from fedattn_shared.wire.payload import Kind, Payload, Section
 from fedattn_shared.wire.transport import PayloadAssembler, payload_chunks
 from fl_server.cli import build_parser, resolve
-from fl_server.engine import Engine, Refused
+from fl_server.engine import Engine
 from fl_server.metrics import ServerMetrics
+from fl_server.phase import Refused
 
 SHARED = (Kind.SHARED_TENSORS, "")
 CONTROL = (Kind.CONTROL, "")
@@ -60,7 +61,7 @@ def connect(engine: Engine, declared: dict[str, str | None]) -> None:
     """Edges joined and present; ``declared``: what each put in info["num_examples"]."""
     for edge, count in declared.items():
         info = {} if count is None else {"num_examples": count}
-        engine.registry.join(edge, "s" * 32, info, KEY).connected = True
+        engine.edges.join(edge, "s" * 32, info, KEY).connected = True
 
 
 def over_the_wire(payload: Payload) -> tuple[pb.PayloadManifest, Payload]:

@@ -340,7 +340,7 @@ def engine_for(tmp_path, name: str, model: str):
 
 
 def test_optional_schema_tensors_accept_a_class_subset_and_nothing_else(tmp_path):
-    from fl_server.engine import Refused
+    from fl_server.phase import Refused
 
     engine = engine_for(tmp_path, "fedstar", COMPACT)
     schema = engine.schemas["train"]
@@ -462,7 +462,7 @@ def test_the_server_refuses_an_upload_that_fails_the_methods_check(tmp_path):
     import asyncio
 
     from fedattn_shared.wire import fedattn_pb2 as pb
-    from fl_server.engine import Phase, Refused, Task
+    from fl_server.phase import Phase, Refused, Task
 
     engine = engine_for(tmp_path, "fedproto", COMPACT)
     engine.aggregator.begin_round(1, ["e0"], 1)

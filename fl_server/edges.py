@@ -1,4 +1,8 @@
-"""Edges the server knows: identity (id bound to a secret), session, presence."""
+"""Edges the server knows: identity (id bound to a secret), session, presence.
+
+Called ``EdgeBook`` (it was ``EdgeRegistry``): "registry" already means the Prometheus
+collector registry, the method registry and the model registry.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from dataclasses import dataclass, field
 from fedattn_shared.tls import edge_id_refusal
 
 # What a Join may say about the device (hostname, versions): bounded, so that a stranger's
-# join cannot grow the registry, the log or the checkpoint.
+# join cannot grow the edge book, the log or the checkpoint.
 MAX_INFO_ENTRIES = 32
 MAX_INFO_KEY = 64
 MAX_INFO_VALUE = 256
@@ -33,6 +37,9 @@ def _hash(secret: str) -> str:
 
 @dataclass
 class EdgeRecord:
+    """One edge id: what binds it (secret hash, signing key, certificate serial, kept in
+    checkpoints) and its live session (keys and events, never written to disk)."""
+
     edge_id: str
     secret_hash: str
     first_seen: float
@@ -50,11 +57,13 @@ class EdgeRecord:
     session_over: asyncio.Event = field(default_factory=asyncio.Event)
 
     def new_session(self) -> None:
+        """A join: the previous session ends (its presence stream closes) first."""
         self.end_session()
         self.session = secrets.token_hex(16)
         self.session_over = asyncio.Event()
 
     def end_session(self) -> None:
+        """A leave, rejoin or revocation: wakes whatever waits on the old session."""
         self.session = ""
         self.connected = False
         self.session_over.set()
@@ -71,7 +80,7 @@ def info_refusal(info: dict[str, str]) -> str:
     return ""
 
 
-class EdgeRegistry:
+class EdgeBook:
     """The edges this server knows. ``max_edges`` bounds how many ids may ever register:
     without a join token or mutual TLS anyone can invent ids, and each one is a record, a
     set of metric series and a line in every checkpoint."""
@@ -119,6 +128,7 @@ class EdgeRegistry:
         return record
 
     def check(self, edge_id: str, session: str) -> EdgeRecord:
+        """The record of a call that names a live session; AuthError otherwise."""
         record = self.records.get(edge_id)
         if record is None:
             raise AuthError(f"unknown edge {edge_id!r}", permanent=False)
@@ -127,24 +137,28 @@ class EdgeRegistry:
         return record
 
     def connected_ids(self) -> list[str]:
+        """Edges with a presence stream open: those a round can select."""
         return sorted(e for e, r in self.records.items() if r.connected)
 
     def wake_all(self) -> None:
+        """Ends every task long-poll's wait (a new phase, or the run is over)."""
         for record in self.records.values():
             record.wakeup.set()
 
     def to_json(self) -> dict:
+        """The bindings a checkpoint keeps (no session: a resumed server makes edges rejoin)."""
         return {e: {"secret_sha256": r.secret_hash, "first_seen": r.first_seen,
                     **({"signing_key": r.signing_key} if r.signing_key else {}),
                     **({"cert_serial": r.cert_serial} if r.cert_serial else {})}
                 for e, r in sorted(self.records.items())}
 
     @classmethod
-    def from_json(cls, data: dict, max_edges: int = 10_000) -> EdgeRegistry:
-        registry = cls(max_edges)
+    def from_json(cls, data: dict, max_edges: int = 10_000) -> EdgeBook:
+        """The book a checkpoint kept, every edge disconnected until it rejoins."""
+        book = cls(max_edges)
         for edge_id, entry in data.items():
-            registry.records[edge_id] = EdgeRecord(edge_id, entry["secret_sha256"],
+            book.records[edge_id] = EdgeRecord(edge_id, entry["secret_sha256"],
                                                    entry["first_seen"],
                                                    signing_key=entry.get("signing_key", ""),
                                                    cert_serial=entry.get("cert_serial", ""))
-        return registry
+        return book
