@@ -22,6 +22,7 @@ from fedattn_shared.wire.accounting import ByteMeter
 from fedattn_shared.wire.transport import server_options
 
 from .engine import Engine
+from .front import EdgeFront
 from .metrics import ServerMetrics
 from .service import FederatedLearningService, service_handler
 
@@ -64,7 +65,7 @@ class ServerApp:
         Path(cfg.checkpoint_dir).mkdir(parents=True, exist_ok=True)
         self._grpc = grpc.aio.server(options=server_options())
         enrollment = Enrollment(Path(cfg.tls_dir) / ENROLLED) if cfg.tls_dir else None
-        service = FederatedLearningService(engine, self.meter, cfg, enrollment)
+        service = FederatedLearningService(EdgeFront(engine), self.meter, cfg, enrollment)
         self._watch = asyncio.create_task(service.watch_enrollment())
         self._grpc.add_generic_rpc_handlers((service_handler(service),))
         self._health = health.aio.HealthServicer()

@@ -156,9 +156,14 @@ class EdgeBook:
     def from_json(cls, data: dict, max_edges: int = 10_000) -> EdgeBook:
         """The book a checkpoint kept, every edge disconnected until it rejoins."""
         book = cls(max_edges)
-        for edge_id, entry in data.items():
-            book.records[edge_id] = EdgeRecord(edge_id, entry["secret_sha256"],
-                                                   entry["first_seen"],
-                                                   signing_key=entry.get("signing_key", ""),
-                                                   cert_serial=entry.get("cert_serial", ""))
+        book.load_json(data)
         return book
+
+    def load_json(self, data: dict) -> None:
+        """Replaces the records with those a checkpoint kept (a resume): the book itself
+        stays, so whatever holds it (the upload gate) sees the resumed edges."""
+        self.records = {
+            edge_id: EdgeRecord(edge_id, entry["secret_sha256"], entry["first_seen"],
+                                signing_key=entry.get("signing_key", ""),
+                                cert_serial=entry.get("cert_serial", ""))
+            for edge_id, entry in data.items()}

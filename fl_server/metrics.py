@@ -133,3 +133,15 @@ class ServerMetrics:
                 metric.labels(phase)
             for reason in sorted(set(DROP_REASONS.values()) | {"other"}):
                 self.dropped.labels(phase, reason)
+
+    def publish_evaluation(self, per_edge: dict, summary: dict) -> None:
+        """A round's evaluation as gauges: each edge's and the fleet's accuracy and loss
+        per split (what a dashboard plots while the run goes on)."""
+        for edge, splits in per_edge.items():
+            for split, figures in splits.items():
+                self.accuracy.labels(edge, split).set(figures["accuracy"])
+                self.loss.labels(edge, split).set(figures["loss"])
+        for split, figures in summary.items():
+            self.mean_accuracy.labels(split).set(figures["mean_accuracy"])
+            self.pooled_accuracy.labels(split).set(figures["pooled_accuracy"])
+            self.mean_loss.labels(split).set(figures["mean_loss"])

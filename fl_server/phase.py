@@ -58,6 +58,10 @@ class Phase:
     # Why the phase's aggregate cannot be trusted: the aggregator failed part way through
     # an upload, so its sums may hold part of it. The phase then aborts its round.
     tainted: str = ""
+    # What runs the phase (``drivers.PhaseDriver``) and the upload schema it had when the
+    # phase opened (SecAgg steps' schemas depend on the earlier steps).
+    driver: Any = None
+    schema: list = field(default_factory=list)
 
     def pending(self) -> list[str]:
         """Edges that hold a task and have neither answered nor been dropped."""
@@ -67,6 +71,25 @@ class Phase:
         """Ends the wait once the quorum answered or nobody is left to answer."""
         if len(self.received) >= self.quorum or not self.pending():
             self.done.set()
+
+
+    def summary(self) -> dict:
+        """The phase's entry in the round's history record."""
+        record = {
+            "selected": sorted(self.tasks), "received": sorted(self.received),
+            "dropped": dict(sorted(self.dropped.items())), "quorum": self.quorum,
+            "seconds": time.monotonic() - self.started,
+            "edge_metrics": {e: r["metrics"] for e, r in sorted(self.received.items())
+                             if r["metrics"]},
+            "num_examples": {e: r["num_examples"] for e, r in sorted(self.received.items())},
+        }
+        # --clip-update-norm: each accepted upload's distance from the global (before any
+        # scaling), what an operator chooses C from.
+        norms = {e: r["update_norm"] for e, r in sorted(self.received.items())
+                 if "update_norm" in r}
+        if norms:
+            record["update_norm"] = norms
+        return record
 
 
 class Refused(Exception):
