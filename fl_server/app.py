@@ -59,7 +59,7 @@ class ServerApp:
         cfg, engine = self.cfg, self.engine
         if cfg.resume:
             engine.resume()
-        elif engine.store.latest() is not None:
+        elif engine.runlog.store.latest() is not None:
             raise UsageError(f"{cfg.checkpoint_dir} already holds a checkpoint; pass --resume to "
                              "continue it or choose an empty --checkpoint-dir")
         Path(cfg.checkpoint_dir).mkdir(parents=True, exist_ok=True)

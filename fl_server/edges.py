@@ -9,11 +9,15 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import logging
 import secrets
 import time
 from dataclasses import dataclass, field
 
 from fedattn_shared.tls import edge_id_refusal
+from fedattn_shared.wire.payload import Payload
+
+log = logging.getLogger("fl_server")
 
 # What a Join may say about the device (hostname, versions): bounded, so that a stranger's
 # join cannot grow the edge book, the log or the checkpoint.
@@ -139,6 +143,27 @@ class EdgeBook:
     def connected_ids(self) -> list[str]:
         """Edges with a presence stream open: those a round can select."""
         return sorted(e for e, r in self.records.items() if r.connected)
+
+    async def wait_for(self, count: int) -> None:
+        """Returns once ``count`` edges are connected: every round starts with at least
+        --min-edges (as Flower's min_available_clients); stragglers inside a round are
+        what --quorum tolerates."""
+        announced = False
+        while len(self.connected_ids()) < count:
+            if not announced:
+                log.info("waiting for %d connected edge(s) (have %d)", count,
+                         len(self.connected_ids()))
+                announced = True
+            await asyncio.sleep(0.1)
+
+    def first_downlink(self, edge_id: str, payload: Payload, init: Payload | None) -> Payload:
+        """``payload`` after the initial models (``--init-weights``) for an edge that
+        joined without private state, once: its private parts start there too."""
+        record = self.records[edge_id]
+        if record.needs_init and init is not None:
+            record.needs_init = False
+            return Payload(init.sections + payload.sections)
+        return payload
 
     def wake_all(self) -> None:
         """Ends every task long-poll's wait (a new phase, or the run is over)."""

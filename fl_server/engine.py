@@ -12,54 +12,36 @@ beyond-float32 value) aborts its round: the aggregator returns to its state befo
 round (nothing of the round is applied), the history records ``"aborted"`` with the
 reason, and the next round runs.
 
-The engine knows drivers, not what they are: secure aggregation is a wrapper that
-expanded the plan (``SecAggPlus``). What the gRPC servicer may ask of the server
-(join, next task, submit, leave) is ``front.py``; history and checkpoints are
-``history.py``.
+The engine runs drivers without knowing what they are: secure aggregation is a wrapper
+that expanded the plan. The servicer's interface is ``front.py``, history and
+checkpoints are ``history.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import hashlib
 import json
 import logging
 import secrets
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from fedattn_shared.config import ServerConfig, TrainConfig
 from fedattn_shared.methods.aggregators import RoundSnapshot
 from fedattn_shared.methods.base import Method
 from fedattn_shared.wire.accounting import ByteMeter
-from fedattn_shared.wire.codec import encode
-from fedattn_shared.wire.payload import Payload
-from fedattn_shared.wire.transport import data_frames
 
 from .drivers import PhaseDriver, SecAggPlus, round_plan
 from .edges import EdgeBook
 from .evaluation import summarize
 from .gate import UploadGate
-from .history import RunHistory, Snapshot, tensors_digest
+from .history import RunHistory, Snapshot, run_config, tensors_digest
 from .initial import initial_payload
 from .metrics import ServerMetrics, drop_reason_label
-from .phase import Phase, Refused, RoundAborted, Task, select_edges
+from .phase import Phase, RoundAborted, RoundState, open_phase, select_edges
 from .secagg import SecAggDriver
 
 log = logging.getLogger("fl_server")
-
-
-@dataclass
-class RoundState:
-    """What the phases of one round hand on to the next."""
-
-    number: int
-    record: dict[str, Any]
-    participants: list[str]
-    snapshot: RoundSnapshot | None = None
-    aborted: bool = False
 
 
 class Engine:
@@ -84,21 +66,16 @@ class Engine:
         self.plan: list[PhaseDriver] = round_plan(
             method, self.models, self.aggregator, server,
             SecAggPlus(self.secagg) if self.secagg is not None else None)
-        self.gate = UploadGate(server, train, method, self.edges, self.aggregator, metrics)
         self.runlog = RunHistory(server, train, method, metrics)
+        self.agg_lock = asyncio.Lock()
+        self.gate = UploadGate(server, train, method, self.edges, self.aggregator, metrics,
+                               self.agg_lock, self.runlog.durable)
         self.round = self.task_counter = self.state_version = 0
         self.instance = secrets.token_hex(4)
         self.phase: Phase | None = None
         self.finished = False
-        self.agg_lock = asyncio.Lock()
-        # "method" is what the edge loads: the registered name or a module:Class spec.
-        config = {"method": server.method, "train": train.__dict__,
-                  "params": method.describe_params()}
-        if method.dp is not None:  # the resolved [dp] section: every edge calibrates from it
-            config["dp"] = dataclasses.asdict(method.dp)
-        if self.secagg is not None:  # every edge holds each SecAgg round to these, not the round's word
-            config["secagg"] = self.secagg.policy.to_config()
-        self.config_json = json.dumps(config, sort_keys=True)
+        self.config_json = run_config(server, train, method,
+                                      self.secagg.policy if self.secagg is not None else None)
 
     # ---- state ------------------------------------------------------------------------
     def resume(self) -> None:
@@ -117,11 +94,6 @@ class Engine:
         """history.json's content (manifest and round records)."""
         return self.runlog.data
 
-    @property
-    def store(self):
-        """The checkpoint store (``ServerApp.start`` refuses a directory holding one)."""
-        return self.runlog.store
-
     def snapshot(self) -> Snapshot:
         """Everything a checkpoint holds, taken between rounds."""
         state = {
@@ -136,26 +108,12 @@ class Engine:
         """Waits until the last round's checkpoint is on disk; re-raises its failure."""
         await self.runlog.durable()
 
-    # ---- the open phase ---------------------------------------------------------------
-    def edge_lost(self, edge_id: str, reason: str) -> None:
-        """An edge's session ended: its pending task in the open phase is dropped."""
-        phase = self.phase
-        if phase is not None and not phase.closed and edge_id in phase.pending():
-            self.drop(phase, edge_id, reason)
-
     def drop(self, phase: Phase, edge_id: str, reason: str) -> None:
         """Takes an edge's task away (counted and logged by reason)."""
         phase.dropped[edge_id] = reason
         self.metrics.dropped.labels(phase.name, drop_reason_label(reason)).inc()
         log.warning("round %d %s: dropped %s (%s)", phase.round, phase.name, edge_id, reason)
         phase.maybe_close()
-
-    def task_for(self, edge_id: str) -> tuple[Phase, Task] | None:
-        """The edge's pending task in the open phase, if it has one."""
-        phase = self.phase
-        if phase is None or phase.closed or edge_id not in phase.pending():
-            return None
-        return phase, phase.tasks[edge_id]
 
     # ---- rounds -------------------------------------------------------------------------
     async def run(self) -> None:
@@ -167,13 +125,7 @@ class Engine:
             self.metrics.export_dp_budget(self.method.dp.target_epsilon)
         self.metrics.round.set(self.round)
         while self.round < self.cfg.rounds:
-            announced = False
-            while len(self.edges.connected_ids()) < self.cfg.min_edges:
-                if not announced:
-                    log.info("waiting for %d connected edge(s) (have %d)", self.cfg.min_edges,
-                             len(self.edges.connected_ids()))
-                    announced = True
-                await asyncio.sleep(0.1)
+            await self.edges.wait_for(self.cfg.min_edges)
             await self.run_round(self.round + 1)
         await self.durable()
         self.finished = True
@@ -300,48 +252,16 @@ class Engine:
         log.error("round %d %s: round aborted, the global stays as it was: %s",
                   state.number, phase, reason, exc_info=err if internal else None)
 
-    def personal_downlink(self, edge_id: str, driver: PhaseDriver) -> Payload:
-        """The driver's personal downlink, after the initial models for an edge that
-        joined without private state (once)."""
-        payload = driver.personal(edge_id)
-        record = self.edges.records[edge_id]
-        if record.needs_init and self.init_payload is not None:
-            record.needs_init = False
-            payload = Payload(self.init_payload.sections + payload.sections)
-        return payload
-
-    async def open_phase(self, driver: PhaseDriver, round_number: int, edges: list[str]) -> Phase:
-        """Builds the phase's downlinks and tasks and makes it the open phase."""
-        name = driver.name
-        try:
-            schema = driver.schema()
-            common = await asyncio.to_thread(encode, driver.common())
-            frames = await asyncio.to_thread(
-                lambda: list(data_frames(common, self.cfg.chunk_bytes)))
-            personal = {e: encode(self.personal_downlink(e, driver)) for e in edges}
-        except Exception as err:
-            raise RoundAborted(f"the {name} downlink could not be built "
-                               f"({type(err).__name__}: {err})") from err
-        # The id changes when the bytes differ (the manifest carries their CRC-32) and, to
-        # rule out a CRC collision on the usual path, whenever a phase aggregated uploads;
-        # so an edge's cached copy is reused exactly when it is current.
-        layout = hashlib.sha256(common.manifest.SerializeToString(deterministic=True)).hexdigest()
-        tasks = {}
-        for edge in edges:
-            self.task_counter += 1
-            tasks[edge] = Task(self.task_counter, edge)
-        self.phase = Phase(
-            name=name, round=round_number, tasks=tasks, quorum=driver.quorum(len(edges)),
-            common_id=f"{self.instance}-v{self.state_version}-{layout[:16]}",
-            common=common, common_frames=frames, personal=personal,
-            spec_json=json.dumps({"round": round_number, "rounds": self.cfg.rounds, "phase": name}),
-            driver=driver, schema=schema)
-        return self.phase
-
     async def run_phase(self, driver: PhaseDriver, round_number: int, edges: list[str]) -> Phase:
         """Sends the phase's tasks and waits for its quorum or deadline; then closes it to
         uploads (those still streaming stop) and counts the edges that did not answer."""
-        phase = await self.open_phase(driver, round_number, edges)
+        ids = range(self.task_counter + 1, self.task_counter + 1 + len(edges))
+        phase = self.phase = await open_phase(
+            driver, round_number, self.cfg, dict(zip(edges, ids, strict=True)),
+            lambda edge: self.edges.first_downlink(edge, driver.personal(edge),
+                                                  self.init_payload),
+            f"{self.instance}-v{self.state_version}")
+        self.task_counter += len(edges)  # only once the downlinks could be built
         name = phase.name
         self.metrics.selected.labels(name).inc(len(phase.tasks))
         log.info("round %d %s: %d task(s), quorum %d", round_number, name, len(phase.tasks),
@@ -370,37 +290,3 @@ class Engine:
         self.metrics.participants.labels(name).set(len(phase.received))
         self.metrics.phase_seconds.labels(name).observe(time.monotonic() - phase.started)
         return phase
-
-    # ---- uploads ------------------------------------------------------------------------
-    async def take(self, phase: Phase, header: Any, payload: Payload) -> None:
-        """Takes an upload that passed the gate's checks into its phase (under
-        ``agg_lock``, after the last checkpoint is on disk): the driver's accept, then the
-        result. Whatever it raises refuses the upload and costs the edge its task."""
-        edge = header.edge_id
-        driver = phase.driver
-        async with self.agg_lock:
-            await self.durable()  # the last round's checkpoint views the state this changes
-            if phase.closed or edge not in phase.pending():
-                raise Refused("the phase closed before the upload completed")
-            try:
-                norm = None
-                if driver.weighted:
-                    weight = self.method.aggregation_weight(int(header.num_examples))
-                    started = time.monotonic()
-                    norm = await asyncio.to_thread(self.gate.aggregate, phase, driver, edge,
-                                                   payload, weight)
-                    self.metrics.aggregation_seconds.labels(phase.name, "accept").observe(
-                        time.monotonic() - started)
-                elif not driver.evaluates:
-                    await asyncio.to_thread(self.gate.aggregate, phase, driver, edge, payload, 0.0)
-                phase.received[edge] = self.gate.result(header, phase, norm)
-            except Refused:
-                raise
-            except ValueError as err:  # values the method cannot use: the edge's fault
-                raise Refused(f"{phase.name} upload: {err}", drop=True) from None
-            except Exception as err:
-                log.error("round %d %s: %s's upload failed on the server", phase.round,
-                          phase.name, edge, exc_info=True)
-                raise Refused(f"{phase.name} upload: the server could not take it "
-                              f"({type(err).__name__})", drop=True) from None
-            phase.maybe_close()

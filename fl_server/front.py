@@ -65,7 +65,7 @@ class EdgeFront:
         record.upload_mac_key = mac_key(record)
         record.needs_init = not request.state_fingerprint
         self.metrics.joins.inc()
-        self.engine.edge_lost(record.edge_id, "rejoined")
+        self.edge_lost(record.edge_id, "rejoined")
         log.info("edge %s joined (%s)", record.edge_id,
                  ", ".join(f"{k}={v!r}" for k, v in sorted(record.info.items())))
         return record
@@ -87,23 +87,32 @@ class EdgeFront:
         """Its presence stream ended: when still its session, its task is dropped."""
         if record.session == session:
             record.connected = False
-            self.engine.edge_lost(record.edge_id, "disconnected")
+            self.edge_lost(record.edge_id, "disconnected")
             log.info("edge %s disconnected", record.edge_id)
         self._count_connected()
 
     def end_session(self, record: EdgeRecord, reason: str) -> None:
         """Ends an edge's session from the server's side (a leave or a revocation)."""
         record.end_session()
-        self.engine.edge_lost(record.edge_id, reason)
+        self.edge_lost(record.edge_id, reason)
         self._count_connected()
 
     def _count_connected(self) -> None:
         self.metrics.connected.set(len(self.engine.edges.connected_ids()))
 
+    def edge_lost(self, edge_id: str, reason: str) -> None:
+        """An edge's session ended: its pending task in the open phase is dropped."""
+        phase = self.engine.phase
+        if phase is not None and not phase.closed and edge_id in phase.pending():
+            self.engine.drop(phase, edge_id, reason)
+
     # ---- tasks --------------------------------------------------------------------------
     def next_task(self, edge: str) -> tuple[Phase, Task] | None:
         """The edge's pending task in the open phase, if any."""
-        return self.engine.task_for(edge)
+        phase = self.engine.phase
+        if phase is None or phase.closed or edge not in phase.pending():
+            return None
+        return phase, phase.tasks[edge]
 
     def deliver(self, phase: Phase, task: Task, limit: int) -> bool:
         """Counts one more download of a task; past ``limit`` the task is dropped (a
@@ -132,7 +141,7 @@ class EdgeFront:
         gate = self.engine.gate
         payload: Payload = await gate.verify(admission, header, body_mac, assembler)
         gate.check_values(admission.phase, header.edge_id, payload)
-        await self.engine.take(admission.phase, header, payload)
+        await gate.take(admission.phase, header, payload)
 
     def refused(self, edge: str, label: str, err: Refused | WireError,
                 phase: Phase | None) -> str:

@@ -12,8 +12,9 @@ An upload (``Submit``) passes, in this order:
 3. (the servicer: one stream per task, an upload slot, the body within its deadlines)
 4. ``verify`` (the body): the signature over header and body MAC, finite values;
 5. ``check_values``: the method's own check (``Method.check_upload``);
-6. ``aggregate`` (a worker thread, under ``agg_lock``): the update-norm bound
-   (``--clip-update-norm``), then the phase driver's ``accept``.
+6. ``take``, under ``agg_lock`` once the last checkpoint is on disk: the phase still
+   open, then ``aggregate`` (a worker thread): the update-norm bound
+   (``--clip-update-norm``), then the phase driver's ``accept``; then the result.
 
 Each step raises ``Refused``; its ``drop`` says whether the refusal costs the edge its
 task (the messages are part of the interface: operators and tests read them). Checks of
@@ -28,7 +29,8 @@ import hmac
 import logging
 import math
 import re
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,13 +74,16 @@ class UploadGate:
     method, the edges, the global for the norm bound) and nothing of a round."""
 
     def __init__(self, cfg: ServerConfig, train: TrainConfig, method: Method, edges: EdgeBook,
-                 aggregator: Aggregator, metrics: ServerMetrics):
+                 aggregator: Aggregator, metrics: ServerMetrics, agg_lock: asyncio.Lock,
+                 durable: Callable[[], Awaitable[None]]):
         self.cfg = cfg
         self.classes = train.num_classes
         self.method = method
         self.edges = edges
         self.aggregator = aggregator
         self.metrics = metrics
+        self.agg_lock = agg_lock  # the engine's: uploads and closes never overlap
+        self.durable = durable  # waits for the last checkpoint, which views the state
 
     # ---- 1. who -------------------------------------------------------------------------
     def identify(self, header: pb.SubmitHeader) -> EdgeRecord:
@@ -281,7 +286,41 @@ class UploadGate:
             raise Refused(f"the method could not check this upload ({type(err).__name__})",
                           drop=True) from None
 
-    # ---- 6. into the aggregate ----------------------------------------------------------
+    # ---- 6. into the phase ---------------------------------------------------------------
+    async def take(self, phase: Phase, header: pb.SubmitHeader, payload: Payload) -> None:
+        """Takes an upload that passed the gate's checks into its phase (under
+        ``agg_lock``, after the last checkpoint is on disk): the driver's accept, then the
+        result. Whatever it raises refuses the upload and costs the edge its task."""
+        edge = header.edge_id
+        driver = phase.driver
+        async with self.agg_lock:
+            await self.durable()  # the last round's checkpoint views the state this changes
+            if phase.closed or edge not in phase.pending():
+                raise Refused("the phase closed before the upload completed")
+            try:
+                norm = None
+                if driver.weighted:
+                    weight = self.method.aggregation_weight(int(header.num_examples))
+                    started = time.monotonic()
+                    norm = await asyncio.to_thread(self.aggregate, phase, driver, edge,
+                                              payload, weight)
+                    self.metrics.aggregation_seconds.labels(phase.name, "accept").observe(
+                        time.monotonic() - started)
+                elif not driver.evaluates:
+                    await asyncio.to_thread(self.aggregate, phase, driver, edge, payload, 0.0)
+                phase.received[edge] = self.result(header, phase, norm)
+            except Refused:
+                raise
+            except ValueError as err:  # values the method cannot use: the edge's fault
+                raise Refused(f"{phase.name} upload: {err}", drop=True) from None
+            except Exception as err:
+                log.error("round %d %s: %s's upload failed on the server", phase.round,
+                          phase.name, edge, exc_info=True)
+                raise Refused(f"{phase.name} upload: the server could not take it "
+                              f"({type(err).__name__})", drop=True) from None
+            phase.maybe_close()
+
+    # (6, a worker thread: the update bound and the driver's accept) ----------------------
     def aggregate(self, phase: Phase, driver: PhaseDriver, edge: str, payload: Payload,
                   weight: float) -> float | None:
         """Bound the update, then hand the upload to the phase's driver (a worker thread,

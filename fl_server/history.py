@@ -88,6 +88,21 @@ def history_text(history: dict[str, Any], encoded: list[tuple[dict, str]]) -> st
     return "{" + head + '"rounds": [\n' + ",\n".join(text for _, text in encoded) + "\n]}"
 
 
+def run_config(server: ServerConfig, train: TrainConfig, method: Method,
+               secagg: Any = None) -> str:
+    """The run configuration as JSON: what every edge builds its method from (sent at
+    join) and what a checkpoint must have been written with to be resumed. "method" is
+    what the edge loads: the registered name or a module:Class spec; ``secagg`` (the
+    SecAgg policy) is what every edge holds each SecAgg round to, not the round's word."""
+    config: dict[str, Any] = {"method": server.method, "train": train.__dict__,
+                              "params": method.describe_params()}
+    if method.dp is not None:  # the resolved [dp] section: every edge calibrates from it
+        config["dp"] = dataclasses.asdict(method.dp)
+    if secagg is not None:
+        config["secagg"] = secagg.to_config()
+    return json.dumps(config, sort_keys=True)
+
+
 Snapshot = tuple[int, dict[str, torch.Tensor], dict, str]
 
 

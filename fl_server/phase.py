@@ -10,15 +10,21 @@ without importing the round loop. ``Refused`` is every refusal an edge can get (
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import math
 import random
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fedattn_shared.wire.codec import EncodedPayload
-from fedattn_shared.wire.payload import Kind
+from fedattn_shared.config import ServerConfig
+from fedattn_shared.methods.aggregators import RoundSnapshot
+from fedattn_shared.wire.codec import EncodedPayload, encode
+from fedattn_shared.wire.payload import Kind, Payload
+from fedattn_shared.wire.transport import data_frames
 
 
 @dataclass
@@ -92,6 +98,19 @@ class Phase:
         return record
 
 
+@dataclass
+class RoundState:
+    """What the phases of one round hand on to the next: its history record, the
+    edges still taking part, the aggregator's state at its start (to undo it) and
+    whether it aborted."""
+
+    number: int
+    record: dict[str, Any]
+    participants: list[str]
+    snapshot: RoundSnapshot | None = None
+    aborted: bool = False
+
+
 class Refused(Exception):
     """A submission or request refused; ``drop`` says whether it costs the edge its task,
     ``code`` the gRPC status a refused unary call answers (None: PERMISSION_DENIED)."""
@@ -113,3 +132,31 @@ def select_edges(connected: list[str], fraction: float, seed: int, round_number:
         return list(connected)
     count = max(1, math.ceil(fraction * len(connected)))
     return sorted(random.Random(seed * 100_003 + round_number).sample(connected, count))
+
+
+async def open_phase(driver: Any, round_number: int, cfg: ServerConfig, task_ids: dict[str, int],
+                     personal: Callable[[str], Payload], version: str) -> Phase:
+    """A new phase of ``driver``: its schema, its common downlink encoded and framed once
+    (off the event loop), every edge's personal downlink and a task per edge. A downlink
+    that cannot be built aborts the round (``RoundAborted``). ``version`` names the
+    server instance and state version the common payload's id starts with."""
+    name = driver.name
+    try:
+        schema = driver.schema()
+        common = await asyncio.to_thread(encode, driver.common())
+        frames = await asyncio.to_thread(lambda: list(data_frames(common, cfg.chunk_bytes)))
+        encoded = {e: encode(personal(e)) for e in task_ids}
+    except Exception as err:
+        raise RoundAborted(f"the {name} downlink could not be built "
+                           f"({type(err).__name__}: {err})") from err
+    # The id changes when the bytes differ (the manifest carries their CRC-32) and, to
+    # rule out a CRC collision on the usual path, whenever a phase aggregated uploads;
+    # so an edge's cached copy is reused exactly when it is current.
+    layout = hashlib.sha256(common.manifest.SerializeToString(deterministic=True)).hexdigest()
+    return Phase(
+        name=name, round=round_number,
+        tasks={edge: Task(task_id, edge) for edge, task_id in task_ids.items()},
+        quorum=driver.quorum(len(task_ids)), common_id=f"{version}-{layout[:16]}",
+        common=common, common_frames=frames, personal=encoded,
+        spec_json=json.dumps({"round": round_number, "rounds": cfg.rounds, "phase": name}),
+        driver=driver, schema=schema)

@@ -94,7 +94,7 @@ def play_round(engine: Engine, uploads: dict[str, tuple[Payload, int]]) -> dict[
             try:  # the upload gate's header and value checks, then into the phase
                 engine.gate.check_header(header, phase)
                 engine.gate.check_values(phase, edge, decoded)
-                await engine.take(phase, header, decoded)
+                await engine.gate.take(phase, header, decoded)
             except Refused as err:
                 refused[edge] = str(err)
                 if err.drop and edge in phase.pending() and not phase.closed:

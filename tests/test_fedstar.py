@@ -475,7 +475,7 @@ def test_the_server_refuses_an_upload_that_fails_the_methods_check(tmp_path):
 
     async def submit(payload):  # the gate's value check, then into the phase
         engine.gate.check_values(phase, "e0", payload)
-        await engine.take(phase, header, payload)
+        await engine.gate.take(phase, header, payload)
 
     with pytest.raises(Refused, match="class_counts must name exactly") as refused:
         asyncio.run(submit(upload({1: [0.0] * 128}, {2: 10})))
