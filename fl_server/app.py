@@ -56,6 +56,8 @@ class ServerApp:
         self._watch: asyncio.Task | None = None
 
     async def start(self) -> int:
+        """Resumes or refuses a used checkpoint directory, then starts gRPC, health and
+        metrics; returns the gRPC port (the one chosen when --port is 0)."""
         cfg, engine = self.cfg, self.engine
         if cfg.resume:
             engine.resume()
@@ -121,6 +123,8 @@ class ServerApp:
         log.info("exiting without telling every connected edge that the run is over")
 
     async def stop(self) -> None:
+        """Stops the enrolment watch, health, gRPC (2 s grace for calls in flight) and the
+        metrics endpoint."""
         if self._watch is not None:
             self._watch.cancel()
         if self._health is not None:

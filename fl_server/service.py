@@ -89,6 +89,8 @@ def lenient(parse):
 
 
 class FederatedLearningService(pb_grpc.FederatedLearningServicer):
+    """The gRPC servicer: bytes, streams, deadlines and certificates. What it may ask of
+    the server goes through ``front.EdgeFront``; every upload check is ``gate.UploadGate``."""
     def __init__(self, front: EdgeFront, meter: ByteMeter, cfg: ServerConfig,
                  enrollment: Enrollment | None = None):
         self.front = front  # the narrow interface to the engine: edges, tasks, uploads
@@ -164,6 +166,8 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
 
     # ---- Join -------------------------------------------------------------------------
     async def Join(self, request: pb.JoinRequest, context) -> pb.JoinReply:
+        """Registers an edge and starts its session, or refuses it with the status and
+        reason of the first check it fails."""
         await self._refuse_malformed(request, context)
         edge_id = request.edge_id
         refusal = edge_id_refusal(edge_id)
@@ -222,6 +226,8 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
 
     # ---- Presence ---------------------------------------------------------------------
     async def Presence(self, request: pb.PresenceRequest, context):
+        """Streams keep-alive events while the session lives: while open, the edge counts as
+        connected (rounds select it); when it ends, its task is dropped."""
         record = await self._auth(request, context)
         session_over = record.session_over
         self.front.present(record)
@@ -302,6 +308,8 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
 
     # ---- Submit -----------------------------------------------------------------------
     async def Submit(self, request_iterator, context) -> pb.SubmitReply:
+        """Receives one upload: its header through the upload gate, its body under an
+        upload slot, then into the phase; any refusal is answered by name."""
         edge, label, phase = "", UNREGISTERED, None
         try:
             try:
@@ -401,7 +409,10 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
 
     async def _receive(self, phase: Phase, header: pb.SubmitHeader, schema: list[SectionSpec],
                        context, edge: str, body: BodyMac) -> tuple[PayloadAssembler, bytes]:
-        # check_submission matched the manifest to the schema, so the sizes come from it.
+        """Reads an upload's chunks into a pooled buffer, MACing them on a worker thread;
+        returns the assembler and the body's MAC tag. The stream is cut by its idle and
+        total deadlines and by its phase closing."""
+        # The upload gate matched the manifest to the schema, so the sizes come from it.
         specs = {(int(spec.kind), spec.name): spec for spec in schema}
         sizes = [specs[(s.kind, s.name)].nbytes_of(t.name for t in s.tensors)
                  for s in header.payload.sections]
@@ -427,30 +438,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         writing: asyncio.Future | None = None
         closing = asyncio.ensure_future(phase.closing.wait())
 
-        async def read():
-            message = asyncio.ensure_future(context.read())
-            timeout = min(idle, ends - loop.time())
-            try:
-                await asyncio.wait({message, closing}, timeout=max(timeout, 0),
-                                   return_when=asyncio.FIRST_COMPLETED)
-            except asyncio.CancelledError:
-                # gRPC cancels the handler when the stream breaks (the client went, or
-                # sent a message over the transport's cap): the upload ends here, and
-                # refusing it by name costs the edge its task at once.
-                message.cancel()
-                raise WireError(f"upload ended after {assembler.received} of "
-                                f"{len(assembler.buffer)} bytes (the stream was cancelled)"
-                                ) from None
-            if message.done():
-                return message.result()
-            message.cancel()
-            if closing.done():
-                raise Refused("the phase closed before the upload completed")
-            if loop.time() >= ends:
-                raise WireError(f"upload not complete within its deadline of {total:.0f}s "
-                                f"({assembler.received} of {len(assembler.buffer)} bytes)")
-            raise WireError(f"no data for {idle:g}s (stalled after {assembler.received} of "
-                            f"{len(assembler.buffer)} bytes)")
+        read = _BodyReader(context, closing, assembler, idle, total, ends).read
 
         try:
             while not assembler.complete:
@@ -483,6 +471,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
 
     # ---- Leave ------------------------------------------------------------------------
     async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveReply:
+        """Ends the edge's session at its request; its task, if any, is dropped."""
         record = await self._auth(request, context)
         reason = request.reason[:MAX_LEAVE_REASON]
         self.front.end_session(record, f"left: {reason}" if reason else "left")
@@ -490,6 +479,44 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         reply = pb.LeaveReply()
         self.meter.count_message(DOWN, reply, edge=request.edge_id)
         return reply
+
+
+class _BodyReader:
+    """Reads an upload's next message, or raises naming why none will come: the stream
+    was cancelled, the phase closed, the upload's deadline passed or it stalled."""
+
+    def __init__(self, context, closing: asyncio.Future, assembler: PayloadAssembler,
+                 idle: float, total: float, ends: float):
+        self.context, self.closing, self.assembler = context, closing, assembler
+        self.idle, self.total, self.ends = idle, total, ends
+        self.loop = asyncio.get_running_loop()
+
+    def _progress(self) -> str:
+        return f"{self.assembler.received} of {len(self.assembler.buffer)} bytes"
+
+    async def read(self):
+        """The next message (a chunk view, a header, Malformed or EOF)."""
+        message = asyncio.ensure_future(self.context.read())
+        timeout = min(self.idle, self.ends - self.loop.time())
+        try:
+            await asyncio.wait({message, self.closing}, timeout=max(timeout, 0),
+                               return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            # gRPC cancels the handler when the stream breaks (the client went, or
+            # sent a message over the transport's cap): the upload ends here, and
+            # refusing it by name costs the edge its task at once.
+            message.cancel()
+            raise WireError(f"upload ended after {self._progress()} (the stream was "
+                            "cancelled)") from None
+        if message.done():
+            return message.result()
+        message.cancel()
+        if self.closing.done():
+            raise Refused("the phase closed before the upload completed")
+        if self.loop.time() >= self.ends:
+            raise WireError(f"upload not complete within its deadline of {self.total:.0f}s "
+                            f"({self._progress()})")
+        raise WireError(f"no data for {self.idle:g}s (stalled after {self._progress()})")
 
 
 def service_handler(service: FederatedLearningService) -> grpc.GenericRpcHandler:
