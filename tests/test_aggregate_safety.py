@@ -4,8 +4,8 @@ bound (refuse and scale), and rounds that abort (an aggregator that raises, a no
 aggregate, a half-added upload) with the global bit-identical and the next round running.
 
 Rounds run through the real engine: ``run_round`` hands out tasks, each upload goes
-through ``check_submission`` and ``accept`` as the gRPC service sends it (encoded and
-decoded), refusals drop the edge as the service does. The wire itself is
+through the upload gate's ``check_header``, ``check_values`` and ``take`` as the gRPC
+service sends it (encoded and decoded), refusals drop the edge as the service does. The wire itself is
 ``test_adversarial_aggregate.py``'s.
 """
 
