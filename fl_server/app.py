@@ -22,6 +22,7 @@ from fedattn_shared.wire.accounting import ByteMeter
 from fedattn_shared.wire.transport import server_options
 
 from .engine import Engine
+from .front import EdgeFront
 from .metrics import ServerMetrics
 from .service import FederatedLearningService, service_handler
 
@@ -55,16 +56,18 @@ class ServerApp:
         self._watch: asyncio.Task | None = None
 
     async def start(self) -> int:
+        """Resumes or refuses a used checkpoint directory, then starts gRPC, health and
+        metrics; returns the gRPC port (the one chosen when --port is 0)."""
         cfg, engine = self.cfg, self.engine
         if cfg.resume:
             engine.resume()
-        elif engine.store.latest() is not None:
+        elif engine.runlog.store.latest() is not None:
             raise UsageError(f"{cfg.checkpoint_dir} already holds a checkpoint; pass --resume to "
                              "continue it or choose an empty --checkpoint-dir")
         Path(cfg.checkpoint_dir).mkdir(parents=True, exist_ok=True)
         self._grpc = grpc.aio.server(options=server_options())
         enrollment = Enrollment(Path(cfg.tls_dir) / ENROLLED) if cfg.tls_dir else None
-        service = FederatedLearningService(engine, self.meter, cfg, enrollment)
+        service = FederatedLearningService(EdgeFront(engine), self.meter, cfg, enrollment)
         self._watch = asyncio.create_task(service.watch_enrollment())
         self._grpc.add_generic_rpc_handlers((service_handler(service),))
         self._health = health.aio.HealthServicer()
@@ -112,7 +115,7 @@ class ServerApp:
         upload), at most RUN_OVER_LINGER seconds: an edge that misses it would retry until
         its --retry-for and exit with an error."""
         deadline = time.monotonic() + RUN_OVER_LINGER
-        records = self.engine.registry.records.values()
+        records = self.engine.edges.records.values()
         while time.monotonic() < deadline:
             if all(r.heard_run_over for r in records if r.connected):
                 return
@@ -120,6 +123,8 @@ class ServerApp:
         log.info("exiting without telling every connected edge that the run is over")
 
     async def stop(self) -> None:
+        """Stops the enrolment watch, health, gRPC (2 s grace for calls in flight) and the
+        metrics endpoint."""
         if self._watch is not None:
             self._watch.cancel()
         if self._health is not None:

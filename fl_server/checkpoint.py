@@ -26,15 +26,19 @@ SPARE = ".spare.safetensors"
 
 
 class CheckpointStore:
+    """The checkpoint directory of one run: ``keep`` rounds are kept, older ones pruned
+    (their tensors file recycled as the next write's, see ``SPARE``)."""
     def __init__(self, root: Path, keep: int = 2):
         self.root = Path(root)
         self.keep = max(1, keep)
         self.manifest_path = self.root / "manifest.json"
 
     def rounds_dir(self) -> Path:
+        """Where the per-round directories live."""
         return self.root / "rounds"
 
     def latest(self) -> dict[str, Any] | None:
+        """The manifest naming the latest complete round, or None for a fresh directory."""
         if not self.manifest_path.exists():
             return None
         manifest = read_json(self.manifest_path)
@@ -43,6 +47,8 @@ class CheckpointStore:
         return manifest
 
     def save(self, round_number: int, tensors: dict[str, torch.Tensor], state: dict) -> Path:
+        """Writes one round (tensors, then state, then the manifest that makes it the
+        latest) and prunes old rounds."""
         directory = self.rounds_dir() / f"{round_number:06d}"
         directory.mkdir(parents=True, exist_ok=True)
         save_tensors(directory / "state.safetensors", tensors,
@@ -54,6 +60,7 @@ class CheckpointStore:
         return directory
 
     def load(self) -> tuple[int, dict[str, torch.Tensor], dict]:
+        """The latest round (number, tensors, state); removes half-written newer rounds."""
         manifest = self.latest()
         if manifest is None:
             raise StateError(f"{self.root}: no checkpoint to resume from")

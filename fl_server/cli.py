@@ -78,10 +78,21 @@ FLAG_TARGETS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """fl-server's flags, in groups (run, untrusted edges, network, training, DP); every
+    flag defaults to None so that ``resolve`` can tell a given flag from the config
+    file's value."""
     p = argparse.ArgumentParser(
         prog="fl-server",
         description="fedattn server: runs federated rounds for fl-edge daemons over gRPC.",
         argument_default=None)
+    for add in (_run_flags, _robust_flags, _network_flags, _train_flags, _dp_flags):
+        add(p)
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def _run_flags(p: argparse.ArgumentParser) -> None:
+    """The run flags."""
     run = p.add_argument_group("run")
     run.add_argument("--config", type=Path, help="TOML file ([server], [train], [<method>])")
     run.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -106,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "tune with --set server.secagg_degree/threshold/clip/max_weight/timeout")
     run.add_argument("--secagg-graph", choices=["sparse", "full"],
                      help="SecAgg+ neighbour graph: sparse k-regular (default) or full")
+
+
+def _robust_flags(p: argparse.ArgumentParser) -> None:
+    """The untrusted edges: bounds on one upload flags."""
     robust = p.add_argument_group(
         "untrusted edges", "bounds on what one edge's upload can do to the global; uploads "
         "over them are refused by name. The robust aggregates: --method fedmedian (the "
@@ -121,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     robust.add_argument("--clip-update-mode", choices=["refuse", "scale"],
                         help="an upload over --clip-update-norm: refuse it by name (default) "
                              "or scale its delta down to C")
+
+
+def _network_flags(p: argparse.ArgumentParser) -> None:
+    """The network flags."""
     net = p.add_argument_group("network")
     net.add_argument("--host")
     net.add_argument("--port", type=int, help="gRPC port (0: any free port)")
@@ -146,6 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="times one task may be downloaded (a broken download retries; 3)")
     net.add_argument("--ready-file", type=Path,
                      help="write {port, metrics_port} as JSON here once serving")
+
+
+def _train_flags(p: argparse.ArgumentParser) -> None:
+    """The training (sent to every edge) flags."""
     train = p.add_argument_group("training (sent to every edge)")
     train.add_argument("--model", help=f"one of: {', '.join(sorted(MODELS))}")
     train.add_argument("--num-classes", type=int)
@@ -172,6 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="resize inputs (bilinear, antialiased) to this side before the "
                             "model, in training and evaluation; models are built for it "
                             "(0: the data's own --image-size)")
+
+
+def _dp_flags(p: argparse.ArgumentParser) -> None:
+    """The differential privacy flags."""
     dp = p.add_argument_group("differential privacy ([dp], sent to every edge)")
     dp.add_argument("--dp", action="store_true",
                     help="sample-level DP-SGD (Opacus) on every edge, with a privacy ledger")
@@ -188,8 +215,6 @@ def build_parser() -> argparse.ArgumentParser:
                     help="noise multiplier for STAT_VECTORS / PROTOTYPES / SCALAR_SUMMARY uploads")
     dp.add_argument("--dp-max-physical-batch", type=int,
                     help="split Poisson batches into physical batches of at most this size")
-    p.add_argument("--log-level", default="INFO")
-    return p
 
 
 def resolve(args: argparse.Namespace) -> tuple[ServerConfig, TrainConfig, Method]:
@@ -245,6 +270,8 @@ def resolve(args: argparse.Namespace) -> tuple[ServerConfig, TrainConfig, Method
 
 async def serve(server_cfg: ServerConfig, train: TrainConfig, method: Method,
                 ready_file: Path | None) -> int:
+    """Runs one server until the run ends or SIGINT/SIGTERM; writes ``ready_file`` once
+    serving (how scripts and tests learn a port chosen by the system)."""
     app = ServerApp(server_cfg, train, method)
     await app.start()
     if ready_file:
@@ -305,6 +332,7 @@ def limit_malloc_arenas(arenas: int = 2) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``fl-server``: ``certs ...`` or a run; returns the exit status (2: bad settings)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["certs"]:
         return certs_main(argv[1:])

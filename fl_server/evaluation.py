@@ -6,6 +6,8 @@ import numpy as np
 
 
 def split_figures(confusion: np.ndarray, loss_sum: float, brier_sum: float) -> dict:
+    """One edge's figures of one split from its confusion counts and loss/Brier sums:
+    the edge sends counts, not rates, so the server can pool them exactly."""
     total = int(confusion.sum())
     return {
         "n": total,

@@ -44,17 +44,27 @@ def drop_reason_label(reason: str) -> str:
 
 
 class ServerMetrics:
+    """The server's Prometheus series, in one place so that their names (what dashboards
+    and alerts query) are declared once: rounds, participation, aggregate safety,
+    evaluation and privacy."""
+
     def __init__(self, registry: CollectorRegistry):
-        def counter(name: str, doc: str, labels=()) -> Counter:
-            return Counter(name, doc, labels, registry=registry)
+        self._registry = registry
+        self._rounds()
+        self._participation()
+        self._evaluation()
 
-        def gauge(name: str, doc: str, labels=()) -> Gauge:
-            return Gauge(name, doc, labels, registry=registry)
+    def _counter(self, name: str, doc: str, labels=()) -> Counter:
+        return Counter(name, doc, labels, registry=self._registry)
 
-        def histogram(name: str, doc: str, labels=(), buckets=DURATION_BUCKETS) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=registry)
+    def _gauge(self, name: str, doc: str, labels=()) -> Gauge:
+        return Gauge(name, doc, labels, registry=self._registry)
 
-        # rounds
+    def _histogram(self, name: str, doc: str, labels=(), buckets=DURATION_BUCKETS) -> Histogram:
+        return Histogram(name, doc, labels, buckets=buckets, registry=self._registry)
+
+    def _rounds(self) -> None:
+        counter, gauge, histogram = self._counter, self._gauge, self._histogram
         self.round = gauge("fedattn_round", "Last completed round")
         self.rounds_planned = gauge("fedattn_rounds_planned", "Rounds this run is configured for")
         self.rounds_completed = counter("fedattn_rounds_completed",
@@ -76,7 +86,9 @@ class ServerMetrics:
         self.checkpoint_round = gauge("fedattn_checkpoint_round", "Round of the last checkpoint")
         self.checkpoint_timestamp = gauge("fedattn_checkpoint_timestamp_seconds",
                                           "Unix time of the last checkpoint write")
-        # participation
+
+    def _participation(self) -> None:
+        counter, gauge = self._counter, self._gauge
         self.connected = gauge("fedattn_connected_edges", "Edges with an open session")
         self.joins = counter("fedattn_edges_joined", "Accepted joins (first joins and rejoins)")
         self.selected = counter("fedattn_edges_selected", "Tasks handed out", ["phase"])
@@ -100,7 +112,9 @@ class ServerMetrics:
                                  "Last value of each figure an edge reported with its result "
                                  "(train_loss, train_seconds, samples_per_second, method figures)",
                                  ["edge", "name"])
-        # evaluation
+
+    def _evaluation(self) -> None:
+        gauge = self._gauge
         self.accuracy = gauge("fedattn_eval_accuracy", "Last evaluation accuracy per edge",
                               ["edge", "split"])
         self.mean_accuracy = gauge("fedattn_eval_accuracy_mean",
@@ -116,7 +130,6 @@ class ServerMetrics:
         self.dp_epsilon = gauge("fedattn_dp_epsilon",
                                 "Privacy an edge's DP-SGD has spent so far (its ledger's epsilon)",
                                 ["edge"])
-        self._registry = registry
 
     def export_dp_budget(self, epsilon: float) -> None:
         """The run's --dp-epsilon, exported only when there is one (a 0 or a missing budget
@@ -133,3 +146,15 @@ class ServerMetrics:
                 metric.labels(phase)
             for reason in sorted(set(DROP_REASONS.values()) | {"other"}):
                 self.dropped.labels(phase, reason)
+
+    def publish_evaluation(self, per_edge: dict, summary: dict) -> None:
+        """A round's evaluation as gauges: each edge's and the fleet's accuracy and loss
+        per split (what a dashboard plots while the run goes on)."""
+        for edge, splits in per_edge.items():
+            for split, figures in splits.items():
+                self.accuracy.labels(edge, split).set(figures["accuracy"])
+                self.loss.labels(edge, split).set(figures["loss"])
+        for split, figures in summary.items():
+            self.mean_accuracy.labels(split).set(figures["mean_accuracy"])
+            self.pooled_accuracy.labels(split).set(figures["pooled_accuracy"])
+            self.mean_loss.labels(split).set(figures["mean_loss"])

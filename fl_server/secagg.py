@@ -48,7 +48,7 @@ from fedattn_shared.privacy.secagg import (
 )
 from fedattn_shared.wire.payload import Kind, Payload, Section
 
-from .registry import EdgeRegistry
+from .edges import EdgeBook
 
 log = logging.getLogger("fl_server")
 
@@ -56,10 +56,12 @@ ADVERT_FIELDS = {"c_pk": 32, "s_pk": 32, "commit": 32, "sig": 64, "sign_pk": 32}
 
 
 def json_tensor(obj: Any) -> torch.Tensor:
+    """JSON as a uint8 tensor: protocol requests travel in SECAGG sections."""
     return as_tensor(json.dumps(obj, sort_keys=True).encode())
 
 
 def request(info: dict[str, Any], tensors: dict[str, bytes] | None = None) -> Payload:
+    """A protocol request to one edge: its JSON info and byte blobs in one SECAGG section."""
     body = {"info": json_tensor(info), **{k: as_tensor(v) for k, v in (tensors or {}).items()}}
     return Payload([Section(Kind.SECAGG, "request", body)])
 
@@ -77,6 +79,8 @@ def run_policy(cfg: ServerConfig) -> SecAggPolicy:
 
 
 class SecAggDriver:
+    """The server's SecAgg+ state for a run: which method phases are masked, and each
+    round's protocol state per masked phase (``drivers.SecAggStep`` drives it step by step)."""
     def __init__(self, cfg: ServerConfig, method: Method, models: dict[str, nn.Module],
                  aggregator: Aggregator):
         self.cfg = cfg
@@ -89,6 +93,7 @@ class SecAggDriver:
 
     # ---- the round's phases ----------------------------------------------------------
     def expand(self, phases: tuple[str, ...]) -> list[str]:
+        """The phase names with every masked phase replaced by its six protocol steps."""
         out = []
         for phase in phases:
             if phase in self.masked:
@@ -99,6 +104,7 @@ class SecAggDriver:
         return out
 
     def owns(self, name: str) -> bool:
+        """Whether secure aggregation handles this phase's uploads (not the method)."""
         return name in self.masked or protocol_step(name) is not None
 
     def base_phase(self, name: str) -> str:
@@ -108,10 +114,13 @@ class SecAggDriver:
         return step[1] if step else name
 
     def deadline(self, name: str, default: float) -> float:
+        """Protocol steps wait --secagg-timeout; the masked upload itself the default."""
         return self.cfg.secagg_timeout if protocol_step(name) else default
 
-    def begin_round(self, round_number: int, registry: EdgeRegistry) -> None:
-        keys = {e: bytes.fromhex(r.signing_key) for e, r in registry.records.items()
+    def begin_round(self, round_number: int, edges: EdgeBook) -> None:
+        """Fresh protocol state for each masked phase, over the signing keys the edges are
+        bound to (a key bound mid-round takes part from the next round)."""
+        keys = {e: bytes.fromhex(r.signing_key) for e, r in edges.records.items()
                 if r.signing_key}
         self.rounds = {}
         for phase in self.masked:
@@ -132,6 +141,7 @@ class SecAggDriver:
 
     # ---- schemas and downlinks --------------------------------------------------------
     def schema(self, name: str) -> list[SectionSpec]:
+        """The SECAGG section a step's upload must hold (it depends on earlier steps)."""
         step, state = self._round(name)
         if step == ADVERTISE:
             return [SectionSpec(Kind.SECAGG, "advert",
@@ -152,6 +162,7 @@ class SecAggDriver:
                             {"y": TensorSpec(torch.int32, (state.length,))})]
 
     def personal(self, edge: str, name: str) -> Payload:
+        """The step's request to one edge (adverts, shares, survivors, ...)."""
         step, state = self._round(name)
         if step == ADVERTISE:
             return Payload()
@@ -171,6 +182,7 @@ class SecAggDriver:
                         "clip": quantizer.clip, "max_weight": quantizer.max_weight})
 
     def quantizer(self, phase: str) -> Quantizer:
+        """The round's quantizer of a masked phase (fixed once the parties are known)."""
         if phase not in self.quantizers:
             self.quantizers[phase] = Quantizer(self.cfg.secagg_clip, self.cfg.secagg_max_weight,
                                                max(len(self.rounds[phase].adverts), 1))

@@ -34,14 +34,12 @@ from fedattn_shared.wire.accounting import (
     ByteMeter,
     data_message_wire_bytes,
 )
-from fedattn_shared.wire.payload import Payload, WireError, nonfinite_tensors
+from fedattn_shared.wire.payload import WireError
 from fedattn_shared.wire.signing import (
-    BODY_MAC_IV_BYTES,
     BodyMac,
     answer_key_share,
     upload_mac_key,
     verify_key_share,
-    verify_submission,
 )
 from fedattn_shared.wire.transport import (
     MAX_MESSAGE_BYTES,
@@ -52,8 +50,10 @@ from fedattn_shared.wire.transport import (
     serialize,
 )
 
-from .engine import Engine, Phase, Refused
-from .registry import AuthError
+from .edges import AuthError, EdgeRecord
+from .front import EdgeFront
+from .gate import Admission
+from .phase import Phase, Refused
 
 log = logging.getLogger("fl_server")
 
@@ -89,9 +89,11 @@ def lenient(parse):
 
 
 class FederatedLearningService(pb_grpc.FederatedLearningServicer):
-    def __init__(self, engine: Engine, meter: ByteMeter, cfg: ServerConfig,
+    """The gRPC servicer: bytes, streams, deadlines and certificates. What it may ask of
+    the server goes through ``front.EdgeFront``; every upload check is ``gate.UploadGate``."""
+    def __init__(self, front: EdgeFront, meter: ByteMeter, cfg: ServerConfig,
                  enrollment: Enrollment | None = None):
-        self.engine = engine
+        self.front = front  # the narrow interface to the engine: edges, tasks, uploads
         self.meter = meter
         self.cfg = cfg
         self.upload_slots = asyncio.Semaphore(cfg.max_concurrent_uploads)
@@ -121,9 +123,10 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
             log.warning("refused a malformed request from %s: %s", context.peer(), request.reason)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
 
-    async def _auth(self, request, context) -> None:
+    async def _auth(self, request, context) -> EdgeRecord:
         """A call of an edge's session: a well-formed request, a valid and registered id,
-        its certificate and its live session; refused by name otherwise."""
+        its certificate and its live session; refused by name otherwise. Returns the
+        edge's record."""
         await self._refuse_malformed(request, context)
         edge_id = request.edge_id
         refusal = edge_id_refusal(edge_id) or self._identity_refusal(edge_id, context)
@@ -132,11 +135,12 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
             log.warning("refused %s from %s: %s", edge_id[:64], context.peer(), refusal)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
         try:
-            self.engine.registry.check(edge_id, request.session)
+            record = self.front.session(edge_id, request.session)
         except AuthError as err:
             self.meter.count_message(UP, request, edge=UNREGISTERED)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(err))
         self.meter.count_message(UP, request, edge=edge_id)
+        return record
 
     async def watch_enrollment(self) -> None:
         """Ends the session of every edge whose enrolment no longer holds (revoked, or its
@@ -152,17 +156,18 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
             except (OSError, ValueError) as err:
                 log.error("cannot read the enrolment list: %s", err)
                 continue
-            for edge, record in list(self.engine.registry.records.items()):
+            for record in self.front.live_sessions():
+                edge = record.edge_id
                 refusal = record.session and self.enrollment.check(
                     edge, serial=record.cert_serial or None)
                 if refusal:
-                    record.end_session()
-                    self.engine.edge_lost(edge, "revoked")
-                    self.engine.metrics.connected.set(len(self.engine.registry.connected_ids()))
+                    self.front.end_session(record, "revoked")
                     log.warning("edge %s: session ended: %s", edge, refusal)
 
     # ---- Join -------------------------------------------------------------------------
     async def Join(self, request: pb.JoinRequest, context) -> pb.JoinReply:
+        """Registers an edge and starts its session, or refuses it with the status and
+        reason of the first check it fails."""
         await self._refuse_malformed(request, context)
         edge_id = request.edge_id
         refusal = edge_id_refusal(edge_id)
@@ -195,7 +200,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         if (self.cfg.join_token and self.enrollment is None
                 and not hmac.compare_digest(request.join_token, self.cfg.join_token)):
             raise Refused("bad join token")
-        fingerprint = self.engine.fingerprint
+        fingerprint = self.front.fingerprint
         if request.state_fingerprint and request.state_fingerprint != fingerprint:
             raise Refused(f"edge {edge_id}: its private state was made for model/method "
                           f"fingerprint {request.state_fingerprint[:80]!r}, this run is "
@@ -212,29 +217,20 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
             raise Refused(f"edge {edge_id}: unusable upload_key_share: {err}",
                           code=grpc.StatusCode.INVALID_ARGUMENT) from None
         serial = self.enrollment.serial(edge_id) if self.enrollment is not None else ""
-        try:
-            record = self.engine.registry.join(edge_id, request.edge_secret, dict(request.info),
-                                               request.signing_key, cert_serial=serial)
-        except AuthError as err:
-            raise Refused(str(err)) from None
-        record.upload_mac_key = upload_mac_key(shared, record.edge_id, record.session)
-        record.needs_init = not request.state_fingerprint
-        self.engine.metrics.joins.inc()
-        # A new session replaces any older one: its outstanding task is gone with it.
-        self.engine.edge_lost(record.edge_id, "rejoined")
-        log.info("edge %s joined (%s)", record.edge_id,
-                 ", ".join(f"{k}={v!r}" for k, v in sorted(record.info.items())))
+        record = self.front.join(request, serial,
+                                 lambda record: upload_mac_key(shared, record.edge_id,
+                                                               record.session))
         return pb.JoinReply(protocol_version=PROTOCOL_VERSION, session=record.session,
-                            config_json=self.engine.config_json, fingerprint=fingerprint,
+                            config_json=self.front.config_json, fingerprint=fingerprint,
                             chunk_bytes=self.cfg.chunk_bytes, upload_key_share=server_share)
 
     # ---- Presence ---------------------------------------------------------------------
     async def Presence(self, request: pb.PresenceRequest, context):
-        await self._auth(request, context)
-        record = self.engine.registry.records[request.edge_id]
+        """Streams keep-alive events while the session lives: while open, the edge counts as
+        connected (rounds select it); when it ends, its task is dropped."""
+        record = await self._auth(request, context)
         session_over = record.session_over
-        record.connected = True
-        self.engine.metrics.connected.set(len(self.engine.registry.connected_ids()))
+        self.front.present(record)
         try:
             while record.session == request.session:
                 event = pb.PresenceEvent(server_time=time.time())
@@ -247,29 +243,24 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         except asyncio.CancelledError:
             return  # the stream ended (the edge went, or the server is shutting down)
         finally:
-            if record.session == request.session:
-                record.connected = False
-                self.engine.edge_lost(request.edge_id, "disconnected")
-                log.info("edge %s disconnected", request.edge_id)
-            self.engine.metrics.connected.set(len(self.engine.registry.connected_ids()))
+            self.front.absent(record, request.session)
 
     # ---- NextTask ---------------------------------------------------------------------
     async def NextTask(self, request: pb.TaskRequest, context):
         """Long-polls for this edge's task in the open phase and streams it: the header,
         then the common payload (unless the edge's cached copy is current) and its
         personal one."""
-        await self._auth(request, context)
+        record = await self._auth(request, context)
         try:
             edge = request.edge_id
-            record = self.engine.registry.records[edge]
             deadline = time.monotonic() + self.cfg.poll_timeout
             while True:
-                if self.engine.finished:
+                if self.front.finished:
                     record.heard_run_over = True
                     yield self._meta(edge, pb.TaskMessage(header=pb.TaskHeader(
-                        status=pb.TaskHeader.DONE, round=self.engine.round)))
+                        status=pb.TaskHeader.DONE, round=self.front.round)))
                     return
-                found = self.engine.task_for(edge)
+                found = self.front.next_task(edge)
                 if found is not None:
                     break
                 remaining = deadline - time.monotonic()
@@ -283,12 +274,9 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
                 except asyncio.TimeoutError:
                     pass
             phase, task = found
-            task.deliveries += 1
-            if task.deliveries > self.cfg.max_task_deliveries:
+            if not self.front.deliver(phase, task, self.cfg.max_task_deliveries):
                 # A download that broke is asked for again; one asked for without end is a
                 # session pulling the model over and over (bytes and CPU the server pays).
-                self.engine.drop(phase, edge, f"re-delivery limit: task {task.task_id} was sent "
-                                              f"{self.cfg.max_task_deliveries} times")
                 yield self._meta(edge, pb.TaskMessage(header=pb.TaskHeader(
                     status=pb.TaskHeader.WAIT)))
                 return
@@ -320,6 +308,8 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
 
     # ---- Submit -----------------------------------------------------------------------
     async def Submit(self, request_iterator, context) -> pb.SubmitReply:
+        """Receives one upload: its header through the upload gate, its body under an
+        upload slot, then into the phase; any refusal is answered by name."""
         edge, label, phase = "", UNREGISTERED, None
         try:
             try:
@@ -340,77 +330,52 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
                 self.meter.count_message(UP, first, edge=UNREGISTERED)
                 raise Refused(refusal)
             edge = header.edge_id
-            phase, schema, record = self._check_header(header, context, first)
+            try:  # the upload gate, step 1: who sends
+                record = self.front.identify(header)
+            except Refused:
+                self.meter.count_message(UP, first, edge=UNREGISTERED)
+                raise
+            self.meter.count_message(UP, first, edge=edge)
+            # Step 2: the header, before a byte of the body is read.
+            admission = self.front.admit(header, record,
+                                         lambda: self._identity_refusal(edge, context))
+            phase = admission.phase
             label = edge
             if edge in self.receiving:
                 raise Refused(f"an upload for task {header.task_id} is already in progress "
                               "on another stream")
             self.receiving.add(edge)
             try:
-                await self._receive_and_accept(phase, header, schema, record, context)
+                await self._receive_and_submit(admission, header, context)
             finally:
                 self.receiving.discard(edge)
         except (Refused, WireError) as err:
-            drop = isinstance(err, WireError) or err.drop
-            reason = f"{type(err).__name__ if isinstance(err, WireError) else 'refused'}: {err}"
-            log.warning("submission from %s refused: %s", edge or "?", reason)
-            self.engine.metrics.refused.labels(label).inc()
-            if drop and phase is None:  # the engine's header checks name no phase
-                phase = self.engine.phase
-            if drop and phase is not None and edge in phase.pending() and not phase.closed:
-                self.engine.drop(phase, edge, f"bad upload: {err}")
-            reply = pb.SubmitReply(accepted=False, reason=reason)
+            reply = pb.SubmitReply(accepted=False,
+                                   reason=self.front.refused(edge, label, err, phase))
             self.meter.count_message(DOWN, reply, edge=label)
             return reply
         reply = pb.SubmitReply(accepted=True)
         self.meter.count_message(DOWN, reply, edge=label)
         return reply
 
-    def _check_header(self, header: pb.SubmitHeader, context, first: pb.SubmitMessage):
-        """The header's checks, in order: protocol, session, certificate, MAC IV, then the
-        engine's (task, schema, sizes, evaluation, metric names). Returns (phase, schema,
-        the edge's record); raises ``Refused``. ``phase`` is set on the refusal when it
-        costs the edge its task."""
-        edge = header.edge_id
-        if header.protocol_version != PROTOCOL_VERSION:
-            self.meter.count_message(UP, first, edge=UNREGISTERED)
-            raise Refused(f"protocol version {header.protocol_version} unsupported")
-        try:
-            record = self.engine.registry.check(edge, header.session)
-        except AuthError as err:
-            self.meter.count_message(UP, first, edge=UNREGISTERED)
-            raise Refused(str(err)) from None
-        self.meter.count_message(UP, first, edge=edge)
-        refusal = self._identity_refusal(edge, context)
-        if refusal:
-            raise Refused(refusal)
-        if len(header.body_mac_iv) != BODY_MAC_IV_BYTES:
-            raise Refused(f"body_mac_iv must be {BODY_MAC_IV_BYTES} bytes, "
-                          f"got {len(header.body_mac_iv)}")
-        phase, schema = self.engine.check_submission(header)
-        return phase, schema, record
-
-    async def _receive_and_accept(self, phase: Phase, header: pb.SubmitHeader,
-                                  schema: list[SectionSpec], record, context) -> None:
+    async def _receive_and_submit(self, admission: Admission, header: pb.SubmitHeader,
+                                  context) -> None:
+        """Receives the body into a pooled buffer under an upload slot, then hands it to
+        the gate's body checks and the phase (``EdgeFront.submit``)."""
         # A slot covers an upload's buffer from the first byte until it is aggregated,
         # so at most max_concurrent_uploads buffers exist and the pool reuses them all.
         # Released after the receive, slots let uploads pile up behind the aggregation
         # lock, each in a fresh buffer: a zeroed allocation of the model's size per
         # upload and RSS growing with the number of edges. No stream holds one longer
         # than its deadlines or past its phase's close.
+        phase, record = admission.phase, admission.record
         await self._acquire_slot(phase)
         try:
             assembler, body_mac = await self._receive(
-                phase, header, schema, context, header.edge_id,
+                phase, header, phase.schema, context, header.edge_id,
                 BodyMac(record.upload_mac_key, header.body_mac_iv))
             try:
-                if not verify_submission(bytes.fromhex(record.signing_key), header, body_mac):
-                    raise Refused("the signature does not verify over this header and "
-                                  "body with the edge's signing key", drop=True)
-                payload, bad = await asyncio.to_thread(_decode_checked, assembler)
-                if bad:
-                    raise Refused(f"non-finite values in {bad[:3]}", drop=True)
-                await self.engine.accept(phase, header, payload)
+                await self.front.submit(admission, header, body_mac, assembler)
             finally:
                 # The aggregate holds copies; the buffer serves the next upload.
                 self.buffers.give(assembler.buffer)
@@ -444,7 +409,10 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
 
     async def _receive(self, phase: Phase, header: pb.SubmitHeader, schema: list[SectionSpec],
                        context, edge: str, body: BodyMac) -> tuple[PayloadAssembler, bytes]:
-        # check_submission matched the manifest to the schema, so the sizes come from it.
+        """Reads an upload's chunks into a pooled buffer, MACing them on a worker thread;
+        returns the assembler and the body's MAC tag. The stream is cut by its idle and
+        total deadlines and by its phase closing."""
+        # The upload gate matched the manifest to the schema, so the sizes come from it.
         specs = {(int(spec.kind), spec.name): spec for spec in schema}
         sizes = [specs[(s.kind, s.name)].nbytes_of(t.name for t in s.tensors)
                  for s in header.payload.sections]
@@ -470,30 +438,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         writing: asyncio.Future | None = None
         closing = asyncio.ensure_future(phase.closing.wait())
 
-        async def read():
-            message = asyncio.ensure_future(context.read())
-            timeout = min(idle, ends - loop.time())
-            try:
-                await asyncio.wait({message, closing}, timeout=max(timeout, 0),
-                                   return_when=asyncio.FIRST_COMPLETED)
-            except asyncio.CancelledError:
-                # gRPC cancels the handler when the stream breaks (the client went, or
-                # sent a message over the transport's cap): the upload ends here, and
-                # refusing it by name costs the edge its task at once.
-                message.cancel()
-                raise WireError(f"upload ended after {assembler.received} of "
-                                f"{len(assembler.buffer)} bytes (the stream was cancelled)"
-                                ) from None
-            if message.done():
-                return message.result()
-            message.cancel()
-            if closing.done():
-                raise Refused("the phase closed before the upload completed")
-            if loop.time() >= ends:
-                raise WireError(f"upload not complete within its deadline of {total:.0f}s "
-                                f"({assembler.received} of {len(assembler.buffer)} bytes)")
-            raise WireError(f"no data for {idle:g}s (stalled after {assembler.received} of "
-                            f"{len(assembler.buffer)} bytes)")
+        read = _BodyReader(context, closing, assembler, idle, total, ends).read
 
         try:
             while not assembler.complete:
@@ -526,21 +471,52 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
 
     # ---- Leave ------------------------------------------------------------------------
     async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveReply:
-        await self._auth(request, context)
-        record = self.engine.registry.records[request.edge_id]
-        record.end_session()
+        """Ends the edge's session at its request; its task, if any, is dropped."""
+        record = await self._auth(request, context)
         reason = request.reason[:MAX_LEAVE_REASON]
-        self.engine.edge_lost(request.edge_id, f"left: {reason}" if reason else "left")
+        self.front.end_session(record, f"left: {reason}" if reason else "left")
         log.info("edge %s left (%s)", request.edge_id, repr(reason) if reason else "no reason given")
         reply = pb.LeaveReply()
         self.meter.count_message(DOWN, reply, edge=request.edge_id)
         return reply
 
 
-def _decode_checked(assembler: PayloadAssembler) -> tuple[Payload, list[str]]:
-    """Decode and finiteness scan: off the event loop (torch drops the GIL)."""
-    payload = assembler.finish()
-    return payload, nonfinite_tensors(payload)
+class _BodyReader:
+    """Reads an upload's next message, or raises naming why none will come: the stream
+    was cancelled, the phase closed, the upload's deadline passed or it stalled."""
+
+    def __init__(self, context, closing: asyncio.Future, assembler: PayloadAssembler,
+                 idle: float, total: float, ends: float):
+        self.context, self.closing, self.assembler = context, closing, assembler
+        self.idle, self.total, self.ends = idle, total, ends
+        self.loop = asyncio.get_running_loop()
+
+    def _progress(self) -> str:
+        return f"{self.assembler.received} of {len(self.assembler.buffer)} bytes"
+
+    async def read(self):
+        """The next message (a chunk view, a header, Malformed or EOF)."""
+        message = asyncio.ensure_future(self.context.read())
+        timeout = min(self.idle, self.ends - self.loop.time())
+        try:
+            await asyncio.wait({message, self.closing}, timeout=max(timeout, 0),
+                               return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            # gRPC cancels the handler when the stream breaks (the client went, or
+            # sent a message over the transport's cap): the upload ends here, and
+            # refusing it by name costs the edge its task at once.
+            message.cancel()
+            raise WireError(f"upload ended after {self._progress()} (the stream was "
+                            "cancelled)") from None
+        if message.done():
+            return message.result()
+        message.cancel()
+        if self.closing.done():
+            raise Refused("the phase closed before the upload completed")
+        if self.loop.time() >= self.ends:
+            raise WireError(f"upload not complete within its deadline of {self.total:.0f}s "
+                            f"({self._progress()})")
+        raise WireError(f"no data for {self.idle:g}s (stalled after {self._progress()})")
 
 
 def service_handler(service: FederatedLearningService) -> grpc.GenericRpcHandler:

@@ -4,8 +4,8 @@ bound (refuse and scale), and rounds that abort (an aggregator that raises, a no
 aggregate, a half-added upload) with the global bit-identical and the next round running.
 
 Rounds run through the real engine: ``run_round`` hands out tasks, each upload goes
-through ``check_submission`` and ``accept`` as the gRPC service sends it (encoded and
-decoded), refusals drop the edge as the service does. The wire itself is
+through the upload gate's ``check_header``, ``check_values`` and ``take`` as the gRPC
+service sends it (encoded and decoded), refusals drop the edge as the service does. The wire itself is
 ``test_adversarial_aggregate.py``'s.
 """
 
@@ -29,8 +29,9 @@ from fedattn_shared.wire.codec import encode
 from fedattn_shared.wire.payload import Kind, Payload, Section
 from fedattn_shared.wire.transport import PayloadAssembler, payload_chunks
 from fl_server.cli import build_parser, resolve
-from fl_server.engine import Engine, Refused
+from fl_server.engine import Engine
 from fl_server.metrics import ServerMetrics
+from fl_server.phase import Refused
 
 SHARED = (Kind.SHARED_TENSORS, "")
 CONTROL = (Kind.CONTROL, "")
@@ -60,7 +61,7 @@ def connect(engine: Engine, declared: dict[str, str | None]) -> None:
     """Edges joined and present; ``declared``: what each put in info["num_examples"]."""
     for edge, count in declared.items():
         info = {} if count is None else {"num_examples": count}
-        engine.registry.join(edge, "s" * 32, info, KEY).connected = True
+        engine.edges.join(edge, "s" * 32, info, KEY).connected = True
 
 
 def over_the_wire(payload: Payload) -> tuple[pb.PayloadManifest, Payload]:
@@ -90,9 +91,10 @@ def play_round(engine: Engine, uploads: dict[str, tuple[Payload, int]]) -> dict[
                 protocol_version=PROTOCOL_VERSION, edge_id=edge, round=number,
                 task_id=task.task_id, phase=phase.name, task_nonce=task.nonce,
                 num_examples=num_examples, payload=manifest)
-            try:
-                engine.check_submission(header)
-                await engine.accept(phase, header, decoded)
+            try:  # the upload gate's header and value checks, then into the phase
+                engine.gate.check_header(header, phase)
+                engine.gate.check_values(phase, edge, decoded)
+                await engine.gate.take(phase, header, decoded)
             except Refused as err:
                 refused[edge] = str(err)
                 if err.drop and edge in phase.pending() and not phase.closed:
@@ -172,13 +174,13 @@ def test_weight_cap_is_the_join_declaration_never_above_max_weight(tmp_path):
     engine = make_engine(tmp_path, max_weight=1000)
     connect(engine, {"plain": None, "small": "40", "large": "5000", "neg": "-5", "exp": "1e9",
                      "zero": "0", "arabic": "\u0661\u0662"})
-    assert engine.weight_cap("plain")[0] == 1000
-    assert "declared no num_examples" in engine.weight_cap("plain")[1]
-    assert engine.weight_cap("small") == (40, "the num_examples the edge declared at join")
-    assert engine.weight_cap("large")[0] == 1000
-    assert "raise --max-weight" in engine.weight_cap("large")[1]
+    assert engine.gate.weight_cap("plain")[0] == 1000
+    assert "declared no num_examples" in engine.gate.weight_cap("plain")[1]
+    assert engine.gate.weight_cap("small") == (40, "the num_examples the edge declared at join")
+    assert engine.gate.weight_cap("large")[0] == 1000
+    assert "raise --max-weight" in engine.gate.weight_cap("large")[1]
     for edge in ("neg", "exp", "zero", "arabic"):
-        cap, why = engine.weight_cap(edge)
+        cap, why = engine.gate.weight_cap(edge)
         assert cap == 0 and "not a whole number" in why, edge
 
 

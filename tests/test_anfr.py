@@ -20,7 +20,7 @@ from fedattn_shared.models.anfr import batchnorm_layers, disable_inplace_activat
 from fedattn_shared.state import StateError
 from fedattn_shared.wire.payload import Kind
 from fl_server.cli import build_parser, main, resolve
-from fl_server.engine import load_initial_weights
+from fl_server.initial import load_initial_weights
 
 SHARED = (Kind.SHARED_TENSORS, "")
 

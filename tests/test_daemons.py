@@ -15,7 +15,7 @@ from fedattn_shared.config import TrainConfig
 from fedattn_shared.methods import MethodContext, load_method
 from fedattn_shared.state import load_tensors
 from fl_edge.store import PrivateStore, private_digest
-from fl_server.engine import tensors_digest
+from fl_server.history import tensors_digest
 
 
 def test_fedavg_three_edges_account_every_byte(cluster, tmp_path):

@@ -2,9 +2,9 @@
 
 import numpy as np
 
-from fl_server.engine import select_edges
+from fl_server.edges import AuthError, EdgeBook
 from fl_server.evaluation import split_figures, summarize
-from fl_server.registry import AuthError, EdgeRegistry
+from fl_server.phase import select_edges
 
 
 def test_selection_is_seeded_and_sized():
@@ -31,7 +31,7 @@ KEY = b"k" * 32  # the edge's Ed25519 public key, bound at its first join
 
 
 def test_registry_binds_id_to_secret_and_sessions_expire():
-    registry = EdgeRegistry()
+    registry = EdgeBook()
     first = registry.join("cam1", "s" * 32, {}, KEY)
     session = first.session
     assert registry.check("cam1", session) is first
@@ -46,7 +46,7 @@ def test_registry_binds_id_to_secret_and_sessions_expire():
         raise AssertionError("an old session was accepted")
     except AuthError as err:
         assert not err.permanent
-    restored = EdgeRegistry.from_json(registry.to_json())
+    restored = EdgeBook.from_json(registry.to_json())
     assert restored.join("cam1", "s" * 32, {}, KEY).edge_id == "cam1"
     for bad in ("", "a b", "x" * 65, "../etc"):
         try:
@@ -59,7 +59,7 @@ def test_registry_binds_id_to_secret_and_sessions_expire():
 def test_history_text_encodes_each_round_once_and_reads_back():
     import json
 
-    from fl_server.engine import history_text
+    from fl_server.history import history_text
 
     history = {"manifest": {"method": "fedavg", "seed": 0}, "rounds": []}
     encoded: list = []

@@ -8,7 +8,7 @@ import pytest
 from conftest import free_port, read_history, serving, write_edge_dirs
 
 from fedattn_shared.state import load_tensors
-from fl_server.engine import tensors_digest
+from fl_server.history import tensors_digest
 
 
 def test_edge_killed_during_upload_costs_only_its_task(cluster, tmp_path):

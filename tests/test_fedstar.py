@@ -340,15 +340,15 @@ def engine_for(tmp_path, name: str, model: str):
 
 
 def test_optional_schema_tensors_accept_a_class_subset_and_nothing_else(tmp_path):
-    from fl_server.engine import Refused
+    from fl_server.phase import Refused
 
     engine = engine_for(tmp_path, "fedstar", COMPACT)
-    schema = engine.schemas["train"]
+    schema = next(driver for driver in engine.plan if driver.name == "train").schema()
     [spec] = schema
     assert spec.nbytes_of(["1", "7"]) == 2 * 128 * 4
 
     def check(payload):
-        engine.validate_manifest(encode(payload).manifest, schema, "e0")
+        engine.gate.check_manifest(encode(payload).manifest, schema)
 
     check(upload({1: [0.0] * 128, 7: [0.0] * 128}))
     with pytest.raises(Refused, match=r"unexpected \['10'\]"):
@@ -359,11 +359,12 @@ def test_optional_schema_tensors_accept_a_class_subset_and_nothing_else(tmp_path
         check(upload({3: [0.0] * 128}, {3: 5}))  # FedSTAR sends no counts
     # Schemas without optional tensors stay strict: every tensor, exactly.
     strict = engine_for(tmp_path, "fedavg", "lenet-bn")
-    tensors = {name: torch.zeros(spec.shape) for name, spec in strict.schemas["train"][0].tensors.items()}
+    strict_schema = next(driver for driver in strict.plan if driver.name == "train").schema()
+    tensors = {name: torch.zeros(spec.shape) for name, spec in strict_schema[0].tensors.items()}
     tensors.pop(sorted(tensors)[0])
     with pytest.raises(Refused, match="missing \\['model/classifier.0.bias'\\]"):
-        strict.validate_manifest(encode(Payload([Section(Kind.SHARED_TENSORS, "", tensors)])).manifest,
-                                 strict.schemas["train"], "e0")
+        strict.gate.check_manifest(
+            encode(Payload([Section(Kind.SHARED_TENSORS, "", tensors)])).manifest, strict_schema)
 
 
 @pytest.mark.parametrize("params, message", [
@@ -462,15 +463,22 @@ def test_the_server_refuses_an_upload_that_fails_the_methods_check(tmp_path):
     import asyncio
 
     from fedattn_shared.wire import fedattn_pb2 as pb
-    from fl_server.engine import Phase, Refused, Task
+    from fl_server.phase import Phase, Refused, Task
 
     engine = engine_for(tmp_path, "fedproto", COMPACT)
     engine.aggregator.begin_round(1, ["e0"], 1)
+    driver = next(driver for driver in engine.plan if driver.name == "train")
     phase = Phase(name="train", round=1, tasks={"e0": Task(1, "e0")}, quorum=1, common_id="c",
-                  common=encode(Payload()), common_frames=[], personal={}, spec_json="{}")
+                  common=encode(Payload()), common_frames=[], personal={}, spec_json="{}",
+                  driver=driver, schema=driver.schema())
     header = pb.SubmitHeader(edge_id="e0", num_examples=10)
+
+    async def submit(payload):  # the gate's value check, then into the phase
+        engine.gate.check_values(phase, "e0", payload)
+        await engine.gate.take(phase, header, payload)
+
     with pytest.raises(Refused, match="class_counts must name exactly") as refused:
-        asyncio.run(engine.accept(phase, header, upload({1: [0.0] * 128}, {2: 10})))
+        asyncio.run(submit(upload({1: [0.0] * 128}, {2: 10})))
     assert refused.value.drop and engine.aggregator.uploads == {}
-    asyncio.run(engine.accept(phase, header, upload({1: [0.0] * 128}, {1: 10})))
+    asyncio.run(submit(upload({1: [0.0] * 128}, {1: 10})))
     assert list(engine.aggregator.uploads) == ["e0"]

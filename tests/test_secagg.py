@@ -37,7 +37,7 @@ from fedattn_shared.wire.payload import Kind, Payload, Section
 from fl_edge.secagg import ROUND_FILE, EdgeSecAgg
 from fl_edge.store import load_or_create_signing_key
 from fl_server.cli import main as server_main
-from fl_server.registry import AuthError, EdgeRegistry
+from fl_server.edges import AuthError, EdgeBook
 from fl_server.secagg import SecAggDriver
 
 # ---- Shamir ------------------------------------------------------------------------------
@@ -661,9 +661,9 @@ def test_an_edge_refuses_malformed_requests_by_name(tmp_path):
 
 
 def test_the_signing_key_binding_survives_a_server_restart():
-    registry = EdgeRegistry()
+    registry = EdgeBook()
     registry.join("edge-1", "s" * 32, {}, signing_key=b"\xab" * 32)
-    restored = EdgeRegistry.from_json(registry.to_json())
+    restored = EdgeBook.from_json(registry.to_json())
     assert restored.records["edge-1"].signing_key == "ab" * 32
     with pytest.raises(AuthError, match="different signing key"):
         restored.join("edge-1", "s" * 32, {}, signing_key=b"\xcd" * 32)
@@ -746,7 +746,7 @@ class DrivenRounds:
         cfg = ServerConfig(secagg=True, secagg_graph="full", secagg_clip=8.0,
                            secagg_max_weight=1000.0)
         self.driver = SecAggDriver(cfg, self.method, self.models, self.aggregator)
-        self.registry = EdgeRegistry()
+        self.registry = EdgeBook()
         self.edges = {}
         policy = SecAggPolicy.from_config(self.driver.policy.to_config())  # the run config
         for e in self.ids:

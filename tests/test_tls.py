@@ -98,7 +98,7 @@ def test_a_secure_federation_runs_over_mutual_tls(tmp_path, ca):
         assert results == {0: 0, 1: 0, 2: 0}
         record = app.engine.history["rounds"][0]
         assert record["aggregate"]["secagg-unmask"]["unmasked"] == 3
-        assert sorted(app.engine.registry.records) == ["e0", "e1", "e2"]
+        assert sorted(app.engine.edges.records) == ["e0", "e1", "e2"]
 
 
 def raw_join(port, tls_dir, edge_id, token=None):

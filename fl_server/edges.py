@@ -1,18 +1,26 @@
-"""Edges the server knows: identity (id bound to a secret), session, presence."""
+"""Edges the server knows: identity (id bound to a secret), session, presence.
+
+Called ``EdgeBook`` (it was ``EdgeRegistry``): "registry" already means the Prometheus
+collector registry, the method registry and the model registry.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import hmac
+import logging
 import secrets
 import time
 from dataclasses import dataclass, field
 
 from fedattn_shared.tls import edge_id_refusal
+from fedattn_shared.wire.payload import Payload
+
+log = logging.getLogger("fl_server")
 
 # What a Join may say about the device (hostname, versions): bounded, so that a stranger's
-# join cannot grow the registry, the log or the checkpoint.
+# join cannot grow the edge book, the log or the checkpoint.
 MAX_INFO_ENTRIES = 32
 MAX_INFO_KEY = 64
 MAX_INFO_VALUE = 256
@@ -33,6 +41,9 @@ def _hash(secret: str) -> str:
 
 @dataclass
 class EdgeRecord:
+    """One edge id: what binds it (secret hash, signing key, certificate serial, kept in
+    checkpoints) and its live session (keys and events, never written to disk)."""
+
     edge_id: str
     secret_hash: str
     first_seen: float
@@ -50,11 +61,13 @@ class EdgeRecord:
     session_over: asyncio.Event = field(default_factory=asyncio.Event)
 
     def new_session(self) -> None:
+        """A join: the previous session ends (its presence stream closes) first."""
         self.end_session()
         self.session = secrets.token_hex(16)
         self.session_over = asyncio.Event()
 
     def end_session(self) -> None:
+        """A leave, rejoin or revocation: wakes whatever waits on the old session."""
         self.session = ""
         self.connected = False
         self.session_over.set()
@@ -71,7 +84,7 @@ def info_refusal(info: dict[str, str]) -> str:
     return ""
 
 
-class EdgeRegistry:
+class EdgeBook:
     """The edges this server knows. ``max_edges`` bounds how many ids may ever register:
     without a join token or mutual TLS anyone can invent ids, and each one is a record, a
     set of metric series and a line in every checkpoint."""
@@ -119,6 +132,7 @@ class EdgeRegistry:
         return record
 
     def check(self, edge_id: str, session: str) -> EdgeRecord:
+        """The record of a call that names a live session; AuthError otherwise."""
         record = self.records.get(edge_id)
         if record is None:
             raise AuthError(f"unknown edge {edge_id!r}", permanent=False)
@@ -127,24 +141,54 @@ class EdgeRegistry:
         return record
 
     def connected_ids(self) -> list[str]:
+        """Edges with a presence stream open: those a round can select."""
         return sorted(e for e, r in self.records.items() if r.connected)
 
+    async def wait_for(self, count: int) -> None:
+        """Returns once ``count`` edges are connected: every round starts with at least
+        --min-edges (as Flower's min_available_clients); stragglers inside a round are
+        what --quorum tolerates."""
+        announced = False
+        while len(self.connected_ids()) < count:
+            if not announced:
+                log.info("waiting for %d connected edge(s) (have %d)", count,
+                         len(self.connected_ids()))
+                announced = True
+            await asyncio.sleep(0.1)
+
+    def first_downlink(self, edge_id: str, payload: Payload, init: Payload | None) -> Payload:
+        """``payload`` after the initial models (``--init-weights``) for an edge that
+        joined without private state, once: its private parts start there too."""
+        record = self.records[edge_id]
+        if record.needs_init and init is not None:
+            record.needs_init = False
+            return Payload(init.sections + payload.sections)
+        return payload
+
     def wake_all(self) -> None:
+        """Ends every task long-poll's wait (a new phase, or the run is over)."""
         for record in self.records.values():
             record.wakeup.set()
 
     def to_json(self) -> dict:
+        """The bindings a checkpoint keeps (no session: a resumed server makes edges rejoin)."""
         return {e: {"secret_sha256": r.secret_hash, "first_seen": r.first_seen,
                     **({"signing_key": r.signing_key} if r.signing_key else {}),
                     **({"cert_serial": r.cert_serial} if r.cert_serial else {})}
                 for e, r in sorted(self.records.items())}
 
     @classmethod
-    def from_json(cls, data: dict, max_edges: int = 10_000) -> EdgeRegistry:
-        registry = cls(max_edges)
-        for edge_id, entry in data.items():
-            registry.records[edge_id] = EdgeRecord(edge_id, entry["secret_sha256"],
-                                                   entry["first_seen"],
-                                                   signing_key=entry.get("signing_key", ""),
-                                                   cert_serial=entry.get("cert_serial", ""))
-        return registry
+    def from_json(cls, data: dict, max_edges: int = 10_000) -> EdgeBook:
+        """The book a checkpoint kept, every edge disconnected until it rejoins."""
+        book = cls(max_edges)
+        book.load_json(data)
+        return book
+
+    def load_json(self, data: dict) -> None:
+        """Replaces the records with those a checkpoint kept (a resume): the book itself
+        stays, so whatever holds it (the upload gate) sees the resumed edges."""
+        self.records = {
+            edge_id: EdgeRecord(edge_id, entry["secret_sha256"], entry["first_seen"],
+                                signing_key=entry.get("signing_key", ""),
+                                cert_serial=entry.get("cert_serial", ""))
+            for edge_id, entry in data.items()}

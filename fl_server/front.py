@@ -1,0 +1,158 @@
+"""What the gRPC servicer may ask of the server: join, presence, next task, submit, leave.
+
+The servicer (``service.py``) deals in bytes, streams, deadlines and certificates; this
+narrow interface deals in edges, sessions, tasks and uploads, so that the servicer
+never reaches into the engine's edge book or open phase, and the engine never sees a
+gRPC context.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from fedattn_shared.wire import fedattn_pb2 as pb
+from fedattn_shared.wire.payload import Payload, WireError
+from fedattn_shared.wire.transport import PayloadAssembler
+
+from .edges import AuthError, EdgeRecord
+from .engine import Engine
+from .gate import Admission
+from .phase import Phase, Refused, Task
+
+log = logging.getLogger("fl_server")
+
+
+class EdgeFront:
+    """The engine as the servicer sees it (one per server)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.metrics = engine.metrics
+
+    # ---- what an edge learns at join ----------------------------------------------------
+    @property
+    def fingerprint(self) -> str:
+        """The model/method fingerprint an edge's saved state must match."""
+        return self.engine.fingerprint
+
+    @property
+    def config_json(self) -> str:
+        """The run configuration every edge builds its method from."""
+        return self.engine.config_json
+
+    @property
+    def finished(self) -> bool:
+        """True once the last round ended: task polls answer DONE."""
+        return self.engine.finished
+
+    @property
+    def round(self) -> int:
+        """The last completed round."""
+        return self.engine.round
+
+    # ---- sessions -----------------------------------------------------------------------
+    def join(self, request: pb.JoinRequest, cert_serial: str,
+             mac_key: Callable[[EdgeRecord], bytes]) -> EdgeRecord:
+        """Registers the edge (or checks it against its binding) and starts its session;
+        a new session replaces any older one, and its outstanding task is gone with it."""
+        try:
+            record = self.engine.edges.join(request.edge_id, request.edge_secret,
+                                            dict(request.info), request.signing_key,
+                                            cert_serial=cert_serial)
+        except AuthError as err:
+            raise Refused(str(err)) from None
+        record.upload_mac_key = mac_key(record)
+        record.needs_init = not request.state_fingerprint
+        self.metrics.joins.inc()
+        self.edge_lost(record.edge_id, "rejoined")
+        log.info("edge %s joined (%s)", record.edge_id,
+                 ", ".join(f"{k}={v!r}" for k, v in sorted(record.info.items())))
+        return record
+
+    def session(self, edge_id: str, session: str) -> EdgeRecord:
+        """The record of a call in a live session (AuthError otherwise)."""
+        return self.engine.edges.check(edge_id, session)
+
+    def live_sessions(self) -> list[EdgeRecord]:
+        """Every edge record, for the enrolment watch to re-check."""
+        return list(self.engine.edges.records.values())
+
+    def present(self, record: EdgeRecord) -> None:
+        """The edge's presence stream opened: rounds may select it."""
+        record.connected = True
+        self._count_connected()
+
+    def absent(self, record: EdgeRecord, session: str) -> None:
+        """Its presence stream ended: when still its session, its task is dropped."""
+        if record.session == session:
+            record.connected = False
+            self.edge_lost(record.edge_id, "disconnected")
+            log.info("edge %s disconnected", record.edge_id)
+        self._count_connected()
+
+    def end_session(self, record: EdgeRecord, reason: str) -> None:
+        """Ends an edge's session from the server's side (a leave or a revocation)."""
+        record.end_session()
+        self.edge_lost(record.edge_id, reason)
+        self._count_connected()
+
+    def _count_connected(self) -> None:
+        self.metrics.connected.set(len(self.engine.edges.connected_ids()))
+
+    def edge_lost(self, edge_id: str, reason: str) -> None:
+        """An edge's session ended: its pending task in the open phase is dropped."""
+        phase = self.engine.phase
+        if phase is not None and not phase.closed and edge_id in phase.pending():
+            self.engine.drop(phase, edge_id, reason)
+
+    # ---- tasks --------------------------------------------------------------------------
+    def next_task(self, edge: str) -> tuple[Phase, Task] | None:
+        """The edge's pending task in the open phase, if any."""
+        phase = self.engine.phase
+        if phase is None or phase.closed or edge not in phase.pending():
+            return None
+        return phase, phase.tasks[edge]
+
+    def deliver(self, phase: Phase, task: Task, limit: int) -> bool:
+        """Counts one more download of a task; past ``limit`` the task is dropped (a
+        session pulling the model over and over costs the server bytes and CPU)."""
+        task.deliveries += 1
+        if task.deliveries <= limit:
+            return True
+        self.engine.drop(phase, task.edge_id, f"re-delivery limit: task {task.task_id} was sent "
+                                              f"{limit} times")
+        return False
+
+    # ---- uploads ------------------------------------------------------------------------
+    def identify(self, header: pb.SubmitHeader) -> EdgeRecord:
+        """Gate step 1: who sends (id, protocol, session)."""
+        return self.engine.gate.identify(header)
+
+    def admit(self, header: pb.SubmitHeader, record: EdgeRecord,
+              certificate: Callable[[], str]) -> Admission:
+        """Gate step 2: the header, against the open phase."""
+        return self.engine.gate.admit(header, record, certificate, self.engine.phase)
+
+    async def submit(self, admission: Admission, header: pb.SubmitHeader, body_mac: bytes,
+                     assembler: PayloadAssembler) -> None:
+        """Gate steps 4 to 6: the body's signature and values, the method's check, and
+        into the phase."""
+        gate = self.engine.gate
+        payload: Payload = await gate.verify(admission, header, body_mac, assembler)
+        gate.check_values(admission.phase, header.edge_id, payload)
+        await gate.take(admission.phase, header, payload)
+
+    def refused(self, edge: str, label: str, err: Refused | WireError,
+                phase: Phase | None) -> str:
+        """Counts a refused upload and, when the refusal costs the edge its task, drops
+        it. Returns the reason the reply carries."""
+        drop = isinstance(err, WireError) or err.drop
+        reason = f"{type(err).__name__ if isinstance(err, WireError) else 'refused'}: {err}"
+        log.warning("submission from %s refused: %s", edge or "?", reason)
+        self.metrics.refused.labels(label).inc()
+        if drop and phase is None:  # the header checks name no phase
+            phase = self.engine.phase
+        if drop and phase is not None and edge in phase.pending() and not phase.closed:
+            self.engine.drop(phase, edge, f"bad upload: {err}")
+        return reason

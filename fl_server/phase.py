@@ -1,0 +1,162 @@
+"""What one phase of a round is while it runs, and the two ways a step of it can fail.
+
+``Phase`` and ``Task`` are the state the engine, the upload gate and the gRPC servicer
+share about the open phase: which edges hold a task, which answered, which were dropped
+and why. They live apart from the engine so that the servicer and the gate can name them
+without importing the round loop. ``Refused`` is every refusal an edge can get (its
+``drop`` says whether it costs the task), ``RoundAborted`` a phase that cannot complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import math
+import random
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fedattn_shared.config import ServerConfig
+from fedattn_shared.methods.aggregators import RoundSnapshot
+from fedattn_shared.wire.codec import EncodedPayload, encode
+from fedattn_shared.wire.payload import Kind, Payload
+from fedattn_shared.wire.transport import data_frames
+
+
+@dataclass
+class Task:
+    """One edge's task in the open phase: the id and nonce its upload must echo (a
+    replayed or stale upload names another), and how often its download started."""
+
+    task_id: int
+    edge_id: str
+    delivered: bool = False
+    deliveries: int = 0  # streams that started sending it (bounded: --max-task-deliveries)
+    nonce: bytes = field(default_factory=lambda: secrets.token_bytes(16))
+
+
+@dataclass
+class Phase:
+    """The open phase: its tasks, downlinks (encoded once, shared by every stream) and
+    the results and drops so far; ``done`` fires at quorum or when nobody is pending."""
+
+    name: str
+    round: int
+    tasks: dict[str, Task]
+    quorum: int
+    common_id: str
+    common: EncodedPayload
+    common_frames: list[tuple[Kind, bytes, int]]  # serialized once, sent to every edge
+    personal: dict[str, EncodedPayload]
+    spec_json: str
+    started: float = field(default_factory=time.monotonic)
+    received: dict[str, dict] = field(default_factory=dict)
+    dropped: dict[str, str] = field(default_factory=dict)
+    closed: bool = False
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set with ``closed``: uploads still receiving for this phase stop at once and give
+    # their slot back instead of streaming bytes nobody will aggregate.
+    closing: asyncio.Event = field(default_factory=asyncio.Event)
+    # Why the phase's aggregate cannot be trusted: the aggregator failed part way through
+    # an upload, so its sums may hold part of it. The phase then aborts its round.
+    tainted: str = ""
+    # What runs the phase (``drivers.PhaseDriver``) and the upload schema it had when the
+    # phase opened (SecAgg steps' schemas depend on the earlier steps).
+    driver: Any = None
+    schema: list = field(default_factory=list)
+
+    def pending(self) -> list[str]:
+        """Edges that hold a task and have neither answered nor been dropped."""
+        return [e for e in self.tasks if e not in self.received and e not in self.dropped]
+
+    def maybe_close(self) -> None:
+        """Ends the wait once the quorum answered or nobody is left to answer."""
+        if len(self.received) >= self.quorum or not self.pending():
+            self.done.set()
+
+
+    def summary(self) -> dict:
+        """The phase's entry in the round's history record."""
+        record = {
+            "selected": sorted(self.tasks), "received": sorted(self.received),
+            "dropped": dict(sorted(self.dropped.items())), "quorum": self.quorum,
+            "seconds": time.monotonic() - self.started,
+            "edge_metrics": {e: r["metrics"] for e, r in sorted(self.received.items())
+                             if r["metrics"]},
+            "num_examples": {e: r["num_examples"] for e, r in sorted(self.received.items())},
+        }
+        # --clip-update-norm: each accepted upload's distance from the global (before any
+        # scaling), what an operator chooses C from.
+        norms = {e: r["update_norm"] for e, r in sorted(self.received.items())
+                 if "update_norm" in r}
+        if norms:
+            record["update_norm"] = norms
+        return record
+
+
+@dataclass
+class RoundState:
+    """What the phases of one round hand on to the next: its history record, the
+    edges still taking part, the aggregator's state at its start (to undo it) and
+    whether it aborted."""
+
+    number: int
+    record: dict[str, Any]
+    participants: list[str]
+    snapshot: RoundSnapshot | None = None
+    aborted: bool = False
+
+
+class Refused(Exception):
+    """A submission or request refused; ``drop`` says whether it costs the edge its task,
+    ``code`` the gRPC status a refused unary call answers (None: PERMISSION_DENIED)."""
+
+    def __init__(self, reason: str, drop: bool = False, code: Any = None):
+        super().__init__(reason)
+        self.drop = drop
+        self.code = code
+
+
+class RoundAborted(Exception):
+    """A phase of the round cannot complete; the round ends with the global as it was."""
+
+
+def select_edges(connected: list[str], fraction: float, seed: int, round_number: int) -> list[str]:
+    """The round's participants: all connected edges, or a seeded sample of
+    ``fraction`` of them (the same seed and round pick the same edges on a resume)."""
+    if fraction >= 1.0:
+        return list(connected)
+    count = max(1, math.ceil(fraction * len(connected)))
+    return sorted(random.Random(seed * 100_003 + round_number).sample(connected, count))
+
+
+async def open_phase(driver: Any, round_number: int, cfg: ServerConfig, task_ids: dict[str, int],
+                     personal: Callable[[str], Payload], version: str) -> Phase:
+    """A new phase of ``driver``: its schema, its common downlink encoded and framed once
+    (off the event loop), every edge's personal downlink and a task per edge. A downlink
+    that cannot be built aborts the round (``RoundAborted``). ``version`` names the
+    server instance and state version the common payload's id starts with."""
+    name = driver.name
+    try:
+        schema = driver.schema()
+        common = await asyncio.to_thread(encode, driver.common())
+        frames = await asyncio.to_thread(lambda: list(data_frames(common, cfg.chunk_bytes)))
+        encoded = {e: encode(personal(e)) for e in task_ids}
+    except Exception as err:
+        raise RoundAborted(f"the {name} downlink could not be built "
+                           f"({type(err).__name__}: {err})") from err
+    # The id changes when the bytes differ (the manifest carries their CRC-32) and, to
+    # rule out a CRC collision on the usual path, whenever a phase aggregated uploads;
+    # so an edge's cached copy is reused exactly when it is current.
+    layout = hashlib.sha256(common.manifest.SerializeToString(deterministic=True)).hexdigest()
+    return Phase(
+        name=name, round=round_number,
+        tasks={edge: Task(task_id, edge) for edge, task_id in task_ids.items()},
+        quorum=driver.quorum(len(task_ids)), common_id=f"{version}-{layout[:16]}",
+        common=common, common_frames=frames, personal=encoded,
+        spec_json=json.dumps({"round": round_number, "rounds": cfg.rounds, "phase": name}),
+        driver=driver, schema=schema)
