@@ -53,10 +53,12 @@ class Task:
 
     @property
     def phase(self) -> str:
+        """The phase the server asks for."""
         return self.header.phase
 
     @property
     def round(self) -> int:
+        """The round the task belongs to."""
         return self.header.round
 
     @cached_property

@@ -34,6 +34,8 @@ log = logging.getLogger("fl_edge.trainer")
 
 @dataclass
 class TrainResult:
+    """What one local training did: the steps, samples and losses the edge reports and
+    the throughput it monitors."""
     steps: int
     examples: int
     mean_loss: float
@@ -46,11 +48,14 @@ class TrainResult:
 
     @property
     def samples_per_second(self) -> float:
+        """Training throughput (0 for an instant round)."""
         return self.examples / self.seconds if self.seconds > 0 else 0.0
 
 
 @dataclass
 class EvalCounts:
+    """Counts on one split, summed on the server into global metrics (the edge sends
+    counts, never rates, so the server can weigh edges exactly)."""
     split: str
     confusion: np.ndarray  # [true, predicted] counts
     loss_sum: float
@@ -58,10 +63,12 @@ class EvalCounts:
 
     @property
     def total(self) -> int:
+        """Samples scored."""
         return int(self.confusion.sum())
 
     @property
     def accuracy(self) -> float:
+        """The fraction scored correctly (0 on an empty split)."""
         return float(np.trace(self.confusion)) / max(self.total, 1)
 
 
@@ -165,13 +172,27 @@ class LoopSteps(Protocol):
     ``fedattn_shared.privacy.dp.PrivateTraining`` under DP-SGD (Poisson-sampled batches,
     per-sample clipping and noise). The loop itself has no branch on which it is."""
 
-    def check_options(self, amp: bool, grad_accum: int, clip_grad_norm: float) -> None: ...
-    def loader(self, data: Split, batch_size: int, generator: torch.Generator) -> Iterable: ...
-    def begin(self, optimizers: list[torch.optim.Optimizer]) -> None: ...
-    def backward(self, loss: torch.Tensor) -> None: ...
-    def empty_batch(self) -> None: ...
-    def step(self, post_backward: Callable[[], None]) -> bool: ...
-    def clip_figures(self) -> tuple[float, int]: ...
+    def check_options(self, amp: bool, grad_accum: int, clip_grad_norm: float) -> None:
+        """Refuses the loop options these steps do not combine with."""
+
+    def loader(self, data: Split, batch_size: int, generator: torch.Generator) -> Iterable:
+        """The round's batches, ordered by ``generator``."""
+
+    def begin(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Told the method's optimizers before the first batch."""
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """The backward pass of one (micro-)batch's loss."""
+
+    def empty_batch(self) -> None:
+        """Stands in for the backward pass of a batch with no sample."""
+
+    def step(self, post_backward: Callable[[], None]) -> bool:
+        """One optimizer step; False when nothing was stepped (an accumulating batch)."""
+
+    def clip_figures(self) -> tuple[float, int]:
+        """train.clip_grad_norm's figures: summed pre-clip norms, steps clipped."""
+
 
 
 class PlainSteps:
