@@ -2,6 +2,11 @@
 
 Methods never write their own loop: they plug into it through ``EdgeAlgorithm`` hooks.
 Batches come from a DataLoader with no worker processes (gRPC is not fork-safe).
+
+The loop does not know whether it runs DP-SGD: its batches, backward pass and optimizer
+step come from a ``LoopSteps`` (``PlainSteps``, or ``PrivateTraining`` under DP-SGD), and
+the options a kind of step refuses are refused by it, in ``_check_options``. A concern
+that changes how a step is taken (DP-SGD today) plugs in there instead of as branches.
 """
 
 from __future__ import annotations
