@@ -58,21 +58,21 @@ class MeteredEdge(EdgeDaemon):
         super().__init__(options)
         self.cpu: dict[str, float] = {}
 
-    def _next_task(self, stub):
+    def _next_task(self):
         started = time.thread_time()
-        received = super()._next_task(stub)
+        received = super()._next_task()
         phase = received.header.phase or "poll"
         self.cpu[phase] = self.cpu.get(phase, 0.0) + time.thread_time() - started
         return received
 
-    def _handle(self, stub, received):
+    def _handle(self, received):
         phase = received.header.phase
         if phase == self.drop_phase:
-            self._leave(stub, "benchmark dropout")
+            self.session.leave("benchmark dropout")
             raise Dropout(phase)
         started = time.thread_time()
         try:
-            return super()._handle(stub, received)
+            return super()._handle(received)
         finally:
             self.cpu[phase] = self.cpu.get(phase, 0.0) + time.thread_time() - started
 

@@ -18,6 +18,7 @@ log = logging.getLogger("fl_edge")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The daemon's command line; the policy options in their own group (``_add_policy``)."""
     parser = argparse.ArgumentParser(
         prog="fl-edge",
         description="fedattn edge daemon: joins a fl-server, trains on local data, keeps "
@@ -54,6 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="micro-batches per optimizer step (default 1)")
     small.add_argument("--amp", action="store_true",
                        help="half-precision forward pass (fp16 on CUDA, bf16 on CPU)")
+    _add_policy(parser)
+    parser.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
+                        help="progress bars (auto: when a terminal is attached)")
+    parser.add_argument("--log-level", default="INFO")
+    return parser
+
+
+def _add_policy(parser: argparse.ArgumentParser) -> None:
+    """The edge's own rules for what a server may ask of it, in one help group."""
     policy = parser.add_argument_group(
         "what the server may ask of this edge",
         "The server chooses the method, model and DP-SGD settings; the edge refuses (exit "
@@ -78,13 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "edge runs only methods installed under the fedattn.methods entry "
                              "points, and refuses any module:Class a server names before "
                              "importing anything")
-    parser.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
-                        help="progress bars (auto: when a terminal is attached)")
-    parser.add_argument("--log-level", default="INFO")
-    return parser
 
 
 def build_tools_parser() -> argparse.ArgumentParser:
+    """The offline tools' command line: they read a state dir, never the network."""
     parser = argparse.ArgumentParser(prog="fl-edge", description="offline tools of the edge")
     sub = parser.add_subparsers(dest="command", required=True)
     export = sub.add_parser("export", help="write the personalized model to a safetensors file")
@@ -102,6 +109,7 @@ IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp"}
 
 
 def run_tool(argv: list[str]) -> int:
+    """``fl-edge export`` / ``predict``: status 2 and one line on a bad state dir or input."""
     from fedattn_shared.state import StateError
 
     from . import export as tools
@@ -136,6 +144,8 @@ def run_tool(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``fl-edge`` entry point: checks the options a daemon cannot (status 2, one
+    line), then runs the daemon; its ``EdgeExit`` becomes the exit status."""
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("export", "predict"):
         return run_tool(argv)

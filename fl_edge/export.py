@@ -31,6 +31,8 @@ EXPORT_FORMAT = "fedattn-personalized-model/1"
 
 @dataclass
 class Personalized:
+    """The personalized model of an edge, loaded for scoring outside a run (export,
+    predict): the method and algorithm as the run built them, with their state."""
     method: Method
     algo: EdgeAlgorithm
     train: TrainConfig
@@ -39,6 +41,8 @@ class Personalized:
 
 
 def build(config_json: str, device: torch.device) -> tuple[Method, EdgeAlgorithm, TrainConfig, str]:
+    """Rebuilds the run's method and models from a stored run config, as the edge did
+    (no server); returns the fingerprint the caller checks against the stored one."""
     config = json.loads(config_json)
     train = TrainConfig()
     apply_values(train, "train", config["train"], "stored run config")
@@ -54,6 +58,8 @@ CPU = torch.device("cpu")
 
 
 def from_state_dir(state_dir: Path, device: torch.device = CPU) -> Personalized:
+    """The edge's model as its last round left it: private state plus the last global,
+    refused when the state dir was written by another model."""
     store = PrivateStore(state_dir)
     config_json, fingerprint = store.load_run_config()
     method, algo, train, built = build(config_json, device)
@@ -69,6 +75,8 @@ def from_state_dir(state_dir: Path, device: torch.device = CPU) -> Personalized:
 
 
 def export(state_dir: Path, out: Path) -> Personalized:
+    """Writes the personalized model to one safetensors file, with the config that rebuilds
+    it, so it can be scored without the state dir."""
     model = from_state_dir(state_dir)
     tensors = {f"{name}/{key}": value for name, m in model.algo.models.items()
                for key, value in m.state_dict().items()}
@@ -79,6 +87,7 @@ def export(state_dir: Path, out: Path) -> Personalized:
 
 
 def from_export(path: Path, device: torch.device = CPU) -> Personalized:
+    """Loads a file ``export`` wrote, refusing one this fedattn builds another model for."""
     tensors, meta = load_tensors(path)
     if meta.get("format") != EXPORT_FORMAT:
         raise StateError(f"{path}: not a fedattn exported model")

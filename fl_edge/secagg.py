@@ -48,6 +48,7 @@ ROUND_FILE = "secagg-round.json"
 
 
 def is_secagg_phase(name: str) -> bool:
+    """A SecAgg+ protocol step (answered by the SecAgg middleware), not a method phase."""
     return protocol_step(name) is not None
 
 
@@ -75,6 +76,9 @@ def _marked(tensors: dict[str, bytes], prefix: str) -> dict[str, bytes]:
 
 
 class EdgeSecAgg:
+    """The edge's SecAgg+ client across rounds: answers each protocol step from the
+    round's secrets on disk and masks the method's upload; holds every request to the
+    run's ``policy``."""
     def __init__(self, state_dir: Path, edge_id: str, signing_key: Ed25519PrivateKey,
                  policy: SecAggPolicy | None = None):
         self.edge_id = edge_id

@@ -41,11 +41,14 @@ PRIVATE_HISTORY_FORMAT = "fedattn-private-history/1"
 
 @dataclass
 class Identity:
+    """The edge's id and join secret (``identity.json``): the server knows an edge by them."""
     edge_id: str
     secret: str
 
 
 def load_or_create_identity(state_dir: Path, name: str | None = None) -> Identity:
+    """The state dir's identity, created on first start (0700 dir); a state dir never
+    changes hands: another ``--name`` is refused."""
     path = state_dir / "identity.json"
     if path.exists():
         data = read_json(path)
@@ -122,6 +125,8 @@ def private_digest(algo: EdgeAlgorithm) -> str:
 
 
 class PrivateStore:
+    """The files of an edge's state dir and their formats (run config, last global,
+    private state, private history, privacy ledger), each written atomically."""
     def __init__(self, state_dir: Path):
         self.state_dir = state_dir
         self.path = state_dir / "private.safetensors"
@@ -138,6 +143,7 @@ class PrivateStore:
                                              "fingerprint": fingerprint})
 
     def load_run_config(self) -> tuple[str, str]:
+        """The run config and fingerprint the edge last ran with (for export and predict)."""
         if not self.config_path.exists():
             raise StateError(f"{self.config_path}: missing; this edge never joined a run")
         data = read_json(self.config_path)
@@ -179,6 +185,7 @@ class PrivateStore:
         return self._last_global_slot
 
     def load_global(self) -> Payload:
+        """The last common downlink the edge received, as the method reads it."""
         if not self.global_manifest_path.exists():
             return Payload()
         blob = self.global_manifest_path.read_bytes()
@@ -209,6 +216,7 @@ class PrivateStore:
         atomic_write_json(self.private_history_path, history)
 
     def load_private_history(self) -> dict:
+        """The figures ``record_private`` kept per round (they never leave the edge)."""
         if not self.private_history_path.exists():
             return {"format": PRIVATE_HISTORY_FORMAT, "rounds": []}
         data = read_json(self.private_history_path)
@@ -223,6 +231,8 @@ class PrivateStore:
         atomic_write_json(self.ledger_path, ledger)
 
     def load_ledger(self) -> dict | None:
+        """The privacy ledger, None before the first DP-SGD run; unreadable is an error, never
+        a reset."""
         if not self.ledger_path.exists():
             return None
         data = read_json(self.ledger_path)
@@ -231,15 +241,20 @@ class PrivateStore:
         return data
 
     def exists(self) -> bool:
+        """Whether the edge has trained before (its private state is on disk)."""
         return self.path.exists()
 
     def stored_fingerprint(self) -> str | None:
+        """The model fingerprint the private state was written for, told to the server at
+        join (None: no state, the server sends initial weights)."""
         if not self.path.exists():
             return None
         _, meta = load_tensors(self.path)
         return meta.get("fingerprint")
 
     def save(self, algo: EdgeAlgorithm, fingerprint: str, round_number: int, phase: str) -> None:
+        """Writes the private tensors and optimizer state atomically, stamped with the
+        fingerprint, round and phase, so a restart resumes exactly here."""
         # Shared tensors are not saved: the server's next downlink replaces them anyway.
         tensors = {f"model/{name}": value for name, value in private_tensors(algo).items()}
         opt_tensors, groups = _optimizer_tensors(algo)
@@ -255,6 +270,7 @@ class PrivateStore:
         save_tensors(self.path, tensors, meta)
 
     def load(self, algo: EdgeAlgorithm, fingerprint: str) -> dict[str, str]:
+        """Loads the private state into ``algo``; refused when written for another model."""
         tensors, meta = load_tensors(self.path)
         if meta.get("format") != STATE_FORMAT:
             raise StateError(f"{self.path}: not a fedattn edge state file "

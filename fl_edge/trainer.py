@@ -2,6 +2,11 @@
 
 Methods never write their own loop: they plug into it through ``EdgeAlgorithm`` hooks.
 Batches come from a DataLoader with no worker processes (gRPC is not fork-safe).
+
+The loop does not know whether it runs DP-SGD: its batches, backward pass and optimizer
+step come from a ``LoopSteps`` (``PlainSteps``, or ``PrivateTraining`` under DP-SGD), and
+the options a kind of step refuses are refused by it, in ``_check_options``. A concern
+that changes how a step is taken (DP-SGD today) plugs in there instead of as branches.
 """
 
 from __future__ import annotations
@@ -11,9 +16,10 @@ import sys
 import threading
 import time
 import zlib
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -33,6 +39,8 @@ log = logging.getLogger("fl_edge.trainer")
 
 @dataclass
 class TrainResult:
+    """What one local training did: the steps, samples and losses the edge reports and
+    the throughput it monitors."""
     steps: int
     examples: int
     mean_loss: float
@@ -45,11 +53,14 @@ class TrainResult:
 
     @property
     def samples_per_second(self) -> float:
+        """Training throughput (0 for an instant round)."""
         return self.examples / self.seconds if self.seconds > 0 else 0.0
 
 
 @dataclass
 class EvalCounts:
+    """Counts on one split, summed on the server into global metrics (the edge sends
+    counts, never rates, so the server can weigh edges exactly)."""
     split: str
     confusion: np.ndarray  # [true, predicted] counts
     loss_sum: float
@@ -57,10 +68,12 @@ class EvalCounts:
 
     @property
     def total(self) -> int:
+        """Samples scored."""
         return int(self.confusion.sum())
 
     @property
     def accuracy(self) -> float:
+        """The fraction scored correctly (0 on an empty split)."""
         return float(np.trace(self.confusion)) / max(self.total, 1)
 
 
@@ -153,38 +166,123 @@ def train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, 
     turn = GLOBAL_RNG_LOCK if deterministic else nullcontext()
     with turn, torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed ^ GLOBAL_STREAM)  # not the data order's stream
+        steps = privacy if privacy is not None else PlainSteps(device, amp, clip_grad_norm)
         return _train_local(algo, data, epochs, batch_size, seed, device, progress, lr, amp,
-                            grad_accum, privacy, clip_grad_norm, inputs, augment_rng)
+                            grad_accum, steps, clip_grad_norm, inputs, augment_rng)
 
 
-def _train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, seed: int,
-                 device: torch.device, progress: bool | None, lr: float | None, amp: bool,
-                 grad_accum: int, privacy: PrivateTraining | None, clip_grad_norm: float,
-                 inputs: InputPipeline | None, augment_rng: torch.Generator | None
-                 ) -> TrainResult:
+class LoopSteps(Protocol):
+    """What the one training loop asks of whatever supplies its steps: the batches, the
+    backward pass, the optimizer step, and the options it refuses. ``PlainSteps`` here;
+    ``fedattn_shared.privacy.dp.PrivateTraining`` under DP-SGD (Poisson-sampled batches,
+    per-sample clipping and noise). The loop itself has no branch on which it is."""
+
+    def check_options(self, amp: bool, grad_accum: int, clip_grad_norm: float) -> None:
+        """Refuses the loop options these steps do not combine with."""
+
+    def loader(self, data: Split, batch_size: int, generator: torch.Generator) -> Iterable:
+        """The round's batches, ordered by ``generator``."""
+
+    def begin(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Told the method's optimizers before the first batch."""
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """The backward pass of one (micro-)batch's loss."""
+
+    def empty_batch(self) -> None:
+        """Stands in for the backward pass of a batch with no sample."""
+
+    def step(self, post_backward: Callable[[], None]) -> bool:
+        """One optimizer step; False when nothing was stepped (an accumulating batch)."""
+
+    def clip_figures(self) -> tuple[float, int]:
+        """train.clip_grad_norm's figures: summed pre-clip norms, steps clipped."""
+
+
+
+class PlainSteps:
+    """The loop's steps without DP-SGD: shuffled batches, an AMP gradient scaler (fp16 on
+    CUDA only), train.clip_grad_norm on what each step applies. One per local training."""
+
+    def __init__(self, device: torch.device, amp: bool, clip_grad_norm: float):
+        self.scaler = torch.amp.GradScaler("cuda", enabled=amp and device.type == "cuda")
+        self.clip_grad_norm = clip_grad_norm
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.norm_sum = 0.0
+        self.clipped = 0
+
+    def check_options(self, amp: bool, grad_accum: int, clip_grad_norm: float) -> None:
+        """Every option combines with plain steps."""
+
+    def loader(self, data: Split, batch_size: int, generator: torch.Generator) -> Iterable:
+        """Shuffled batches from ``generator``, no worker processes (gRPC is not fork-safe)."""
+        # A last batch of one sample would break BatchNorm's training-mode statistics.
+        drop_last = len(data) % batch_size == 1 and len(data) > 1
+        return DataLoader(TensorDataset(data.x, data.y), batch_size=batch_size, shuffle=True,
+                          generator=generator, num_workers=0, drop_last=drop_last)
+
+    def begin(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """The method's optimizers, as ``begin_train`` left them."""
+        self.optimizers = optimizers
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Scaled under fp16 AMP (the scaler is a no-op otherwise)."""
+        self.scaler.scale(loss).backward()
+
+    def empty_batch(self) -> None:
+        """Never called: a plain loader yields no empty batch."""
+
+    def step(self, post_backward: Callable[[], None]) -> bool:
+        """Unscale, the method's gradient post-processing, clip, step, zero: always a step."""
+        optimizers = self.optimizers
+        for opt in optimizers:
+            self.scaler.unscale_(opt)
+        post_backward()
+        if self.clip_grad_norm:
+            norm = float(clip_gradients(optimizers, self.clip_grad_norm))
+            self.norm_sum += norm
+            self.clipped += norm > self.clip_grad_norm
+        for opt in optimizers:
+            self.scaler.step(opt)
+        self.scaler.update()
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        return True
+
+    def clip_figures(self) -> tuple[float, int]:
+        """The summed pre-clip norms and the number of steps the clip acted on."""
+        return self.norm_sum, self.clipped
+
+
+def _check_options(algo: EdgeAlgorithm, steps: LoopSteps, amp: bool, grad_accum: int,
+                   clip_grad_norm: float) -> None:
+    """Every combination of loop options the loop refuses, in one place."""
     repeats = algo.schedule.steps_per_batch
     if repeats > 1 and grad_accum > 1:
         raise ValueError(f"{algo.method.name} takes {repeats} optimizer steps per batch; "
                          "that does not combine with gradient accumulation (grad_accum > 1)")
-    if privacy is not None and (amp or grad_accum > 1):
-        raise ValueError("DP-SGD does not combine with amp or grad_accum > 1 (bound memory "
-                         "with dp.max_physical_batch instead)")
-    if privacy is not None and clip_grad_norm:
-        raise ValueError("train.clip_grad_norm does not combine with DP-SGD: its per-sample "
-                         "clipping (dp.max_grad_norm) already bounds every step")
+    steps.check_options(amp, grad_accum, clip_grad_norm)
     if not 0 <= clip_grad_norm < float("inf"):
         raise ValueError(f"clip_grad_norm must be >= 0 and finite, got {clip_grad_norm}")
+
+
+@dataclass
+class _Tally:
+    steps: int = 0
+    examples: int = 0
+
+
+def _train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, seed: int,
+                 device: torch.device, progress: bool | None, lr: float | None, amp: bool,
+                 grad_accum: int, steps: LoopSteps, clip_grad_norm: float,
+                 inputs: InputPipeline | None, augment_rng: torch.Generator | None
+                 ) -> TrainResult:
+    _check_options(algo, steps, amp, grad_accum, clip_grad_norm)
     inputs = inputs or InputPipeline()
     augment_rng = augment_rng if augment_rng is not None else augment_generator(seed)
     epochs = algo.schedule.epochs(epochs)
     generator = torch.Generator().manual_seed(seed)
-    if privacy is not None:
-        loader = privacy.loader(data, generator)
-    else:
-        # A last batch of one sample would break BatchNorm's training-mode statistics.
-        drop_last = len(data) % batch_size == 1 and len(data) > 1
-        loader = DataLoader(TensorDataset(data.x, data.y), batch_size=batch_size, shuffle=True,
-                            generator=generator, num_workers=0, drop_last=drop_last)
+    loader = steps.loader(data, batch_size, generator)
     show = sys.stderr.isatty() if progress is None else progress
     algo.train_mode()
     algo.num_examples = len(data)
@@ -194,73 +292,63 @@ def _train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int,
         for opt in optimizers:
             for group in opt.param_groups:
                 group["lr"] = lr * group.get("lr_scale", 1.0)
-    cuda = device.type == "cuda"
-    scaler = torch.amp.GradScaler("cuda", enabled=amp and cuda)
-    autocast_dtype = torch.float16 if cuda else torch.bfloat16
-    steps = examples = clipped = 0
-    total_loss = epoch_loss = norm_sum = 0.0
+    steps.begin(optimizers)
+    tally = _Tally()
+    total_loss = epoch_loss = 0.0
     start = time.perf_counter()
-
-    def step() -> bool:
-        nonlocal clipped, norm_sum
-        if privacy is not None:
-            return privacy.step(algo.post_backward)
-        for opt in optimizers:
-            scaler.unscale_(opt)
-        algo.post_backward()
-        if clip_grad_norm:
-            norm = float(clip_gradients(optimizers, clip_grad_norm))
-            norm_sum += norm
-            clipped += norm > clip_grad_norm
-        for opt in optimizers:
-            scaler.step(opt)
-        scaler.update()
-        for opt in optimizers:
-            opt.zero_grad(set_to_none=True)
-        return True
-
     for opt in optimizers:
         opt.zero_grad(set_to_none=True)
     for epoch in range(epochs):
         algo.schedule.begin_epoch(epoch)
-        epoch_loss, epoch_batches = 0.0, 0
         batches = tqdm(loader, desc=f"epoch {epoch + 1}/{epochs}", leave=False, disable=not show)
-        pending = 0
-        for x, y in batches:
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            empty = y.shape[0] == 0  # Poisson sampling (DP-SGD) may draw no sample
-            if not empty and not inputs.identity:
-                x = inputs.train_batch(x, augment_rng)
-            for _ in range(repeats):
-                if empty:
-                    privacy.empty_batch()
-                else:
-                    with torch.autocast(device.type, dtype=autocast_dtype, enabled=amp):
-                        loss = algo.training_step((x, y))
-                    if not torch.isfinite(loss):
-                        raise FloatingPointError(f"training loss became {loss.item()} at step {steps}")
-                    scaler.scale(loss / grad_accum).backward()
-                pending += 1
-                if pending == grad_accum:
-                    steps += step()
-                    pending = 0
-            algo.schedule.after_batch()
-            if empty:
-                continue
-            value = float(loss.detach())
-            examples += int(y.shape[0])
-            epoch_loss += value
-            epoch_batches += 1
-        if pending:
-            steps += step()
-        epoch_loss /= max(epoch_batches, 1)
+        epoch_loss = _epoch(algo, batches, steps, tally, device, amp, grad_accum, inputs,
+                            augment_rng)
         total_loss += epoch_loss
         if not show:
             log.info("epoch %d/%d loss=%.4f", epoch + 1, epochs, epoch_loss)
     algo.end_train((inputs.eval_batch(x), y) for x, y in _batches(data, batch_size, device))
     seconds = time.perf_counter() - start
-    return TrainResult(steps, examples, total_loss / max(epochs, 1), epoch_loss, seconds,
-                       norm_sum / max(steps, 1), clipped)
+    norm_sum, clipped = steps.clip_figures()
+    return TrainResult(tally.steps, tally.examples, total_loss / max(epochs, 1), epoch_loss,
+                       seconds, norm_sum / max(tally.steps, 1), clipped)
+
+
+def _epoch(algo: EdgeAlgorithm, batches: Iterable, steps: LoopSteps, tally: _Tally,
+           device: torch.device, amp: bool, grad_accum: int, inputs: InputPipeline,
+           augment_rng: torch.Generator) -> float:
+    """One pass over the loader; returns the epoch's mean batch loss."""
+    repeats = algo.schedule.steps_per_batch
+    autocast_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+    epoch_loss, epoch_batches = 0.0, 0
+    pending = 0
+    for x, y in batches:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        empty = y.shape[0] == 0  # Poisson sampling (DP-SGD) may draw no sample
+        if not empty and not inputs.identity:
+            x = inputs.train_batch(x, augment_rng)
+        for _ in range(repeats):
+            if empty:
+                steps.empty_batch()
+            else:
+                with torch.autocast(device.type, dtype=autocast_dtype, enabled=amp):
+                    loss = algo.training_step((x, y))
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"training loss became {loss.item()} at step "
+                                             f"{tally.steps}")
+                steps.backward(loss / grad_accum)
+            pending += 1
+            if pending == grad_accum:
+                tally.steps += steps.step(algo.post_backward)
+                pending = 0
+        algo.schedule.after_batch()
+        if empty:
+            continue
+        epoch_loss += float(loss.detach())
+        tally.examples += int(y.shape[0])
+        epoch_batches += 1
+    if pending:
+        tally.steps += steps.step(algo.post_backward)
+    return epoch_loss / max(epoch_batches, 1)
 
 
 def _batches(data: Split, batch_size: int, device: torch.device):

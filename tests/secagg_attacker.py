@@ -3,8 +3,10 @@
     python tests/secagg_attacker.py --plan 1:weight,2:garbage,3:tamper -- FL-EDGE ARGS...
 
 It is the real edge daemon (real join, real gRPC, real SecAgg+ client) with its SecAgg
-client swapped for a subclass that, on the planned rounds, alters what the honest client
-produced before it is uploaded:
+client swapped for a subclass (the daemon builds the client as ``daemon.EdgeSecAgg`` and
+hands it to the SecAgg middleware, which answers the protocol steps and masks uploads
+through it) that, on the planned rounds, alters what the honest client produced before it
+is uploaded:
 
 - ``weight``: adds 2^31 to the weight word of its masked vector (the summed weight
   wraps negative: what crashed the server before the unmask bounds check);

@@ -84,7 +84,7 @@ def test_federation_with_edges_training_on_cuda(tmp_path):
 def test_edge_exports_gpu_memory_after_training_on_cuda():
     from prometheus_client import CollectorRegistry
 
-    from fl_edge.daemon import EdgeMetrics
+    from fl_edge.metrics import EdgeMetrics
     from fl_edge.trainer import TrainResult
 
     registry = CollectorRegistry()

@@ -36,14 +36,9 @@ from fedattn_shared.state import StateError
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire.codec import encode
 from fedattn_shared.wire.payload import Kind, Payload, Section
-from fl_edge.daemon import (
-    DOWNLINK_CAP_BEFORE_SETUP,
-    DOWNLINK_SLACK,
-    EdgeDaemon,
-    EdgeExit,
-    EdgeOptions,
-    downlink_cap,
-)
+from fl_edge.daemon import EdgeDaemon, EdgeExit, EdgeOptions
+from fl_edge.run import DOWNLINK_SLACK, downlink_cap
+from fl_edge.session import DOWNLINK_CAP_BEFORE_SETUP
 from fl_server import service as server_service
 from fl_server.app import ServerApp
 from fl_server.cli import main as server_main
@@ -265,7 +260,7 @@ def test_the_edge_setup_refuses_a_server_named_module_before_importing_it(tmp_pa
     config_json, fingerprint = run_config(probe(MethodContext(TrainConfig(), probe.Params())), spec)
     allowed = make_daemon(tmp_path, data, allow_methods=(spec,))
     allowed._setup(config_json, fingerprint)
-    assert allowed.method.name == "probe"
+    assert allowed.run_state.method.name == "probe"
 
 
 # ---- units: the downlink cap ---------------------------------------------------------------
@@ -302,11 +297,11 @@ def test_the_downlink_cap_holds_every_downlink_of_every_method(name):
 def test_the_cap_before_setup_is_conservative_and_setup_derives_the_runs(tmp_path):
     data = edge_data(tmp_path / "data")
     daemon = make_daemon(tmp_path, data)
-    assert daemon.downlink_cap == DOWNLINK_CAP_BEFORE_SETUP == 1 << 30
+    assert daemon.session.downlink_cap == DOWNLINK_CAP_BEFORE_SETUP == 1 << 30
     method = fedavg(None, "lenet-bn")
     daemon._setup(*run_config(method, "fedavg"))
-    assert daemon.downlink_cap == downlink_cap(method.build_models())
-    assert daemon.downlink_cap < DOWNLINK_SLACK + (1 << 20)  # LeNet: 181 kB of state
+    assert daemon.session.downlink_cap == downlink_cap(method.build_models())
+    assert daemon.session.downlink_cap < DOWNLINK_SLACK + (1 << 20)  # LeNet: 181 kB of state
 
 
 # ---- real processes ------------------------------------------------------------------------

@@ -33,11 +33,11 @@ class DroppingEdge(EdgeDaemon):
 
     drop_phase = ""
 
-    def _handle(self, stub, received):
+    def _handle(self, received):
         if received.header.phase == self.drop_phase:
-            self._leave(stub, "simulated dropout")
+            self.session.leave("simulated dropout")
             raise Dropout(self.identity.edge_id)
-        return super()._handle(stub, received)
+        return super()._handle(received)
 
 
 def run_secure(tmp_path, method_name="fedavg", edges=3, rounds=1, drops=None,

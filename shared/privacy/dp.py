@@ -400,9 +400,21 @@ class PrivateTraining:
             self.noise.manual_seed((seed ^ NOISE_STREAM ^ zlib.crc32(phase.encode())) % 2**63)
 
     # ---- the training loop's side ------------------------------------------------------
-    def loader(self, data: Split, generator: torch.Generator) -> Iterable:
+    # The loop (``fl_edge.trainer``) calls these on whatever supplies its steps: this class
+    # under DP-SGD, its plain counterpart otherwise; it has no branch of its own for DP.
+    def check_options(self, amp: bool, grad_accum: int, clip_grad_norm: float) -> None:
+        """What DP-SGD does not combine with, refused before the first batch."""
+        if amp or grad_accum > 1:
+            raise ValueError("DP-SGD does not combine with amp or grad_accum > 1 (bound memory "
+                             "with dp.max_physical_batch instead)")
+        if clip_grad_norm:
+            raise ValueError("train.clip_grad_norm does not combine with DP-SGD: its per-sample "
+                             "clipping (dp.max_grad_norm) already bounds every step")
+
+    def loader(self, data: Split, batch_size: int, generator: torch.Generator) -> Iterable:
         """Poisson-sampled batches (int(1/q) per epoch, sizes vary, possibly empty), split
-        into physical batches of at most ``max_physical_batch`` when set."""
+        into physical batches of at most ``max_physical_batch`` when set. ``batch_size``
+        is the expected size the sample rate was calibrated for, not used again."""
         from opacus.data_loader import DPDataLoader
         from opacus.utils.batch_memory_manager import wrap_data_loader
 
@@ -412,6 +424,13 @@ class PrivateTraining:
             loader = wrap_data_loader(data_loader=loader, max_batch_size=self.dp.max_physical_batch,
                                       optimizer=self.optimizer)
         return loader
+
+    def begin(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Nothing: the method's one optimizer was wrapped once, at construction."""
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Per-sample gradients come from Opacus' hooks on an ordinary backward pass."""
+        loss.backward()
 
     def empty_batch(self) -> None:
         """Poisson sampling drew no sample: the step still releases the noise alone."""
@@ -428,6 +447,10 @@ class PrivateTraining:
             self._steps += 1
         self.optimizer.zero_grad(set_to_none=True)
         return stepped
+
+    def clip_figures(self) -> tuple[float, int]:
+        """No train.clip_grad_norm figures: DP-SGD's per-sample clipping is the only one."""
+        return 0.0, 0
 
     # ---- accounting ----------------------------------------------------------------------
     def spent(self) -> float:

@@ -1,0 +1,128 @@
+"""Middleware around a task: ``(task, next) -> Result``, as Flower's ``secaggplus_mod`` and
+``LocalDpMod`` wrap a client app.
+
+Each concern that crosses every phase lives in one class here instead of in the handlers
+or the training loop: loading the server's initial weights, SecAgg+ (answers its protocol
+steps itself, masks the method's uploads), DP-SGD (checks the budget, privatizes and books
+every upload before it leaves, keeps the losses home). ``edge_middleware`` states the
+order as one list; update compression will add its own class the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+
+from fedattn_shared.methods.phases import EVALUATE, TRAIN
+from fedattn_shared.privacy.dp import BudgetSpent, PrivateTraining
+from fedattn_shared.wire.payload import Kind, Payload
+
+from .metrics import EdgeMetrics
+from .options import EdgeExit
+from .run import EdgeRun
+from .secagg import EdgeSecAgg, SecAggError, is_secagg_phase, strip_secagg
+from .store import PrivateStore
+from .tasks import WORK_FIGURES, Handler, Middleware, Result, Task
+from .writer import StateWriter
+
+log = logging.getLogger("fl_edge")
+
+#: What a masked result may still say: the server sees only the sum, so no n_k and no loss.
+SECAGG_FIGURES = ("train_seconds", "steps", "lr")
+
+
+class InitialWeights:
+    """The server's initial (pretrained) models, sent once to an edge without state, are
+    loaded before anything else reads the task; the method never sees their section."""
+
+    def __init__(self, run: EdgeRun):
+        self.algo = run.algo
+
+    def __call__(self, task: Task, next: Handler) -> Result:
+        init = task.personal.get(Kind.SHARED_TENSORS, "init")
+        if init is not None:
+            self.algo.load_shared(init.tensors)
+            task = replace(task, personal=Payload([s for s in task.personal.sections
+                                                   if s is not init]))
+            log.info("loaded the server's initial weights (%d tensors)", len(init.tensors))
+        return next(task)
+
+
+class SecureAggregation:
+    """SecAgg+ on the edge: a protocol step is answered here (the method never sees it);
+    a method upload the server asked to be masked goes up as weight * upload, masked, with
+    no example count and only the figures that say nothing of the data."""
+
+    def __init__(self, secagg: EdgeSecAgg, run: EdgeRun):
+        self.secagg = secagg
+        self.run = run
+
+    def __call__(self, task: Task, next: Handler) -> Result:
+        if is_secagg_phase(task.phase):
+            try:
+                upload = self.secagg.step(task.phase, task.round, task.personal)
+            except SecAggError as err:
+                log.error("round %d %s: %s; this edge sits the step out", task.round,
+                          task.phase, err)
+                upload = Payload()
+            return Result(upload)
+        masked = task.personal.get(Kind.SECAGG, "request") is not None
+        result = next(replace(task, personal=strip_secagg(task.personal)))
+        if not masked:
+            return result
+        algo = self.run.algo
+        try:
+            upload = self.secagg.mask(task.round, task.phase, task.personal, result.upload,
+                                      algo.upload_weight(task.phase, result.num_examples),
+                                      self.run.method, algo.models)
+        except (SecAggError, ValueError) as err:
+            log.error("round %d %s: not masking this upload: %s", task.round, task.phase, err)
+            upload = Payload()
+        metrics = {k: v for k, v in result.metrics.items()
+                   if k in SECAGG_FIGURES or k.startswith("dp_")}
+        return replace(result, upload=upload, num_examples=0, metrics=metrics)
+
+
+class DifferentialPrivacy:
+    """DP-SGD's side of every task (the loop's side is ``PrivateTraining``'s loader and
+    step): no training once the budget is spent (the edge leaves, status 3); every upload
+    but an evaluation's privatized, its steps and releases booked and the ledger written
+    before anything of it leaves (the budget survives a crash); the losses, statistics of
+    the training data, stay home."""
+
+    def __init__(self, privacy: PrivateTraining, store: PrivateStore, writer: StateWriter,
+                 metrics: EdgeMetrics, leave: Callable[[str], None]):
+        self.privacy, self.store, self.writer = privacy, store, writer
+        self.metrics, self.leave = metrics, leave
+
+    def __call__(self, task: Task, next: Handler) -> Result:
+        privacy = self.privacy
+        privacy.begin_phase(task.seed, task.phase)
+        if task.phase == TRAIN:
+            try:
+                privacy.check_budget()
+            except BudgetSpent as err:
+                log.error("%s", err)
+                self.leave(str(err))
+                raise EdgeExit(3, str(err)) from None
+        result = next(task)
+        if task.phase == EVALUATE:
+            return result
+        upload = privacy.privatize_upload(task.phase, result.upload)
+        figures = privacy.end_round(task.round, task.phase)
+        self.writer.write(self.store.save_ledger, privacy.ledger())
+        self.metrics.track_privacy(figures["dp_epsilon"], privacy.budget)
+        metrics = {k: v for k, v in result.metrics.items() if k in WORK_FIGURES}
+        return replace(result, upload=upload, metrics={**metrics, **figures})
+
+
+def edge_middleware(run: EdgeRun, secagg: EdgeSecAgg, store: PrivateStore,
+                    writer: StateWriter, metrics: EdgeMetrics,
+                    leave: Callable[[str], None]) -> list[Middleware]:
+    """The order, outermost first: initial weights before anything reads the task; SecAgg
+    outside DP, so that it masks what DP has already privatized and booked."""
+    layers: list[Middleware] = [InitialWeights(run), SecureAggregation(secagg, run)]
+    if run.privacy is not None:
+        layers.append(DifferentialPrivacy(run.privacy, store, writer, metrics, leave))
+    return layers

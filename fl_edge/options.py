@@ -1,0 +1,52 @@
+"""What an edge is started with (``EdgeOptions``) and how it stops (``EdgeExit``).
+
+Apart from the daemon because every part of the edge reads the options (the session its
+server and TLS name, the run its policy and allowlist, the task runner its batch sizes)
+and may end the edge with a status and a reason; ``fl_edge.daemon`` re-exports both, the
+names tools and tests import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fedattn_shared.privacy.dp import PrivacyPolicy
+
+
+class EdgeExit(Exception):
+    """The edge stops with ``code`` and ``message``. ``tell_server``: a reason the edge
+    sends the server as it leaves (for refusals of the server's own settings; never local
+    paths or data)."""
+
+    def __init__(self, code: int, message: str, tell_server: str = ""):
+        super().__init__(message)
+        self.code = code
+        self.tell_server = tell_server
+
+
+@dataclass
+class EdgeOptions:
+    """The edge's command line as one value: the CLI, fl-sim and the tests build it."""
+
+    server: str
+    data_dir: Path
+    state_dir: Path
+    join_token: str = ""
+    name: str | None = None
+    device: str = "auto"
+    metrics_port: int = -1
+    progress: bool | None = None
+    max_backoff: float = 30.0
+    retry_for: float = 0.0  # seconds without reaching the server before giving up; 0: forever
+    eval_batch_size: int = 256
+    batch_size: int | None = None  # overrides the server's train.batch_size on this device
+    amp: bool = False
+    grad_accum: int = 1
+    tls_dir: Path | None = None   # mutual TLS; its certificate names the edge id
+    tls_server_name: str = ""
+    # The edge's privacy limits (--dp-max-epsilon, --require-dp): a weaker server is refused.
+    privacy: PrivacyPolicy = field(default_factory=PrivacyPolicy)
+    # module:Class method specs this edge imports when a server names them (--allow-method);
+    # any other method must be installed under the fedattn.methods entry points.
+    allow_methods: tuple[str, ...] = ()

@@ -1,0 +1,217 @@
+"""The edge's run: everything it builds once from the server's configuration, after
+holding it to its own rules.
+
+The edge takes no method flag: the server's join reply carries the method, model and
+hyperparameters. ``build_run`` checks them before using any of it: only an installed
+method, or a module:Class the edge was started with ``--allow-method`` for (refused before
+any import); DP-SGD within the edge's privacy policy and its ledger's pin (refused before
+any training, ``fedattn_shared.privacy.dp``); a model whose fingerprint matches the
+server's. A refusal is an ``EdgeExit`` with status 2 naming the setting (``tell_server``
+for the ones the server should hear). The result, ``EdgeRun``, is a plain value the task
+runner and middleware read; a server with a new configuration gets a new one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from fedattn_shared.config import CLIP_WITH_DP, ConfigError, DPConfig, TrainConfig, apply_values
+from fedattn_shared.data import DataError, EdgeData, load_edge_data
+from fedattn_shared.methods import check_method_allowed, load_method
+from fedattn_shared.methods.base import EdgeAlgorithm, Method, MethodContext
+from fedattn_shared.privacy.dp import PinnedPolicy, PolicyRefusal, PrivateTraining, check_dp
+from fedattn_shared.privacy.secagg import SecAggPolicy
+from fedattn_shared.state import StateError
+
+from .metrics import EdgeMetrics
+from .options import EdgeExit, EdgeOptions
+from .store import PrivateStore, private_digest
+from .trainer import configure_determinism
+from .writer import StateWriter
+
+log = logging.getLogger("fl_edge")
+
+# The downlink cap (bytes per payload, the common and the personal part each) once the
+# run's models are known: DOWNLINK_FACTOR x the bytes of the models' state plus
+# DOWNLINK_SLACK (see ``downlink_cap``); before, the session's DOWNLINK_CAP_BEFORE_SETUP.
+DOWNLINK_FACTOR = 4
+DOWNLINK_SLACK = 64 << 20
+RUN_CAP_WHY = f"{DOWNLINK_FACTOR} x the run's model state + {DOWNLINK_SLACK >> 20} MiB"
+
+
+def downlink_cap(models: dict[str, torch.nn.Module]) -> int:
+    """The most bytes one downlink payload of a run may declare. What a method sends an
+    edge is made of its models' tensors: the global (at most every state tensor, in a
+    dtype no wider than float64), SCAFFOLD's control variates beside it, the initial
+    models once; hence a small multiple of the models' state. The slack covers what does
+    not grow with the model (SecAgg+'s keys and shares, prototypes, scalars). A server
+    that declares more is refused before the edge allocates a byte for it."""
+    state = sum(t.numel() * t.element_size() for model in models.values()
+                for t in model.state_dict().values())
+    return DOWNLINK_FACTOR * state + DOWNLINK_SLACK
+
+
+def policy_exit(err: PolicyRefusal, ledger_path) -> EdgeExit:
+    """Exit 2 for a server [dp] the edge's policy refuses; the ledger's path is named
+    locally when the limit came from it, and the server hears the refusal alone."""
+    where = f" ({ledger_path})" if err.pinned else ""
+    return EdgeExit(2, f"refusing the server's privacy settings: {err}{where}",
+                    tell_server=f"refused the server's privacy settings: {err}")
+
+
+@dataclass
+class EdgeRun:
+    """The run as this edge holds it: built once per server configuration (the models are
+    resident across rounds; DP-SGD wraps them for good), read by every task."""
+
+    config_json: str
+    fingerprint: str
+    method: Method
+    algo: EdgeAlgorithm
+    data: EdgeData
+    train: TrainConfig
+    batch_size: int           # --batch-size on this device, else the server's
+    privacy: PrivateTraining | None
+    secagg: SecAggPolicy | None  # what this edge holds every SecAgg round to
+    downlink_cap: int
+
+
+@dataclass
+class _Config:
+    raw: dict
+    train: TrainConfig
+    dp: DPConfig | None
+    secagg: SecAggPolicy | None
+
+
+def build_run(config_json: str, fingerprint: str, opts: EdgeOptions, device: torch.device,
+              store: PrivateStore, writer: StateWriter, metrics: EdgeMetrics) -> EdgeRun:
+    """The server's run configuration, checked against this edge's own rules before
+    anything of it is used (see the module doc), then built: method, models (resumed
+    from the private state), data, DP-SGD. The run config is written to the state dir."""
+    config = _read_config(config_json, opts)
+    ledger = _check_privacy_policy(opts, store, config.dp)
+    method = _load_method(config)
+    models = method.build_models()
+    local_fingerprint = method.fingerprint(models)
+    if local_fingerprint != fingerprint:
+        raise EdgeExit(2, f"this edge builds model fingerprint {local_fingerprint} but the "
+                          f"server's is {fingerprint}: fedattn versions differ")
+    algo = method.edge(models, device)
+    if algo.schedule.steps_per_batch > 1 and opts.grad_accum > 1:
+        raise EdgeExit(2, f"method {method.name!r} takes {algo.schedule.steps_per_batch} optimizer "
+                          "steps per batch and does not combine with --grad-accum")
+    data = _load_data_and_state(opts, store, algo, config.train, fingerprint)
+    batch_size = opts.batch_size or config.train.batch_size
+    privacy = private_training(method, algo, len(data.train), batch_size, ledger, opts, store,
+                               writer, metrics)
+    writer.write(store.save_run_config, config_json, fingerprint)
+    log.info("data: %d train, %d test, %s global-test samples", len(data.train),
+             len(data.test), len(data.global_test) if data.global_test else "no")
+    return EdgeRun(config_json, fingerprint, method, algo, data, config.train, batch_size,
+                   privacy, config.secagg, downlink_cap(models))
+
+
+def _read_config(config_json: str, opts: EdgeOptions) -> _Config:
+    """Parses and validates the configuration; the method name is checked against the
+    allowlist before anything could import it."""
+    try:
+        config = json.loads(config_json)
+        if not isinstance(config, dict):
+            raise ValueError("not a JSON object")
+        try:
+            check_method_allowed(config["method"], opts.allow_methods)
+        except ValueError as err:
+            raise EdgeExit(2, f"refusing the server's method: {err}",
+                           tell_server=f"refused the server's method: {err}") from None
+        train = TrainConfig()
+        apply_values(train, "train", config["train"], "server config")
+        train.validate()
+        configure_determinism(train.deterministic, train.threads)
+        dp = None
+        if config.get("dp") is not None:
+            dp = DPConfig()
+            apply_values(dp, "dp", config["dp"], "server config")
+            dp.validate()
+            if dp.enabled and train.clip_grad_norm:
+                raise ConfigError(CLIP_WITH_DP)
+        secagg = SecAggPolicy.from_config(config["secagg"]) if "secagg" in config else None
+    except (ConfigError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise EdgeExit(2, f"cannot use the server's configuration: {err}") from None
+    return _Config(config, train, dp, secagg)
+
+
+def _check_privacy_policy(opts: EdgeOptions, store: PrivateStore,
+                          dp: DPConfig | None) -> dict | None:
+    """The server's [dp] against the edge's policy and its ledger's pin; returns the ledger."""
+    try:
+        ledger = store.load_ledger()
+        pinned = PinnedPolicy.from_ledger(ledger) if ledger is not None else None
+    except StateError as err:
+        raise EdgeExit(2, f"{err} ({store.ledger_path})") from None
+    try:
+        opts.privacy.check(dp, pinned)
+    except PolicyRefusal as err:
+        raise policy_exit(err, store.ledger_path) from None
+    return ledger
+
+
+def _load_method(config: _Config) -> Method:
+    """The method with the server's parameters (an allowed name, checked before)."""
+    try:
+        method_cls = load_method(config.raw["method"])
+        params = method_cls.Params()
+        apply_values(params, config.raw["method"], config.raw.get("params", {}), "server config")
+        return method_cls(MethodContext(config.train, params, dp=config.dp))
+    except (ConfigError, ValueError, TypeError, AttributeError) as err:
+        raise EdgeExit(2, f"cannot use the server's configuration: {err}") from None
+
+
+def _load_data_and_state(opts: EdgeOptions, store: PrivateStore, algo: EdgeAlgorithm,
+                         train: TrainConfig, fingerprint: str) -> EdgeData:
+    """The edge's data split by the run's settings, and its private state if it has one."""
+    try:
+        data = load_edge_data(opts.data_dir, train)
+    except DataError as err:
+        raise EdgeExit(2, str(err)) from None
+    if store.exists():
+        try:
+            meta = store.load(algo, fingerprint)
+        except StateError as err:
+            raise EdgeExit(2, str(err)) from None
+        log.info("resumed private state from %s (round %s, phase %s, digest %s)",
+                 store.path, meta.get("round"), meta.get("phase"), private_digest(algo))
+    return data
+
+
+def private_training(method: Method, algo: EdgeAlgorithm, num_examples: int, batch_size: int,
+                     ledger: dict | None, opts: EdgeOptions, store: PrivateStore,
+                     writer: StateWriter, metrics: EdgeMetrics) -> PrivateTraining | None:
+    """DP-SGD for the run (once: the models are wrapped for good), calibrated to this
+    edge's data, continuing the ledger on disk, within the edge's policy and the
+    ledger's pin. The ledger is written at once, so the first run's pin holds from
+    before its first step."""
+    if method.dp is None:
+        return None
+    if opts.amp or opts.grad_accum > 1:
+        raise EdgeExit(2, "the server runs DP-SGD: --amp and --grad-accum do not combine "
+                          "with it (dp.max_physical_batch bounds memory instead)")
+    try:
+        check_dp(method)
+        privacy = PrivateTraining(algo, method.dp, num_examples, batch_size, ledger,
+                                  policy=opts.privacy)
+    except PolicyRefusal as err:
+        raise policy_exit(err, store.ledger_path) from None
+    except (ValueError, StateError) as err:
+        raise EdgeExit(2, f"{err} ({store.ledger_path})") from None
+    writer.write(store.save_ledger, privacy.ledger())
+    metrics.track_privacy(privacy.spent(), privacy.budget)
+    log.info("DP-SGD: sigma %.4g, q %.4g, delta %.3g, C %g, %d steps per round, epsilon "
+             "spent so far %.4g of %s", privacy.noise_multiplier, privacy.sample_rate,
+             privacy.delta, method.dp.max_grad_norm, privacy.batches_per_round,
+             privacy.spent(), f"{privacy.budget:g}")
+    return privacy
