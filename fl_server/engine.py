@@ -27,7 +27,6 @@ import time
 from typing import Any
 
 from fedattn_shared.config import ServerConfig, TrainConfig
-from fedattn_shared.methods.aggregators import RoundSnapshot
 from fedattn_shared.methods.base import Method
 from fedattn_shared.wire.accounting import ByteMeter
 
@@ -38,7 +37,7 @@ from .gate import UploadGate
 from .history import RunHistory, Snapshot, run_config, tensors_digest
 from .initial import initial_payload
 from .metrics import ServerMetrics, drop_reason_label
-from .phase import Phase, RoundAborted, RoundState, open_phase, select_edges
+from .phase import Phase, RoundAborted, RoundState, close_checked, open_phase, select_edges
 from .secagg import SecAggDriver
 
 log = logging.getLogger("fl_server")
@@ -154,7 +153,7 @@ class Engine:
             # which only reads the state.
             state.snapshot = self.aggregator.snapshot_round()
         except Exception as err:
-            self.abort_round(state, "begin", err)
+            state.abort("begin", err, self.metrics)
         every = self.cfg.eval_every
         eval_due = bool(every) and (round_number % every == 0 or round_number == self.cfg.rounds)
         for index, driver in enumerate(self.plan):
@@ -198,59 +197,22 @@ class Engine:
             if state.snapshot is not None:  # an earlier phase may have changed the state
                 async with self.agg_lock:
                     await asyncio.to_thread(self.aggregator.restore_round, state.snapshot)
-            self.abort_round(state, driver.name, err)
+            state.abort(driver.name, err, self.metrics)
             return
         async with self.agg_lock:
             closing = time.monotonic()
-            figures, failure = await asyncio.to_thread(self.close_checked, driver, phase,
-                                                       state.snapshot)
+            figures, failure = await asyncio.to_thread(close_checked, driver, phase,
+                                                       self.aggregator, state.snapshot)
             self.metrics.aggregation_seconds.labels(driver.name, "close").observe(
                 time.monotonic() - closing)
             if figures.get("aggregated"):
                 self.state_version += 1
         state.record[driver.name] = phase.summary()
         if failure is not None:
-            self.abort_round(state, driver.name, failure)
+            state.abort(driver.name, failure, self.metrics)
             return
         state.record["aggregate"].update(figures)
         state.participants = [e for e in state.participants if e in phase.received]
-
-    def close_checked(self, driver: PhaseDriver, phase: Phase, snapshot: RoundSnapshot | None
-                      ) -> tuple[dict[str, Any], Exception | None]:
-        """Closes a phase (a worker thread, under ``agg_lock``) and checks the state it
-        leaves before anything publishes it (the next broadcast, the checkpoint). Returns
-        (figures, None), or ({}, the reason) after putting the aggregator back to
-        ``snapshot`` when the close raised, the phase was tainted or the new state holds a
-        non-finite or beyond-float32 value."""
-        try:
-            if phase.tainted:
-                raise RoundAborted(phase.tainted)
-            figures = driver.close()
-            bad = self.aggregator.unusable_tensors(snapshot) if snapshot is not None else []
-            if bad:
-                more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-                raise RoundAborted(f"the aggregate is not finite within float32 range in "
-                                   f"{', '.join(bad[:3])}{more}; it was not applied")
-            return figures, None
-        except Exception as err:
-            if snapshot is not None:
-                # A failure here leaves the state unknown: it propagates and stops the
-                # server, which resumes from the last checkpoint.
-                self.aggregator.restore_round(snapshot)
-            return {}, err
-
-    def abort_round(self, state: RoundState, phase: str, err: Exception) -> None:
-        """Records why the round aborted (history and metrics) and logs it: with the
-        traceback when the cause is an error in the server or the method, without when it
-        is the aggregate's values."""
-        state.aborted = True
-        reason = str(err) if isinstance(err, RoundAborted) else f"{type(err).__name__}: {err}"
-        state.record["aborted"] = f"{phase}: {reason}"
-        state.record["aggregate"] = {}
-        self.metrics.rounds_aborted.inc()
-        internal = not isinstance(err, RoundAborted) or err.__cause__ is not None
-        log.error("round %d %s: round aborted, the global stays as it was: %s",
-                  state.number, phase, reason, exc_info=err if internal else None)
 
     async def run_phase(self, driver: PhaseDriver, round_number: int, edges: list[str]) -> Phase:
         """Sends the phase's tasks and waits for its quorum or deadline; then closes it to

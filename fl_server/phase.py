@@ -12,19 +12,28 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import math
 import random
 import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fedattn_shared.config import ServerConfig
 from fedattn_shared.methods.aggregators import RoundSnapshot
 from fedattn_shared.wire.codec import EncodedPayload, encode
 from fedattn_shared.wire.payload import Kind, Payload
 from fedattn_shared.wire.transport import data_frames
+
+if TYPE_CHECKING:  # annotations only: the drivers and metrics import this module's types
+    from fedattn_shared.methods.aggregators import Aggregator
+
+    from .drivers import PhaseDriver
+    from .metrics import ServerMetrics
+
+log = logging.getLogger("fl_server")
 
 
 @dataclass
@@ -110,6 +119,19 @@ class RoundState:
     snapshot: RoundSnapshot | None = None
     aborted: bool = False
 
+    def abort(self, phase: str, err: Exception, metrics: ServerMetrics) -> None:
+        """Records why the round aborted (history and metrics) and logs it: with the
+        traceback when the cause is an error in the server or the method, without when it
+        is the aggregate's values."""
+        self.aborted = True
+        reason = str(err) if isinstance(err, RoundAborted) else f"{type(err).__name__}: {err}"
+        self.record["aborted"] = f"{phase}: {reason}"
+        self.record["aggregate"] = {}
+        metrics.rounds_aborted.inc()
+        internal = not isinstance(err, RoundAborted) or err.__cause__ is not None
+        log.error("round %d %s: round aborted, the global stays as it was: %s",
+                  self.number, phase, reason, exc_info=err if internal else None)
+
 
 class Refused(Exception):
     """A submission or request refused; ``drop`` says whether it costs the edge its task,
@@ -160,3 +182,28 @@ async def open_phase(driver: Any, round_number: int, cfg: ServerConfig, task_ids
         common=common, common_frames=frames, personal=encoded,
         spec_json=json.dumps({"round": round_number, "rounds": cfg.rounds, "phase": name}),
         driver=driver, schema=schema)
+
+
+def close_checked(driver: PhaseDriver, phase: Phase, aggregator: Aggregator,
+              snapshot: RoundSnapshot | None) -> tuple[dict[str, Any], Exception | None]:
+    """Closes a phase (a worker thread, under ``agg_lock``) and checks the state it
+    leaves before anything publishes it (the next broadcast, the checkpoint). Returns
+    (figures, None), or ({}, the reason) after putting the aggregator back to
+    ``snapshot`` when the close raised, the phase was tainted or the new state holds a
+    non-finite or beyond-float32 value."""
+    try:
+        if phase.tainted:
+            raise RoundAborted(phase.tainted)
+        figures = driver.close()
+        bad = aggregator.unusable_tensors(snapshot) if snapshot is not None else []
+        if bad:
+            more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+            raise RoundAborted(f"the aggregate is not finite within float32 range in "
+                               f"{', '.join(bad[:3])}{more}; it was not applied")
+        return figures, None
+    except Exception as err:
+        if snapshot is not None:
+            # A failure here leaves the state unknown: it propagates and stops the
+            # server, which resumes from the last checkpoint.
+            aggregator.restore_round(snapshot)
+        return {}, err

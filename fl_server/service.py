@@ -437,7 +437,6 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         # in order.
         writing: asyncio.Future | None = None
         closing = asyncio.ensure_future(phase.closing.wait())
-
         read = _BodyReader(context, closing, assembler, idle, total, ends).read
 
         try:

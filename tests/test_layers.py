@@ -114,3 +114,40 @@ def test_no_import_cycle():
     real = [c for c in cycles
             if not all(b.startswith(a + ".") for a, b in pairwise(c))]
     assert not real, "\n".join(" -> ".join(c) for c in real)
+
+
+DAEMONS = ("fl_server", "fl_edge")
+MAX_FUNCTION_LINES = 60
+
+
+def daemon_definitions():
+    """(module, node, nested) for every class and function of the two daemon packages."""
+    for name, path in modules().items():
+        if name.split(".")[0] not in DAEMONS:
+            continue
+        tree = ast.parse(path.read_text())
+        stack = [(child, False) for child in tree.body]
+        while stack:
+            node, nested = stack.pop()
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                yield name, node, nested
+                inner = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                stack.extend((child, nested or inner) for child in node.body)
+
+
+def test_daemon_functions_fit_on_a_screen():
+    """The daemons are read more than written: no function over ~60 lines."""
+    long = [f"{module}.{node.name}: {node.end_lineno - node.lineno + 1} lines"
+            for module, node, _ in daemon_definitions()
+            if not isinstance(node, ast.ClassDef)
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+    assert not long, long
+
+
+def test_daemon_classes_and_functions_say_why():
+    """Every public class and function of the daemons (not helpers nested inside one)
+    has a docstring."""
+    bare = [f"{module}.{node.name} (line {node.lineno})"
+            for module, node, nested in daemon_definitions()
+            if not nested and not node.name.startswith("_") and not ast.get_docstring(node)]
+    assert not bare, bare
