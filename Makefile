@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # different (multi-GB) build. Override on other platforms, e.g. a Jetson's NVIDIA wheels.
 TORCH ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: setup demo test lint proto bench bench-fedsap bench-anfr bench-feature-shift bench-fedstar bench-pfedka bench-load bench-secagg bench-dp clean
+.PHONY: setup demo test lint proto docs reference bench bench-fedsap bench-anfr bench-feature-shift bench-fedstar bench-pfedka bench-load bench-secagg bench-dp clean
 
 setup: $(VENV)/.installed
 
@@ -33,8 +33,17 @@ lint: setup
 proto: setup
 	$(PY) scripts/gen_proto.py
 
+# The documentation site, built strictly into site/ (tests/test_docs.py builds it too).
+docs: setup
+	$(VENV)/bin/mkdocs build --strict -d site
+
+# Regenerates the generated parts of docs/ (CLI, config keys, method parameters) from the
+# code; tests/test_docs.py fails when the committed pages are stale.
+reference: setup
+	$(PY) -m fl_tools.docs
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache site
 
 # Figures, printed not asserted (takes a few minutes).
 bench: setup
