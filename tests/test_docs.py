@@ -1,8 +1,14 @@
-"""The docs' copies of code are the code: a page that shows a file must show it as it is."""
+"""The docs are checked like code: a page that shows a file shows it as it is, generated pages
+(CLI, config keys, method parameters) are what the code generates now, the site builds with
+``mkdocs build --strict`` (no broken link, no page missing from the nav), and nothing in the
+product points at a path outside the repository, which a user does not have."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +20,7 @@ BLOCK = re.compile(r"<!-- BEGIN (?P<path>\S+) .*?-->\n```\w*\n(?P<body>.*?)```\n
 
 def included_files() -> list[tuple[Path, str, str]]:
     found = []
-    for page in sorted((REPO / "docs").glob("*.md")):
+    for page in sorted((REPO / "docs").rglob("*.md")):
         for match in BLOCK.finditer(page.read_text()):
             found.append((page, match["path"], match["body"]))
     return found
@@ -33,6 +39,73 @@ def test_an_included_file_is_the_file_as_it_is(page, path, body):
 
 
 def test_the_pages_link_to_pages_that_exist():
-    for page in sorted((REPO / "docs").glob("*.md")):
+    for page in sorted((REPO / "docs").rglob("*.md")):
         for target in re.findall(r"\]\(([^)#:]+\.md)(?:#[^)]*)?\)", page.read_text()):
-            assert (page.parent / target).exists(), f"{page.name} links to missing {target}"
+            assert (page.parent / target).exists(), (
+                f"{page.relative_to(REPO)} links to missing {target}")
+
+
+def test_the_site_builds_strictly(tmp_path):
+    """What `make docs` runs. No skip when mkdocs is missing: the test extra installs it, and
+    a site that CI cannot build is a broken product."""
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q",
+                           "-f", str(REPO / "mkdocs.yml"), "-d", str(tmp_path / "site")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    output = done.stdout + done.stderr
+    warnings = [line for line in output.splitlines() if "WARNING" in line or "ERROR" in line]
+    assert done.returncode == 0 and not warnings, f"mkdocs build --strict failed:\n{output}"
+    assert (tmp_path / "site" / "methods" / "fedsap" / "index.html").exists()
+
+
+def test_the_generated_pages_are_current():
+    """Like tests/test_proto_current.py for the wire modules: a flag, config key or method
+    parameter added without regenerating the docs fails here."""
+    from fl_tools import docs
+
+    stale = [str(path.relative_to(REPO)) for path, text in docs.expected_pages().items()
+             if not path.exists() or path.read_text() != text]
+    assert not stale, f"stale generated docs {stale}: run `{docs.REGENERATE}` (make reference)"
+
+
+def test_every_registered_method_has_a_page_in_the_nav_and_the_table():
+    from fedattn_shared.methods.registry import available_methods
+
+    nav = (REPO / "mkdocs.yml").read_text()
+    table = (REPO / "docs" / "methods" / "index.md").read_text()
+    for name in available_methods():
+        page = REPO / "docs" / "methods" / f"{name}.md"
+        assert page.exists(), f"method {name!r} has no docs/methods/{name}.md"
+        assert f"methods/{name}.md" in nav, f"docs/methods/{name}.md is not in mkdocs.yml's nav"
+        assert f"]({name}.md)" in table, f"docs/methods/index.md's table has no row for {name}"
+        assert f"--method {name}" in page.read_text()
+
+
+def test_the_config_reference_shows_types_choices_and_comments():
+    from fl_tools import docs
+
+    page = docs.render_config()
+    assert '| `optimizer` | "sgd" \\| "adam" | `"sgd"` |' in page
+    assert "| `threads` | int | `0` | > 0: torch.set_num_threads on every edge" in page
+    assert "| `upload_min_rate` | float | `32768.0` | bytes/s: an upload's total deadline is " \
+           "idle timeout + its size / this rate |" in page
+    assert '`"gap_log"`' in docs.render_params("pfedka")
+
+
+PRODUCT = ["shared", "fl_server", "fl_edge", "tools", "docs", "deploy", "README.md"]
+OUTSIDE = re.compile(r"\.\./shared|METHODS\.md|\bMETHODS \d|papers/")
+
+
+@pytest.mark.parametrize("root", PRODUCT)
+def test_the_product_names_no_path_outside_the_repository(root):
+    """Users have the repository only: a docstring, comment or page that cites `../shared`,
+    `METHODS.md` or `papers/...` points at nothing. Cite the paper's public link instead
+    (arXiv/DOI) or the method's page under docs/methods/."""
+    path = REPO / root
+    files = [path] if path.is_file() else sorted(
+        p for p in path.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+        and p.suffix not in {".png", ".npz", ".pyc", ".safetensors"})
+    found = [f"{f.relative_to(REPO)}:{n}: {line.strip()}"
+             for f in files for n, line in enumerate(f.read_text(errors="replace").splitlines(), 1)
+             if OUTSIDE.search(line)]
+    assert not found, "paths outside the repository:\n" + "\n".join(found)

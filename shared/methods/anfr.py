@@ -1,5 +1,6 @@
 """ANFR (Siomos et al.): an architecture, not an aggregation rule. ``--method anfr`` is
-FedAvg over an ANFR model (METHODS.md 5.2: the whole model shared, weights n_k / N); every
+FedAvg over an ANFR model (the whole model shared, weights n_k / N,
+as in the paper's FedAvg runs); every
 other aggregator runs ANFR by naming the model (``--method scaffold --model anfr-se-50``).
 
 Its default model is ``anfr-se-compact`` (CPU-sized: compact depth and width); the paper's

@@ -1,7 +1,7 @@
 """Fed-SAP: personalized squeeze-excitation (pSE) + Global Statistics Regularization (GSR).
 
-Source: the Fed-SAP paper (team copy papers/000_60973f2d73fb11ce.txt), section II;
-METHODS.md section 3.
+Source: the Fed-SAP paper, section II; what we reconstructed and measured is on
+docs/methods/fedsap.md.
 
 * pSE: the excitation FCs (fc1 and fc2, weights and biases) of every SE module stay on
   the edge (split rule ``se-e``); convolutions, BatchNorm and the classifier are shared

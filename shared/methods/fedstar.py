@@ -1,7 +1,8 @@
 """FedSTAR: style-aware Transformer aggregation of prototypes (Jeon & Huh).
 
-Source: the FedSTAR paper (team copy papers/003_605ce84cf59ff828.txt), section 4 and Algorithm 1;
-METHODS.md section 2 (the authors' code, and where it departs from the paper).
+Source: the FedSTAR paper (https://arxiv.org/abs/2511.18841), section 4 and Algorithm 1,
+and the authors' code; where the code departs from the paper, docs/methods/fedstar.md says
+which we follow.
 
 Edge (everything private: the encoder and head, u_k,c, StyleFiLM, the gate G):
   * h = the encoder's feature (the head's input, ``prototypes.py``).
@@ -85,7 +86,7 @@ class FedSTARParams:
     variant: Variant = "full"           # "ablation": attention aggregation only
     lambda_shared: float = 1.0       # the paper
     lambda_pull: float = 0.7         # the paper (0.6 on DomainNet)
-    # Edge choices the paper leaves open ([reconstructed]; README, FedSTAR section).
+    # Edge choices the paper leaves open ([reconstructed]; docs/methods/fedstar.md).
     # u_k,c is "learnable" but no loss in the paper's code trains it: here it learns
     # through L_pull (p_personal depends on u) at lr x u_lr_scale, as later author code.
     train_u: bool = True

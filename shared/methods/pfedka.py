@@ -1,9 +1,9 @@
 """pFedKA: cross-attention-aligned knowledge distillation on the edge, GRU-gated
 aggregation on the server.
 
-Source: the pFedKA paper (team copy papers/002_1b89b3f79bd403af.txt; its equations and
-Algorithm 1 were lost) and the reconstruction in METHODS.md section 1, which tags every item [paper] or
-[reconstructed]; every reconstructed choice is a field of ``PFedKAParams``.
+Source: the pFedKA paper (https://doi.org/10.3390/computers14120504; its equations and
+Algorithm 1 were lost from the text we have) and our reconstruction, described on
+docs/methods/pfedka.md; every reconstructed choice is a field of ``PFedKAParams``.
 
 Edge (eqs. 9-14). The teacher is the round's global model, frozen; the student is the
 edge's model, initialised from the teacher every round (``student_init``). Q comes from
@@ -17,7 +17,7 @@ Server (eqs. 15-17). A GRU cell reads each participant's summary s_k = [n_k / su
 l_k] with that edge's hidden state (kept across rounds; zeros for a new edge); logits
 e_k = log p_k + w^T h_k + b (w = b = 0 at first: round 1 is FedAvg exactly) give softmax
 weights alpha_k; the students are summed with those weights. After each round one Adam
-step on the label-free surrogate of METHODS.md 1.8 trains the GRU (``gru_train``).
+step on a label-free surrogate (``surrogate_loss``) trains the GRU (``gru_train``).
 
 The round has two phases so that aggregation stays a streaming weighted sum whose weights
 are known before any tensor arrives (what secure aggregation needs):
@@ -95,7 +95,7 @@ class PFedKAParams:
     # paper's +8.6 % traffic matches this); false keeps them on the edge.
     ca_shared: bool = True
     # [reconstructed] H~ = H_S + A V with W_V = identity at first (true) or H~ = A V
-    # (false: the student encoder then learns only through the queries). Measured (README):
+    # (false: the student encoder then learns only through the queries). Measured (docs/methods/pfedka.md):
     # without the residual the teacher stays at chance (10.7 % vs FedAvg 21.3 %).
     ca_residual: bool = True
     ca_dk: int = 0  # key dimension d_k; 0: the token width d
@@ -107,7 +107,7 @@ class PFedKAParams:
     gru_beta: float = 1.0
 
 
-# ---- the reconstructed formulas (METHODS.md 1.2-1.4) -----------------------------------
+# ---- the reconstructed formulas (eqs. 5-8) ---------------------------------------------
 def temperature(gap: float | None, rule: str = "gap_log", tau_0: float = 1.0,
                 tau_min: float = 1.0, tau_max: float = 2.0) -> float:
     """Eq. 5. ``gap`` is G_k of the previous participation (None: no history, G = 0)."""
@@ -336,7 +336,7 @@ class GRUGate(nn.Module):
 
 def surrogate_loss(alpha: torch.Tensor, losses: torch.Tensor, p: torch.Tensor,
                    beta: float) -> torch.Tensor:
-    """METHODS.md 1.8: sum_k alpha_k l~_k + beta KL(alpha || p), l~ the losses
+    """[reconstructed] sum_k alpha_k l~_k + beta KL(alpha || p), l~ the losses
     standardised over the round's participants (zeros when they are all equal)."""
     spread = losses.std(unbiased=False)
     standard = (losses - losses.mean()) / spread if spread > 1e-12 else torch.zeros_like(losses)

@@ -1,7 +1,7 @@
 """pFedLA: personalized federated learning with local attention.
 
-Source: the pFedLA paper (Liang, Tian, Yang, Zhang; arXiv 2304.01783; team copy
-papers/004_f1265bb2a3cfb5a1.txt); METHODS.md section 4.
+Source: the pFedLA paper (Liang, Tian, Yang, Zhang; https://arxiv.org/abs/2304.01783);
+the choices it leaves open and our measurements are on docs/methods/pfedla.md.
 
 A local attention layer goes after each conv block of the backbone (the backbone names its
 sites: ``lenet-bn``, ``alexnet-bn``, ``mobilenet-v2``): SE, ECA, CoordAtt, CBAM (pFedLA_s:

@@ -1,6 +1,6 @@
 """ANFR (adaptive normalization-free feature recalibration) and the paper's baselines.
 
-Source: the ANFR paper (team copy papers/001_66ac1b4e39475661.txt), METHODS.md section 5.1. ANFR is timm's
+Source: the ANFR paper (https://arxiv.org/abs/2410.02006); docs/methods/anfr.md. ANFR is timm's
 NF-ResNet (pre-activation bottleneck, ScaledStdConv2d weight standardisation, residual
 scale alpha = 0.2) with a channel-attention module after conv3, multiplied by
 attn_gain = 2.0: timm registers it as ``nf_seresnet*`` and ``nf_ecaresnet*``; CBAM is
@@ -42,7 +42,7 @@ COMPACT_STEM = 64                          # timm ResNet's 7x7 stem is always 64
 COMPACT_CHANNELS = (64, 128, 256, 512)     # stage outputs; bottleneck width is a quarter
 COMPACT_GROUPS = 8                         # GroupNorm groups at compact width (16 channels min)
 RESNET50_GROUPS = 32                       # the usual GN-ResNet-50
-# timm's attention settings for nf_seresnet*/nf_ecaresnet* (METHODS.md 5.1).
+# timm's attention settings for nf_seresnet*/nf_ecaresnet* (as the ANFR paper uses them).
 ATTENTION_KWARGS: dict[str, dict] = {"se": {"rd_ratio": 1 / 16}, "eca": {}, "cbam": {}}
 
 Builder = Callable[[int, int, int], nn.Module]

@@ -1,4 +1,5 @@
-"""The FedSTAR authors' compact MobileNetV3-style encoder (METHODS.md 2.1).
+"""The FedSTAR authors' compact MobileNetV3-style encoder
+(https://arxiv.org/abs/2511.18841, docs/methods/fedstar.md).
 
 The paper says "MobileNetV3"; the authors' code builds a much smaller network: a 3x3
 stride-2 stem (8 channels, hard-swish), nine inverted-residual blocks without squeeze-

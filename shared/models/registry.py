@@ -96,7 +96,7 @@ MODELS: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (
         ModelSpec("lenet-bn", LeNetBN, "classifier.6",
-                  "pFedLA's LeNet with BatchNorm (METHODS.md 4.3), padding 0",
+                  "pFedLA's LeNet with BatchNorm, padding 0",
                   lenet_attention_sites, se_reduction=4),
         ModelSpec("alexnet-bn", AlexNetBN, "classifier.6",
                   "FedBN's AlexNet with BatchNorm (pFedLA Table 8), for 224x224 images",
@@ -109,7 +109,7 @@ MODELS: dict[str, ModelSpec] = {
         ModelSpec("mobilenet-v3-small", _mobilenet_v3_small, "classifier.3",
                   "torchvision mobilenet_v3_small, 9 SE modules (the Fed-SAP backbone)"),
         ModelSpec("mobilenet-v3-compact", MobileNetV3Compact, "fc",
-                  "the FedSTAR authors' compact MobileNetV3-style encoder, d = 128 (METHODS.md 2.1)"),
+                  "the FedSTAR authors' compact MobileNetV3-style encoder, d = 128"),
         ModelSpec("resnet18-cifar", cifar_resnet18, "fc",
                   "ResNet-18 with a 3x3 stride-1 stem and no max-pool, for 32x32 inputs",
                   tokens=resnet_tokens),
@@ -118,7 +118,7 @@ MODELS: dict[str, ModelSpec] = {
                   "for CPU runs", tokens=resnet_tokens),
         ModelSpec("nf-resnet26", _timm("nf_resnet26"), "head.fc",
                   "timm normalization-free ResNet-26 (random init)"),
-        # ANFR (METHODS.md 5.1) and the paper's baselines: models/anfr.py.
+        # ANFR (https://arxiv.org/abs/2410.02006) and the paper's baselines: models/anfr.py.
         ModelSpec("anfr-se-26", timm_model("nf_seresnet26"), "head.fc",
                   "ANFR(SE), timm nf_seresnet26: NF-ResNet-26 + 8 SE modules"),
         ModelSpec("anfr-se-50", timm_model("nf_seresnet50"), "head.fc",

@@ -8,7 +8,7 @@ from timm.layers import SEModule
 
 class SE(SEModule):
     """timm's ``SEModule`` with hidden width max(1, C // reduction) and no biases: pFedLA's
-    parameter counts pin that down (METHODS.md 4.2: +140 on LeNet means reduction 4,
+    parameter counts pin that down (the paper's Tables 2 and 4: +140 on LeNet means reduction 4,
     +39,936 on AlexNet means reduction 16). ``mask`` is the excitation a in (0, 1)^C."""
 
     is_attention = True
