@@ -17,7 +17,7 @@ from .fedprox import add_proximal_gradient
 
 @dataclass
 class DittoParams:
-    lam: float = 0.1
+    lam: float = 0.1  # weight of the personal model's pull (lam/2) ||v - w^t||^2
 
 
 class DittoEdge(EdgeAlgorithm):

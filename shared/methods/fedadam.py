@@ -20,10 +20,10 @@ SHARED = (Kind.SHARED_TENSORS, "")
 
 @dataclass
 class FedAdamParams:
-    server_lr: float = 0.01
-    beta1: float = 0.9
-    beta2: float = 0.99
-    tau: float = 1e-3
+    server_lr: float = 0.01  # the server's Adam step size
+    beta1: float = 0.9       # first-moment decay
+    beta2: float = 0.99      # second-moment decay
+    tau: float = 1e-3        # adaptivity: added to sqrt(v) in the denominator
 
 
 class FedAdamAggregator(ServerOptimizer):

@@ -26,7 +26,7 @@ from .base import EdgeAlgorithm, Method, MethodContext
 
 @dataclass
 class FedAvgFTParams:
-    finetune_epochs: int = 1
+    finetune_epochs: int = 1  # epochs of fine-tuning the private copy before each evaluation
 
 
 class FineTuner(EdgeAlgorithm):

@@ -12,7 +12,7 @@ from .base import EdgeAlgorithm, Method
 
 @dataclass
 class FedProxParams:
-    mu: float = 0.01
+    mu: float = 0.01  # weight of the proximal term (mu/2) ||w - w_global||^2
 
 
 def add_proximal_gradient(edge: EdgeAlgorithm, reference: dict, mu: float) -> None:

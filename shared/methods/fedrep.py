@@ -20,7 +20,7 @@ from .split import private_names
 
 @dataclass
 class FedRepParams:
-    head_epochs: int = 10
+    head_epochs: int = 10  # epochs of the head (body frozen) before the body's epochs
 
 
 class FedRepEdge(EdgeAlgorithm):

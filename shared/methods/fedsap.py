@@ -70,8 +70,8 @@ assert get_args(Personalization) == tuple(PERSONALIZATION) and get_args(Target) 
 @dataclass
 class FedSAPParams:
     lam: float = 2.0                 # lambda, Table II's best
-    personalization: Personalization = "pse"
-    target: Target = "global"
+    personalization: Personalization = "pse"  # what is aggregated (Table I): pSE keeps SE-E local
+    target: Target = "global"  # GSR's target (Table III): S_G, own last round, zero, or no GSR
     # S_G^0 is all zeros, so round 1's GSR pulls the statistics toward zero (faithful to
     # the paper). True skips GSR until a first target exists.
     wait_for_stats: bool = False
@@ -86,7 +86,7 @@ class FedSAPParams:
     # Eq. 6 as printed sums the squared deviations over channels ("sum"). With lambda = 2
     # that term outweighs the cross-entropy by 10-20x (2,296 channels on MobileNetV3-small)
     # and, pulled toward S_G^0 = 0, every squeeze collapses to zero and accuracy to chance
-    # (measured: README, Fed-SAP notes). "mean" (an MSE per module, summed over modules)
+    # (measured: docs/methods/fedsap.md). "mean" (an MSE per module, summed over modules)
     # matches the paper's mild lambda sensitivity (Table II) and trains: the default.
     reduction: Literal["sum", "mean"] = "mean"
     # [reconstructed, for DP-SGD] "batch" is eq. 6: the squared distance of the batch-mean

@@ -51,15 +51,15 @@ assert typing.get_args(Attention) == tuple(KINDS), "pfedla.attention's choices f
 
 @dataclass
 class PFedLAParams:
-    attention: Attention = "hybrid"
+    attention: Attention = "hybrid"  # one mechanism everywhere, or the hybrid of SE, ECA, CA
     base: Host = "fedavg"               # the host method
     base_params: list[str] = field(default_factory=list)  # the host's, "key=value" (TOML values)
     weighting: Literal["uniform", "samples"] = "uniform"  # the paper's 1/N, or n_k-weighted
     share_attention: bool = False       # the "non-local" comparison: attention aggregated too
     se_reduction: int = 0               # 0: the backbone's (lenet-bn 4, alexnet-bn 16)
     eca_min_kernel: int = 3             # timm's floor (reproduces 45,950 on LeNet); 1 = ECA paper
-    ca_reduction: int = 32
-    cbam_reduction: int = 16
+    ca_reduction: int = 32             # CoordAtt: mip = max(8, C // ca_reduction)
+    cbam_reduction: int = 16           # CBAM's channel-MLP reduction
 
 
 class PFedLA(Method):

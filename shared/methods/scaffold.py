@@ -22,7 +22,7 @@ CONTROL = (Kind.CONTROL, "")
 
 @dataclass
 class ScaffoldParams:
-    server_lr: float = 1.0
+    server_lr: float = 1.0  # global step size on the mean update (1: plain averaging)
 
 
 def control_specs(method: Method, models) -> dict:
