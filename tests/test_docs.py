@@ -68,6 +68,15 @@ def test_the_generated_pages_are_current():
     assert not stale, f"stale generated docs {stale}: run `{docs.REGENERATE}` (make reference)"
 
 
+def test_the_cli_reference_never_shows_this_machine_s_token(monkeypatch):
+    from fl_tools import docs
+
+    monkeypatch.setenv("FEDATTN_TOKEN", "secret-join-token")
+    page = docs.render_cli()
+    assert "secret-join-token" not in page
+    assert page == (REPO / "docs" / "reference" / "cli.md").read_text()
+
+
 def test_every_registered_method_has_a_page_in_the_nav_and_the_table():
     from fedattn_shared.methods.registry import available_methods
 

@@ -16,13 +16,15 @@ regenerating fails CI, as the protobuf check does for the wire modules.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import inspect
+import os
 import re
 import sys
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -126,6 +128,18 @@ def _parser_section(parser: argparse.ArgumentParser, level: int) -> list[str]:
     return out
 
 
+@contextlib.contextmanager
+def _neutral_environment() -> Iterator[None]:
+    """Build the parsers without this machine's FEDATTN_* variables: a default read from the
+    environment (``fl-edge --token`` from $FEDATTN_TOKEN) would otherwise put a secret into
+    the committed page, and make the page differ from one machine to the next."""
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("FEDATTN_")}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
 def render_cli() -> str:
     """docs/reference/cli.md."""
     out = ["# Command line", "", HEADER.rstrip(), "",
@@ -134,7 +148,9 @@ def render_cli() -> str:
            "wins over the TOML file, and `--set SECTION.KEY=VALUE` over both.", ""]
     for command, factory, what in _parsers():
         out += [f"## {command}", "", what[0].upper() + what[1:] + ".", ""]
-        out += _parser_section(factory(), 3)
+        with _neutral_environment():
+            parser = factory()
+        out += _parser_section(parser, 3)
     return "\n".join(out).rstrip() + "\n"
 
 
