@@ -51,6 +51,9 @@ def _parsers() -> list[tuple[str, Callable[[], argparse.ArgumentParser], str]]:
     return [
         ("fl-demo", demo_parser, "a server and edges on loopback, then the report: the first run"),
         ("fl-server", server_parser, "the federation's server"),
+        ("fl-server certs", _certs_parser,
+         "`fl-server certs ...` writes the folders that `fl-server --tls-dir` and "
+         "`fl-edge --tls-dir` read"),
         ("fl-edge", edge_parser, "the daemon on each device"),
         ("fl-edge export / predict", edge_tools_parser,
          "the edge's offline tools: they read a state dir, never the network"),
@@ -58,6 +61,29 @@ def _parsers() -> list[tuple[str, Callable[[], argparse.ArgumentParser], str]]:
         ("fl-sim", sim_parser, "many edges in a few processes, for load tests and benchmarks"),
         ("fl-report", report_parser, "plots and tables from a finished run"),
     ]
+
+
+class _Captured(Exception):
+    """Raised instead of parsing, carrying the parser that was about to parse."""
+
+
+def _certs_parser() -> argparse.ArgumentParser:
+    """``fl-server certs`` builds its parser inside ``certs_main``; take that parser at its
+    ``parse_args`` call rather than keep a second copy of its flags here. (Once fl_server
+    exposes a ``build_certs_parser``, import that instead.)"""
+    from unittest import mock
+
+    from fl_server.cli import certs_main
+
+    def capture(parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        raise _Captured(parser)
+
+    with mock.patch.object(argparse.ArgumentParser, "parse_args", capture):
+        try:
+            certs_main([])
+        except _Captured as captured:
+            return captured.args[0]
+    raise RuntimeError("fl-server certs built no parser")
 
 
 def _cell(text: object) -> str:
@@ -147,7 +173,7 @@ def render_cli() -> str:
            "value (see [the configuration keys](config.md)): a flag given on the command line "
            "wins over the TOML file, and `--set SECTION.KEY=VALUE` over both.", ""]
     for command, factory, what in _parsers():
-        out += [f"## {command}", "", what[0].upper() + what[1:] + ".", ""]
+        out += [f"## {command}", "", (what[0].upper() + what[1:]).replace("`Fl-", "`fl-") + ".", ""]
         with _neutral_environment():
             parser = factory()
         out += _parser_section(parser, 3)
