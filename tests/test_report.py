@@ -340,3 +340,29 @@ def test_upload_similarity_is_reported_and_plotted(tmp_path):
     assert main([str(plain), "--out", str(tmp_path / "plain")]) == 0
     assert "similarity" not in json.loads((tmp_path / "plain" / "summary.json").read_text())[
         "runs"][0]["figures"]
+
+
+def test_accuracy_per_edge_and_round_is_reported_and_plotted(tmp_path, capsys):
+    """The heat map's figures are each edge's own accuracy (recomputed from its counts), in
+    the edges' natural order; with 20 edges the picture grows to keep a row per edge."""
+    run0 = write_run(tmp_path, "fedavg-s0", 0, 40001, SEED_ROUNDS[0])
+    many = [{f"edge_{i}": [[i % 3 + 1, 1], [0, 2]] for i in range(20)}]
+    brier = {f"edge_{i}": 1.0 for i in range(20)}
+    run_dir = tmp_path / "many"
+    run_dir.mkdir()
+    history = {"manifest": manifest(0, str(run_dir), 40004),
+               "rounds": [round_record(1, many[0], brier, phase(sorted(many[0]), sorted(many[0])))]}
+    (run_dir / "history.json").write_text(json.dumps(history))
+    out = tmp_path / "out"
+    assert main([str(run0), str(run_dir), "--out", str(out)]) == 0
+    assert "and 7 PNG file(s)" in capsys.readouterr().err  # 1 + (bytes, participation, edges) x 2
+    summary = json.loads((out / "summary.json").read_text())
+    first, second = summary["runs"]
+    assert first["edge_accuracy"] == [{"round": 1, "edges": {"e0": 0.5, "e1": 0.75}},
+                                      {"round": 2, "edges": {"e0": 1.0, "e1": 0.625}}]
+    order = list(second["edge_accuracy"][0]["edges"])
+    assert order[:3] == ["edge_0", "edge_1", "edge_2"] and order.index("edge_10") == 10
+    assert second["edge_accuracy"][0]["edges"]["edge_2"] == pytest.approx(5 / 6)  # [[3,1],[0,2]]
+    small, large = (Image.open(out / run["figures"]["edges"]) for run in (first, second))
+    assert_png(out / first["figures"]["edges"])
+    assert large.size[1] > small.size[1]

@@ -7,7 +7,8 @@ Usage::
 
 A RUN_DIR is a server ``--checkpoint-dir`` (the one holding ``history.json``) or the path
 of a ``history.json`` itself. Output in ``--out``: ``summary.md``, ``summary.json``,
-``accuracy.png`` and, per run, ``bytes_<run>.png`` and ``participation_<run>.png``; the
+``accuracy.png`` and, per run, ``bytes_<run>.png``, ``participation_<run>.png``, ``edges_<run>.png``
+(accuracy per edge and round) and, when the method records it, ``similarity_<run>.png``; the
 markdown tables are also printed to stdout. Bad input (a missing directory or history,
 unreadable JSON, a history without any evaluated round for the split) exits with status 2
 and a message that names the path.
@@ -205,6 +206,17 @@ def round_figures(per_edge: dict[str, dict[str, dict]], split: str) -> dict | No
     }
 
 
+def edge_accuracies(per_edge: dict[str, dict[str, dict]], split: str) -> dict[str, float]:
+    """Each edge's accuracy on ``split`` in one evaluated round (edges without a sample of
+    it are left out)."""
+    out = {}
+    for edge in sorted(per_edge, key=_natural):
+        entry = per_edge[edge].get(split)
+        if entry is not None and as_confusion(entry["confusion"]).sum():
+            out[edge] = accuracy(entry["confusion"])
+    return out
+
+
 # ---- histories and runs ----------------------------------------------------------------------
 
 def history_path(arg: str | Path) -> Path:
@@ -246,6 +258,7 @@ def analyze_run(path: Path, history: dict, split: str) -> dict:
     manifest = history["manifest"]
     seed = (manifest.get("train") or {}).get("seed", (manifest.get("seeds") or {}).get("train"))
     rounds, byte_rounds, participation, similarity = [], [], [], []
+    edge_accuracy: list[dict] = []
     for index, record in enumerate(history["rounds"]):
         where = f"round {record.get('round', index + 1) if isinstance(record, dict) else index + 1}"
         try:
@@ -254,6 +267,7 @@ def analyze_run(path: Path, history: dict, split: str) -> dict:
             figures = round_figures(per_edge, split)
             if figures is not None:
                 rounds.append({"round": number, **figures})
+                edge_accuracy.append({"round": number, "edges": edge_accuracies(per_edge, split)})
             byte_rounds.append({"round": number, **{
                 direction: {kind: int(tally["wire"]) for kind, tally in kinds.items()}
                 for direction, kinds in (record.get("bytes") or {}).items()}})
@@ -281,7 +295,7 @@ def analyze_run(path: Path, history: dict, split: str) -> dict:
         "final_round": numbers[-1], "final": rounds[-1],
         "convergence_round": convergence_round(numbers, means),
         "rounds": rounds, "bytes": byte_rounds, "participation": participation,
-        "similarity": similarity,
+        "similarity": similarity, "edge_accuracy": edge_accuracy,
         "wire_bytes_total": {d: sum(sum(r.get(d, {}).values()) for r in byte_rounds)
                              for d in ("up", "down")},
     }
@@ -437,8 +451,8 @@ def plot_accuracy(runs: list[dict], split: str, path: Path) -> None:
         ax.plot([r["round"] for r in run["rounds"]], [r["mean_accuracy"] for r in run["rounds"]],
                 marker="o", markersize=3, label=run["label"])
     ax.set_xlabel("round")
-    ax.set_ylabel(f"mean accuracy over edges ({split})")
-    ax.set_title("Accuracy per round")
+    ax.set_ylabel(f"mean accuracy over edges, {split} split (0-1)")
+    ax.set_title(f"Accuracy per round ({split} split)")
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
@@ -447,7 +461,10 @@ def plot_accuracy(runs: list[dict], split: str, path: Path) -> None:
 
 
 def plot_bytes(run: dict, path: Path) -> None:
-    """Per round two bars, up (left, plain) and down (right, hatched), stacked by kind."""
+    """Top: per round two bars, up (left, plain) and down (right, hatched), stacked by
+    kind. Bottom: each kind and direction as a line on a log scale, so that what the
+    tensors dwarf (meta messages, statistics vectors: the protocol's own overhead) can be
+    read too."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
@@ -458,9 +475,9 @@ def plot_bytes(run: dict, path: Path) -> None:
     largest = max([sum(r.get(d, {}).values()) for r in records for d in ("up", "down")] or [0])
     scale, unit = _byte_unit(largest)
     colors = {kind: f"C{i % 10}" for i, kind in enumerate(kinds)}
-    fig = Figure(figsize=(min(16, max(7, 0.3 * len(rounds) + 5)), 4.5))
+    fig = Figure(figsize=(min(16, max(8, 0.3 * len(rounds) + 6)), 8))
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    ax, log_ax = fig.subplots(2, 1, sharex=True)
     x = np.asarray(rounds, dtype=np.float64)
     width = 0.4
     for offset, direction, hatch in ((-width / 2, "up", None), (width / 2, "down", "//")):
@@ -470,15 +487,26 @@ def plot_bytes(run: dict, path: Path) -> None:
             ax.bar(x + offset, values, width, bottom=bottom, color=colors[kind], hatch=hatch,
                    edgecolor="black", linewidth=0.3)
             bottom += values
+    for direction, style in (("up", "-"), ("down", "--")):
+        for kind in kinds:
+            values = [r.get(direction, {}).get(kind, 0) for r in records]
+            if any(values):
+                log_ax.plot(x, [v if v > 0 else np.nan for v in values], style, marker="o",
+                            markersize=3, color=colors[kind])
     handles = [Patch(facecolor=colors[k], edgecolor="black", label=k) for k in kinds]
     handles += [Patch(facecolor="white", edgecolor="black", label="up (edge -> server)"),
                 Patch(facecolor="white", edgecolor="black", hatch="//", label="down (server -> edge)")]
     ax.legend(handles=handles, fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.set_xlabel("round")
-    ax.set_ylabel(f"wire bytes ({unit})")
-    ax.set_title(f"Bytes per round by kind: {run['label']}")
+    ax.set_ylabel(f"wire bytes per round ({unit})")
+    ax.set_title(f"Bytes on the wire per round, by kind and direction: {run['label']}")
     ax.grid(True, axis="y", alpha=0.3)
+    log_ax.set_yscale("log")
+    log_ax.set_ylabel("wire bytes per round (B, log scale)")
+    log_ax.set_title("The same per kind on a log scale (solid: up, dashed: down)",
+                     fontsize="medium")
+    log_ax.xaxis.get_major_locator().set_params(integer=True)
+    log_ax.set_xlabel("round")
+    log_ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -498,11 +526,11 @@ def plot_participation(run: dict, path: Path) -> None:
         ax.bar(x + (i - 1) * width, [r[field] for r in records], width, color=color, label=field)
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("round")
-    ax.set_ylabel("edges (train phase)")
-    ax.set_title(f"Participation per round: {run['label']}")
+    ax.set_ylabel("edges")
+    ax.set_title(f"Participation per round (train phase): {run['label']}")
     ax.yaxis.get_major_locator().set_params(integer=True)
     ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -524,10 +552,43 @@ def plot_similarity(run: dict, path: Path) -> None:
                 label=group)
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("round")
-    ax.set_ylabel("mean pairwise cosine similarity of uploads")
-    ax.set_title(f"Upload similarity by layer group: {run['label']}")
+    ax.set_ylabel("mean pairwise cosine similarity")
+    ax.set_title(f"How alike the edges' uploads are, per layer group: {run['label']}\n"
+                 "(cosine similarity averaged over pairs of edges: 1 = the same direction, "
+                 "0 = unrelated)", fontsize="medium")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def plot_edges(run: dict, split: str, path: Path) -> None:
+    """Each edge's accuracy over the evaluated rounds: who the federation serves and who
+    it leaves behind (a mean hides both). Rows are edges, columns evaluated rounds; the
+    figure grows with the number of edges so 2 and 200 stay readable."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    records = run["edge_accuracy"]
+    rounds = [r["round"] for r in records]
+    edges = sorted({e for r in records for e in r["edges"]}, key=_natural)
+    grid = np.full((len(edges), len(rounds)), np.nan)
+    for j, record in enumerate(records):
+        for i, edge in enumerate(edges):
+            grid[i, j] = record["edges"].get(edge, np.nan)
+    fig = Figure(figsize=(min(16, max(6, 0.35 * len(rounds) + 4)),
+                          min(40, max(3, 0.3 * len(edges) + 2))))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    image = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0,
+                      interpolation="nearest")
+    fig.colorbar(image, ax=ax, label=f"accuracy, {split} split (0-1)")
+    step = max(1, len(rounds) // 20)
+    ax.set_xticks(range(0, len(rounds), step), [str(r) for r in rounds[::step]])
+    ax.set_yticks(range(len(edges)), edges, fontsize="small" if len(edges) <= 40 else 5)
+    ax.set_xlabel("round")
+    ax.set_ylabel("edge")
+    ax.set_title(f"Accuracy per edge and round: {run['label']}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -539,9 +600,11 @@ def write_report(runs: list[dict], groups: list[dict], split: str, out: Path) ->
         plot_accuracy(runs, split, out / "accuracy.png")
         for run in runs:
             run["figures"] = {"bytes": f"bytes_{run['slug']}.png",
-                              "participation": f"participation_{run['slug']}.png"}
+                              "participation": f"participation_{run['slug']}.png",
+                              "edges": f"edges_{run['slug']}.png"}
             plot_bytes(run, out / run["figures"]["bytes"])
             plot_participation(run, out / run["figures"]["participation"])
+            plot_edges(run, split, out / run["figures"]["edges"])
             if run["similarity"]:
                 run["figures"]["similarity"] = f"similarity_{run['slug']}.png"
                 plot_similarity(run, out / run["figures"]["similarity"])
@@ -694,7 +757,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fl-report: {exc}", file=sys.stderr)
         return 2
     sys.stdout.write(table)
-    print(f"fl-report: wrote {args.out}/summary.md, summary.json and {1 + 2 * len(runs)} PNG file(s)",
+    pngs = 1 + sum(len(run["figures"]) for run in runs)
+    print(f"fl-report: wrote {args.out}/summary.md, summary.json and {pngs} PNG file(s)",
           file=sys.stderr)
     return 0
 
