@@ -238,8 +238,13 @@ def resolve(args: argparse.Namespace) -> tuple[ServerConfig, TrainConfig, Method
         method_cls = load_method(server.method)
     except ValueError as err:
         raise ConfigError(f"--method: {err}") from None
-    if method_cls.default_model and "model" not in sources["train"][1]:
+    # What the method declares it needs, where no source (file, flag, --set) says otherwise.
+    given = sources["train"][1]
+    if method_cls.default_model and "model" not in given:
         train.model = method_cls.default_model
+    for key, value in method_cls.train_settings:
+        if key not in given:
+            setattr(train, key, value)
     server.validate()
     train.validate()
     dp.validate()

@@ -373,6 +373,7 @@ class FedSTARAggregator(CollectThenLearn):
 class FedSTAR(PrototypeMethod):
     name = "fedstar"
     Params = FedSTARParams
+    default_model = "mobilenet-v3-compact"  # the authors' encoder, d = 128 (8 heads divide it)
     aggregator = FedSTARAggregator
 
     def dp_refusal(self) -> str | None:
