@@ -39,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration per class")
     p.add_argument("--local-epochs", type=int, default=2)
+    p.add_argument("--limit", type=int, default=None, metavar="N",
+                   help="train on the first N images of the bundled subset only (quick "
+                        "checks; default: all 4,000)")
+    p.add_argument("--no-report", action="store_true",
+                   help="skip fl-report's plots and summary (the history is still written)")
     p.add_argument("--lr", type=float, default=None,
                    help=f"default {DEMO_TRAIN['lr']}, or what the method declares")
     p.add_argument("--momentum", type=float, default=None,
@@ -146,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
           f"(Dirichlet alpha={args.alpha})")
     rc = partition(["--source", str(bundled_mnist()), "--edges", str(args.edges),
                     "--scheme", "dirichlet", "--alpha", str(args.alpha), "--seed", str(args.seed),
-                    "--out", str(out / "data"), "--global-test-per-class", "50"])
+                    "--out", str(out / "data"), "--global-test-per-class", "50",
+                    *(["--limit", str(args.limit)] if args.limit else [])])
     if rc != 0:
         return rc
     edge_dirs = sorted(p for p in (out / "data").iterdir() if p.is_dir())
@@ -236,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
         for handle in handles:
             handle.close()
 
+    if args.no_report:
+        print(f"\nhistory: {checkpoint / 'history.json'}  logs: {logs}")
+        return 0
     from .report import main as report
 
     report([str(checkpoint), "--out", str(out / "report")])
