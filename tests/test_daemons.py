@@ -191,3 +191,19 @@ def test_fresh_run_refuses_existing_checkpoint_and_bad_flags(cluster, tmp_path):
     no_tls = subprocess.run([sys.executable, "-m", "fl_server"], capture_output=True, text=True,
                             timeout=60)
     assert no_tls.returncode == 2 and "--insecure" in no_tls.stderr
+
+
+def test_stale_state_dir_at_join_names_the_folder_and_the_fix(cluster, tmp_path):
+    """An edge whose --state-dir holds private state of another run is refused at join;
+    it exits 2 naming that folder and the fix (a fresh --state-dir)."""
+    dirs = write_edge_dirs(tmp_path, 1)
+    server = cluster.server("--method", "fedbn", "--rounds", "1", "--min-edges", "1")
+    edge = cluster.edge(dirs[0], "solo")
+    assert edge.wait() == 0 and server.wait() == 0
+    other = cluster.server("--method", "fedper", "--rounds", "1", "--min-edges", "1",
+                           checkpoint="other-state", name="other")
+    again = cluster.edge(dirs[0], "solo")
+    assert again.wait() == 2
+    assert f"--state-dir {tmp_path / 'state-solo'} belongs to another run" in again.log()
+    assert "fresh --state-dir" in again.log()
+    other.kill()
