@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import stat
 import urllib.request
 
@@ -56,7 +57,7 @@ def test_prometheus_counts_bytes_by_kind_direction_edge(cluster, tmp_path):
     # Rounds to spare after the scrape: an edge closes its metrics port when it hears
     # "run over", and on tiny data the last rounds take well under a second.
     server = cluster.server("--method", "fedavg", "--rounds", "6", "--min-edges", "2",
-                            "--metrics-port", "0")
+                            "--metrics-port", "0", "--metrics-linger", "30")
     edges = [cluster.edge(d, f"e{i}", "--metrics-port", "0") for i, d in enumerate(dirs)]
     server.wait_log("round 2 done")
     edge_port = re.search(r"metrics on :(\d+)", edges[0].log()).group(1)
@@ -88,7 +89,13 @@ def test_prometheus_counts_bytes_by_kind_direction_edge(cluster, tmp_path):
     assert edge["fedattn_edge_peak_rss_bytes"] > 50e6 and edge["fedattn_edge_trained_samples_total"] > 0
     assert not any(name.startswith("fedattn_edge_gpu_memory") for name in edge)  # CUDA only
     assert [e.wait() for e in edges] == [0, 0]
-    assert server.wait() == 0
+    # After the run, /metrics stays up (--metrics-linger) with the last round in it;
+    # SIGTERM ends the wait at once.
+    server.wait_log("for 30s more (--metrics-linger)")
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read().decode()
+    assert re.search(r"^fedattn_checkpoint_round 6(\.0)?$", text, re.M), text[-2000:]
+    server.popen.send_signal(signal.SIGTERM)
+    assert server.wait(timeout=10) == 0
 
 
 @pytest.mark.parametrize("method", ["fedadam", "ditto"])
