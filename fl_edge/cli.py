@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_policy(parser)
     parser.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
                         help="progress bars (auto: when a terminal is attached)")
+    parser.add_argument("--log-every", type=float, default=10.0, metavar="SECONDS",
+                        help="without progress bars, log training progress (steps, "
+                             "samples/s, ETA) every this many seconds (default 10; 0: off)")
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -221,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         server=args.server, data_dir=args.data_dir, state_dir=state_dir, join_token=args.token,
         name=args.name, device=args.device, metrics_port=args.metrics_port,
         progress={"auto": None, "on": True, "off": False}[args.progress],
+        log_every=args.log_every,
         retry_for=args.retry_for, batch_size=args.batch_size, amp=args.amp,
         grad_accum=args.grad_accum, tls_dir=args.tls_dir, tls_server_name=args.tls_server_name,
         privacy=privacy, allow_methods=tuple(args.allow_method))

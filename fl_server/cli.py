@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     for add in (_run_flags, _robust_flags, _network_flags, _train_flags, _dp_flags):
         add(p)
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-every", type=float, default=10.0, metavar="SECONDS",
+                   help="while a phase is open, log 'k/n results in' every this many seconds "
+                        "(default %(default)g; 0: off)")
     return p
 
 
@@ -282,11 +285,13 @@ def resolve(args: argparse.Namespace) -> tuple[ServerConfig, TrainConfig, Method
 
 
 async def serve(server_cfg: ServerConfig, train: TrainConfig, method: Method,
-                ready_file: Path | None, metrics_linger: float = METRICS_LINGER) -> int:
+                ready_file: Path | None, metrics_linger: float = METRICS_LINGER,
+                log_every: float = 10.0) -> int:
     """Runs one server until the run ends or SIGINT/SIGTERM; writes ``ready_file`` once
     serving (how scripts and tests learn a port chosen by the system)."""
     app = ServerApp(server_cfg, train, method)
     app.metrics_linger = metrics_linger
+    app.engine.log_every = log_every
     await app.start()
     if ready_file:
         atomic_write_json(ready_file, {"port": app.port, "metrics_port": app.metrics_port,
@@ -369,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--metrics-linger must be >= 0")
         limit_malloc_arenas()
         return asyncio.run(serve(server_cfg, train, method, args.ready_file,
-                                 args.metrics_linger))
+                                 args.metrics_linger, args.log_every))
     except (ConfigError, UsageError, StateError, ValueError) as err:
         print(f"fl-server: error: {err}", file=sys.stderr)
         return 2
