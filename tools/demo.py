@@ -193,6 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         deadline = time.monotonic() + 120
         while not ready.exists():
+            if server.poll() == 2:  # refused its settings (a method that cannot run
+                # under --dp, ...): its one-line reason is the demo's
+                errors = [line for line in (logs / "server.log").read_text().splitlines()
+                          if line.startswith("fl-server: error:")]
+                print("fl-demo: " + (errors[-1] if errors else "fl-server refused its settings")
+                      .removeprefix("fl-server: "), file=sys.stderr)
+                return 2
             if server.poll() is not None or time.monotonic() > deadline:
                 print(f"fl-demo: the server did not start; see {logs / 'server.log'}:\n"
                       + (logs / "server.log").read_text()[-2000:], file=sys.stderr)
