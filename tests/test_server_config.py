@@ -78,6 +78,8 @@ def test_a_methods_declared_model_and_training_settings_apply_unless_a_source_se
         assert train.model == (method.default_model or "lenet-bn"), name
     _, train, _ = resolved("--method", "fedstar")
     assert train.model == "mobilenet-v3-compact"
+    with pytest.raises(ConfigError, match=r"default model \(mobilenet-v3-compact.*heads=H"):
+        resolved("--method", "fedstar", "--model", "lenet-bn")
     cfg = tmp_path / "run.toml"
     cfg.write_text("[train]\nmomentum = 0.5\nweight_decay = 0.1\n")
     _, train, _ = resolved("--config", str(cfg), "--method", "fedavg")
