@@ -1,43 +1,37 @@
 """The README's promise, "any method: ``fl-demo --method M``", for every registered method.
 
-Each case is the real command line (``python -m fl_tools.demo``), with its real
-``fl-server`` and two real ``fl-edge`` processes over gRPC on loopback, one round. What
-costs time is starting three torch processes per method, not training, so the demos
-run a few at a time (``WORKERS``) and the cases read their results: a case selected
-alone (``-k pfedka``) runs only its own demo. The data is cut to a few hundred images
-(``--limit``) and the report is skipped (``tests/test_tools.py`` covers it).
+Each case runs fl-demo's ``main`` with its real ``fl-server`` and two real ``fl-edge``
+processes over gRPC on loopback, one round. What costs time is starting torch in three
+processes per method, not training, so ``main`` runs in this process (one torch import
+fewer per method) and the demos run a few at a time (``WORKERS``) while the cases read
+their results: a case selected alone (``-k pfedka``) runs only its own demo. The data is
+cut to a few hundred images (``--limit``) and the report is skipped (``tests/test_tools.py``
+covers it).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import REPO
 
 from fedattn_shared.methods import available_methods
+from fl_tools.demo import main
 
 METHODS = available_methods()
 WORKERS = 2  # concurrent demos (each mostly starts torch in 3 processes): one per core
 
 
-def demo(method: str, out: Path) -> tuple[subprocess.CompletedProcess, float]:
-    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
-    if os.environ.get("PYTHONPATH"):
-        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+def demo(method: str, out: Path) -> tuple[int, float]:
+    """fl-demo's ``main`` in this process (torch is imported once, here), which starts the
+    real fl-server and fl-edge processes; returns its exit status and the seconds."""
     start = time.monotonic()
-    result = subprocess.run(
-        [sys.executable, "-m", "fl_tools.demo", "--method", method, "--edges", "2",
-         "--rounds", "1", "--local-epochs", "1", "--limit", "300", "--no-report",
-         "--out", str(out)],
-        capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
-    return result, time.monotonic() - start
+    code = main(["--method", method, "--edges", "2", "--rounds", "1", "--local-epochs", "1",
+                 "--limit", "300", "--no-report", "--out", str(out)])
+    return code, time.monotonic() - start
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +50,10 @@ def demos(request, tmp_path_factory):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_fl_demo_runs_every_method(demos, method):
-    result, seconds, out = demos[method]
+    code, seconds, out = demos[method]
     logs = "".join(f"\n--- {p.name}\n{p.read_text()[-1500:]}"
                    for p in sorted((out / "logs").glob("*.log"))) if (out / "logs").exists() else ""
-    assert result.returncode == 0, result.stderr[-2000:] + result.stdout[-2000:] + logs
+    assert code == 0, logs
     history = json.loads((out / "server" / "history.json").read_text())
     assert history["manifest"]["method"] == method
     (record,) = history["rounds"]
