@@ -42,8 +42,8 @@ def test_progress_lines_without_a_terminal(cluster, tmp_path):
     samples/s and ETA, the server "k/n results in"."""
     (data,) = write_edge_dirs(tmp_path, 1, per_edge=3000)
     server = cluster.server("--method", "fedavg", "--rounds", "1", "--min-edges", "1",
-                            "--local-epochs", "2", "--batch-size", "16", "--log-every", "0.5")
-    edge = cluster.edge(data, "slow", "--progress", "off", "--log-every", "0.5")
+                            "--local-epochs", "2", "--batch-size", "16", "--log-every", "0.05")
+    edge = cluster.edge(data, "slow", "--progress", "off", "--log-every", "0.05")
     assert edge.wait() == 0 and server.wait() == 0
     assert re.search(r"epoch \d/2: batch \d+/\d+, \d+ steps, [\d.]+ samples/s, ETA \d+s",
                      edge.log()), edge.log()[-2000:]
