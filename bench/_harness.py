@@ -3,12 +3,14 @@ one step (fl-partition, fl-sim, ...) as a subprocess with its output kept in a l
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SHARED_DATA = ROOT.parent / "shared" / "data"
+#: The real datasets: $FEDATTN_DATA, else the team's folder beside the repository.
+SHARED_DATA = Path(os.environ.get("FEDATTN_DATA") or ROOT.parent / "shared" / "data")
 
 
 def run(cmd: list[str], log: Path) -> None:

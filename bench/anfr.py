@@ -320,8 +320,8 @@ def main() -> int:
                    help="print the tables from the finished runs under --out, run nothing")
     args = p.parse_args()
     if not args.cifar10.exists():
-        print(f"bench/anfr.py: {args.cifar10} is missing (../shared/data is not beside the "
-              "repo: pass --cifar10)", file=sys.stderr)
+        print(f"bench/anfr.py: {args.cifar10} is missing (set FEDATTN_DATA "
+              "or pass --cifar10)", file=sys.stderr)
         return 2
     if args.full:
         args.edges, args.limit, args.rounds = 10, 0, 50

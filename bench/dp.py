@@ -177,7 +177,7 @@ def main() -> int:
                    help="print the tables from the finished runs under --out, run nothing")
     args = p.parse_args()
     if not CIFAR10.exists():
-        print(f"bench/dp.py: {CIFAR10} is missing (../shared/data is not beside the repo)",
+        print(f"bench/dp.py: {CIFAR10} is missing (set FEDATTN_DATA to the datasets' folder)",
               file=sys.stderr)
         return 2
     if args.full:

@@ -197,8 +197,8 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-feature-shift")
     args = p.parse_args()
     if not (SHARED_DATA / "mnist").exists():
-        print(f"bench/feature_shift.py: {SHARED_DATA} is missing (../shared/data is not beside "
-              "the repo)", file=sys.stderr)
+        print(f"bench/feature_shift.py: {SHARED_DATA} is missing (set FEDATTN_DATA "
+              "to the datasets' folder)", file=sys.stderr)
         return 2
     if args.full:
         args.rounds, args.lr, args.limit, args.domain_test = 100, 0.01, 743, 1000

@@ -307,7 +307,7 @@ def main() -> int:
     args = p.parse_args()
     source = SOURCES[args.dataset][0]
     if not source.exists():
-        print(f"bench/fedsap.py: {source} is missing (../shared/data is not beside the repo)",
+        print(f"bench/fedsap.py: {source} is missing (set FEDATTN_DATA to the datasets' folder)",
               file=sys.stderr)
         return 2
     for name, cpu, full in (("limit", 4000, 0), ("rounds", 16, 50), ("eval_every", 2, 5)):

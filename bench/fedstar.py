@@ -275,8 +275,8 @@ def main() -> int:
     args = p.parse_args()
     for dataset in args.datasets:
         if not SOURCES[dataset][0].exists():
-            print(f"bench/fedstar.py: {SOURCES[dataset][0]} is missing (../shared/data is not "
-                  "beside the repo)", file=sys.stderr)
+            print(f"bench/fedstar.py: {SOURCES[dataset][0]} is missing (set FEDATTN_DATA "
+                  "to the datasets' folder)", file=sys.stderr)
             return 2
     if args.full:
         args.edges, args.limit, args.rounds, args.eval_every, args.min_per_edge = 100, 0, 200, 5, 50

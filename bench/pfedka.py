@@ -343,7 +343,7 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-pfedka")
     args = p.parse_args()
     if not CIFAR.exists():
-        print(f"bench/pfedka.py: {CIFAR} is missing (../shared/data is not beside the repo)",
+        print(f"bench/pfedka.py: {CIFAR} is missing (set FEDATTN_DATA to the datasets' folder)",
               file=sys.stderr)
         return 2
     if args.full:

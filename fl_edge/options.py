@@ -37,6 +37,7 @@ class EdgeOptions:
     device: str = "auto"
     metrics_port: int = -1
     progress: bool | None = None
+    log_every: float = 10.0  # without progress bars: a progress line every this many seconds
     max_backoff: float = 30.0
     retry_for: float = 0.0  # seconds without reaching the server before giving up; 0: forever
     eval_batch_size: int = 256

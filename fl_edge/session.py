@@ -147,6 +147,16 @@ class Session:
             raise
 
     # ---- join / presence / leave ----------------------------------------------------------
+    def _stale_state_hint(self, err: grpc.RpcError, state_fingerprint: str) -> str:
+        """The folder and the fix when the server refused the private state this edge
+        holds (made for another model or method): only the edge knows where it lives."""
+        if (state_fingerprint and err.code() == grpc.StatusCode.FAILED_PRECONDITION
+                and "fingerprint" in (err.details() or "")):
+            return (f". The private state in --state-dir {self.opts.state_dir} belongs to "
+                    "another run: start this edge with a fresh --state-dir (or move that "
+                    "folder away)")
+        return ""
+
     def join(self, state_fingerprint: str, num_examples: int | None) -> pb.JoinReply:
         """A new session: the edge's identity and keys, what it holds of the private state
         and (once known) its training split's size, which the server caps its aggregation
@@ -170,7 +180,8 @@ class Session:
             reply = self.stub.Join(request, timeout=30)
         except grpc.RpcError as err:
             if err.code() in JOIN_REFUSED:
-                raise EdgeExit(2, f"join refused by {self.opts.server}: {err.details()}") from None
+                raise EdgeExit(2, f"join refused by {self.opts.server}: {err.details()}"
+                                  f"{self._stale_state_hint(err, state_fingerprint)}") from None
             raise
         self.meter.count_message(DOWN, reply)
         try:

@@ -128,7 +128,7 @@ class TaskRunner:
                            grad_accum=self.opts.grad_accum, privacy=privacy,
                            clip_grad_norm=train.clip_grad_norm,
                            inputs=InputPipeline(train.augment, train.input_size),
-                           deterministic=train.deterministic)
+                           deterministic=train.deterministic, log_every=self.opts.log_every)
 
     def train(self, task: Task) -> Result:
         """Local training; the upload is the method's ``after_train``. Reports every

@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -137,7 +137,7 @@ def train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, 
                 privacy: PrivateTraining | None = None, clip_grad_norm: float = 0.0,
                 inputs: InputPipeline | None = None,
                 augment_rng: torch.Generator | None = None,
-                deterministic: bool = True) -> TrainResult:
+                deterministic: bool = True, log_every: float = 0.0) -> TrainResult:
     """E local epochs over shuffled batches (the algorithm may add epochs: FedRep's head
     epochs). ``grad_accum`` micro-batches make one optimizer step (for small devices);
     ``amp`` runs the forward pass in half precision (fp16 with a gradient scaler on CUDA,
@@ -153,7 +153,9 @@ def train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, 
     ``steps_per_batch`` steps. It does not combine with DP-SGD, whose per-sample clipping
     (dp.max_grad_norm) is the only clipping there. ``inputs`` augments every training batch
     (drawing from ``augment_rng``, by default ``augment_generator(seed)``) and resizes it;
-    the statistics pass of ``end_train`` is resized, never augmented.
+    the statistics pass of ``end_train`` is resized, never augmented. Without progress
+    bars, ``log_every`` > 0 logs steps, samples/s and the ETA every that many seconds (a
+    daemon's log is otherwise silent for a whole epoch).
 
     ``seed`` (``loader_seed``: per edge and round) drives everything random in the round:
     the data order (``generator``) and, through a forked global torch RNG seeded with it,
@@ -168,7 +170,7 @@ def train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, 
         torch.manual_seed(seed ^ GLOBAL_STREAM)  # not the data order's stream
         steps = privacy if privacy is not None else PlainSteps(device, amp, clip_grad_norm)
         return _train_local(algo, data, epochs, batch_size, seed, device, progress, lr, amp,
-                            grad_accum, steps, clip_grad_norm, inputs, augment_rng)
+                            grad_accum, steps, clip_grad_norm, inputs, augment_rng, log_every)
 
 
 class LoopSteps(Protocol):
@@ -275,8 +277,8 @@ class _Tally:
 def _train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, seed: int,
                  device: torch.device, progress: bool | None, lr: float | None, amp: bool,
                  grad_accum: int, steps: LoopSteps, clip_grad_norm: float,
-                 inputs: InputPipeline | None, augment_rng: torch.Generator | None
-                 ) -> TrainResult:
+                 inputs: InputPipeline | None, augment_rng: torch.Generator | None,
+                 log_every: float = 0.0) -> TrainResult:
     _check_options(algo, steps, amp, grad_accum, clip_grad_norm)
     inputs = inputs or InputPipeline()
     augment_rng = augment_rng if augment_rng is not None else augment_generator(seed)
@@ -301,6 +303,8 @@ def _train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int,
     for epoch in range(epochs):
         algo.schedule.begin_epoch(epoch)
         batches = tqdm(loader, desc=f"epoch {epoch + 1}/{epochs}", leave=False, disable=not show)
+        if not show and log_every > 0:
+            batches = _logged(batches, tally, epoch, epochs, start, log_every)
         epoch_loss = _epoch(algo, batches, steps, tally, device, amp, grad_accum, inputs,
                             augment_rng)
         total_loss += epoch_loss
@@ -311,6 +315,31 @@ def _train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int,
     norm_sum, clipped = steps.clip_figures()
     return TrainResult(tally.steps, tally.examples, total_loss / max(epochs, 1), epoch_loss,
                        seconds, norm_sum / max(tally.steps, 1), clipped)
+
+
+def _logged(batches: Iterable, tally: _Tally, epoch: int, epochs: int, start: float,
+            every: float) -> Iterator:
+    """``batches``, logging progress every ``every`` seconds: steps, samples/s and the ETA
+    of the round's training (from this epoch's pace; none where the loader has no length,
+    as DP-SGD's Poisson batches)."""
+    try:
+        per_epoch = len(batches)
+    except TypeError:
+        per_epoch = 0
+    epoch_start = last = time.perf_counter()
+    for index, batch in enumerate(batches):
+        yield batch
+        now = time.perf_counter()
+        if now - last < every:
+            continue
+        last = now
+        rate = tally.examples / max(now - start, 1e-9)
+        eta = ""
+        if per_epoch:
+            left = (epochs - epoch) * per_epoch - (index + 1)
+            eta = f", ETA {left * (now - epoch_start) / (index + 1):.0f}s"
+        log.info("epoch %d/%d: batch %d%s, %d steps, %.1f samples/s%s", epoch + 1, epochs,
+                 index + 1, f"/{per_epoch}" if per_epoch else "", tally.steps, rate, eta)
 
 
 def _epoch(algo: EdgeAlgorithm, batches: Iterable, steps: LoopSteps, tally: _Tally,

@@ -54,6 +54,9 @@ class ServerApp:
         self._health: health.aio.HealthServicer | None = None
         self._http = None
         self._watch: asyncio.Task | None = None
+        #: Seconds /metrics stays up after the run finished (``--metrics-linger``), so that a
+        #: scrape every few seconds still sees the last round; SIGTERM/SIGINT end it early.
+        self.metrics_linger = 0.0
 
     async def start(self) -> int:
         """Resumes or refuses a used checkpoint directory, then starts gRPC, health and
@@ -102,12 +105,26 @@ class ServerApp:
             if run_task in done:
                 run_task.result()
                 await self._tell_edges_run_over()
+                await self._linger_for_metrics(stop)
             else:
                 log.info("stopping on request; the last completed round stays checkpointed")
                 run_task.cancel()
         finally:
             stop_task.cancel()
             await self.stop()
+
+    async def _linger_for_metrics(self, stop: asyncio.Event) -> None:
+        """Keeps serving /metrics ``metrics_linger`` seconds after the run finished (or
+        until ``stop``): the process exits seconds after the last round, and with it the
+        endpoint a Prometheus scrape would have read the last round from."""
+        if self._http is None or self.metrics_linger <= 0:
+            return
+        log.info("serving /metrics on :%s for %gs more (--metrics-linger)", self.metrics_port,
+                 self.metrics_linger)
+        try:
+            await asyncio.wait_for(stop.wait(), self.metrics_linger)
+        except asyncio.TimeoutError:
+            pass
 
     async def _tell_edges_run_over(self) -> None:
         """Keep the port open until every connected edge has been told that the run is

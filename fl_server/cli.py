@@ -77,6 +77,10 @@ FLAG_TARGETS = {
 }
 
 
+#: Seconds /metrics outlives the run by default: two scrape intervals of 5 s.
+METRICS_LINGER = 10.0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """fl-server's flags, in groups (run, untrusted edges, network, training, DP); every
     flag defaults to None so that ``resolve`` can tell a given flag from the config
@@ -88,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     for add in (_run_flags, _robust_flags, _network_flags, _train_flags, _dp_flags):
         add(p)
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-every", type=float, default=10.0, metavar="SECONDS",
+                   help="while a phase is open, log 'k/n results in' every this many seconds "
+                        "(default %(default)g; 0: off)")
     return p
 
 
@@ -144,6 +151,10 @@ def _network_flags(p: argparse.ArgumentParser) -> None:
     net.add_argument("--host")
     net.add_argument("--port", type=int, help="gRPC port (0: any free port)")
     net.add_argument("--metrics-port", type=int, help="Prometheus port (0: any free port)")
+    net.add_argument("--metrics-linger", type=float, default=METRICS_LINGER, metavar="SECONDS",
+                     help="keep serving /metrics this long after the run finished, so a "
+                          "scrape sees the last round (default %(default)g: two 5 s scrape "
+                          "intervals; 0: exit at once; SIGTERM ends it early)")
     net.add_argument("--insecure", action="store_true",
                      help="plaintext gRPC (only when asked for: the default is mutual TLS)")
     net.add_argument("--tls-dir", help="mutual TLS with the CA, server certificate and "
@@ -238,8 +249,13 @@ def resolve(args: argparse.Namespace) -> tuple[ServerConfig, TrainConfig, Method
         method_cls = load_method(server.method)
     except ValueError as err:
         raise ConfigError(f"--method: {err}") from None
-    if method_cls.default_model and "model" not in sources["train"][1]:
+    # What the method declares it needs, where no source (file, flag, --set) says otherwise.
+    given = sources["train"][1]
+    if method_cls.default_model and "model" not in given:
         train.model = method_cls.default_model
+    for key, value in method_cls.train_settings:
+        if key not in given:
+            setattr(train, key, value)
     server.validate()
     train.validate()
     dp.validate()
@@ -269,10 +285,13 @@ def resolve(args: argparse.Namespace) -> tuple[ServerConfig, TrainConfig, Method
 
 
 async def serve(server_cfg: ServerConfig, train: TrainConfig, method: Method,
-                ready_file: Path | None) -> int:
+                ready_file: Path | None, metrics_linger: float = METRICS_LINGER,
+                log_every: float = 10.0) -> int:
     """Runs one server until the run ends or SIGINT/SIGTERM; writes ``ready_file`` once
     serving (how scripts and tests learn a port chosen by the system)."""
     app = ServerApp(server_cfg, train, method)
+    app.metrics_linger = metrics_linger
+    app.engine.log_every = log_every
     await app.start()
     if ready_file:
         atomic_write_json(ready_file, {"port": app.port, "metrics_port": app.metrics_port,
@@ -351,8 +370,11 @@ def main(argv: list[str] | None = None) -> int:
         if server_cfg.insecure == bool(server_cfg.tls_dir):
             raise ConfigError("pass --tls-dir DIR for mutual TLS (make DIR with `fl-server "
                               "certs init DIR`) or --insecure for plaintext gRPC, not both")
+        if args.metrics_linger < 0:
+            raise ConfigError("--metrics-linger must be >= 0")
         limit_malloc_arenas()
-        return asyncio.run(serve(server_cfg, train, method, args.ready_file))
+        return asyncio.run(serve(server_cfg, train, method, args.ready_file,
+                                 args.metrics_linger, args.log_every))
     except (ConfigError, UsageError, StateError, ValueError) as err:
         print(f"fl-server: error: {err}", file=sys.stderr)
         return 2

@@ -51,6 +51,7 @@ class Engine:
                  meter: ByteMeter, metrics: ServerMetrics):
         self.cfg, self.train, self.method = server, train, method
         self.meter, self.metrics = meter, metrics
+        self.log_every = 10.0  # seconds between "k/n results in" lines (fl-server --log-every)
         self.models = method.build_models()
         self.fingerprint = method.fingerprint(self.models)
         # Pretrained weights: the global starts from them, and edges without private state
@@ -214,6 +215,17 @@ class Engine:
         state.record["aggregate"].update(figures)
         state.participants = [e for e in state.participants if e in phase.received]
 
+    async def _log_progress(self, phase: Phase, round_number: int) -> None:
+        """A line every ``log_every`` seconds while ``phase`` is open ("k/n results in"):
+        a server's log is otherwise silent from the phase's start to its end."""
+        if self.log_every <= 0:
+            return
+        while True:
+            await asyncio.sleep(self.log_every)
+            log.info("round %d %s: %d/%d results in, %d dropped, quorum %d, open %.0fs",
+                     round_number, phase.name, len(phase.received), len(phase.tasks),
+                     len(phase.dropped), phase.quorum, time.monotonic() - phase.started)
+
     async def run_phase(self, driver: PhaseDriver, round_number: int, edges: list[str]) -> Phase:
         """Sends the phase's tasks and waits for its quorum or deadline; then closes it to
         uploads (those still streaming stop) and counts the edges that did not answer."""
@@ -234,6 +246,7 @@ class Engine:
         # stops the server here, before anything of this round is aggregated).
         await self.durable()
         phase.maybe_close()
+        progress = asyncio.create_task(self._log_progress(phase, round_number))
         try:
             await asyncio.wait_for(phase.done.wait(),
                                    timeout=driver.deadline() or self.cfg.round_timeout)
@@ -241,6 +254,8 @@ class Engine:
             self.metrics.phase_timeouts.labels(name).inc()
             for edge in phase.pending():
                 self.drop(phase, edge, "deadline")
+        finally:
+            progress.cancel()
         async with self.agg_lock:
             phase.closed = True
             phase.closing.set()

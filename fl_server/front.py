@@ -148,7 +148,10 @@ class EdgeFront:
         """Counts a refused upload and, when the refusal costs the edge its task, drops
         it. Returns the reason the reply carries."""
         drop = isinstance(err, WireError) or err.drop
-        reason = f"{type(err).__name__ if isinstance(err, WireError) else 'refused'}: {err}"
+        # The reply's reason is what follows "refused" in both daemons' logs ("result
+        # refused: stale or wrong task ..."), so a refusal carries no prefix of its own; a
+        # wire error names its kind.
+        reason = f"{type(err).__name__}: {err}" if isinstance(err, WireError) else str(err)
         log.warning("submission from %s refused: %s", edge or "?", reason)
         self.metrics.refused.labels(label).inc()
         if drop and phase is None:  # the header checks name no phase

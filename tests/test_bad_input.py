@@ -105,6 +105,8 @@ class Suite:
         assert not reply.accepted
         for needle in reason:
             assert needle in reply.reason, f"{needle!r} not in {reply.reason!r}"
+        # Logged as "... refused: <reason>" by both daemons: the reason does not repeat it.
+        assert not reply.reason.startswith("refused"), reply.reason
         self.logged(mark, f"submission from {edge_id} refused", *reason)
 
     def expect_dropped(self, task: Task, mark: int, refused_at: float) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import stat
 import urllib.request
 
@@ -56,7 +57,7 @@ def test_prometheus_counts_bytes_by_kind_direction_edge(cluster, tmp_path):
     # Rounds to spare after the scrape: an edge closes its metrics port when it hears
     # "run over", and on tiny data the last rounds take well under a second.
     server = cluster.server("--method", "fedavg", "--rounds", "6", "--min-edges", "2",
-                            "--metrics-port", "0")
+                            "--metrics-port", "0", "--metrics-linger", "30")
     edges = [cluster.edge(d, f"e{i}", "--metrics-port", "0") for i, d in enumerate(dirs)]
     server.wait_log("round 2 done")
     edge_port = re.search(r"metrics on :(\d+)", edges[0].log()).group(1)
@@ -88,7 +89,13 @@ def test_prometheus_counts_bytes_by_kind_direction_edge(cluster, tmp_path):
     assert edge["fedattn_edge_peak_rss_bytes"] > 50e6 and edge["fedattn_edge_trained_samples_total"] > 0
     assert not any(name.startswith("fedattn_edge_gpu_memory") for name in edge)  # CUDA only
     assert [e.wait() for e in edges] == [0, 0]
-    assert server.wait() == 0
+    # After the run, /metrics stays up (--metrics-linger) with the last round in it;
+    # SIGTERM ends the wait at once.
+    server.wait_log("for 30s more (--metrics-linger)")
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read().decode()
+    assert re.search(r"^fedattn_checkpoint_round 6(\.0)?$", text, re.M), text[-2000:]
+    server.popen.send_signal(signal.SIGTERM)
+    assert server.wait(timeout=10) == 0
 
 
 @pytest.mark.parametrize("method", ["fedadam", "ditto"])
@@ -191,3 +198,19 @@ def test_fresh_run_refuses_existing_checkpoint_and_bad_flags(cluster, tmp_path):
     no_tls = subprocess.run([sys.executable, "-m", "fl_server"], capture_output=True, text=True,
                             timeout=60)
     assert no_tls.returncode == 2 and "--insecure" in no_tls.stderr
+
+
+def test_stale_state_dir_at_join_names_the_folder_and_the_fix(cluster, tmp_path):
+    """An edge whose --state-dir holds private state of another run is refused at join;
+    it exits 2 naming that folder and the fix (a fresh --state-dir)."""
+    dirs = write_edge_dirs(tmp_path, 1)
+    server = cluster.server("--method", "fedbn", "--rounds", "1", "--min-edges", "1")
+    edge = cluster.edge(dirs[0], "solo")
+    assert edge.wait() == 0 and server.wait() == 0
+    other = cluster.server("--method", "fedper", "--rounds", "1", "--min-edges", "1",
+                           checkpoint="other-state", name="other")
+    again = cluster.edge(dirs[0], "solo")
+    assert again.wait() == 2
+    assert f"--state-dir {tmp_path / 'state-solo'} belongs to another run" in again.log()
+    assert "fresh --state-dir" in again.log()
+    other.kill()

@@ -1,7 +1,7 @@
 """The edge's --data-dir readers: npz, image folders, IDX, CIFAR-10 binary and python batches.
 
 Every corrupt case must raise DataError naming the file or folder at fault; the real MNIST and
-CIFAR-10 files in ../shared/data are read when that folder is there.
+CIFAR-10 files in $FEDATTN_DATA (default ../shared/data) are read when they are there.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import SHARED_DATA  # $FEDATTN_DATA
 from PIL import Image
 
 from fedattn_shared.config import TrainConfig
 from fedattn_shared.data import DataError, EdgeData, load_edge_data
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 DIGITS = [str(i) for i in range(10)]
 
 
@@ -466,7 +466,7 @@ def test_test_only_data_is_not_enough(tmp_path):
 def real(*parts: str) -> Path:
     path = SHARED_DATA.joinpath(*parts)
     if not path.exists():
-        pytest.skip(f"{path} is not there (real datasets live in ../shared/data)")
+        pytest.skip(f"{path} is not there (set FEDATTN_DATA to the real datasets' folder)")
     return path
 
 

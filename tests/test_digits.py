@@ -8,18 +8,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import SHARED_DATA  # $FEDATTN_DATA
 
 from fedattn_shared.data.digits import load_usps, mnistm_style, synthdigits_style
 from fedattn_shared.data.partition import main
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 USPS = SHARED_DATA / "usps" / "usps.t.bz2"
 needs_data = pytest.mark.skipif(
     not all((SHARED_DATA / d).is_dir() for d in ("mnist", "usps", "cifar-10")),
-    reason=f"no mnist/usps/cifar-10 under {SHARED_DATA}")
+    reason=f"no mnist/usps/cifar-10 under {SHARED_DATA} (set FEDATTN_DATA)")
 
 
-@pytest.mark.skipif(not USPS.is_file(), reason=f"no USPS at {USPS}")
+@pytest.mark.skipif(not USPS.is_file(), reason=f"no USPS at {USPS} (set FEDATTN_DATA)")
 def test_usps_is_the_official_test_split():
     x, y = load_usps(USPS)
     assert x.shape == (2007, 16, 16) and x.dtype == np.uint8

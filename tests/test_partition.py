@@ -10,11 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import SHARED_DATA  # $FEDATTN_DATA
 from PIL import Image
 
 from fedattn_shared.data.partition import DOMAINS, arrays_sha256, main
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 MNIST = SHARED_DATA / "mnist"
 CIFAR = SHARED_DATA / "cifar-10" / "cifar-10-batches-bin"
 
@@ -293,7 +293,8 @@ def test_generated_cifar_binary_source(tmp_path):
     assert ex.shape[1:] == (32, 32, 3) and set(keys(ex)) <= set(keys(x[:200]))
 
 
-@pytest.mark.skipif(not (MNIST / "train-images-idx3-ubyte.gz").is_file(), reason=f"no MNIST at {MNIST}")
+@pytest.mark.skipif(not (MNIST / "train-images-idx3-ubyte.gz").is_file(),
+                    reason=f"no MNIST at {MNIST} (set FEDATTN_DATA)")
 def test_real_mnist(tmp_path):
     manifest = partition(MNIST, tmp_path / "out", "--edges", 4, "--scheme", "dirichlet", "--limit", 1200,
                          "--global-test-per-class", 20)
@@ -307,7 +308,8 @@ def test_real_mnist(tmp_path):
     assert sum(row["n_train"] + row["n_test"] for row in manifest["histogram"]) == 1200
 
 
-@pytest.mark.skipif(not (CIFAR / "test_batch_first1000.bin").is_file(), reason=f"no CIFAR-10 at {CIFAR}")
+@pytest.mark.skipif(not (CIFAR / "test_batch_first1000.bin").is_file(),
+                    reason=f"no CIFAR-10 at {CIFAR} (set FEDATTN_DATA)")
 def test_real_cifar_keeps_the_1000_official_test_images(tmp_path):
     manifest = partition(CIFAR.parent, tmp_path / "out", "--edges", 3, "--limit", 3000,
                          "--global-test-per-class", 112, "--class-names", "source")

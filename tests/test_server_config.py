@@ -64,3 +64,37 @@ def test_scaffold_refuses_optimizers_its_update_does_not_fit():
         resolved("--method", "scaffold", "--optimizer", "adam")
     server, _, method = resolved("--method", "scaffold")
     assert method.name == "scaffold"
+
+
+def test_a_methods_declared_model_and_training_settings_apply_unless_a_source_sets_them(
+        tmp_path):
+    """Every registered method resolves with no flag beyond --method: its declared default
+    model (FedSTAR's mobilenet-v3-compact, whose width 8 heads divide) and training settings
+    (SCAFFOLD's plain SGD) fill what no source names; a source that names them wins."""
+    from fedattn_shared.methods import available_methods
+
+    for name in available_methods():
+        _, train, method = resolved("--method", name)
+        assert train.model == (method.default_model or "lenet-bn"), name
+    _, train, _ = resolved("--method", "fedstar")
+    assert train.model == "mobilenet-v3-compact"
+    with pytest.raises(ConfigError, match=r"default model \(mobilenet-v3-compact.*heads=H"):
+        resolved("--method", "fedstar", "--model", "lenet-bn")
+    cfg = tmp_path / "run.toml"
+    cfg.write_text("[train]\nmomentum = 0.5\nweight_decay = 0.1\n")
+    _, train, _ = resolved("--config", str(cfg), "--method", "fedavg")
+    assert (train.momentum, train.weight_decay) == (0.5, 0.1)
+    with pytest.raises(ConfigError, match="plain SGD"):  # the user's file wins, and is refused
+        resolved("--config", str(cfg), "--method", "scaffold")
+
+
+def test_train_settings_must_name_train_keys():
+    from fedattn_shared.methods.base import Method
+
+    class Fine(Method):
+        train_settings = {"momentum": 0.0}
+
+    assert Fine.train_settings == (("momentum", 0.0),)
+    with pytest.raises(TypeError, match="train_settings must map"):
+        class Wrong(Method):  # noqa: F841
+            train_settings = {"momentun": 0.0}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -11,8 +12,10 @@ from conftest import REPO
 
 def run(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO, env={"OMP_NUM_THREADS": "1",
-                                                          "PATH": "/usr/bin:/bin"})
+                          timeout=timeout, cwd=REPO, env={
+                              "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",
+                              # the code under test, where PYTHONPATH names a checkout
+                              **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"}})
 
 
 def test_fl_demo_trains_on_bundled_mnist(tmp_path):
@@ -30,6 +33,28 @@ def test_fl_demo_trains_on_bundled_mnist(tmp_path):
     assert len(lines) == 2 and "shared_tensors" in lines[0]
     again = run("fl_tools.demo", "--out", str(out))
     assert again.returncode == 2 and "--force" in again.stderr
+
+
+def test_fl_demo_passes_privacy_options_to_the_server(tmp_path):
+    """--dp alone picks the demo budget (epsilon 8) and says so; --secagg and --tls-dir
+    reach the server (a CA made for 127.0.0.1, a certificate per edge); a method that
+    cannot run under DP is refused by name, with status 2."""
+    out, ca = tmp_path / "demo", tmp_path / "ca"
+    result = run("fl_tools.demo", "--method", "fedavg", "--edges", "2", "--rounds", "1",
+                 "--local-epochs", "1", "--limit", "400", "--no-report", "--out", str(out),
+                 "--dp", "--secagg", "--tls-dir", str(ca))
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+    assert "epsilon=8" in result.stdout and "secure aggregation" in result.stdout
+    history = json.loads((out / "server" / "history.json").read_text())
+    manifest = history["manifest"]
+    assert manifest["dp"]["enabled"] and manifest["dp"]["target_epsilon"] == 8.0
+    assert manifest["server"]["secagg"] and manifest["server"]["tls_dir"] == str(ca)
+    assert "secagg-unmask:train" in history["rounds"][0]
+    assert sorted(json.loads((ca / "enrolled.json").read_text())) == ["edge_00", "edge_01"]
+    refused = run("fl_tools.demo", "--method", "fedstar", "--edges", "2", "--rounds", "1",
+                  "--limit", "400", "--no-report", "--out", str(tmp_path / "refused"), "--dp")
+    assert refused.returncode == 2 and "fedstar" in refused.stderr, refused.stderr[-2000:]
+    assert "--dp" in refused.stderr
 
 
 def test_fl_sim_runs_many_edges_in_few_processes(tmp_path):

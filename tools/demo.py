@@ -17,26 +17,89 @@ import time
 from pathlib import Path
 
 from fedattn_shared.data.shipped import bundled_mnist
+from fedattn_shared.state import StateError
+
+#: The demo's own training preferences (a few rounds on a small subset learn faster with
+#: momentum); a method's declared ``train_settings`` override them, the user's flags
+#: override both.
+DEMO_TRAIN = {"lr": 0.05, "momentum": 0.9}
+#: The model for methods that declare none (3 SE modules: every method that needs no
+#: special architecture runs on it, Fed-SAP included).
+DEMO_MODEL = "se-cnn"
+#: ``--dp`` without ``--dp-epsilon``: a budget that still learns in a few demo rounds.
+DEMO_EPSILON = 8.0
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fl-demo", description=__doc__.splitlines()[0])
     p.add_argument("--method", default="fedsap")
-    p.add_argument("--model", default="se-cnn",
-                   help="se-cnn (3 SE modules: every method runs on it, Fed-SAP included) "
-                        "or lenet-bn")
+    p.add_argument("--model", default=None,
+                   help=f"default: the method's declared default model, else {DEMO_MODEL}")
     p.add_argument("--edges", type=int, default=4)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration per class")
     p.add_argument("--local-epochs", type=int, default=2)
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--limit", type=int, default=None, metavar="N",
+                   help="train on the first N images of the bundled subset only (quick "
+                        "checks; default: all 4,000)")
+    p.add_argument("--no-report", action="store_true",
+                   help="skip fl-report's plots and summary (the history is still written)")
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"default {DEMO_TRAIN['lr']}, or what the method declares")
+    p.add_argument("--momentum", type=float, default=None,
+                   help=f"default {DEMO_TRAIN['momentum']}, or what the method declares "
+                        "(SCAFFOLD: 0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="run folder (default runs/demo-METHOD)")
     p.add_argument("--force", action="store_true", help="replace an existing --out folder")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="passed to fl-server (e.g. --set fedprox.mu=0.1)")
+    privacy = p.add_argument_group("privacy (passed to fl-server)")
+    privacy.add_argument("--dp", action="store_true",
+                         help=f"DP-SGD on every edge (budget --dp-epsilon, default "
+                              f"{DEMO_EPSILON:g} for the whole run; BatchNorm becomes "
+                              "GroupNorm: fl-server --dp-fix-model)")
+    privacy.add_argument("--dp-epsilon", type=float, default=None,
+                         help="privacy budget for the whole run (implies --dp)")
+    privacy.add_argument("--secagg", action="store_true",
+                         help="secure aggregation: the server sees only the sum of the uploads")
+    privacy.add_argument("--tls-dir", type=Path, default=None,
+                         help="mutual TLS with the CA in DIR (created for 127.0.0.1 when DIR "
+                              "holds none); each edge's certificate is issued under DIR/edges")
     return p
+
+
+def server_settings(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The fl-server flags for the run, and the lines that tell the user what the demo
+    chose for them: the method's declared model and training settings win over the
+    demo's preferences, the user's flags over both. Raises ValueError for an unknown
+    method (the message lists the known ones)."""
+    from fedattn_shared.methods import load_method
+
+    method = load_method(args.method)
+    declared = dict(method.train_settings)
+    model = args.model or method.default_model or DEMO_MODEL
+    train = {k: v for k, v in DEMO_TRAIN.items() if k not in declared}
+    train.update((k, v) for k, v in (("lr", args.lr), ("momentum", args.momentum))
+                 if v is not None)
+    flags = ["--model", model]
+    for key, value in train.items():
+        flags += [f"--{key.replace('_', '-')}", str(value)]
+    notes = []
+    if declared and (args.lr is None or args.momentum is None):
+        notes.append(f"{args.method} declares " + ", ".join(
+            f"train.{k}={v}" for k, v in declared.items()))
+    if args.dp or args.dp_epsilon is not None:
+        epsilon = DEMO_EPSILON if args.dp_epsilon is None else args.dp_epsilon
+        flags += ["--dp", "--dp-epsilon", str(epsilon), "--dp-fix-model"]
+        notes.append(f"DP-SGD with a budget of epsilon={epsilon:g} for the whole run"
+                     + (" (the demo's default; set it with --dp-epsilon)"
+                        if args.dp_epsilon is None else "")
+                     + "; BatchNorm layers become GroupNorm")
+    if args.secagg:
+        flags.append("--secagg")
+        notes.append("secure aggregation: the server sees only the sum of the uploads")
+    return flags, notes
 
 
 def kilobytes(n: float) -> str:
@@ -68,6 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.edges < 1 or args.rounds < 1 or args.alpha <= 0:
         print("fl-demo: error: --edges and --rounds must be >= 1 and --alpha > 0", file=sys.stderr)
         return 2
+    try:
+        settings, notes = server_settings(args)
+    except ValueError as err:
+        print(f"fl-demo: error: --method: {err}", file=sys.stderr)
+        return 2
     if out.exists() and any(out.iterdir()):
         if not args.force:
             print(f"fl-demo: error: {out} is not empty (use --force to replace it)",
@@ -83,10 +151,25 @@ def main(argv: list[str] | None = None) -> int:
           f"(Dirichlet alpha={args.alpha})")
     rc = partition(["--source", str(bundled_mnist()), "--edges", str(args.edges),
                     "--scheme", "dirichlet", "--alpha", str(args.alpha), "--seed", str(args.seed),
-                    "--out", str(out / "data"), "--global-test-per-class", "50"])
+                    "--out", str(out / "data"), "--global-test-per-class", "50",
+                    *(["--limit", str(args.limit)] if args.limit else [])])
     if rc != 0:
         return rc
     edge_dirs = sorted(p for p in (out / "data").iterdir() if p.is_dir())
+    for note in notes:
+        print(note)
+    security = ["--insecure"]
+    edge_tls: Path | None = None
+    if args.tls_dir:
+        from .sim import prepare_tls
+
+        try:
+            edge_tls = prepare_tls(args.tls_dir, [d.name for d in edge_dirs], own_server=True)
+        except StateError as err:
+            print(f"fl-demo: error: {err}", file=sys.stderr)
+            return 2
+        security = ["--tls-dir", str(args.tls_dir)]
+        print(f"mutual TLS with the CA in {args.tls_dir}")
 
     procs: list[subprocess.Popen] = []
     handles = []
@@ -100,17 +183,23 @@ def main(argv: list[str] | None = None) -> int:
 
     ready = out / "server.ready.json"
     checkpoint = out / "server"
-    server = spawn(["-m", "fl_server", "--insecure", "--host", "127.0.0.1", "--port", "0",
+    server = spawn(["-m", "fl_server", *security, "--host", "127.0.0.1", "--port", "0",
                     "--ready-file", str(ready), "--checkpoint-dir", str(checkpoint),
                     "--method", args.method, "--rounds", str(args.rounds),
-                    "--min-edges", str(len(edge_dirs)), "--model", args.model,
-                    "--local-epochs", str(args.local_epochs), "--lr", str(args.lr),
-                    "--momentum", str(args.momentum),
+                    "--min-edges", str(len(edge_dirs)), *settings,
+                    "--local-epochs", str(args.local_epochs),
                     "--seed", str(args.seed), "--poll-timeout", "5",
                     *[f"--set={s}" for s in args.set]], "server.log")
     try:
         deadline = time.monotonic() + 120
         while not ready.exists():
+            if server.poll() == 2:  # refused its settings (a method that cannot run
+                # under --dp, ...): its one-line reason is the demo's
+                errors = [line for line in (logs / "server.log").read_text().splitlines()
+                          if line.startswith("fl-server: error:")]
+                print("fl-demo: " + (errors[-1] if errors else "fl-server refused its settings")
+                      .removeprefix("fl-server: "), file=sys.stderr)
+                return 2
             if server.poll() is not None or time.monotonic() > deadline:
                 print(f"fl-demo: the server did not start; see {logs / 'server.log'}:\n"
                       + (logs / "server.log").read_text()[-2000:], file=sys.stderr)
@@ -118,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.1)
         port = json.loads(ready.read_text())["port"]
         print(f"fl-server ({args.method}) on 127.0.0.1:{port}; starting {len(edge_dirs)} edges")
-        edges = [spawn(["-m", "fl_edge", "--insecure", "--server", f"127.0.0.1:{port}",
+        edges = [spawn(["-m", "fl_edge", "--server", f"127.0.0.1:{port}",
+                        *(["--tls-dir", str(edge_tls / d.name)] if edge_tls else ["--insecure"]),
                         "--data-dir", str(d), "--state-dir", str(out / "state" / d.name),
                         "--name", d.name, "--progress", "off", "--retry-for", "60"],
                        f"{d.name}.log") for d in edge_dirs]
@@ -159,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
         for handle in handles:
             handle.close()
 
+    if args.no_report:
+        print(f"\nhistory: {checkpoint / 'history.json'}  logs: {logs}")
+        return 0
     from .report import main as report
 
     report([str(checkpoint), "--out", str(out / "report")])

@@ -2,9 +2,10 @@
 
 A method module declares
   * its declaration, ``MethodSpec``: name, ``Params`` dataclass, aggregator class, split
-    rules, phases, default model, DP-SGD support, personal copy, extra metric names. Written
-    as constants of the class body (``name = "fedbn"``, ``private_rules = ("bn",)``,
-    ``aggregator = MedianAggregator``) -- the plug-in style every method already used --
+    rules, phases, default model and the training settings its math needs, DP-SGD
+    support, personal copy, extra metric names. Written as constants of the class body
+    (``name = "fedbn"``, ``private_rules = ("bn",)``, ``aggregator = MedianAggregator``)
+    -- the plug-in style every method already used --
     and folded by ``Method.__init_subclass__`` into one frozen ``cls.spec``, validated
     when the class is built. The names stay readable on the class and on instances
     (``Method.name``, ``method.phases``), but no instance can assign them: what depends
@@ -170,6 +171,12 @@ class MethodSpec:
     phases: tuple[str, ...] = (TRAIN, EVALUATE)
     #: The model a run of this method uses when no source (file, flag, --set) names one.
     default_model: str | None = None
+    #: Training settings (``[train]`` keys) the method's math needs, applied like
+    #: ``default_model`` where no source sets them: SCAFFOLD's control variates assume
+    #: plain SGD (``{"momentum": 0.0, "weight_decay": 0.0}``). fl-demo's own preferences
+    #: (momentum for a short demo) give way to them; an explicit user setting does not
+    #: (the method then refuses it by name). Declared as a dict, kept as sorted pairs.
+    train_settings: Any = ()
     #: DP-SGD support (``--dp``): True when every loss term ``training_step`` returns is a
     #: batch mean of per-sample terms, each depending on its own sample only (what
     #: per-sample clipping bounds), and parameter-only terms are ``post_backward`` (applied
@@ -194,6 +201,16 @@ class MethodSpec:
                 and isinstance(getattr(self.aggregator, "kind", None), AggregatorKind)):
             raise TypeError(f"{where}: aggregator must be an Aggregator class declaring its "
                             f"kind, got {self.aggregator!r}")
+        settings = self.train_settings
+        if isinstance(settings, Mapping):
+            settings = tuple(sorted(settings.items()))
+        train_keys = {f.name for f in dataclasses.fields(TrainConfig)}
+        if not (isinstance(settings, tuple) and all(
+                isinstance(pair, tuple) and len(pair) == 2 and pair[0] in train_keys
+                for pair in settings)):
+            raise TypeError(f"{where}: train_settings must map [train] keys to values, "
+                            f"got {self.train_settings!r}")
+        object.__setattr__(self, "train_settings", settings)
         for key in ("private_rules", "phases", "extra_metrics"):
             value = getattr(self, key)
             if not (isinstance(value, tuple) and all(isinstance(v, str) for v in value)):
@@ -300,6 +317,7 @@ class Method(metaclass=_MethodType):
     private_rules = _Declared()
     phases = _Declared()
     default_model = _Declared()
+    train_settings = _Declared()
     dp_support = _Declared()
     personal_copy = _Declared()
     extra_metrics = _Declared()

@@ -275,6 +275,7 @@ class FedSAPEdge(EdgeAlgorithm):
 class FedSAP(Method):
     name = "fedsap"
     Params = FedSAPParams
+    default_model = "se-cnn"  # 3 SE modules, small enough for a CPU demo (the paper: mobilenet-v3-small)
     extra_metrics = ("gsr_loss", "stats_drift")  # FedSAPEdge.training_metrics
 
     def __init__(self, context: MethodContext):

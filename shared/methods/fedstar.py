@@ -374,6 +374,7 @@ class FedSTARAggregator(CollectThenLearn):
 class FedSTAR(PrototypeMethod):
     name = "fedstar"
     Params = FedSTARParams
+    default_model = "mobilenet-v3-compact"  # the authors' encoder, d = 128 (8 heads divide it)
     aggregator = FedSTARAggregator
 
     def dp_refusal(self) -> str | None:
@@ -398,8 +399,11 @@ class FedSTAR(PrototypeMethod):
                              f"{p.heads}")
         d = self.feature_dim
         if d % p.heads:
+            divisors = [h for h in range(1, d + 1) if d % h == 0 and h <= 16]
             raise ValueError(f"fedstar.heads: {p.heads} does not divide the feature dimension "
-                             f"{d} of model {self.train.model!r}")
+                             f"{d} of model {self.train.model!r}: use the method's default "
+                             f"model ({self.default_model}, d = 128) or another whose width "
+                             f"{p.heads} divides, or --set fedstar.heads=H with H in {divisors}")
         if d < 4:
             raise ValueError(f"fedstar: model {self.train.model!r} has a {d}-dim feature; the "
                              "gate needs d >= 4")

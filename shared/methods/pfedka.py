@@ -469,6 +469,7 @@ class GatedAggregator(StreamingMean):
 # ---- the method ----------------------------------------------------------------------
 class PFedKA(Method):
     name = "pfedka"
+    default_model = "resnet10-cifar-compact"  # exposes encoder tokens; CPU-sized
     dp_support = True  # CE + lambda * KD, both batch means of per-sample terms
     Params = PFedKAParams
     phases = (TRAIN, UPLOAD, EVALUATE)

@@ -71,6 +71,7 @@ class PFedLA(Method):
 
     name = "pfedla"
     Params = PFedLAParams
+    default_model = "lenet-bn"  # the paper's LeNet, with attention sites
 
     def __new__(cls, context: MethodContext) -> PFedLA:
         if cls is not PFedLA:

@@ -93,6 +93,8 @@ class Scaffold(Method):
     dp_support = True  # cross-entropy only; parameter-only terms are post_backward
     Params = ScaffoldParams
     aggregator = ScaffoldAggregator
+    # c_i+ = c_i - c + (x - y) / (K lr) is the displacement of plain SGD steps.
+    train_settings = {"optimizer": "sgd", "momentum": 0.0, "weight_decay": 0.0}
 
     def __init__(self, context):
         super().__init__(context)

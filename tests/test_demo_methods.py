@@ -1,0 +1,62 @@
+"""The README's promise, "any method: ``fl-demo --method M``", for every registered method.
+
+Each case runs fl-demo's ``main`` with its real ``fl-server`` and two real ``fl-edge``
+processes over gRPC on loopback, one round. What costs time is starting torch in three
+processes per method, not training, so ``main`` runs in this process (one torch import
+fewer per method) and the demos run a few at a time (``WORKERS``) while the cases read
+their results: a case selected alone (``-k pfedka``) runs only its own demo. The data is
+cut to a few hundred images (``--limit``) and the report is skipped (``tests/test_tools.py``
+covers it).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from fedattn_shared.methods import available_methods
+from fl_tools.demo import main
+
+METHODS = available_methods()
+WORKERS = 2  # concurrent demos (each mostly starts torch in 3 processes): one per core
+
+
+def demo(method: str, out: Path) -> tuple[int, float]:
+    """fl-demo's ``main`` in this process (torch is imported once, here), which starts the
+    real fl-server and fl-edge processes; returns its exit status and the seconds."""
+    start = time.monotonic()
+    code = main(["--method", method, "--edges", "2", "--rounds", "1", "--local-epochs", "1",
+                 "--limit", "300", "--no-report", "--out", str(out)])
+    return code, time.monotonic() - start
+
+
+@pytest.fixture(scope="module")
+def demos(request, tmp_path_factory):
+    """Runs the demos of the selected cases, ``WORKERS`` at a time; method -> (result,
+    seconds, run folder)."""
+    selected = sorted({item.callspec.params["method"] for item in request.session.items
+                       if item.originalname == "test_fl_demo_runs_every_method"
+                       and hasattr(item, "callspec")})
+    root = tmp_path_factory.mktemp("demos")
+    with ThreadPoolExecutor(WORKERS) as pool:
+        runs = dict(zip(selected, pool.map(lambda m: demo(m, root / m), selected),
+                        strict=True))
+    return {m: (*runs[m], root / m) for m in selected}
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_fl_demo_runs_every_method(demos, method):
+    code, seconds, out = demos[method]
+    logs = "".join(f"\n--- {p.name}\n{p.read_text()[-1500:]}"
+                   for p in sorted((out / "logs").glob("*.log"))) if (out / "logs").exists() else ""
+    assert code == 0, logs
+    history = json.loads((out / "server" / "history.json").read_text())
+    assert history["manifest"]["method"] == method
+    (record,) = history["rounds"]
+    assert sorted(record["train"]["received"]) == ["edge_00", "edge_01"]
+    assert record["evaluation"]["summary"]["global_test"]["edges"] == 2
+    print(f"{method}: {seconds:.1f}s")
