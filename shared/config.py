@@ -33,27 +33,30 @@ class ConfigError(ValueError):
 
 @dataclass
 class TrainConfig:
+    # A registered model (fl-server --help lists them); a method may declare its own default.
     model: str = "lenet-bn"
-    num_classes: int = 10
+    num_classes: int = 10            # classes of the task; every edge maps labels 0..n-1
+    # Image-folder data: class i is the folder named class_names[i] on every edge.
     class_names: list[str] = field(default_factory=list)
-    in_channels: int = 1
-    image_size: int = 28
+    in_channels: int = 1             # image channels (1: grey, 3: colour)
+    image_size: int = 28             # side of the input images in pixels
     local_epochs: int = 1           # 0: no local steps (measures the transport alone)
-    batch_size: int = 32
-    optimizer: Literal["sgd", "adam"] = "sgd"
-    lr: float = 0.01
+    batch_size: int = 32             # local training batch (fl-edge --batch-size overrides it per device)
+    optimizer: Literal["sgd", "adam"] = "sgd"  # the edges' local optimizer
+    lr: float = 0.01                 # the local learning rate (the first round's, under a schedule)
     lr_schedule: Literal["constant", "cosine", "step"] = "constant"  # over rounds
     lr_min: float = 0.0             # cosine: the last round's learning rate
     lr_step_rounds: int = 10        # step: decay every this many rounds
     lr_gamma: float = 0.1           # step: decay factor
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    seed: int = 0
+    momentum: float = 0.0            # SGD momentum
+    weight_decay: float = 0.0        # L2 weight decay of the local optimizer
+    seed: int = 0                    # the run seed: models, selection, every edge's data order
     # A fixed seed gives bit-identical runs on CPU: deterministic algorithms, every random
     # draw of an edge's round seeded from (seed, round, edge). Off: torch's defaults.
     deterministic: bool = True
     threads: int = 0                # > 0: torch.set_num_threads on every edge; 0: its own
-    test_fraction: float = 0.2
+    test_fraction: float = 0.2       # an edge without a test split holds this share of its data out
+    # Split rules kept on the edge on top of the method's own: bn, head, se-e, attention, ...
     private: list[str] = field(default_factory=list)
     # The papers' recipe pieces (fedattn_shared.augment, fl_edge.trainer):
     clip_grad_norm: float = 0.0     # > 0: clip the stepped gradient's L2 norm to this; 0: off
@@ -113,27 +116,27 @@ class TrainConfig:
 
 @dataclass
 class ServerConfig:
-    method: str = "fedavg"
-    rounds: int = 10
-    min_edges: int = 2
+    method: str = "fedavg"     # a registered method, or module:Class
+    rounds: int = 10           # rounds in the run
+    min_edges: int = 2         # connected edges every round waits for before it starts
     quorum: int = 0            # results that close a training phase; 0 = every selected edge
     fraction: float = 1.0      # share of connected edges selected for training each round
-    round_timeout: float = 600.0
-    eval_every: int = 1
-    host: str = "0.0.0.0"
-    port: int = 50051
+    round_timeout: float = 600.0  # seconds a phase waits for its quorum before dropping the rest
+    eval_every: int = 1        # evaluate every this many rounds and after the last; 0: never
+    host: str = "0.0.0.0"      # address the gRPC server listens on
+    port: int = 50051          # gRPC port (0: any free port)
     metrics_port: int = -1     # -1: no Prometheus endpoint; 0: any free port
-    checkpoint_dir: str = "./server-state"
-    resume: bool = False
-    insecure: bool = False
+    checkpoint_dir: str = "./server-state"  # history.json and one checkpoint per round
+    resume: bool = False       # continue the run in checkpoint_dir from its last checkpoint
+    insecure: bool = False     # plaintext gRPC (a closed lab network only); else mutual TLS
     tls_dir: str = ""          # mutual TLS: the folder `fl-server certs init` made
-    join_token: str = ""
-    chunk_bytes: int = 1 << 20
+    join_token: str = ""       # a shared secret every join must carry (plaintext runs)
+    chunk_bytes: int = 1 << 20  # bytes per data chunk on the wire
     max_concurrent_uploads: int = 2  # uploads received or aggregated at once: memory vs. slow links
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = 2  # round checkpoints kept on disk (the newest)
     init_weights: str = ""     # safetensors file with pretrained weights for the models
     init_skip_head: bool = False  # keep the fresh classifier head, ignore the file's
-    poll_timeout: float = 20.0
+    poll_timeout: float = 20.0  # seconds a NextTask long poll waits before an empty answer
     # Bounds on what one edge (or a stranger) can make the server hold.
     max_edges: int = 10_000           # ids that may ever register (each is a record and series)
     upload_idle_timeout: float = 30.0  # an upload that sends nothing for this long is cut off
@@ -236,7 +239,7 @@ class DPConfig:
     The server resolves ``planned_rounds`` and sends the section to every edge; each edge
     calibrates for its own |D_k| (``delta`` 0: 0.1 / |D_k|, as the ANFR paper)."""
 
-    enabled: bool = False
+    enabled: bool = False          # sample-level DP-SGD on every edge (--dp)
     target_epsilon: float = 0.0    # the budget; with noise_multiplier 0, sigma is calibrated to it
     noise_multiplier: float = 0.0  # > 0: a fixed sigma (target_epsilon, if set, caps the spend)
     delta: float = 0.0             # 0: 0.1 / |D_k| on each edge
