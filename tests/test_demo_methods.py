@@ -12,6 +12,7 @@ covers it).
 from __future__ import annotations
 
 import json
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -60,3 +61,21 @@ def test_fl_demo_runs_every_method(demos, method):
     assert sorted(record["train"]["received"]) == ["edge_00", "edge_01"]
     assert record["evaluation"]["summary"]["global_test"]["edges"] == 2
     print(f"{method}: {seconds:.1f}s")
+
+
+def test_fl_demo_runs_a_module_class_method(tmp_path, monkeypatch):
+    """A method named ``module:Class`` instead of installed (the test plug-in): fl-demo's
+    edges opt in to it with ``--allow-method``, as fl-sim's do; without that every edge
+    refuses a module the server names and the demo cannot run."""
+    tests = str(Path(__file__).resolve().parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        p for p in (tests, os.environ.get("PYTHONPATH", "")) if p))
+    out = tmp_path / "census"
+    code = main(["--method", "plugin_methods:CensusAvg", "--edges", "2", "--rounds", "1",
+                 "--limit", "300", "--no-report", "--out", str(out)])
+    logs = "".join(f"\n--- {p.name}\n{p.read_text()[-1500:]}"
+                   for p in sorted((out / "logs").glob("*.log"))) if (out / "logs").exists() else ""
+    assert code == 0, logs
+    (record,) = json.loads((out / "server" / "history.json").read_text())["rounds"]
+    assert sorted(record["census"]["received"]) == ["edge_00", "edge_01"]
+    assert sorted(record["train"]["received"]) == ["edge_00", "edge_01"]
