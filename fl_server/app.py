@@ -43,11 +43,13 @@ class ServerApp:
     in-process to look at the engine while real gRPC edges talk to it.
     """
 
-    def __init__(self, server_cfg: ServerConfig, train: TrainConfig, method: Method):
+    def __init__(self, server_cfg: ServerConfig, train: TrainConfig, method: Method,
+                 metrics_linger: float = 0.0, log_every: float = 10.0):
         self.cfg = server_cfg
         self.registry = CollectorRegistry()
         self.meter = ByteMeter(self.registry)
         self.engine = Engine(server_cfg, train, method, self.meter, ServerMetrics(self.registry))
+        self.engine.log_every = log_every  # seconds between "k/n results in" lines
         self.port = 0
         self.metrics_port: int | None = None
         self._grpc: grpc.aio.Server | None = None
@@ -56,7 +58,7 @@ class ServerApp:
         self._watch: asyncio.Task | None = None
         #: Seconds /metrics stays up after the run finished (``--metrics-linger``), so that a
         #: scrape every few seconds still sees the last round; SIGTERM/SIGINT end it early.
-        self.metrics_linger = 0.0
+        self.metrics_linger = metrics_linger
 
     async def start(self) -> int:
         """Resumes or refuses a used checkpoint directory, then starts gRPC, health and

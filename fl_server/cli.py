@@ -289,9 +289,7 @@ async def serve(server_cfg: ServerConfig, train: TrainConfig, method: Method,
                 log_every: float = 10.0) -> int:
     """Runs one server until the run ends or SIGINT/SIGTERM; writes ``ready_file`` once
     serving (how scripts and tests learn a port chosen by the system)."""
-    app = ServerApp(server_cfg, train, method)
-    app.metrics_linger = metrics_linger
-    app.engine.log_every = log_every
+    app = ServerApp(server_cfg, train, method, metrics_linger, log_every)
     await app.start()
     if ready_file:
         atomic_write_json(ready_file, {"port": app.port, "metrics_port": app.metrics_port,
@@ -370,8 +368,10 @@ def main(argv: list[str] | None = None) -> int:
         if server_cfg.insecure == bool(server_cfg.tls_dir):
             raise ConfigError("pass --tls-dir DIR for mutual TLS (make DIR with `fl-server "
                               "certs init DIR`) or --insecure for plaintext gRPC, not both")
-        if args.metrics_linger < 0:
-            raise ConfigError("--metrics-linger must be >= 0")
+        for flag, value in (("--metrics-linger", args.metrics_linger),
+                            ("--log-every", args.log_every)):
+            if value < 0:
+                raise ConfigError(f"{flag} must be >= 0")
         limit_malloc_arenas()
         return asyncio.run(serve(server_cfg, train, method, args.ready_file,
                                  args.metrics_linger, args.log_every))
