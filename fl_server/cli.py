@@ -61,7 +61,7 @@ FLAG_TARGETS = {
     "init_weights": ("server", "init_weights"), "init_skip_head": ("server", "init_skip_head"),
     "secagg": ("server", "secagg"), "secagg_graph": ("server", "secagg_graph"),
     "max_weight": ("server", "max_weight"), "clip_update_norm": ("server", "clip_update_norm"),
-    "clip_update_mode": ("server", "clip_update_mode"),
+    "clip_update_mode": ("server", "clip_update_mode"), "compress": ("server", "compress"),
     "model": ("train", "model"), "num_classes": ("train", "num_classes"),
     "in_channels": ("train", "in_channels"), "image_size": ("train", "image_size"),
     "local_epochs": ("train", "local_epochs"), "batch_size": ("train", "batch_size"),
@@ -122,6 +122,10 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
     run.add_argument("--secagg", action="store_true",
                      help="secure aggregation (SecAgg+): the server sees only the sum; "
                           "tune with --set server.secagg_degree/threshold/clip/max_weight/timeout")
+    run.add_argument("--compress", metavar="up=CODEC,down=CODEC",
+                     help="update compression: up= what edges upload, down= what the server "
+                          "broadcasts; codecs fp16, bf16, int8[:BLOCK], int4[:BLOCK], "
+                          "topk:FRACTION, +ef for error feedback (e.g. up=int8,down=fp16)")
     run.add_argument("--secagg-graph", choices=["sparse", "full"],
                      help="SecAgg+ neighbour graph: sparse k-regular (default) or full")
 

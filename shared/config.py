@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fedattn_shared.augment import Augment
+from fedattn_shared.compress import CompressSpec
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -158,6 +159,9 @@ class ServerConfig:
     # the shared model tensors); 0: none. Needs every upload, so not with secure aggregation.
     clip_update_norm: float = 0.0
     clip_update_mode: Literal["refuse", "scale"] = "refuse"  # over the bound: refuse | scale down
+    # Update compression, each direction: "up=CODEC,down=CODEC" (codecs: fp16, bf16, int8,
+    # int4, topk:FRACTION; +ef adds error feedback to an upload codec); "": none.
+    compress: str = ""
 
     def validate(self) -> None:
         check_choices(self, "server")
@@ -214,10 +218,27 @@ class ServerConfig:
         if self.clip_update_mode != "refuse" and not self.clip_update_norm:
             raise ConfigError("server.clip_update_mode is set but server.clip_update_norm is 0: "
                               "pass --clip-update-norm C")
+        self.compress_spec()  # ConfigError names a bad codec
         if self.clip_update_norm and self.secagg:
             raise ConfigError("server.clip_update_norm needs each upload and secure aggregation "
                               "shows the server only their sum: use one or the other "
                               "(server.secagg_clip bounds each value under --secagg)")
+
+    def compress_spec(self) -> CompressSpec:
+        """``compress`` parsed; ConfigError names what is wrong, including a codec that
+        cannot be masked under --secagg."""
+        try:
+            spec = CompressSpec.parse(self.compress)
+        except ValueError as err:
+            raise ConfigError(f"server.compress: {err}") from None
+        up = spec.up
+        if self.secagg and up is not None and up.codec.integer_bits is None:
+            raise ConfigError(
+                f"server.compress up={up.spec} does not combine with --secagg: SecAgg+ sums "
+                "integers under its masks, so only an integer codec (up=int8, up=int4) is "
+                "masked at its own width; fp16/bf16 values cannot be, and top-k would need an "
+                "index set shared by every edge, which fedattn does not implement")
+        return spec
 
 
 Accountant = Literal["rdp", "prv", "gdp"]

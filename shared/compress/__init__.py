@@ -1,0 +1,16 @@
+"""Update compression: codecs that shrink the tensors a payload carries, both directions.
+
+A ``Codec`` turns a float32 vector of ``n`` values into a few named tensors whose layout
+depends only on ``n`` and the codec's parameters (``Codec.layout``), so the receiver knows
+every size before a byte arrives and refuses anything else as it refuses an off-schema
+upload. ``section.py`` applies a codec to a payload section (its floating tensors, as one
+vector, as the change against a base the receiver also holds); ``spec.py`` parses the run's
+``--compress up=...,down=...``; codecs are registered under the ``fedattn.codecs`` entry
+point, as methods are, so a user can add one.
+"""
+
+from .codec import Codec, CodecChoice, Parts
+from .registry import available_codecs, load_codec
+from .spec import CompressSpec
+
+__all__ = ["Codec", "CodecChoice", "CompressSpec", "Parts", "available_codecs", "load_codec"]
