@@ -155,6 +155,19 @@ def test_topk_full_fraction_is_exact_and_topk_keeps_the_largest() -> None:
     assert set(torch.nonzero(y).view(-1).tolist()) == set(x.abs().topk(k).indices.tolist())
 
 
+def test_topk_ties_keep_the_lowest_positions() -> None:
+    """Equal magnitudes (a frozen layer's zero change) are chosen by position, so the
+    bytes do not depend on how torch walks them."""
+    codec = codec_of("topk:0.5")
+    parts = codec.encode(torch.tensor([1.0, -1.0, 1.0, -1.0]))
+    assert kept_positions(parts).tolist() == [0, 1]
+    x = torch.zeros(200_000)
+    x[[7, 150_000, 199_999]] = torch.tensor([-1.0, 2.0, 0.5])
+    parts = codec_of("topk:0.00003").encode(x)  # k = 6: the 3 non-zeros, then zeros 0, 1, 2
+    assert kept_positions(parts).tolist() == [0, 1, 2, 7, 150_000, 199_999]
+    assert parts["counts"].tolist() == [4, 0, 1, 1]
+
+
 def test_topk_k_depends_only_on_n() -> None:
     codec = codec_of("topk:0.07")
     assert [codec.kept(n) for n in (0, 1, 10, 100, 101)] == [0, 1, 1, 7, 8]
@@ -343,8 +356,13 @@ def test_int4_nibbles_8_to_15_are_negative_and_padding_must_be_zero() -> None:
 
 def test_quantizer_shapes_checked() -> None:
     codec, parts = good("int8")
-    refused(codec, {**parts, "scale": parts["scale"][:-1]}, 1000, "int8 scale: shape")
-    refused(codec, {**parts, "q": parts["q"][:-1]}, 1000, "int8 q: shape")
+    refused(codec, {**parts, "scale": parts["scale"][:-1]}, 1000, r"int8 scale: .* \(3,\), expected")
+    refused(codec, {**parts, "q": parts["q"][:-1]}, 1000, r"int8 q: .* \(999,\), expected")
+    refused(codec, {**parts, "q": parts["q"].view(torch.uint8)}, 1000, "int8 q: torch.uint8")
+    refused(codec, {"q": parts["q"]}, 1000, "int8 scale: missing")
+    refused(codec, {**parts, "extra": parts["q"]}, 1000, "int8 extra: not a part")
+    fp16, half = good("fp16")
+    refused(fp16, {"values": half["values"][:-1]}, 1000, "fp16 values: .* expected")
 
 
 def test_topk_counts_refused() -> None:

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..wire.payload import WireError
-from .codec import Codec, Layout, Parts, check_finite
+from .codec import Codec, Layout, Parts, check_finite, check_layout
 
 
 class BFloat16(Codec):
@@ -30,8 +29,7 @@ class BFloat16(Codec):
         return {"values": values}
 
     def decode(self, parts: Parts, n: int) -> torch.Tensor:
+        check_layout(self, parts, n)
         values = parts["values"]
-        if values.shape != (n,):
-            raise WireError(f"bf16 values: shape {tuple(values.shape)}, expected ({n},)")
         check_finite("bf16 values", values)
         return values.to(torch.float32)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..wire.payload import WireError
-from .codec import Codec, Parts, check_finite
+from .codec import Codec, Parts, check_finite, check_layout
 
 MIN_BLOCK = 8
 MAX_BLOCK = 65536
@@ -118,14 +118,9 @@ class BlockQuantizer(Codec):
     def spec(self) -> str:
         return f"{self.name}:{self.block}"
 
-    def check_parts(self, parts: Parts, n: int,
-                    q_shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The parts' q and scale, their shapes checked, the scale's values checked."""
+    def check_parts(self, parts: Parts, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The parts' q and scale, their layout checked, the scale's values checked."""
+        check_layout(self, parts, n)
         q, scale = parts["q"], parts["scale"]
-        if tuple(q.shape) != q_shape:
-            raise WireError(f"{self.name} q: shape {tuple(q.shape)}, expected {q_shape}")
-        blocks = blocks_of(n, self.block)
-        if tuple(scale.shape) != (blocks,):
-            raise WireError(f"{self.name} scale: shape {tuple(scale.shape)}, expected ({blocks},)")
         check_scale(f"{self.name} scale", scale)
         return q, scale

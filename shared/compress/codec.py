@@ -95,6 +95,23 @@ class CodecChoice:
         return self.codec.name + ("+ef" if self.feedback else "")
 
 
+def check_layout(codec: Codec, parts: Parts, n: int) -> None:
+    """WireError naming the part that is missing, extra, or not of ``codec.layout(n)``'s
+    dtype and shape. Every decode starts with it: the caller checks the schema too, but a
+    decode that indexes a part must not trust that it did."""
+    layout = codec.layout(n)
+    for part in parts:
+        if part not in layout:
+            raise WireError(f"{codec.name} {part}: not a part of this codec")
+    for part, (dtype, shape) in layout.items():
+        tensor = parts.get(part)
+        if tensor is None:
+            raise WireError(f"{codec.name} {part}: missing")
+        if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
+            raise WireError(f"{codec.name} {part}: {tensor.dtype} {tuple(tensor.shape)}, "
+                            f"expected {dtype} {tuple(shape)}")
+
+
 def check_finite(name: str, tensor: torch.Tensor) -> None:
     """WireError naming ``name`` when ``tensor`` holds NaN or Inf (a sum allocates nothing
     and keeps NaN/Inf: only a non-finite sum is looked at element by element)."""

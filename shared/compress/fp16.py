@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..wire.payload import WireError
-from .codec import Codec, Layout, Parts, check_finite
+from .codec import Codec, Layout, Parts, check_finite, check_layout
 
 FP16_MAX = 65504.0
 
@@ -25,8 +24,7 @@ class Float16(Codec):
         return {"values": x.to(torch.float16)}
 
     def decode(self, parts: Parts, n: int) -> torch.Tensor:
+        check_layout(self, parts, n)
         values = parts["values"]
-        if values.shape != (n,):
-            raise WireError(f"fp16 values: shape {tuple(values.shape)}, expected ({n},)")
         check_finite("fp16 values", values)
         return values.to(torch.float32)

@@ -38,7 +38,7 @@ class Int4(BlockQuantizer):
         return {"q": pack_nibbles(q), "scale": scale}
 
     def decode(self, parts: Parts, n: int) -> torch.Tensor:
-        packed, scale = self.check_parts(parts, n, ((n + 1) // 2,))
+        packed, scale = self.check_parts(parts, n)
         nibbles = torch.stack([packed & 0x0F, packed >> 4], dim=1).view(-1)
         if n % 2 and int(nibbles[-1]) != 0:
             raise WireError("int4 q: padding nibble after an odd count is not 0")

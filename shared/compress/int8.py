@@ -25,7 +25,7 @@ class Int8(BlockQuantizer):
         return {"q": q, "scale": scale}
 
     def decode(self, parts: Parts, n: int) -> torch.Tensor:
-        q, scale = self.check_parts(parts, n, (n,))
+        q, scale = self.check_parts(parts, n)
         if n and bool((q == -128).any()):
             raise WireError("int8 q: value -128 outside [-127, 127]")
         return dequantize(q, scale, self.block, self.levels, "int8")

@@ -1,5 +1,5 @@
 """``topk:FRACTION``: the k = max(1, ceil(FRACTION * n)) largest-magnitude values and
-where they are; the rest decode as 0.
+where they are; the rest decode as 0. Among equal magnitudes the lowest positions are kept.
 
 k depends only on n, so the layout is fixed before any value is seen. The positions travel
 compactly: the vector is cut into blocks of 65536 values; ``counts`` (int32, one per block)
@@ -22,7 +22,7 @@ from fractions import Fraction
 import torch
 
 from ..wire.payload import WireError
-from .codec import Codec, Layout, Parts, check_finite
+from .codec import Codec, Layout, Parts, check_finite, check_layout
 
 BLOCK_BITS = 16
 BLOCK = 1 << BLOCK_BITS
@@ -77,7 +77,13 @@ class TopK(Codec):
         if k == n:
             index = torch.arange(n)
         else:
-            index = torch.topk(magnitude, k, sorted=False).indices.sort().values
+            # the k-th largest magnitude, then every larger one and the first of the ties
+            # in index order: the choice among equal magnitudes (zeros, often) is fixed by
+            # the values, not by how a torch build or thread count walks them
+            threshold = torch.kthvalue(magnitude, n - k + 1).values
+            above = torch.nonzero(magnitude > threshold).view(-1)
+            ties = torch.nonzero(magnitude == threshold).view(-1)[:k - above.numel()]
+            index = torch.cat([above, ties]).sort().values
         counts = torch.bincount(index >> BLOCK_BITS, minlength=-(-n // BLOCK)).to(torch.int32)
         local = index & (BLOCK - 1)
         pairs = torch.stack([local & 0xFF, local >> 8], dim=1).to(torch.uint8)
@@ -85,10 +91,7 @@ class TopK(Codec):
 
     def decode(self, parts: Parts, n: int) -> torch.Tensor:
         k = self.kept(n)
-        for part, (dtype, shape) in self.layout(n).items():
-            if parts[part].dtype != dtype or tuple(parts[part].shape) != shape:
-                raise WireError(f"topk {part}: {parts[part].dtype} {tuple(parts[part].shape)}, "
-                                f"expected {dtype} {shape}")
+        check_layout(self, parts, n)
         counts = parts["counts"].to(torch.int64)
         if counts.numel() and int(counts.min()) < 0:
             raise WireError("topk counts: negative count")
