@@ -208,6 +208,24 @@ def test_same_seed_same_bytes(spec: str) -> None:
         assert not torch.equal(*unseeded)
 
 
+def test_same_bytes_on_one_thread_and_two() -> None:
+    """An edge's bytes do not depend on its torch thread count (the random draws are
+    serial; top-k's ties are broken by position)."""
+    x = vector(300_000, 1.0)
+    x[::5] = 0
+    before = torch.get_num_threads()
+    try:
+        for spec in ("int8", "int4", "topk:0.01", "topk:0.9"):
+            codec = codec_of(spec)
+            encoded = []
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                encoded.append(codec.encode(x, seeded(3)))
+            assert all(torch.equal(encoded[0][name], encoded[1][name]) for name in encoded[0])
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("spec", ["fp16", "bf16", "int8", "int4", "topk:0.01", "topk:0.1"])
 def test_error_feedback_keeps_the_cumulative_sum(spec: str) -> None:
     """With a residual carried over rounds, the decoded sum trails the input sum by
