@@ -520,3 +520,11 @@ def test_load_codec_every_builtin() -> None:
 def test_load_codec_bad_args_refused(text: str, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         load_codec(text)
+
+
+@pytest.mark.parametrize("spec", CODECS)
+def test_strided_input_encodes_as_its_copy(spec: str) -> None:
+    codec = codec_of(spec)
+    x = vector(2001, 1.0)[::2]
+    strided, copied = codec.encode(x, seeded(4)), codec.encode(x.clone(), seeded(4))
+    assert all(torch.equal(strided[name], copied[name]) for name in copied)

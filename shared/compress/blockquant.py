@@ -61,20 +61,22 @@ def _split(t: torch.Tensor, block: int) -> list[torch.Tensor]:
     return views
 
 
-def quantize(x: torch.Tensor, block: int, levels: int,
-             generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, block: int, levels: int, generator: torch.Generator | None,
+             label: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale)``: q int8 ``(n,)`` in ``[-levels, levels]``, scale float32 per block.
-    ValueError when ``x`` holds a non-finite value."""
+    ValueError naming ``label`` when ``x`` holds a non-finite value."""
     if x.dim() != 1 or x.dtype != torch.float32:
-        raise ValueError(f"quantize: expected a 1-D float32 vector, got {x.dtype} {tuple(x.shape)}")
+        raise ValueError(f"{label}: expected a 1-D float32 vector, got {x.dtype} {tuple(x.shape)}")
+    x = x.contiguous()
     n = x.numel()
     q = torch.empty(n, dtype=torch.int8)
     noise = torch.rand(n, generator=fresh_generator() if generator is None else generator)
     scales = []
+    # two passes at most (the full blocks as one 2-D view, then the short last block)
     for xs, us, qs in zip(_split(x, block), _split(noise, block), _split(q, block), strict=True):
         scale = xs.abs().amax(dim=1)
         if not bool(torch.isfinite(scale).all()):
-            raise ValueError("quantize: input holds non-finite values")
+            raise ValueError(f"{label}: input holds non-finite values")
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # a zero block stays 0
         # x / scale is exactly 1 at the absmax, so |y| <= levels; the clamp only catches
         # y + u rounding up to levels + 1 in float32.
@@ -95,6 +97,7 @@ def check_scale(label: str, scale: torch.Tensor) -> None:
 def dequantize(q: torch.Tensor, scale: torch.Tensor, block: int, levels: int,
                label: str) -> torch.Tensor:
     """The float32 vector of ``q * scale / levels`` (q already range-checked)."""
+    q = q.contiguous()
     out = torch.empty(q.numel(), dtype=torch.float32)
     step = scale / levels
     start = 0

@@ -34,7 +34,7 @@ class Int4(BlockQuantizer):
                 "scale": (torch.float32, (blocks_of(n, self.block),))}
 
     def encode(self, x: torch.Tensor, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
-        q, scale = quantize(x, self.block, self.levels, generator)
+        q, scale = quantize(x, self.block, self.levels, generator, self.name)
         return {"q": pack_nibbles(q), "scale": scale}
 
     def decode(self, parts: Parts, n: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ class Int8(BlockQuantizer):
         return {"q": (torch.int8, (n,)), "scale": (torch.float32, (blocks_of(n, self.block),))}
 
     def encode(self, x: torch.Tensor, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
-        q, scale = quantize(x, self.block, self.levels, generator)
+        q, scale = quantize(x, self.block, self.levels, generator, self.name)
         return {"q": q, "scale": scale}
 
     def decode(self, parts: Parts, n: int) -> torch.Tensor:
