@@ -7,10 +7,16 @@ upload. ``section.py`` applies a codec to a payload section (its floating tensor
 vector, as the change against a base the receiver also holds); ``spec.py`` parses the run's
 ``--compress up=...,down=...``; codecs are registered under the ``fedattn.codecs`` entry
 point, as methods are, so a user can add one.
+
+Built in: ``fp16`` and ``bf16`` (2 bytes a value), ``int8[:BLOCK]`` and ``int4[:BLOCK]``
+(block absmax scale, stochastic rounding: unbiased, and summable under SecAgg+), and
+``topk:FRACTION`` (biased: use it with ``+ef``, whose residuals ``feedback.Residuals`` keeps).
 """
 
 from .codec import Codec, CodecChoice, Parts
+from .feedback import Residuals, section_key
 from .registry import available_codecs, load_codec
 from .spec import CompressSpec
 
-__all__ = ["Codec", "CodecChoice", "CompressSpec", "Parts", "available_codecs", "load_codec"]
+__all__ = ["Codec", "CodecChoice", "CompressSpec", "Parts", "Residuals", "available_codecs",
+           "load_codec", "section_key"]
