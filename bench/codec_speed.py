@@ -7,7 +7,7 @@ break-even on a --mbit link: the codec pays when the transfer time it saves,
 (raw - encoded bytes) / link bytes per second, exceeds the time it spends, encode + decode.
 Figures are printed, never asserted (they depend on the machine and its load).
 
-    .venv/bin/python bench/codecs.py [--values 11250000] [--reps 3] [--mbit 100]
+    .venv/bin/python bench/codec_speed.py [--values 11250000] [--reps 3] [--mbit 100]
                                      [--codecs fp16 bf16 int8 int4 topk:0.01]
 """
 
