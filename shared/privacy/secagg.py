@@ -492,6 +492,8 @@ class IntegerQuantizer:
             raise SecAggError(f"non-finite values in {names}")
         scale = self._per_value(values.size)
         factor = weight / self.weight_ref
+        if not math.isfinite(factor * self.levels):  # 0 x inf would be NaN below
+            raise SecAggError(f"weight_ref {self.weight_ref:g} is too small for weight {weight:g}")
         t = np.clip(values.astype(np.float64) * (factor * self.levels) / scale,
                     -self.levels, self.levels)
         noise = torch.rand(values.size, generator=generator, dtype=torch.float64).numpy()
