@@ -394,44 +394,53 @@ def packed_length(n: int, ring: int) -> int:
     return (n * ring + 7) // 8
 
 
-PACK_CHUNK = 1 << 18  # values per packing step: bounds the bit matrix at 8 MiB
+PACK_CHUNK = 1 << 15  # x 8 values per packing step: bounds its temporaries at ~8 MiB
+
+
+def _word_bytes(ring: int) -> int:
+    """Bytes of the narrowest little-endian word that holds ``ring`` bits (1, 2 or 4)."""
+    if not 1 <= ring <= RING_BITS:
+        raise ValueError(f"ring of {ring} bits: outside [1, {RING_BITS}]")
+    return 1 if ring <= 8 else 2 if ring <= 16 else 4
 
 
 def pack_bits(words: np.ndarray, ring: int) -> np.ndarray:
     """The low ``ring`` bits of each uint32 word, concatenated little-endian (value i at bit
     i x ring). Vectorized per chunk of 8 x ``PACK_CHUNK`` values (a multiple of 8, so
     every chunk ends on a byte boundary)."""
-    if not 1 <= ring <= RING_BITS:
-        raise ValueError(f"ring of {ring} bits: outside [1, {RING_BITS}]")
+    width = _word_bytes(ring)
     words = np.ascontiguousarray(words, dtype="<u4")
     out = []
     step = 8 * PACK_CHUNK
     for start in range(0, words.size, step):
-        chunk = words[start:start + step]
-        bits = np.unpackbits(chunk.view(np.uint8).reshape(-1, 4), axis=1, bitorder="little")
-        out.append(np.packbits(bits[:, :ring].reshape(-1), bitorder="little"))
+        low = words[start:start + step].view(np.uint8).reshape(-1, 4)[:, :width]
+        bits = np.unpackbits(low, axis=1, bitorder="little")[:, :ring]
+        out.append(np.packbits(bits.reshape(-1), bitorder="little"))
     return np.concatenate(out) if out else np.zeros(0, dtype=np.uint8)
 
 
 def unpack_bits(data: np.ndarray, ring: int, n: int) -> np.ndarray:
-    """``n`` uint32 words from ``pack_bits``'s bytes (each < 2^ring); the caller checked
-    that ``data`` holds ``packed_length(n, ring)`` bytes."""
-    if not 1 <= ring <= RING_BITS:
-        raise ValueError(f"ring of {ring} bits: outside [1, {RING_BITS}]")
+    """``n`` uint32 words from ``pack_bits``'s bytes (each < 2^ring); SecAggError when
+    ``data`` is not ``packed_length(n, ring)`` bytes. Value i is gathered from the
+    ceil((ring + 7) / 8) bytes from bit i x ring on, per chunk of 8 x ``PACK_CHUNK``."""
+    _word_bytes(ring)  # the range check
     data = np.ascontiguousarray(data, dtype=np.uint8)
     if data.size != packed_length(n, ring):
         raise SecAggError(f"packed vector of {data.size} bytes, expected "
                           f"{packed_length(n, ring)} for {n} values of {ring} bits")
+    padded = np.zeros(data.size + 8, dtype=np.uint8)  # the last value's spare bytes
+    padded[:data.size] = data
     out = []
-    step = 8 * PACK_CHUNK  # values; ring bytes per 8 values
+    step = 8 * PACK_CHUNK
     for start in range(0, n, step):
-        count = min(step, n - start)
-        chunk = data[start * ring // 8:(start * ring + count * ring + 7) // 8]
-        bits = np.unpackbits(chunk, bitorder="little")[:count * ring].reshape(count, ring)
-        full = np.zeros((count, RING_BITS), dtype=np.uint8)
-        full[:, :ring] = bits
-        out.append(np.packbits(full, axis=1, bitorder="little").reshape(-1).view("<u4"))
-    return np.concatenate(out).astype(np.uint32) if out else np.zeros(0, dtype=np.uint32)
+        offset = np.arange(start, min(start + step, n), dtype=np.int64) * ring
+        first = offset >> 3
+        value = np.zeros(offset.size, dtype=np.uint64)
+        for k in range((ring + 14) // 8):
+            value |= padded[first + k].astype(np.uint64) << np.uint64(8 * k)
+        value >>= (offset & 7).astype(np.uint64)
+        out.append((value & np.uint64((1 << ring) - 1)).astype(np.uint32))
+    return np.concatenate(out) if out else np.zeros(0, dtype=np.uint32)
 
 
 @dataclass(frozen=True)
