@@ -155,7 +155,7 @@ class ServerConfig:
     # Under --compress up=int8/int4: each block's public scale is this multiple of the
     # largest |value| of the previous round's unmasked mean update over the block (what an
     # edge's own update may reach before it is clipped; clipped error is the edge's own).
-    secagg_margin: float = 4.0
+    secagg_margin: float = 2.0
     # Poisoned or oversized uploads (an edge may lie about its weight or send huge values).
     # Each edge's num_examples is capped at what it declared at join, never above this.
     max_weight: int = 1_000_000
