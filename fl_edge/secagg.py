@@ -11,7 +11,10 @@ by the server at the edge's first join).
 
 Every request is the server's word; the edge holds it to the run config's secure-aggregation
 parameters (``SecAggPolicy``, from the config the server sent at join), not to the
-threshold or fixed point a round's request states.
+threshold or fixed point a round's request states. Under integer compression that includes
+the width and block size; the public scales are checked (finite, > 0, one per block) and
+signed with the survivor list. With ``+ef`` what the edge did not send is kept in
+``secagg-residual.safetensors`` (0600, atomic) for the next round.
 """
 
 from __future__ import annotations

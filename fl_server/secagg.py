@@ -10,6 +10,12 @@ aggregator receives only the unmasked weighted sum (``Aggregator.accept_sum``), 
 once it passed the bounds every honest edge obeys. Every protocol byte travels in SECAGG
 sections. Anything an edge sends that the protocol cannot use ends that edge's part in the
 step or, when too little is left, the round's secure aggregation -- never the server.
+
+Under ``--compress up=int8|int4`` the masked upload is the edges' change against the
+phase's common downlink, quantized with public per-block scales that this driver derives
+from the previous round's unmasked mean (``integer``) and packed at R bits a value; the
+first round (no mean yet) masks at 32 bits. The global times the summed weight is added
+back before the aggregator sees the sum.
 """
 
 from __future__ import annotations
