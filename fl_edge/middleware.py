@@ -72,10 +72,15 @@ class SecureAggregation:
         if not masked:
             return result
         algo = self.run.algo
+        policy = self.secagg.policy
+        # Under integer compression the edge masks its change against the global it holds,
+        # rounded stochastically from the task's seed.
+        extra = ({"common": task.common, "seed": task.seed}
+                 if policy is not None and policy.bits else {})
         try:
             upload = self.secagg.mask(task.round, task.phase, task.personal, result.upload,
                                       algo.upload_weight(task.phase, result.num_examples),
-                                      self.run.method, algo.models)
+                                      self.run.method, algo.models, **extra)
         except (SecAggError, ValueError) as err:
             log.error("round %d %s: not masking this upload: %s", task.round, task.phase, err)
             upload = Payload()

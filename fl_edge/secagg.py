@@ -11,15 +11,21 @@ by the server at the edge's first join).
 
 Every request is the server's word; the edge holds it to the run config's secure-aggregation
 parameters (``SecAggPolicy``, from the config the server sent at join), not to the
-threshold or fixed point a round's request states.
+threshold or fixed point a round's request states. Under integer compression that includes
+the width and block size; the public scales are checked (finite, > 0, one per block) and
+signed with the survivor list. With ``+ef`` what the edge did not send is kept in
+``secagg-residual.safetensors`` (0600, atomic) for the next round.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import math
 from pathlib import Path
 
+import numpy as np
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -30,21 +36,31 @@ from fedattn_shared.privacy.secagg import (
     SHARE,
     UNMASK,
     ClientRound,
+    IntegerQuantizer,
     Quantizer,
     SecAggError,
     SecAggPolicy,
     as_bytes,
     as_tensor,
+    base_vector,
     flatten_upload,
     masked_phases,
+    pack_bits,
     protocol_step,
 )
-from fedattn_shared.state import StateError, atomic_write_json, read_json
+from fedattn_shared.state import (
+    StateError,
+    atomic_write_json,
+    load_tensors,
+    read_json,
+    save_tensors,
+)
 from fedattn_shared.wire.payload import Kind, Payload, Section
 
 log = logging.getLogger("fl_edge")
 
 ROUND_FILE = "secagg-round.json"
+RESIDUAL_FILE = "secagg-residual.safetensors"  # +ef: what each masked phase did not send
 
 
 def is_secagg_phase(name: str) -> bool:
@@ -84,6 +100,7 @@ class EdgeSecAgg:
         self.edge_id = edge_id
         self.signing_key = signing_key
         self.path = state_dir / ROUND_FILE
+        self.residual_path = state_dir / RESIDUAL_FILE
         # From the run config at join (the daemon sets it); None: the run has no secure
         # aggregation, and every step is refused.
         self.policy = policy
@@ -165,12 +182,17 @@ class EdgeSecAgg:
 
     # ---- the masked phase ------------------------------------------------------------
     def mask(self, round_number: int, phase: str, personal: Payload, upload: Payload,
-             weight: float, method, models) -> Payload:
+             weight: float, method, models, common: Payload | None = None,
+             seed: int = 0) -> Payload:
         """Replace the method's upload by its masked vector (one SECAGG section). The fixed
-        point is the run config's, for the parties the share step named."""
+        point is the run config's, for the parties the share step named. Under integer
+        compression (``policy.bits``) the masked quantity is the change against ``common``
+        (the global this edge received), and ``seed`` (the task's) drives the stochastic
+        rounding; the request's public scales pick the integer path, their absence the
+        32-bit one (a round with no earlier sum to scale by)."""
         policy = self._policy()
         state = self._load(round_number, phase)
-        info, _ = _request(personal)
+        info, tensors = _request(personal)
         try:
             stated = (float(info["clip"]), float(info["max_weight"]), int(info["parties"]))
         except (KeyError, TypeError, ValueError):
@@ -179,10 +201,92 @@ class EdgeSecAgg:
             raise SecAggError(f"the masking request's fixed point (clip, max weight, parties) "
                               f"{stated} differs from the run config's "
                               f"{(policy.clip, policy.max_weight, state.parties)}")
-        quantizer = Quantizer(policy.clip, policy.max_weight, state.parties)
         specs = masked_phases(method, models)[phase]
         values = flatten_upload(specs, upload)
-        y = state.mask(info.get("survivors"), values, weight, quantizer)
-        self._save(state)  # records "masked": this edge never masks this round again
-        return Payload([Section(Kind.SECAGG, "masked",
-                                {"y": torch.from_numpy(y.view("<i4").copy())})])
+        integer_asked = "scales" in tensors or "bits" in info
+        residual = None
+        if policy.bits:
+            values = values - base_vector(specs, common or Payload())
+            residual = self._residual(phase, values.size) if policy.feedback else None
+            values = values if residual is None else values + residual
+        elif integer_asked:
+            raise SecAggError("the masking request states an integer fixed point (bits, "
+                              "scales); the run config has no integer compression")
+        if not integer_asked:  # 32 bits: all is sent but the rounding
+            y = state.mask(info.get("survivors"), values, weight,
+                           Quantizer(policy.clip, policy.max_weight, state.parties))
+            self._save(state)  # records "masked": this edge never masks this round again
+            if residual is not None:
+                self._keep_residual(phase, np.zeros_like(values))
+            return Payload([Section(Kind.SECAGG, "masked",
+                                    {"y": torch.from_numpy(y.view("<i4").copy())})])
+        integer = integer_request(info, tensors, policy, state.parties, values.size)
+        generator = torch.Generator().manual_seed(rounding_seed(seed, phase))
+        words, error = integer.quantize(values, weight, generator)
+        y = state.mask_words(info.get("survivors"), words, integer.ring, integer.digest)
+        self._save(state)
+        if residual is not None:
+            self._keep_residual(phase, error)
+        return Payload([Section(Kind.SECAGG, "masked", {
+            "y": torch.from_numpy(pack_bits(y[:-1], integer.ring)),
+            "weight": torch.from_numpy(y[-1:].view("<i4").copy())})])
+
+    def _residual(self, phase: str, n: int) -> np.ndarray:
+        """The error-feedback residual of ``phase`` (zeros at first, or when the vector's
+        length changed)."""
+        try:
+            tensors, _ = load_tensors(self.residual_path)
+        except FileNotFoundError:
+            return np.zeros(n)
+        except StateError as err:
+            log.warning("%s; starting the residual afresh", err)
+            return np.zeros(n)
+        held = tensors.get(phase)
+        if held is None or held.numel() != n:
+            return np.zeros(n)
+        return held.to(torch.float64).numpy()
+
+    def _keep_residual(self, phase: str, residual: np.ndarray) -> None:
+        """Private edge state, written atomically (0600) before the masked upload leaves."""
+        try:
+            tensors, _ = load_tensors(self.residual_path)
+        except (FileNotFoundError, StateError):
+            tensors = {}
+        tensors[phase] = torch.from_numpy(residual.astype(np.float32))
+        save_tensors(self.residual_path, tensors)
+
+
+def rounding_seed(task_seed: int, phase: str) -> int:
+    """The stochastic rounding's generator seed: the task's (per edge and round), for
+    this phase's masked upload only."""
+    digest = hashlib.sha256(f"fedattn-secagg/rounding|{task_seed}|{phase}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+def integer_request(info: dict, tensors: dict[str, bytes], policy: SecAggPolicy, parties: int,
+                    n: int) -> IntegerQuantizer:
+    """The integer fixed point of a masking request, held to the run config: the width and
+    block size the config states, a reference weight in (0, max_weight], one finite
+    positive float32 scale per block. SecAggError names the field."""
+    if info.get("bits") != policy.bits or info.get("block") != policy.block:
+        raise SecAggError(f"the masking request's bits/block ({info.get('bits')!r}, "
+                          f"{info.get('block')!r}) differ from the run config's "
+                          f"({policy.bits}, {policy.block})")
+    weight_ref = info.get("weight_ref")
+    if not (isinstance(weight_ref, float | int) and not isinstance(weight_ref, bool)
+            and math.isfinite(weight_ref) and 0 < weight_ref <= policy.max_weight):
+        raise SecAggError(f"the masking request's weight_ref {weight_ref!r} is not in (0, "
+                          f"{policy.max_weight}] (server.secagg_max_weight)")
+    blocks = -(-n // policy.block)
+    data = tensors.get("scales", b"")
+    if len(data) != 4 * blocks:
+        raise SecAggError(f"the masking request's scales: {len(data)} bytes, expected "
+                          f"{4 * blocks} (one float32 per block of {policy.block}, {blocks} "
+                          "blocks)")
+    scales = np.frombuffer(data, dtype="<f4").astype(np.float32)
+    if not np.all(np.isfinite(scales)):
+        raise SecAggError("the masking request's scales hold non-finite values")
+    if not np.all(scales > 0):
+        raise SecAggError("the masking request's scales hold values <= 0")
+    return IntegerQuantizer(policy.bits, policy.block, parties, policy.max_weight, scales,
+                            float(weight_ref))

@@ -192,8 +192,9 @@ class SecAggStep(PhaseDriver):
 
     def close(self) -> dict[str, Any]:
         """Closes the step; the unmask step hands the sum to the aggregator and closes the
-        wrapped phase there."""
-        return self.secagg.close(self.name)
+        wrapped phase there (the change each edge masked under integer compression is
+        against the wrapped phase's common downlink: the global as the edges hold it)."""
+        return self.secagg.close(self.name, self.base.common)
 
 
 class SecAggPlus:

@@ -10,6 +10,12 @@ aggregator receives only the unmasked weighted sum (``Aggregator.accept_sum``), 
 once it passed the bounds every honest edge obeys. Every protocol byte travels in SECAGG
 sections. Anything an edge sends that the protocol cannot use ends that edge's part in the
 step or, when too little is left, the round's secure aggregation -- never the server.
+
+Under ``--compress up=int8|int4`` the masked upload is the edges' change against the
+phase's common downlink, quantized with public per-block scales that this driver derives
+from the previous round's unmasked mean (``integer``) and packed at R bits a value; the
+first round (no mean yet) masks at 32 bits. The global times the summed weight is added
+back before the aggregator sees the sum.
 """
 
 from __future__ import annotations
@@ -17,12 +23,14 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
+from fedattn_shared.compress.codec import Codec
 from fedattn_shared.config import ServerConfig
 from fedattn_shared.methods.aggregators import Aggregator
 from fedattn_shared.methods.base import Method, SectionSpec, TensorSpec
@@ -35,15 +43,20 @@ from fedattn_shared.privacy.secagg import (
     SHARE_BYTES,
     SIGNATURE_BYTES,
     UNMASK,
+    IntegerQuantizer,
     Quantizer,
     SecAggError,
     SecAggPolicy,
     ServerRound,
     as_bytes,
     as_tensor,
+    base_vector,
     masked_phases,
+    packed_length,
     protocol_step,
+    public_scales,
     unflatten_sum,
+    unpack_bits,
     vector_length,
 )
 from fedattn_shared.wire.payload import Kind, Payload, Section
@@ -70,12 +83,27 @@ def _bytes_spec(size: int, optional: bool = False) -> TensorSpec:
     return TensorSpec(torch.uint8, (size,), optional=optional)
 
 
+def codec_block(codec: Codec, default: int = 256) -> int:
+    """The block size of an integer codec: its ``block`` (int8's and int4's), else the
+    argument of its spec (``int8:128`` -> 128), else ``default``."""
+    block = getattr(codec, "block", None)
+    if isinstance(block, int) and not isinstance(block, bool):
+        return block
+    _, _, arg = codec.spec.partition(":")
+    return int(arg) if arg.isascii() and arg.isdigit() else default
+
+
 def run_policy(cfg: ServerConfig) -> SecAggPolicy:
     """The parameters the run config carries to every edge (``Engine.config_json``), which
-    the edges hold each round's requests to."""
+    the edges hold each round's requests to; with an integer up codec (``--compress
+    up=int8``) its width, block size and error feedback."""
+    up = cfg.compress_spec().up if cfg.compress else None
+    bits = up.codec.integer_bits if up is not None else None
+    extra = ({"bits": bits, "block": codec_block(up.codec), "feedback": up.feedback}
+             if up is not None and bits else {})
     return SecAggPolicy(threshold=cfg.secagg_threshold, graph=cfg.secagg_graph,
                         degree=cfg.secagg_degree, clip=cfg.secagg_clip,
-                        max_weight=cfg.secagg_max_weight)
+                        max_weight=cfg.secagg_max_weight, **extra)
 
 
 class SecAggDriver:
@@ -90,6 +118,11 @@ class SecAggDriver:
         self.lengths = {p: vector_length(specs) for p, specs in self.masked.items()}
         self.rounds: dict[str, ServerRound] = {}
         self.quantizers: dict[str, Quantizer] = {}
+        # Integer compression: per masked phase, the last unmasked weighted mean of the
+        # masked quantity and mean weight (public: what the server learns anyway), which
+        # set the next round's public scales; the round's integer fixed point once known.
+        self.reference: dict[str, tuple[np.ndarray, float]] = {}
+        self.integers: dict[str, IntegerQuantizer | None] = {}
 
     # ---- the round's phases ----------------------------------------------------------
     def expand(self, phases: tuple[str, ...]) -> list[str]:
@@ -129,6 +162,7 @@ class SecAggDriver:
                                              -1 if full else self.cfg.secagg_degree,
                                              self.cfg.secagg_threshold, dict(keys))
         self.quantizers = {}
+        self.integers = {}
 
     def _round(self, name: str) -> tuple[str, ServerRound]:
         step = protocol_step(name)
@@ -158,6 +192,11 @@ class SecAggDriver:
             return [SectionSpec(Kind.SECAGG, "reveal", {
                 f"{kind}:{e}": _bytes_spec(SHARE_BYTES, optional=True)
                 for e in state.survivors for kind in "bs"})]
+        integer = self.integer(name)
+        if integer is not None:  # values packed at R bits, the weight its own 32-bit word
+            return [SectionSpec(Kind.SECAGG, "masked", {
+                "y": TensorSpec(torch.uint8, (packed_length(state.length - 1, integer.ring),)),
+                "weight": TensorSpec(torch.int32, (1,))})]
         return [SectionSpec(Kind.SECAGG, "masked",
                             {"y": TensorSpec(torch.int32, (state.length,))})]
 
@@ -178,8 +217,13 @@ class SecAggDriver:
             info, signatures = state.unmask_request(edge)
             return request(info, {f"sig:{v}": sig for v, sig in signatures.items()})
         quantizer = self.quantizer(name)
-        return request({"survivors": state.mask_request(edge), "parties": quantizer.parties,
-                        "clip": quantizer.clip, "max_weight": quantizer.max_weight})
+        info = {"survivors": state.mask_request(edge), "parties": quantizer.parties,
+                "clip": quantizer.clip, "max_weight": quantizer.max_weight}
+        integer = self.integer(name)
+        if integer is None:
+            return request(info)
+        info.update(bits=integer.bits, block=integer.block, weight_ref=integer.weight_ref)
+        return request(info, {"scales": integer.scales.astype("<f4").tobytes()})
 
     def quantizer(self, phase: str) -> Quantizer:
         """The round's quantizer of a masked phase (fixed once the parties are known)."""
@@ -187,6 +231,23 @@ class SecAggDriver:
             self.quantizers[phase] = Quantizer(self.cfg.secagg_clip, self.cfg.secagg_max_weight,
                                                max(len(self.rounds[phase].adverts), 1))
         return self.quantizers[phase]
+
+    def integer(self, phase: str) -> IntegerQuantizer | None:
+        """The round's integer fixed point of a masked phase: None without integer
+        compression, and in a round with no earlier unmasked mean to scale by (the first,
+        or the first after a restart), which masks at 32 bits as without compression."""
+        if phase not in self.integers:
+            reference = self.reference.get(phase)
+            integer = None
+            if self.policy.bits and reference is not None:
+                mean, weight_ref = reference
+                integer = IntegerQuantizer(
+                    self.policy.bits, self.policy.block, self.quantizer(phase).parties,
+                    self.policy.max_weight, public_scales(mean, self.policy.block,
+                                                          self.cfg.secagg_margin), weight_ref)
+                self.rounds[phase].fixed_point = integer.digest
+            self.integers[phase] = integer
+        return self.integers[phase]
 
     # ---- uploads ----------------------------------------------------------------------
     def accept(self, name: str, edge: str, upload: Payload) -> None:
@@ -209,14 +270,26 @@ class SecAggDriver:
             elif step == UNMASK:
                 state.accept_reveal(edge, blobs)
             else:
-                state.accept_masked(edge, section.tensors["y"].numpy().view(np.uint32))
+                state.accept_masked(edge, self._words(name, section))
         except KeyError as err:
             raise SecAggError(f"{name}: the upload lacks {err}") from None
 
-    def close(self, name: str) -> dict[str, Any]:
+    def _words(self, phase: str, section: Section) -> np.ndarray:
+        """A masked upload as 32-bit words: packed values (their length checked against the
+        schema before a byte was read) unpacked, then the weight word."""
+        integer = self.integer(phase)
+        if integer is None:
+            return section.tensors["y"].numpy().view(np.uint32)
+        values = unpack_bits(section.tensors["y"].numpy(), integer.ring,
+                             self.rounds[phase].length - 1)
+        return np.concatenate([values, section.tensors["weight"].numpy().view(np.uint32)])
+
+    def close(self, name: str, base: Callable[[], Payload] | None = None) -> dict[str, Any]:
         """After each phase. Closing the unmask step unmasks the sum and hands it to the
         aggregator, then closes the masked phase in the aggregator (a round whose protocol
-        aborted closes it with nothing: the global state stays as it was)."""
+        aborted closes it with nothing: the global state stays as it was). ``base``: the
+        masked phase's common downlink (the global the edges' changes are against, under
+        integer compression)."""
         step, state = self._round(name)
         phase = self.base_phase(name)
         aggregator = self.aggregator
@@ -242,7 +315,7 @@ class SecAggDriver:
             state.close_confirm()
             figures = {"confirmed": len(state.confirmations)}
         else:
-            figures = self._unmask(phase, state, aggregator)
+            figures = self._unmask(phase, state, aggregator, base or Payload)
             figures.update(aggregator.close_phase(phase))
             return figures
         out = {f"secagg-{step.removeprefix('secagg-')}": figures}
@@ -253,16 +326,17 @@ class SecAggDriver:
             out.update(aggregator.close_phase(phase))
         return out
 
-    def _unmask(self, phase: str, state: ServerRound, aggregator: Aggregator) -> dict[str, Any]:
+    def _unmask(self, phase: str, state: ServerRound, aggregator: Aggregator,
+                base: Callable[[], Payload]) -> dict[str, Any]:
         """Unmask, check the sum against the bounds every honest edge obeys, and hand it to
         the aggregator; any failure aborts the phase's secure aggregation by name (the
         aggregator closes with nothing, the global state stays as it was)."""
         started = time.perf_counter()
         try:
-            total = state.unmask()
-            quantizer = self.quantizer(phase)
-            values, weight = quantizer.dequantize(total)
-            quantizer.check_sum(values, weight, len(state.masked))
+            values, weight = self._sum(phase, state.unmask(), len(state.masked))
+            if self.policy.bits:  # the edges masked their change against the global
+                self.reference[phase] = (values / weight, weight / len(state.masked))
+                values = values + base_vector(self.masked[phase], base()) * weight
             aggregator.accept_sum(phase, unflatten_sum(self.masked[phase], values), weight,
                                   len(state.masked))
         except ValueError as err:  # SecAggError, or the aggregator refusing the sum
@@ -276,9 +350,23 @@ class SecAggDriver:
             figures = {"secagg-unmask": {"unmasked": len(state.masked),
                                          "recovered_dropouts": len(state.survivors - state.masked),
                                          "unmask_seconds": seconds}}
+        integer = self.integer(phase)
+        if integer is not None and "secagg-unmask" in figures:
+            figures["secagg-unmask"].update(ring_bits=integer.ring, bits=integer.bits)
         if state.inconsistent:
             log.warning("round %d %s: revealed shares of %s do not fit the others; set aside",
                         state.round, phase, ", ".join(sorted(state.inconsistent)))
             figures.setdefault("secagg-unmask", {})["inconsistent_reveals"] = sorted(
                 state.inconsistent)
         return figures
+
+    def _sum(self, phase: str, total: np.ndarray, count: int) -> tuple[np.ndarray, float]:
+        """(sum_u w_u x_u, sum_u w_u) of an unmasked ring sum, checked against the bounds
+        of the round's fixed point (SecAggError: nothing is aggregated)."""
+        integer = self.integer(phase)
+        if integer is not None:
+            return integer.dequantize(total, count)
+        quantizer = self.quantizer(phase)
+        values, weight = quantizer.dequantize(total)
+        quantizer.check_sum(values, weight, count)
+        return values, weight

@@ -152,6 +152,10 @@ class ServerConfig:
     secagg_clip: float = 16.0         # |value| bound the edge checks before masking
     secagg_max_weight: float = 65536.0  # bound on an edge's weight (n_k) in the fixed point
     secagg_timeout: float = 60.0      # deadline of the advertise, share and unmask phases
+    # Under --compress up=int8/int4: each block's public scale is this multiple of the
+    # largest |value| of the previous round's unmasked mean update over the block (what an
+    # edge's own update may reach before it is clipped; clipped error is the edge's own).
+    secagg_margin: float = 2.0
     # Poisoned or oversized uploads (an edge may lie about its weight or send huge values).
     # Each edge's num_examples is capped at what it declared at join, never above this.
     max_weight: int = 1_000_000
@@ -206,7 +210,7 @@ class ServerConfig:
         if not 0.5 <= self.secagg_threshold < 1:
             raise ConfigError(f"server.secagg_threshold must be in [0.5, 1), got "
                               f"{self.secagg_threshold}")
-        for name in ("secagg_clip", "secagg_max_weight", "secagg_timeout"):
+        for name in ("secagg_clip", "secagg_max_weight", "secagg_timeout", "secagg_margin"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ConfigError(f"server.{name} must be > 0 and finite, got "
                                   f"{getattr(self, name)}")

@@ -69,8 +69,10 @@ class AttackingSecAgg(EdgeSecAgg):
             return Payload([Section(Kind.SECAGG, section.name, tampered)])
         return upload
 
-    def mask(self, round_number, phase, personal, upload, weight, method, models) -> Payload:
-        masked = super().mask(round_number, phase, personal, upload, weight, method, models)
+    def mask(self, round_number, phase, personal, upload, weight, method, models,
+             **kwargs) -> Payload:
+        masked = super().mask(round_number, phase, personal, upload, weight, method, models,
+                              **kwargs)
         if self.plan.get(round_number) == "weight":
             y = masked.sections[0].tensors["y"].clone()
             y[-1] = (int(y[-1]) + 2**31 + 2**31) % 2**32 - 2**31  # + 2^31 in the ring, as int32

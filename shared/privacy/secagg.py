@@ -67,7 +67,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from ..methods.base import SectionSpec
 from ..methods.phases import EVALUATE
-from ..wire.payload import Payload, Section
+from ..wire.payload import Kind, Payload, Section
 
 if TYPE_CHECKING:
     from torch import nn
@@ -85,6 +85,8 @@ RING_BITS = 32
 LIMIT = 2**31 - 1           # |sum of quantized values| must stay below this
 
 
+INTEGER_BITS = (4, 8)        # the integer codecs' widths SecAgg+ masks at (int4, int8)
+MIN_BLOCK, MAX_BLOCK = 8, 65536  # values per public scale (the codec's block argument)
 MIN_THRESHOLD_FRACTION = 0.5  # the edges' own floor: t > half of an edge's share holders
 MAX_SUBSETS = 20_000        # t-subsets the server tries per secret before it gives up
 
@@ -288,12 +290,17 @@ def verify_advert(round_number: int, phase: str, edge: str, advert: Mapping[str,
 
 
 def survivors_message(round_number: int, phase: str, signer: str, s_pk: bytes,
-                      survivors: list[str]) -> bytes:
+                      survivors: list[str], fixed_point: bytes = b"") -> bytes:
     """What an edge signs in the confirm step: the survivor list U3 it was told, bound to
     the round, the phase, the signer and the signer's mask key of this very round (fresh
-    per round, so a signature from an earlier run of the same round number never counts)."""
+    per round, so a signature from an earlier run of the same round number never counts).
+    Under integer compression also the digest of the public scales it quantized with
+    (``IntegerQuantizer.digest``): a server that gave edges different scales (huge ones
+    to all but one, to read that one's values off the sum) gets no matching signatures
+    and no unmask."""
     return (f"fedattn-secagg/survivors|{round_number}|{phase}|{signer}|".encode() + s_pk
-            + json.dumps(sorted(survivors)).encode())
+            + json.dumps(sorted(survivors)).encode()
+            + (b"|fixed-point|" + fixed_point if fixed_point else b""))
 
 
 def signed_by(signing_key: bytes, signature: bytes, message: bytes) -> bool:
@@ -369,6 +376,182 @@ class Quantizer:
                                   "masked values; nothing is aggregated")
 
 
+# ---- integer quantization into Z_2^R (SecAgg+ under --compress up=int8/int4) ----------------
+def levels(bits: int) -> int:
+    """The largest integer level of a ``bits``-wide symmetric quantizer (int8: 127)."""
+    return 2 ** (bits - 1) - 1
+
+
+def ring_bits(bits: int, parties: int) -> int:
+    """R: the ring that holds an exact sum of ``parties`` values in [-L, L] for L =
+    ``levels(bits)``: parties x L < 2^(bits - 1) x 2^ceil(log2 parties) = 2^(R - 1), so no
+    honest sum wraps. 10 edges at int8: R = 12."""
+    return bits + math.ceil(math.log2(max(parties, 1)))
+
+
+def packed_length(n: int, ring: int) -> int:
+    """Bytes of ``n`` values packed at ``ring`` bits each."""
+    return (n * ring + 7) // 8
+
+
+PACK_CHUNK = 1 << 15  # x 8 values per packing step: bounds its temporaries at ~8 MiB
+
+
+def _word_bytes(ring: int) -> int:
+    """Bytes of the narrowest little-endian word that holds ``ring`` bits (1, 2 or 4)."""
+    if not 1 <= ring <= RING_BITS:
+        raise ValueError(f"ring of {ring} bits: outside [1, {RING_BITS}]")
+    return 1 if ring <= 8 else 2 if ring <= 16 else 4
+
+
+def pack_bits(words: np.ndarray, ring: int) -> np.ndarray:
+    """The low ``ring`` bits of each uint32 word, concatenated little-endian (value i at bit
+    i x ring). Vectorized per chunk of 8 x ``PACK_CHUNK`` values (a multiple of 8, so
+    every chunk ends on a byte boundary)."""
+    width = _word_bytes(ring)
+    words = np.ascontiguousarray(words, dtype="<u4")
+    out = []
+    step = 8 * PACK_CHUNK
+    for start in range(0, words.size, step):
+        low = words[start:start + step].view(np.uint8).reshape(-1, 4)[:, :width]
+        bits = np.unpackbits(low, axis=1, bitorder="little")[:, :ring]
+        out.append(np.packbits(bits.reshape(-1), bitorder="little"))
+    return np.concatenate(out) if out else np.zeros(0, dtype=np.uint8)
+
+
+def unpack_bits(data: np.ndarray, ring: int, n: int) -> np.ndarray:
+    """``n`` uint32 words from ``pack_bits``'s bytes (each < 2^ring); SecAggError when
+    ``data`` is not ``packed_length(n, ring)`` bytes. Value i is gathered from the
+    ceil((ring + 7) / 8) bytes from bit i x ring on, per chunk of 8 x ``PACK_CHUNK``."""
+    _word_bytes(ring)  # the range check
+    data = np.ascontiguousarray(data, dtype=np.uint8)
+    if data.size != packed_length(n, ring):
+        raise SecAggError(f"packed vector of {data.size} bytes, expected "
+                          f"{packed_length(n, ring)} for {n} values of {ring} bits")
+    padded = np.zeros(data.size + 8, dtype=np.uint8)  # the last value's spare bytes
+    padded[:data.size] = data
+    out = []
+    step = 8 * PACK_CHUNK
+    for start in range(0, n, step):
+        offset = np.arange(start, min(start + step, n), dtype=np.int64) * ring
+        first = offset >> 3
+        value = np.zeros(offset.size, dtype=np.uint64)
+        for k in range((ring + 14) // 8):
+            value |= padded[first + k].astype(np.uint64) << np.uint64(8 * k)
+        value >>= (offset & 7).astype(np.uint64)
+        out.append((value & np.uint64((1 << ring) - 1)).astype(np.uint32))
+    return np.concatenate(out) if out else np.zeros(0, dtype=np.uint32)
+
+
+@dataclass(frozen=True)
+class IntegerQuantizer:
+    """The fixed point of a masked integer upload (``--compress up=int8`` or ``int4``).
+
+    Each edge sends q = SR(clip(w/w_ref x / s_b) x L) per value, s_b the public scale of
+    the value's block, w_ref a public reference weight, SR stochastic rounding (unbiased
+    within the clip range), so |q| <= L and the sum over ``parties`` edges lies in
+    [-parties L, parties L], which the ring of ``ring_bits`` holds without wrapping. Values
+    travel packed at R bits. The weight travels exact, as today's 32-bit coordinate
+    (``Quantizer``'s). The server recovers sum_u w_u x_u = w_ref x s_b / L x sum_u q_u;
+    its error per value is at most parties x w_ref x s_b / L (one level per edge) plus
+    what edges clipped, and its expectation is the clip-free sum (SR is unbiased)."""
+
+    bits: int
+    block: int
+    parties: int
+    max_weight: float
+    scales: np.ndarray = field(compare=False)      # float32, one per block
+    weight_ref: float = 1.0
+
+    @property
+    def levels(self) -> int:
+        return levels(self.bits)
+
+    @property
+    def ring(self) -> int:
+        return ring_bits(self.bits, self.parties)
+
+    @property
+    def digest(self) -> bytes:
+        """What the edges sign with the survivor list: the whole public fixed point."""
+        head = json.dumps([self.bits, self.block, self.parties, self.max_weight,
+                           self.weight_ref]).encode()
+        return hashlib.sha256(b"fedattn-secagg/fixed-point|" + head
+                              + self.scales.astype("<f4").tobytes()).digest()
+
+    def _per_value(self, n: int) -> np.ndarray:
+        blocks = -(-n // self.block)
+        if self.scales.shape != (blocks,):
+            raise SecAggError(f"scales: {self.scales.size} given, {blocks} blocks of "
+                              f"{self.block} expected")
+        return np.repeat(self.scales.astype(np.float64), self.block)[:n]
+
+    def _weight(self) -> Quantizer:
+        return Quantizer(1.0, self.max_weight, self.parties)
+
+    def quantize(self, values: np.ndarray, weight: float, generator: torch.Generator,
+                 names: str = "the upload") -> tuple[np.ndarray, np.ndarray]:
+        """(the words to mask, values then the weight; what this edge did not send, in the
+        units of ``values``: its own rounding and clipping error, the error-feedback
+        residual). Checks the weight and finiteness before anything (the server cannot)."""
+        if not (math.isfinite(weight) and 0 < weight <= self.max_weight):
+            raise SecAggError(f"aggregation weight {weight} is outside (0, {self.max_weight}] "
+                              "(server.secagg_max_weight)")
+        if not np.all(np.isfinite(values)):
+            raise SecAggError(f"non-finite values in {names}")
+        scale = self._per_value(values.size)
+        factor = weight / self.weight_ref
+        if not math.isfinite(factor * self.levels):  # 0 x inf would be NaN below
+            raise SecAggError(f"weight_ref {self.weight_ref:g} is too small for weight {weight:g}")
+        t = np.clip(values.astype(np.float64) * (factor * self.levels) / scale,
+                    -self.levels, self.levels)
+        noise = torch.rand(values.size, generator=generator, dtype=torch.float64).numpy()
+        q = np.floor(t + noise)
+        out = np.empty(values.size + 1, dtype=np.int64)
+        out[:-1] = q
+        out[-1] = round(weight * self._weight().weight_scale)
+        error = values - q * (scale / (self.levels * factor))
+        return out.astype(np.uint32), error
+
+    def dequantize(self, total: np.ndarray, count: int) -> tuple[np.ndarray, float]:
+        """(sum_u w_u x_u, sum_u w_u) from the unmasked ring sum over ``count`` edges, after
+        ``check``ing it (SecAggError: an edge tampered; nothing is to be aggregated)."""
+        ring = self.ring
+        values = (total[:-1] & np.uint32((1 << ring) - 1)).astype(np.int64)
+        values[values >= 1 << (ring - 1)] -= 1 << ring
+        weight = float(total[-1:].view(np.int32)[0]) / self._weight().weight_scale
+        self.check(values, weight, count)
+        scale = self._per_value(values.size)
+        return values * (scale * (self.weight_ref / self.levels)), weight
+
+    def check(self, q: np.ndarray, weight: float, count: int) -> None:
+        """The server's check of an unmasked integer sum over ``count`` edges: |sum| <=
+        count x L per value, the weight as ``Quantizer.check_sum`` bounds it. An edge can
+        add anything to its masked words; a sum outside these bounds no honest edges
+        produced, and is refused rather than averaged."""
+        self._weight().check_sum(np.zeros(0), weight, count)
+        bound = count * self.levels
+        peak = int(np.max(np.abs(q))) if q.size else 0
+        if peak > bound:
+            raise SecAggError(f"the unmasked integer sum reaches |{peak}|, beyond {count} edges "
+                              f"x {self.levels} (int{self.bits} levels): an edge tampered with "
+                              "its masked values; nothing is aggregated")
+
+
+def public_scales(mean: np.ndarray, block: int, margin: float) -> np.ndarray:
+    """One scale per block of ``block`` values: ``margin`` x the largest |value| of
+    ``mean`` (the previous round's unmasked weighted mean of the masked quantity: public
+    to the server, a sum over edges, no single edge's) over the block, floored at 1e-4 of
+    the vector's largest (a block that did not move last round may move now) and 1e-12."""
+    n = mean.size
+    blocks = -(-n // block)
+    padded = np.zeros(blocks * block)
+    padded[:n] = np.abs(mean)
+    peak = padded.reshape(blocks, block).max(axis=1) if n else np.zeros(0)
+    floor = max(float(peak.max()) * 1e-4 if n else 0.0, 1e-12)
+    return (margin * np.maximum(peak, floor)).astype(np.float32)
+
+
 # ---- the neighbour graph ---------------------------------------------------------------------
 def auto_degree(parties: int) -> int:
     """SecAgg+'s O(log n) degree [reconstructed: the paper's constant depends on its
@@ -423,13 +606,19 @@ class SecAggPolicy:
     degree: int = 0
     clip: float = 16.0
     max_weight: float = 65536.0
+    # --compress up=int8/int4 (0: none): the integer width, values per public scale, and
+    # whether the edge carries what it did not send into the next round (``+ef``).
+    bits: int = 0
+    block: int = 256
+    feedback: bool = False
 
     @classmethod
     def from_config(cls, section: Any) -> SecAggPolicy:
         """From the config's ``secagg`` object; ValueError names a field out of range."""
         if not isinstance(section, Mapping):
             raise ValueError("secagg: expected an object")
-        extra = set(section) - {"threshold", "graph", "degree", "clip", "max_weight"}
+        extra = set(section) - {"threshold", "graph", "degree", "clip", "max_weight", "bits",
+                                "block", "feedback"}
         if extra:
             raise ValueError(f"secagg: unknown fields {sorted(extra)}")
         policy = cls(**section)
@@ -446,11 +635,24 @@ class SecAggPolicy:
             if not (isinstance(value, float | int) and not isinstance(value, bool)
                     and 0 < value < math.inf):
                 raise ValueError(f"secagg.{name} must be > 0 and finite, got {value!r}")
+        if policy.bits not in (0, *INTEGER_BITS) or type(policy.bits) is not int:
+            raise ValueError(f"secagg.bits must be 0 (none) or one of {INTEGER_BITS}, got "
+                             f"{policy.bits!r}")
+        if not (type(policy.block) is int and MIN_BLOCK <= policy.block <= MAX_BLOCK):
+            raise ValueError(f"secagg.block must be an integer in [{MIN_BLOCK}, {MAX_BLOCK}], "
+                             f"got {policy.block!r}")
+        if type(policy.feedback) is not bool:
+            raise ValueError(f"secagg.feedback must be true or false, got {policy.feedback!r}")
         return policy
 
     def to_config(self) -> dict[str, Any]:
-        return {"threshold": self.threshold, "graph": self.graph, "degree": self.degree,
-                "clip": self.clip, "max_weight": self.max_weight}
+        """The run config's ``secagg`` object; without integer compression exactly the
+        keys it had before compression existed."""
+        out = {"threshold": self.threshold, "graph": self.graph, "degree": self.degree,
+               "clip": self.clip, "max_weight": self.max_weight}
+        if self.bits:
+            out.update(bits=self.bits, block=self.block, feedback=self.feedback)
+        return out
 
     def neighbours(self, parties: int) -> int:
         """An edge's neighbours when ``parties`` edges advertised keys."""
@@ -499,6 +701,7 @@ class ClientRound:
     reported: list[str] = field(default_factory=list)   # senders whose shares failed
     survivors: list[str] = field(default_factory=list)  # U2 neighbours, masked against
     confirmed: list[str] = field(default_factory=list)  # the U3 this edge signed
+    fixed_point: str = ""       # hex digest of the integer fixed point it masked with
 
     @classmethod
     def fresh(cls, round_number: int, phase: str, edge: str) -> ClientRound:
@@ -512,7 +715,8 @@ class ClientRound:
                 "index": self.index, "neighbours": self.neighbours, "adverts": self.adverts,
                 "own_shares": list(self.own_shares),
                 "held": {k: list(v) for k, v in self.held.items()}, "reported": self.reported,
-                "survivors": self.survivors, "confirmed": self.confirmed}
+                "survivors": self.survivors, "confirmed": self.confirmed,
+                "fixed_point": self.fixed_point}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ClientRound:
@@ -521,7 +725,8 @@ class ClientRound:
                    int(data["threshold"]), int(data["parties"]), dict(data["index"]),
                    list(data["neighbours"]), dict(data["adverts"]), tuple(data["own_shares"]),
                    {k: tuple(v) for k, v in data["held"].items()}, list(data["reported"]),
-                   list(data["survivors"]), list(data["confirmed"]))
+                   list(data["survivors"]), list(data["confirmed"]),
+                   str(data.get("fixed_point", "")))
 
     def _expect(self, *steps: str, asked: str) -> None:
         if self.step not in steps:
@@ -616,6 +821,14 @@ class ClientRound:
              quantizer: Quantizer) -> np.ndarray:
         """The masked vector y_u. ``survivors``: the neighbours in U2; each must be one whose
         shares this edge holds (a sender it reported is no survivor)."""
+        return self.mask_words(survivors, quantizer.quantize(values, weight))
+
+    def mask_words(self, survivors: list[str], q: np.ndarray, ring: int = RING_BITS,
+                   fixed_point: bytes = b"") -> np.ndarray:
+        """``mask`` of words already quantized: values then the weight. Below 32 bits the
+        value words are masked mod 2^ring (the PRG words reduced: 2^ring divides 2^32, so
+        the server may sum mod 2^32 and reduce last); the weight stays a 32-bit word.
+        ``fixed_point``: the digest this edge signs with the survivor list."""
         if self.step != "received":
             raise SecAggError(f"masked input asked in state {self.step}: an edge masks once, "
                               "after checking the shares it holds")
@@ -626,7 +839,6 @@ class ClientRound:
         if len(survivors) + 1 < self.threshold:
             raise SecAggError(f"only {len(survivors)} neighbours shared keys; fewer than the "
                               f"threshold {self.threshold} could ever unmask")
-        q = quantizer.quantize(values, weight)
         y = q + prg_words(self.seed, q.size)
         s_key = X25519PrivateKey.from_private_bytes(self.s_sk)
         for v in survivors:
@@ -636,7 +848,10 @@ class ClientRound:
                 y += prg_words(seed, q.size)
             else:
                 y -= prg_words(seed, q.size)
+        if ring < RING_BITS:
+            y[:-1] &= np.uint32((1 << ring) - 1)
         self.survivors, self.step = sorted(survivors), "masked"
+        self.fixed_point = fixed_point.hex()
         return y
 
     # ---- step 5 ----------------------------------------------------------------------
@@ -660,7 +875,7 @@ class ClientRound:
                               f"{self.threshold}: refusing to unmask")
         s_pk = raw_public(X25519PrivateKey.from_private_bytes(self.s_sk))
         signature = signing_key.sign(survivors_message(self.round, self.phase, self.edge, s_pk,
-                                                       survivors))
+                                                       survivors, bytes.fromhex(self.fixed_point)))
         self.confirmed, self.step = survivors, "confirmed"
         return signature
 
@@ -681,13 +896,21 @@ class ClientRound:
             if advert is None or v not in survivors:
                 continue  # not a holder of this edge's shares, or not a survivor
             if signed_by(bytes.fromhex(advert["sign_pk"]), signature, survivors_message(
-                    self.round, self.phase, v, bytes.fromhex(advert["s_pk"]), survivors)):
+                    self.round, self.phase, v, bytes.fromhex(advert["s_pk"]), survivors,
+                    bytes.fromhex(self.fixed_point))):
                 signers.add(v)
         if len(signers) < self.threshold:
             raise SecAggError(f"only {len(signers)} of this edge's share holders (itself "
                               f"included) signed the survivor list, fewer than the threshold "
                               f"{self.threshold}: refusing to unmask")
         alive = set(survivors)
+        unsigned = sorted((alive & set(self.survivors)) - signers)
+        if self.fixed_point and unsigned:
+            # A server that gave one edge other scales than the rest could read that
+            # edge's values off the sum, were its self-mask seed revealed.
+            raise SecAggError(f"survivors {unsigned[:5]} did not sign the survivor list under "
+                              "the fixed point this edge masked with (the same public scales): "
+                              "refusing to unmask")
         out = {}
         for u in [*self.survivors, self.edge]:
             b, s = self.own_shares if u == self.edge else self.held[u]
@@ -726,6 +949,7 @@ class ServerRound:
     reveals: dict[str, dict[str, bytes]] = field(default_factory=dict)  # holder -> reveals
     inconsistent: set[str] = field(default_factory=set)  # holders whose shares did not fit
     abort_reason: str = ""
+    fixed_point: bytes = b""    # the digest of the integer fixed point every edge was sent
 
     # ---- step 1 ----------------------------------------------------------------------
     def accept_advert(self, edge: str, advert: dict[str, bytes]) -> None:
@@ -833,7 +1057,7 @@ class ServerRound:
         if edge not in self.masked:
             raise SecAggError(f"edge {edge} has no masked input this round")
         message = survivors_message(self.round, self.phase, edge, self.adverts[edge]["s_pk"],
-                                    sorted(self.masked))
+                                    sorted(self.masked), self.fixed_point)
         if not signed_by(self.signing_keys[edge], signature, message):
             raise SecAggError(f"edge {edge}: the signature of the survivor list is not valid "
                               "under its identity key")
@@ -843,6 +1067,12 @@ class ServerRound:
         if len(self.confirmations) < self.threshold:
             self.abort_reason = (f"{len(self.confirmations)} edge(s) signed the survivor list, "
                                  f"fewer than the threshold {self.threshold}")
+        elif self.fixed_point and self.masked - set(self.confirmations):
+            # Under an integer fixed point an edge reveals a survivor's seed only with its
+            # signature of the same scales (``ClientRound.unmask``): nothing would unmask.
+            self.abort_reason = (f"edge(s) {sorted(self.masked - set(self.confirmations))[:5]} "
+                                 "masked but did not sign the survivor list; under integer "
+                                 "compression every survivor must")
 
     # ---- step 6 ----------------------------------------------------------------------
     def unmask_request(self, edge: str) -> tuple[dict[str, Any], dict[str, bytes]]:
@@ -975,6 +1205,26 @@ def flatten_upload(specs: list[SectionSpec], upload: Payload) -> np.ndarray:
                 raise SecAggError(f"{name}: shape {list(tensor.shape)}, expected "
                                   f"{list(tensor_spec.shape)}")
             parts.append(tensor.detach().reshape(-1).to("cpu", torch.float64).numpy())
+    return np.concatenate(parts) if parts else np.zeros(0)
+
+
+def base_vector(specs: list[SectionSpec], common: Payload) -> np.ndarray:
+    """The global each value of a masked vector is the change against (zeros after the
+    weight-less layout of ``flatten_upload``): a floating tensor of a SHARED_TENSORS section
+    whose same-named section of ``common`` (the phase's common downlink, as the edge holds
+    it) has a floating tensor of that name and shape -- ``compress.section.flatten``'s rule.
+    Other values are masked as they are."""
+    parts = []
+    for spec in specs:
+        held = common.get(spec.kind, spec.name) if spec.kind == Kind.SHARED_TENSORS else None
+        for name, tensor_spec in spec.tensors.items():
+            n = math.prod(tensor_spec.shape)
+            ref = held.tensors.get(name) if held is not None else None
+            if (ref is not None and tensor_spec.dtype.is_floating_point
+                    and ref.is_floating_point() and tuple(ref.shape) == tensor_spec.shape):
+                parts.append(ref.detach().reshape(-1).to("cpu", torch.float64).numpy())
+            else:
+                parts.append(np.zeros(n))
     return np.concatenate(parts) if parts else np.zeros(0)
 
 
