@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace an existing --out folder")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="passed to fl-server (e.g. --set fedprox.mu=0.1)")
+    p.add_argument("--compress", default=None, metavar="up=CODEC,down=CODEC",
+                   help="update compression, passed to fl-server --compress (e.g. "
+                        "up=int8,down=fp16); compare runs with fl-report's bytes_vs_accuracy.png")
     privacy = p.add_argument_group("privacy (passed to fl-server)")
     privacy.add_argument("--dp", action="store_true",
                          help=f"DP-SGD on every edge (budget --dp-epsilon, default "
@@ -116,6 +119,9 @@ def server_settings(args: argparse.Namespace) -> tuple[list[str], list[str]]:
         dp_flags, dp_notes = dp_method_settings(args, flags, method.name or args.method)
         flags += dp_flags
         notes += dp_notes
+    if args.compress:
+        flags += ["--compress", args.compress]
+        notes.append(f"update compression {args.compress}")
     if args.secagg:
         flags.append("--secagg")
         notes.append("secure aggregation: the server sees only the sum of the uploads")
