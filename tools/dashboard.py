@@ -30,15 +30,12 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from .dashboard_live import REPO, DashboardError, live_prometheus
+
 DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "fedattn.json"
 GRID_COLUMNS = 24
 UNIT_INCHES = 0.36  # one gridPos height unit (Grafana: 30 px + margin)
 MAX_LEGEND = 8      # legend entries drawn per panel; the rest are counted
-
-
-class DashboardError(Exception):
-    """Bad input (dashboard file, Prometheus unreachable); the message names it."""
 
 
 @dataclass
@@ -292,8 +289,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if args.live:
-            from .dashboard_live import live_prometheus
-
             overrides.setdefault("window", "20s")
             board = load_dashboard(args.dashboard, overrides)
             with live_prometheus(args.edges, args.seconds) as url:

@@ -21,7 +21,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .dashboard import REPO, DashboardError
+REPO = Path(__file__).resolve().parent.parent
+
+
+class DashboardError(Exception):
+    """Bad input or a live run that could not be made (the dashboard file, Prometheus
+    unreachable, a process that exited); the message names it. Defined here, below the
+    renderer, so that neither module imports the other."""
 
 
 def _free_port() -> int:
