@@ -6,6 +6,12 @@ Apart from the daemon so that what travels (and how many bytes it costs, ``ByteM
 is one readable unit, and the task runner and middleware never see a stub. The Session
 outlives reconnects (the cache and chunk size carry over; a rejoin replaces the session id
 and key); ``connect`` opens one channel for one stretch of reachability.
+
+Bytes are counted as the server counts them, so the two sides' ``kind="meta"`` series
+agree per edge (docs/operations.md, "What each side counts"): every message of every call,
+presence included, under the edge's own id; a request only once the server answered (a
+reply, or a status of its own: a call that found no server, ``UNAVAILABLE``, carried
+nothing the server could count), a reply or stream message when it arrives.
 """
 
 from __future__ import annotations
@@ -107,6 +113,18 @@ class Session:
         self.cached_common: tuple[str, Payload, bytearray] | None = None
         self.buffers = BufferPool(keep=1)
 
+    # ---- byte accounting ------------------------------------------------------------------
+    def _count(self, direction: str, message, kind: str = META) -> None:
+        """One protobuf message, under this edge's id (the server's label for it)."""
+        self.meter.count_message(direction, message, edge=self.identity.edge_id, kind=kind)
+
+    def _count_sent(self, request, err: grpc.RpcError | None = None) -> None:
+        """A request the server received: answered, or failed with a status other than
+        ``UNAVAILABLE`` (no server reached: a retry against a server that is down must not
+        count bytes that never left, as the server never counts them)."""
+        if err is None or err.code() != grpc.StatusCode.UNAVAILABLE:
+            self._count(UP, request)
+
     def limit_downlinks(self, cap: int, why: str) -> None:
         """The run's cap replaces the bound before setup; the cache belongs to the old run."""
         self.downlink_cap, self.downlink_why = cap, why
@@ -175,15 +193,16 @@ class Session:
             signing_key=self.signing_key.public_key().public_bytes_raw(),
             upload_key_share=key_share, upload_key_proof=key_proof,
         )
-        self.meter.count_message(UP, request)
         try:
             reply = self.stub.Join(request, timeout=30)
         except grpc.RpcError as err:
+            self._count_sent(request, err)
             if err.code() in JOIN_REFUSED:
                 raise EdgeExit(2, f"join refused by {self.opts.server}: {err.details()}"
                                   f"{self._stale_state_hint(err, state_fingerprint)}") from None
             raise
-        self.meter.count_message(DOWN, reply)
+        self._count_sent(request)
+        self._count(DOWN, reply)
         try:
             self.upload_mac_key = upload_mac_key(exchange(key_private, reply.upload_key_share),
                                                  self.identity.edge_id, reply.session)
@@ -199,16 +218,23 @@ class Session:
         """Holds the presence stream open (the server selects connected edges only and
         drops the task of one whose stream closes) while the body runs."""
         stop = threading.Event()
-        call = self.stub.Presence(pb.PresenceRequest(edge_id=self.identity.edge_id,
-                                                     session=self.session))
+        request = pb.PresenceRequest(edge_id=self.identity.edge_id, session=self.session)
+        call = self.stub.Presence(request)
 
         def hold() -> None:
+            sent = False
             try:
-                for _ in call:
+                for event in call:
+                    if not sent:  # the server counts the request as the stream opens
+                        self._count_sent(request)
+                        sent = True
+                    self._count(DOWN, event)
                     if stop.is_set():
                         break
-            except grpc.RpcError:
-                pass  # the main loop notices a lost server on its own calls
+            except grpc.RpcError as err:
+                if not sent:
+                    self._count_sent(request, err)
+                # else: the main loop notices a lost server on its own calls
 
         thread = threading.Thread(target=hold, daemon=True)
         thread.start()
@@ -223,13 +249,15 @@ class Session:
 
     def leave(self, reason: str) -> None:
         """Tells the server this edge is gone and why (best effort: it may be gone too)."""
+        request = pb.LeaveRequest(edge_id=self.identity.edge_id, session=self.session,
+                                  reason=reason)
         try:
-            request = pb.LeaveRequest(edge_id=self.identity.edge_id, session=self.session,
-                                      reason=reason)
-            self.meter.count_message(UP, request)
-            self.stub.Leave(request, timeout=10)
-        except grpc.RpcError:
-            pass
+            reply = self.stub.Leave(request, timeout=10)
+        except grpc.RpcError as err:
+            self._count_sent(request, err)
+            return
+        self._count_sent(request)
+        self._count(DOWN, reply)
 
     # ---- tasks ----------------------------------------------------------------------------
     def next_task(self) -> Received:
@@ -239,15 +267,16 @@ class Session:
         cached_id = self.cached_common[0] if self.cached_common else ""
         request = pb.TaskRequest(edge_id=self.identity.edge_id, session=self.session,
                                  cached_common=cached_id)
-        self.meter.count_message(UP, request)
         stream = self._call(self.stub.NextTask, request, timeout=120)
         header = None
         assemblers: list[PayloadAssembler] = []
         try:
             for message in stream:
                 if not isinstance(message, memoryview):
+                    if header is None:  # the server counted the request before answering
+                        self._count_sent(request)
                     header = message.header
-                    self.meter.count_message(DOWN, message)
+                    self._count(DOWN, message)
                     if header.status != pb.TaskHeader.TASK:
                         break
                     assemblers = self._assemblers(header)
@@ -257,8 +286,10 @@ class Session:
                     raise WireError("data before the task header or past the payload")
                 kind = target.add(message)
                 self.meter.count(DOWN, kind.label, data_message_wire_bytes(len(message)),
-                                 len(message))
+                                 len(message), self.identity.edge_id)
         except grpc.RpcError as err:
+            if header is None:
+                self._count_sent(request, err)
             if err.code() == grpc.StatusCode.UNAUTHENTICATED:
                 raise Rejoin() from None
             raise
@@ -320,14 +351,15 @@ class Session:
             encoded.body_mac(self.upload_mac_key, header.header.body_mac_iv))
 
         def messages():
-            self.meter.count_message(UP, header)
+            self._count(UP, header)
             yield header
             for kind, frame, size in data_frames(encoded, self.chunk_bytes):
-                self.meter.count(UP, kind.label, len(frame) + GRPC_FRAME_PREFIX, size)
+                self.meter.count(UP, kind.label, len(frame) + GRPC_FRAME_PREFIX, size,
+                                 self.identity.edge_id)
                 yield frame
 
         reply = self._call(self.stub.Submit, messages(), timeout=600)
-        self.meter.count_message(DOWN, reply, kind=META)
+        self._count(DOWN, reply)
         self.metrics.submissions.labels(task.phase, "accepted" if reply.accepted else "refused").inc()
         if reply.accepted:
             self.metrics.last_success_round.set(task.round)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from fedattn_shared.methods import available_methods
-from fl_tools.demo import main
+from fl_tools.demo import DEMO_STATS_SIGMA, build_parser, main, server_settings
 
 METHODS = available_methods()
 WORKERS = 2  # concurrent demos (each mostly starts torch in 3 processes): one per core
@@ -79,3 +79,43 @@ def test_fl_demo_runs_a_module_class_method(tmp_path, monkeypatch):
     (record,) = json.loads((out / "server" / "history.json").read_text())["rounds"]
     assert sorted(record["census"]["received"]) == ["edge_00", "edge_01"]
     assert sorted(record["train"]["received"]) == ["edge_00", "edge_01"]
+
+
+@pytest.mark.parametrize("method", ["fedsap", "pfedka"])
+def test_fl_demo_dp_noises_the_statistics_a_method_uploads(tmp_path, capsys, method):
+    """``fl-demo --method M --dp`` for the methods whose uploads carry statistics of the
+    data DP-SGD does not cover: the server refuses them without ``--dp-stats-sigma``, so
+    the demo passes its default and says so; Fed-SAP also gets the per-sample GSR DP-SGD
+    needs. Every edge's result must be accepted (a noised pFedKA cross-entropy below 0
+    is clamped, not refused) and the edges must account the statistics' epsilon."""
+    out = tmp_path / method
+    code = main(["--method", method, "--dp", "--edges", "2", "--rounds", "1",
+                 "--local-epochs", "1", "--limit", "300", "--no-report", "--out", str(out)])
+    printed = capsys.readouterr().out
+    logs = "".join(f"\n--- {p.name}\n{p.read_text()[-1500:]}"
+                   for p in sorted((out / "logs").glob("*.log"))) if (out / "logs").exists() else ""
+    assert code == 0, printed + logs
+    assert f"clipped and noised with --dp-stats-sigma {DEMO_STATS_SIGMA:g}" in printed
+    assert "noised statistics epsilon" in printed
+    history = json.loads((out / "server" / "history.json").read_text())
+    manifest = history["manifest"]
+    assert manifest["dp"]["stats_sigma"] == DEMO_STATS_SIGMA
+    assert manifest["dp"]["stats_in_clear"] is False
+    if method == "fedsap":
+        assert manifest["params"]["gsr_form"] == "per-sample"
+    (record,) = history["rounds"]
+    assert record["train"]["dropped"] == {}, record["train"]["dropped"]
+    assert sorted(record["train"]["received"]) == ["edge_00", "edge_01"]
+    for figures in record["train"]["edge_metrics"].values():
+        assert 0 < figures["dp_stats_epsilon"] and 0 < figures["dp_epsilon"] <= 8.0 + 1e-6
+
+
+def test_fl_demo_dp_leaves_statistics_alone_where_there_are_none(capsys):
+    """FedAvg uploads its model only: no ``--dp-stats-sigma`` (it would noise nothing and
+    read as if something were noised); the user's own value and consent are kept."""
+    flags, notes = server_settings(build_parser().parse_args(["--method", "fedavg", "--dp"]))
+    assert "--dp-stats-sigma" not in flags and not any("statistics" in n for n in notes)
+    flags, _ = server_settings(build_parser().parse_args(
+        ["--method", "fedsap", "--dp-stats-sigma", "0.5", "--set", "fedsap.gsr_form=batch"]))
+    assert flags[flags.index("--dp-stats-sigma") + 1] == "0.5" and "--dp" in flags
+    assert not any("gsr_form" in f for f in flags)  # the user's --set goes through as given

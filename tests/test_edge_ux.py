@@ -1,14 +1,21 @@
 """The daemons on a host they share and without a terminal: torch threads
-(``fl-edge --threads``), progress lines at a steady interval (``--log-every``)."""
+(``fl-edge --threads``), progress lines at a steady interval (``--log-every``), and the
+byte counters both daemons keep, which an operator compares (docs/operations.md)."""
 
 from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
+import urllib.request
 
-from conftest import REPO, read_history, write_edge_dirs
+from conftest import REPO, free_port, read_history, wait_for, write_edge_dirs
+from prometheus_client import generate_latest
+
+from fl_edge.daemon import EdgeDaemon, EdgeOptions
 
 
 def edge(tmp_path, *args: str, omp: str | None = None) -> subprocess.CompletedProcess:
@@ -50,3 +57,53 @@ def test_progress_lines_without_a_terminal(cluster, tmp_path):
     assert re.search(r"round 1 train: 0/1 results in, 0 dropped, quorum 1, open \d+s",
                      server.log()), server.log()[-2000:]
     assert read_history(tmp_path / "server-state")["rounds"][0]["train"]["received"] == ["slow"]
+
+
+def _series(text: str) -> dict[tuple[str, str, str, str], float]:
+    """(metric, edge, direction, kind) -> value of the byte and message counters."""
+    return {(m["metric"], m["edge"], m["direction"], m["kind"]): float(m["value"])
+            for m in re.finditer(r'^fedattn_(?P<metric>wire_bytes|messages)_total\{direction='
+                                 r'"(?P<direction>\w+)",edge="(?P<edge>[^"]*)",kind="(?P<kind>\w+)"'
+                                 r'\} (?P<value>\S+)$', text, re.M)}
+
+
+def test_edge_and_server_count_the_same_bytes_per_edge(cluster, tmp_path):
+    """A real federation whose edges start before the server (so they retry joins against
+    nobody): every edge's own counters, labelled with its id, equal the server's for that
+    edge in every kind and direction, meta included (presence, leave, polls; a join that
+    found no server is counted by neither side). Edges run as fl-sim hosts them, so their
+    registries can be read after they exit."""
+    port = free_port()
+    dirs = write_edge_dirs(tmp_path, 2, per_edge=60)
+    daemons = [EdgeDaemon(EdgeOptions(server=f"127.0.0.1:{port}", data_dir=d,
+                                      state_dir=tmp_path / f"state-{i}", name=f"e{i}",
+                                      device="cpu", progress=False, retry_for=60,
+                                      max_backoff=0.5))
+               for i, d in enumerate(dirs)]
+    codes: dict[str, int] = {}
+    threads = [threading.Thread(target=lambda d=d: codes.update({d.identity.edge_id: d.run()}))
+               for d in daemons]
+    for thread in threads:
+        thread.start()
+    try:
+        wait_for(lambda: all(generate_latest(d.registry).count(b"fedattn_edge_rpc_retries_total{")
+                             for d in daemons), 30, "both edges to retry an absent server")
+        server = cluster.server("--method", "fedavg", "--rounds", "2", "--min-edges", "2",
+                                "--local-epochs", "1", "--metrics-port", "0",
+                                "--metrics-linger", "30", port=port)
+    finally:
+        for thread in threads:
+            thread.join(timeout=120)
+    assert codes == {"e0": 0, "e1": 0}
+    server.wait_log("(--metrics-linger)")
+    served = _series(urllib.request.urlopen(
+        f"http://127.0.0.1:{server.metrics_port}/metrics").read().decode())
+    for daemon in daemons:
+        edge_id = daemon.identity.edge_id
+        own = _series(generate_latest(daemon.registry).decode())
+        assert {key[1] for key in own} == {edge_id}  # never edge=""
+        assert own[("wire_bytes", edge_id, "up", "meta")] > 0
+        assert own[("messages", edge_id, "down", "meta")] >= 6  # join x2, presence, polls, leave
+        assert own == {key: value for key, value in served.items() if key[1] == edge_id}
+    server.popen.send_signal(signal.SIGTERM)
+    assert server.wait(timeout=10) == 0

@@ -355,7 +355,8 @@ def test_accuracy_per_edge_and_round_is_reported_and_plotted(tmp_path, capsys):
     (run_dir / "history.json").write_text(json.dumps(history))
     out = tmp_path / "out"
     assert main([str(run0), str(run_dir), "--out", str(out)]) == 0
-    assert "and 7 PNG file(s)" in capsys.readouterr().err  # 1 + (bytes, participation, edges) x 2
+    # 1 + (bytes, participation, edges) x 2 + bytes_vs_accuracy (two runs)
+    assert "and 8 PNG file(s)" in capsys.readouterr().err
     summary = json.loads((out / "summary.json").read_text())
     first, second = summary["runs"]
     assert first["edge_accuracy"] == [{"round": 1, "edges": {"e0": 0.5, "e1": 0.75}},
@@ -366,3 +367,64 @@ def test_accuracy_per_edge_and_round_is_reported_and_plotted(tmp_path, capsys):
     small, large = (Image.open(out / run["figures"]["edges"]) for run in (first, second))
     assert_png(out / first["figures"]["edges"])
     assert large.size[1] > small.size[1]
+
+
+# ---- bytes vs accuracy across real runs ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def codec_runs(tmp_path_factory) -> list[Path]:
+    """Two short real federations (fl-demo: a real fl-server and two fl-edge processes over
+    gRPC), one with ``--compress up=fp16`` and one without: their history.json files as the
+    server wrote them."""
+    from fl_tools.demo import main as demo
+
+    root = tmp_path_factory.mktemp("codec-runs")
+    runs = []
+    for name, extra in (("raw", []), ("fp16", ["--compress", "up=fp16"])):
+        out = root / name
+        assert demo(["--method", "fedavg", "--edges", "2", "--rounds", "2", "--local-epochs", "1",
+                     "--limit", "200", "--no-report", "--out", str(out), *extra]) == 0
+        runs.append(out / "server")
+    return runs
+
+
+def test_bytes_vs_accuracy_across_real_runs(codec_runs, tmp_path, capsys):
+    """One point per run, labelled by its --compress spec: bytes per round recomputed here
+    from each history, accuracy the report's own final and best; the PNG count printed is
+    the count written."""
+    out = tmp_path / "out"
+    assert main([*map(str, codec_runs), "--out", str(out)]) == 0
+    stdout, stderr = capsys.readouterr()
+    assert_png(out / "bytes_vs_accuracy.png")
+    summary = json.loads((out / "summary.json").read_text())
+    assert "bytes_vs_accuracy.png" in summary["figures"]
+    assert sorted(p.name for p in out.glob("*.png")) == sorted(summary["figures"])
+    assert f"and {len(summary['figures'])} PNG file(s)" in stderr
+    for run, path in zip(summary["runs"], codec_runs, strict=True):
+        history = json.loads((path / "history.json").read_text())
+        assert run["compress"] == (history["manifest"]["server"]["compress"] or "none")
+        for direction in ("up", "down"):
+            per_round = [sum(kind["wire"] for kind in record["bytes"][direction].values())
+                         for record in history["rounds"]]
+            assert run["wire_bytes_per_round"][direction] == pytest.approx(
+                sum(per_round) / len(per_round))
+            assert run["wire_bytes_per_round"][direction] > 100e3  # two se-cnn models a round
+    assert [run["compress"] for run in summary["runs"]] == ["none", "up=fp16"]
+    assert "## Bytes vs accuracy" in stdout
+    rows = [line for line in stdout.splitlines() if line.startswith("| fedavg seed 0")
+            and ("| none |" in line or "| up=fp16 |" in line)]
+    assert len(rows) == 2, stdout
+
+
+def test_bytes_vs_accuracy_needs_two_runs(codec_runs, tmp_path):
+    """One run has nothing to compare: no such plot, and a history written before the
+    compress setting existed reads as "none"."""
+    history = json.loads((codec_runs[1] / "history.json").read_text())
+    del history["manifest"]["server"]["compress"]
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "history.json").write_text(json.dumps(history))
+    assert main([str(old), "--out", str(tmp_path / "out")]) == 0
+    assert not (tmp_path / "out" / "bytes_vs_accuracy.png").exists()
+    (run,) = json.loads((tmp_path / "out" / "summary.json").read_text())["runs"]
+    assert run["compress"] == "none"

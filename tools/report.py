@@ -8,8 +8,10 @@ Usage::
 A RUN_DIR is a server ``--checkpoint-dir`` (the one holding ``history.json``) or the path
 of a ``history.json`` itself. Output in ``--out``: ``summary.md``, ``summary.json``,
 ``accuracy.png`` and, per run, ``bytes_<run>.png``, ``participation_<run>.png``, ``edges_<run>.png``
-(accuracy per edge and round) and, when the method records it, ``similarity_<run>.png``; the
-markdown tables are also printed to stdout. Bad input (a missing directory or history,
+(accuracy per edge and round) and, when the method records it, ``similarity_<run>.png``;
+with two runs or more, ``bytes_vs_accuracy.png`` (one point per run: wire bytes per round
+against final and best accuracy, labelled with the run's ``--compress`` spec, for
+comparing codecs); the markdown tables are also printed to stdout. Bad input (a missing directory or history,
 unreadable JSON, a history without any evaluated round for the split) exits with status 2
 and a message that names the path.
 
@@ -41,6 +43,10 @@ Conventions (as in the FedSTAR code base's metrics, where they overlap):
 - Bytes are the wire bytes (protobuf + gRPC prefix) per round, direction and payload kind
   as the server counted them (``rounds[i].bytes``). Participation is the ``train`` phase's
   selected, received and dropped edges.
+- Bytes vs accuracy: a run's wire bytes per round in a direction = its total over all
+  kinds and rounds / the rounds that recorded bytes (the mean round, meta and statistics
+  included: what a link carries); its compress spec = manifest ``server.compress`` (""
+  and a history from before the setting: "none").
 - ``--edge-state``: the edges' own state dirs (or their ``private-history.json``), copied
   from the devices. Their private figures are merged into ``attention_weights.md``: the
   hybrid attention weights per edge, mechanism and layer at each edge's last training round
@@ -298,7 +304,18 @@ def analyze_run(path: Path, history: dict, split: str) -> dict:
         "similarity": similarity, "edge_accuracy": edge_accuracy,
         "wire_bytes_total": {d: sum(sum(r.get(d, {}).values()) for r in byte_rounds)
                              for d in ("up", "down")},
+        "wire_bytes_per_round": {d: (sum(sum(r.get(d, {}).values()) for r in byte_rounds)
+                                     / len(byte_rounds)) if byte_rounds else math.nan
+                                 for d in ("up", "down")},
+        "compress": compress_label(manifest),
     }
+
+
+def compress_label(manifest: dict) -> str:
+    """The run's ``--compress`` spec as the server recorded it; "none" for no compression
+    (an empty spec, or a history from before the setting existed)."""
+    spec = (manifest.get("server") or {}).get("compress")
+    return spec.strip() if isinstance(spec, str) and spec.strip() else "none"
 
 
 def label_runs(runs: list[dict]) -> None:
@@ -419,7 +436,24 @@ def markdown(runs: list[dict], groups: list[dict], split: str) -> str:
             f"| {_pm(group['final_mean_accuracy'])} | {_pm(group['best_mean_accuracy'])} "
             f"| {_pm(group['final_pooled_accuracy'])} | {_pm(group['best_pooled_accuracy'])} "
             f"| {_pm(group['final_macro_f1'])} | {_pm(group['best_macro_f1'])} |")
+    lines += ["", "## Bytes vs accuracy", "",
+              "Mean wire bytes per round over all edges (every kind, meta included), by the "
+              "run's --compress spec.", "",
+              "| run | compress | up per round | down per round | final mean acc | best mean acc |",
+              "|---|---|---|---|---|---|"]
+    for run in runs:
+        per_round = run["wire_bytes_per_round"]
+        lines.append(f"| {_cell(run['label'])} | {_cell(run['compress'])} "
+                     f"| {_human_bytes(per_round['up'])} | {_human_bytes(per_round['down'])} "
+                     f"| {_f(run['final']['mean_accuracy'])} | {_f(run['best']['mean_accuracy'])} |")
     return "\n".join(lines) + "\n"
+
+
+def _human_bytes(value: float, decimals: int = 1) -> str:
+    if not math.isfinite(value):
+        return "n/a"
+    scale, unit = _byte_unit(value)
+    return f"{value / scale:.{decimals}f} {unit}" if scale > 1 else f"{value:.0f} B"
 
 
 def _finite(value: Any) -> Any:
@@ -507,6 +541,68 @@ def plot_bytes(run: dict, path: Path) -> None:
     log_ax.xaxis.get_major_locator().set_params(integer=True)
     log_ax.set_xlabel("round")
     log_ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def plot_bytes_vs_accuracy(runs: list[dict], split: str, path: Path) -> None:
+    """One point per run and direction: mean wire bytes per round (log scale: codecs span
+    orders of magnitude) against the final (filled) and best (open) mean accuracy, joined
+    by a line. Colour = compress spec, so the seeds of one codec read as one cloud and the
+    legend names each spec once, outside the axes. Each final point is annotated with its
+    spec; runs on the same spot stack their annotations instead of hiding each other."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    specs = list(dict.fromkeys(run["compress"] for run in runs))
+    methods = sorted({str(run["method"]) for run in runs})
+    colors = {spec: f"C{i % 10}" for i, spec in enumerate(specs)}
+    fig = Figure(figsize=(12, 5))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 2, sharey=True)
+    stacked: dict[str, dict[tuple[str, str], int]] = {"up": {}, "down": {}}
+    for ax, direction, title in ((axes[0], "up", "upload (edge -> server)"),
+                                 (axes[1], "down", "download (server -> edge)")):
+        shown = [run["wire_bytes_per_round"][direction] for run in runs]
+        shown = [x for x in shown if math.isfinite(x) and x > 0]
+        if shown:  # at least a factor 4 wide: log ticks 1-2-5 and room for the annotations
+            low, high = min(shown), max(shown)
+            pad = max(1.6, math.sqrt(4 * low / high))
+            ax.set_xlim(low / pad, high * pad)
+        for run in runs:
+            x = run["wire_bytes_per_round"][direction]
+            if not (math.isfinite(x) and x > 0):
+                continue
+            final, best = run["final"]["mean_accuracy"], run["best"]["mean_accuracy"]
+            color = colors[run["compress"]]
+            ax.plot([x, x], [final, best], color=color, linewidth=1, alpha=0.6)
+            ax.plot([x], [final], "o", color=color, markersize=7)
+            ax.plot([x], [best], "o", markerfacecolor="none", markeredgecolor=color, markersize=9)
+            spot = (f"{x:.3g}", f"{final:.3g}")
+            stacked[direction][spot] = stacked[direction].get(spot, 0) + 1
+            text = run["compress"] if len(methods) == 1 else f"{run['method']}: {run['compress']}"
+            ax.annotate(text, (x, final), textcoords="offset points",
+                        xytext=(8, -4 - 11 * (stacked[direction][spot] - 1)),
+                        fontsize="x-small", color=color)
+        ax.set_xscale("log")
+        ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _human_bytes(v, 0)))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel(f"{direction}load wire bytes per round, all edges (log scale)")
+        ax.set_title(title)
+        ax.margins(y=0.12)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel(f"mean accuracy over edges, {split} split (0-1)")
+    handles = [Line2D([], [], color=colors[s], marker="o", linestyle="", label=s) for s in specs]
+    handles += [Line2D([], [], color="grey", marker="o", linestyle="", label="final round"),
+                Line2D([], [], color="grey", marker="o", markerfacecolor="none", linestyle="",
+                       markersize=9, label="best round")]
+    axes[1].legend(handles=handles, title="--compress", fontsize="small",
+                   loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    fig.suptitle("Bytes on the wire vs accuracy, one point per run ("
+                 + ", ".join(methods) + f"; {len(runs)} runs)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -609,6 +705,9 @@ def write_report(runs: list[dict], groups: list[dict], split: str, out: Path) ->
                 run["figures"]["similarity"] = f"similarity_{run['slug']}.png"
                 plot_similarity(run, out / run["figures"]["similarity"])
             figures += list(run["figures"].values())
+        if len(runs) > 1:
+            figures.append("bytes_vs_accuracy.png")
+            plot_bytes_vs_accuracy(runs, split, out / "bytes_vs_accuracy.png")
         table = markdown(runs, groups, split)
         (out / "summary.md").write_text(table)
         summary = {
@@ -757,7 +856,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fl-report: {exc}", file=sys.stderr)
         return 2
     sys.stdout.write(table)
-    pngs = 1 + sum(len(run["figures"]) for run in runs)
+    pngs = 1 + sum(len(run["figures"]) for run in runs) + (len(runs) > 1)
     print(f"fl-report: wrote {args.out}/summary.md, summary.json and {pngs} PNG file(s)",
           file=sys.stderr)
     return 0

@@ -384,7 +384,13 @@ class GatedAggregator(StreamingMean):
             if n < 1 or n != int(n):
                 raise ValueError(f"n must be a positive whole number of samples, got {n}")
             if ce < 0:
-                raise ValueError(f"ce (a cross-entropy) must be >= 0, got {ce}")
+                dp = self.method.dp
+                if dp is None or dp.stats_sigma == 0:
+                    raise ValueError(f"ce (a cross-entropy) must be >= 0, got {ce}")
+                # Noised under --dp-stats-sigma (N(0, (2 clip sigma)^2)), a cross-entropy
+                # comes out below 0 as often as not near 0: refusing it would drop every
+                # edge; clamping is post-processing and keeps the guarantee.
+                ce = 0.0
             # n_k weighs the edge in alpha: it must be the header's, which the server caps
             # (compared as the float32 the edge sends it in).
             if n != float(torch.tensor(weight, dtype=torch.float32)):
