@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -30,8 +29,10 @@ from fedattn_shared.wire.accounting import (
     DOWN,
     GRPC_FRAME_PREFIX,
     META,
+    NO_CODEC,
     UP,
     ByteMeter,
+    count_coded,
     data_message_wire_bytes,
 )
 from fedattn_shared.wire.payload import WireError
@@ -282,18 +283,32 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
                 return
             personal = phase.personal[edge]
             cached = bool(request.cached_common) and request.cached_common == phase.common_id
+            # --compress down=: an edge holding the previous reference gets the delta.
+            delta = (not cached and phase.delta is not None
+                     and request.cached_common == phase.delta_base)
             header = pb.TaskHeader(
                 status=pb.TaskHeader.TASK, round=phase.round, task_id=task.task_id, phase=phase.name,
                 spec_json=phase.spec_json, common_id=phase.common_id, common_cached=cached,
-                common=phase.common.manifest, personal=personal.manifest, task_nonce=task.nonce)
+                common=(phase.delta if delta else phase.common).manifest,
+                common_base_id=phase.delta_base if delta else "",
+                personal=personal.manifest, task_nonce=task.nonce)
             yield self._meta(edge, pb.TaskMessage(header=header))
             # Once every task of the phase went out, the shared frames are dropped (one model's
             # worth of memory through the uploads); a task sent again, to an edge that
             # restarted, builds its frames from the encoded tensors as it streams.
-            common = [] if cached else (phase.common_frames
-                                        or data_frames(phase.common, self.cfg.chunk_bytes))
-            for kind, frame, size in itertools.chain(common,
-                                                     data_frames(personal, self.cfg.chunk_bytes)):
+            if delta:
+                common = data_frames(phase.delta, self.cfg.chunk_bytes)
+                count_coded(self.meter, DOWN, phase.coded_delta, edge)
+            else:
+                common = [] if cached else (phase.common_frames
+                                            or data_frames(phase.common, self.cfg.chunk_bytes))
+            coded = phase.coded_delta if delta else {}
+            for kind, frame, size in common:
+                codec = coded.get(kind.label, (NO_CODEC, 0))[0]
+                self.meter.count(DOWN, kind.label, len(frame) + GRPC_FRAME_PREFIX,
+                                 0 if kind.label in coded else size, edge, codec)
+                yield frame
+            for kind, frame, size in data_frames(personal, self.cfg.chunk_bytes):
                 self.meter.count(DOWN, kind.label, len(frame) + GRPC_FRAME_PREFIX, size, edge)
                 yield frame
             task.delivered = True
@@ -450,7 +465,9 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
                                     else "a second header inside one upload")
                 kind, offset = assembler.reserve(message)
                 size = len(message)
-                self.meter.count(UP, kind.label, data_message_wire_bytes(size), size, edge)
+                codec = phase.coded_up.get(kind.label)
+                self.meter.count(UP, kind.label, data_message_wire_bytes(size),
+                                 0 if codec else size, edge, codec[0] if codec else NO_CODEC)
                 if writing is not None:
                     await writing
                 writing = loop.run_in_executor(None, ingest, offset, message)
@@ -458,6 +475,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
                 await writing
             if await read() is not grpc.aio.EOF:
                 raise WireError("data beyond the declared payload")
+            count_coded(self.meter, UP, phase.coded_up, edge)
         except BaseException:
             if writing is not None and not writing.done():
                 # Never let the buffer go back to the pool while a worker writes to it.
