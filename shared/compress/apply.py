@@ -25,6 +25,7 @@ from ..wire.payload import Kind, Payload, Section, WireError
 from .codec import CodecChoice
 from .section import compressible, decode_section, encode_section, encoded_spec, vector_length
 
+
 def kind_base(common: Payload, kind: Kind) -> dict[str, torch.Tensor]:
     """The common downlink's tensors of ``kind`` (every section of it), by name: the base
     an upload of that kind is coded against ("delta" rule)."""
@@ -82,6 +83,8 @@ class UplinkCompression:
                 sections.append(section)
                 continue
             base = kind_base(common, spec.kind) if self.rule(spec) == "delta" else None
+            section = Section(section.kind, section.name,
+                              {n: t.detach().cpu() for n, t in section.tensors.items()})
             residual = None
             key = f"{phase}/{spec.kind.label}/{spec.name}"
             if self.choice.feedback and residuals is not None:

@@ -345,6 +345,7 @@ class Method(metaclass=_MethodType):
     dp_support = _Declared()
     personal_copy = _Declared()
     extra_metrics = _Declared()
+    compression = _Declared()
     aggregator_kind = _Declared()
 
     def __init_subclass__(cls, **declared: Any) -> None:
