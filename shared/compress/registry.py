@@ -19,6 +19,10 @@ CODEC_SPEC = re.compile(r"(?P<name>[a-z][a-z0-9_]*)(?::(?P<arg>[A-Za-z0-9_.]+))?
 #: The codecs fedattn ships: name -> ``module:Class``.
 BUILTIN = {
     "fp16": "fedattn_shared.compress.fp16:Float16",
+    "bf16": "fedattn_shared.compress.bf16:BFloat16",
+    "int8": "fedattn_shared.compress.int8:Int8",
+    "int4": "fedattn_shared.compress.int4:Int4",
+    "topk": "fedattn_shared.compress.topk:TopK",
 }
 
 
