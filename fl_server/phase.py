@@ -173,7 +173,8 @@ async def open_phase(driver: Any, round_number: int, cfg: ServerConfig, task_ids
     name = driver.name
     try:
         schema = driver.schema()
-        common = await asyncio.to_thread(encode, driver.common())
+        # Off the event loop: under --compress down= the common payload is coded here.
+        common = await asyncio.to_thread(lambda: encode(driver.common()))
         delta = driver.common_delta()
         delta_encoded = await asyncio.to_thread(encode, delta[1]) if delta else None
         frames = await asyncio.to_thread(lambda: list(data_frames(common, cfg.chunk_bytes)))

@@ -57,6 +57,14 @@ class UplinkCompression:
     def __init__(self, method: Method, models: dict, choice: CodecChoice):
         self.method, self.models, self.choice = method, models, choice
         self.rules = dict(method.compression)
+        self._specs: dict[str, dict[tuple[Kind, str], SectionSpec]] = {}
+
+    def specs(self, phase: str) -> dict[tuple[Kind, str], SectionSpec]:
+        """The method's upload schema of ``phase`` by (kind, name), built once."""
+        if phase not in self._specs:
+            self._specs[phase] = {(s.kind, s.name): s
+                                  for s in self.method.uplink_schema(phase, self.models)}
+        return self._specs[phase]
 
     def rule(self, spec: SectionSpec) -> str:
         """"delta", "values" or "exact" for this section (exact when it cannot be coded)."""
@@ -66,7 +74,7 @@ class UplinkCompression:
     def schema(self, phase: str) -> list[SectionSpec]:
         """The phase's upload schema as it travels: coded sections as their codec parts."""
         return [encoded_spec(spec, self.choice.codec) if self.rule(spec) != "exact" else spec
-                for spec in self.method.uplink_schema(phase, self.models)]
+                for spec in self.specs(phase).values()]
 
     def encode(self, phase: str, upload: Payload, common: Payload,
                generator: torch.Generator,
@@ -75,7 +83,7 @@ class UplinkCompression:
         """The upload coded; ``residuals`` (error feedback, updated in place, keyed
         ``phase/kind/section``) when the codec has +ef. Returns the coded payload and, per
         coded section, its codec label and decoded size (what the accounting reports)."""
-        specs = {(s.kind, s.name): s for s in self.method.uplink_schema(phase, self.models)}
+        specs = self.specs(phase)
         sections, coded = [], {}
         for section in upload.sections:
             spec = specs.get((section.kind, section.name))
@@ -102,7 +110,7 @@ class UplinkCompression:
     def decode(self, phase: str, upload: Payload, common: Payload) -> Payload:
         """The upload as the edge's tensors (its layout already matched ``schema``).
         WireError names the part whose values no honest encoder produces."""
-        specs = {(s.kind, s.name): s for s in self.method.uplink_schema(phase, self.models)}
+        specs = self.specs(phase)
         sections = []
         for section in upload.sections:
             spec = specs.get((section.kind, section.name))
@@ -119,8 +127,7 @@ class UplinkCompression:
     def coded_sizes(self, phase: str) -> dict[tuple[Kind, str], Encoded]:
         """Per coded section of the phase: its label and decoded size (accounting)."""
         return {(s.kind, s.name): Encoded(self.choice.label, s.nbytes)
-                for s in self.method.uplink_schema(phase, self.models)
-                if self.rule(s) != "exact"}
+                for s in self.specs(phase).values() if self.rule(s) != "exact"}
 
 
 def same_layout(a: Payload, b: Payload) -> bool:
