@@ -213,4 +213,4 @@ class EdgeDaemon:
         """Runs a task and submits its result."""
         result = self.runner(received.header, received.common, received.personal)
         self.session.submit(received.header, result.upload, result.num_examples,
-                            result.evaluation, result.metrics)
+                            result.evaluation, result.metrics, result.coded)

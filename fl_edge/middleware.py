@@ -4,8 +4,8 @@
 Each concern that crosses every phase lives in one class here instead of in the handlers
 or the training loop: loading the server's initial weights, SecAgg+ (answers its protocol
 steps itself, masks the method's uploads), DP-SGD (checks the budget, privatizes and books
-every upload before it leaves, keeps the losses home). ``edge_middleware`` states the
-order as one list; update compression will add its own class the same way.
+every upload before it leaves, keeps the losses home); update compression has its own
+module (``fl_edge.compression``). ``edge_middleware`` states the order as one list.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from fedattn_shared.methods.phases import EVALUATE, TRAIN
 from fedattn_shared.privacy.dp import BudgetSpent, PrivateTraining
 from fedattn_shared.wire.payload import Kind, Payload
 
+from .compression import Compression
 from .metrics import EdgeMetrics
 from .options import EdgeExit
 from .run import EdgeRun
@@ -125,9 +126,12 @@ class DifferentialPrivacy:
 def edge_middleware(run: EdgeRun, secagg: EdgeSecAgg, store: PrivateStore,
                     writer: StateWriter, metrics: EdgeMetrics,
                     leave: Callable[[str], None]) -> list[Middleware]:
-    """The order, outermost first: initial weights before anything reads the task; SecAgg
-    outside DP, so that it masks what DP has already privatized and booked."""
-    layers: list[Middleware] = [InitialWeights(run), SecureAggregation(secagg, run)]
+    """The order, outermost first: initial weights before anything reads the task;
+    compression outside SecAgg and DP, so that it codes what DP privatized (post-processing)
+    and leaves masked sections alone; SecAgg outside DP, so that it masks what DP has
+    already privatized and booked."""
+    layers: list[Middleware] = [InitialWeights(run), Compression(run, store, writer),
+                                SecureAggregation(secagg, run)]
     if run.privacy is not None:
         layers.append(DifferentialPrivacy(run.privacy, store, writer, metrics, leave))
     return layers

@@ -6,19 +6,21 @@ hyperparameters. ``build_run`` checks them before using any of it: only an insta
 method, or a module:Class the edge was started with ``--allow-method`` for (refused before
 any import); DP-SGD within the edge's privacy policy and its ledger's pin (refused before
 any training, ``fedattn_shared.privacy.dp``); a model whose fingerprint matches the
-server's. A refusal is an ``EdgeExit`` with status 2 naming the setting (``tell_server``
-for the ones the server should hear). The result, ``EdgeRun``, is a plain value the task
-runner and middleware read; a server with a new configuration gets a new one.
+server's; only installed codecs (``server.compress``). A refusal is an ``EdgeExit``
+with status 2 naming the setting (``tell_server`` for the ones the server should hear).
+The result, ``EdgeRun``, is a plain value the task runner and middleware read;
+a server with a new configuration gets a new one.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from fedattn_shared.compress import CompressSpec
 from fedattn_shared.config import CLIP_WITH_DP, ConfigError, DPConfig, TrainConfig, apply_values
 from fedattn_shared.data import DataError, EdgeData, load_edge_data
 from fedattn_shared.methods import check_method_allowed, load_method
@@ -78,6 +80,7 @@ class EdgeRun:
     privacy: PrivateTraining | None
     secagg: SecAggPolicy | None  # what this edge holds every SecAgg round to
     downlink_cap: int
+    compress: CompressSpec = field(default_factory=CompressSpec)  # server.compress
 
 
 @dataclass
@@ -86,6 +89,7 @@ class _Config:
     train: TrainConfig
     dp: DPConfig | None
     secagg: SecAggPolicy | None
+    compress: CompressSpec
 
 
 def build_run(config_json: str, fingerprint: str, opts: EdgeOptions, device: torch.device,
@@ -113,7 +117,7 @@ def build_run(config_json: str, fingerprint: str, opts: EdgeOptions, device: tor
     log.info("data: %d train, %d test, %s global-test samples", len(data.train),
              len(data.test), len(data.global_test) if data.global_test else "no")
     return EdgeRun(config_json, fingerprint, method, algo, data, config.train, batch_size,
-                   privacy, config.secagg, downlink_cap(models))
+                   privacy, config.secagg, downlink_cap(models), config.compress)
 
 
 def _read_config(config_json: str, opts: EdgeOptions) -> _Config:
@@ -142,7 +146,19 @@ def _read_config(config_json: str, opts: EdgeOptions) -> _Config:
         secagg = SecAggPolicy.from_config(config["secagg"]) if "secagg" in config else None
     except (ConfigError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise EdgeExit(2, f"cannot use the server's configuration: {err}") from None
-    return _Config(config, train, dp, secagg)
+    return _Config(config, train, dp, secagg, _compress(config.get("compress", "")))
+
+
+def _compress(text: object) -> CompressSpec:
+    """The run's codecs (``server.compress``): a codec this edge does not have installed
+    is refused by name, as an unknown method is, and the server hears why."""
+    try:
+        if not isinstance(text, str):
+            raise ValueError(f"not a string: {type(text).__name__}")
+        return CompressSpec.parse(text)
+    except ValueError as err:
+        raise EdgeExit(2, f"refusing the server's compress setting: {err}",
+                       tell_server=f"refused the server's compress setting: {err}") from None
 
 
 def _check_privacy_policy(opts: EdgeOptions, store: PrivateStore,

@@ -34,8 +34,10 @@ from fedattn_shared.wire.accounting import (
     DOWN,
     GRPC_FRAME_PREFIX,
     META,
+    NO_CODEC,
     UP,
     ByteMeter,
+    count_coded,
     data_message_wire_bytes,
 )
 from fedattn_shared.wire.codec import encode
@@ -327,19 +329,30 @@ class Session:
         common = assemblers[0].finish()
         personal = assemblers[1].finish()
         if self.cached_common is not None:
-            # Nothing views the previous global any more (the model copied it and the
-            # next receive replaces the method's references), so its buffer serves the
-            # next download instead of a fresh one that page-faults on every 4 KiB.
+            # Nothing views the previous global any more (the model copied it, the
+            # compression layer holds its own copy, and the next receive replaces the
+            # method's references), so its buffer serves the next download instead of a
+            # fresh one that page-faults on every 4 KiB.
             self.buffers.give(self.cached_common[2])
+        # Cached under the id of what the edge holds once it is applied: the common id
+        # (a delta, ``common_base_id``, is applied by the compression layer, which then
+        # keeps the whole global it leads to: what arrived is only the change).
         self.cached_common = (header.common_id, common, assemblers[0].buffer)
-        self.keep_common(header.common, assemblers[0].buffer)
+        if not header.common_base_id:
+            self.keep_common(header.common, assemblers[0].buffer)
         return Received(header, common, personal)
 
     def submit(self, task: pb.TaskHeader, upload: Payload, num_examples: int,
-               evaluation: list, metrics: dict[str, float]) -> None:
+               evaluation: list, metrics: dict[str, float], coded: dict | None = None) -> None:
         """Streams a result up, signed: the header carries the signature over itself and
         the body's MAC (keyed per session), the body goes in pre-built frames. The server's
-        answer is counted and logged, never retried (the task is over either way)."""
+        answer is counted and logged, never retried (the task is over either way).
+        ``coded``: the sections that travel compressed, (Kind, name) -> ``Encoded``
+        (counted under their codec, raw bytes as decoded)."""
+        by_kind: dict[str, tuple[str, int]] = {}
+        for (kind, _), encoded in (coded or {}).items():
+            label, raw = by_kind.get(kind.label, (encoded.label, 0))
+            by_kind[kind.label] = (label, raw + encoded.raw_bytes)
         encoded = encode(upload, checksum=False)  # the signed body MAC covers the bytes
         header = pb.SubmitMessage(header=pb.SubmitHeader(
             protocol_version=PROTOCOL_VERSION, edge_id=self.identity.edge_id,
@@ -354,9 +367,12 @@ class Session:
             self._count(UP, header)
             yield header
             for kind, frame, size in data_frames(encoded, self.chunk_bytes):
-                self.meter.count(UP, kind.label, len(frame) + GRPC_FRAME_PREFIX, size,
-                                 self.identity.edge_id)
+                codec = by_kind.get(kind.label)
+                self.meter.count(UP, kind.label, len(frame) + GRPC_FRAME_PREFIX,
+                                 0 if codec else size, self.identity.edge_id,
+                                 codec=codec[0] if codec else NO_CODEC)
                 yield frame
+            count_coded(self.meter, UP, by_kind, self.identity.edge_id)
 
         reply = self._call(self.stub.Submit, messages(), timeout=600)
         self._count(DOWN, reply)

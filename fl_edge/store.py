@@ -36,6 +36,7 @@ from fedattn_shared.wire.codec import crc32, decode
 from fedattn_shared.wire.payload import Payload, WireError
 
 STATE_FORMAT = "fedattn-edge-state/1"
+FEEDBACK_FORMAT = "fedattn-error-feedback/1"
 PRIVATE_HISTORY_FORMAT = "fedattn-private-history/1"
 
 
@@ -136,6 +137,7 @@ class PrivateStore:
         self.config_path = state_dir / "run-config.json"
         self.private_history_path = state_dir / "private-history.json"
         self.ledger_path = state_dir / "privacy-ledger.json"
+        self.feedback_path = state_dir / "feedback.safetensors"
 
     def save_run_config(self, config_json: str, fingerprint: str) -> None:
         """The server's configuration, so the model can be rebuilt offline (export)."""
@@ -239,6 +241,27 @@ class PrivateStore:
         if not isinstance(data, dict):
             raise StateError(f"{self.ledger_path}: not a privacy ledger")
         return data
+
+    def save_feedback(self, residuals: dict[str, torch.Tensor], fingerprint: str,
+                      round_number: int) -> None:
+        """The error-feedback residuals (``+ef``: what the up codec dropped, keyed
+        ``phase/kind/section``), atomically, stamped like the private state: private
+        state too (they are the edge's update minus what it sent)."""
+        save_tensors(self.feedback_path, residuals,
+                     {"format": FEEDBACK_FORMAT, "fingerprint": fingerprint,
+                      "round": str(round_number)})
+
+    def load_feedback(self, fingerprint: str) -> dict[str, torch.Tensor]:
+        """The residuals ``save_feedback`` wrote for this run ({} when none); a file of
+        another run or format is refused with its path, never silently reset."""
+        if not self.feedback_path.exists():
+            return {}
+        tensors, meta = load_tensors(self.feedback_path)
+        if meta.get("format") != FEEDBACK_FORMAT or meta.get("fingerprint") != fingerprint:
+            raise StateError(f"{self.feedback_path}: error-feedback residuals of another run "
+                             f"(format {meta.get('format')!r}, fingerprint "
+                             f"{meta.get('fingerprint')!r}); move it away to start afresh")
+        return {name: t.to(torch.float32) for name, t in tensors.items()}
 
     def exists(self) -> bool:
         """Whether the edge has trained before (its private state is on disk)."""

@@ -1,7 +1,7 @@
 """What the edge does with a task: a handler per phase, behind a list of middleware.
 
 A task runs as ``middleware[0](task, middleware[1](task, ... handler(task)))``: each
-middleware (``fl_edge.middleware``: initial weights, SecAgg+, DP-SGD) may answer a task
+middleware (``fl_edge.middleware``: initial weights, compression, SecAgg+, DP-SGD) may answer a task
 itself, change what the next one sees, or change the ``Result`` that comes back, as
 Flower's ``secaggplus_mod`` and ``LocalDpMod`` wrap a client app. The handlers know
 nothing of privacy: train, evaluate (with the method's fine-tuning) and the method's own
@@ -75,8 +75,8 @@ class Task:
 
 @dataclass
 class Result:
-    """What one task sends back (``upload``, ``num_examples``, ``evaluation``, ``metrics``)
-    and the state writes it owes (``saves``: (save function, *args), written behind the
+    """What one task sends back (``upload``, ``num_examples``, ``evaluation``, ``metrics``,
+    ``coded``) and the state writes it owes (``saves``: (save function, *args), written behind the
     upload)."""
 
     upload: Payload = field(default_factory=Payload)
@@ -84,6 +84,9 @@ class Result:
     evaluation: list[pb.ConfusionCounts] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
     saves: list[tuple] = field(default_factory=list)
+    # Upload sections that travel coded (``fl_edge.compression``): (Kind, name) ->
+    # ``Encoded`` (codec label, decoded bytes), for the byte accounting.
+    coded: dict = field(default_factory=dict)
 
 
 Handler = Callable[[Task], Result]

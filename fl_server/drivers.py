@@ -9,6 +9,9 @@ one (``personal``), how many answers close it (``quorum``), how long it waits
 - ``MethodPhase`` serves one of the method's phases through its aggregator.
 - ``EvaluatePhase`` collects evaluation results (nothing is aggregated); the engine
   scores the global with them and sends it to every connected edge when due.
+- ``Compressed`` wraps every phase of a run with ``--compress``: uploads are checked
+  against the coded schema and decoded (``decode``) before the gate's value checks; the
+  common downlink goes out as the edges' reference R, or as its delta to the one they hold.
 - ``SecAggPlus`` wraps a method phase whose uploads are summed and expands it into the
   SecAgg+ protocol steps (``SecAggStep``), as Flower's ``SecAggPlusWorkflow`` wraps a
   strategy: the aggregator then receives only the unmasked sum.
@@ -24,11 +27,18 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from fedattn_shared.compress import CompressSpec
+from fedattn_shared.compress.apply import (
+    DownlinkReference,
+    Encoded,
+    UplinkCompression,
+    coded_sections,
+)
 from fedattn_shared.config import ServerConfig
 from fedattn_shared.methods.aggregators import Aggregator
 from fedattn_shared.methods.base import Method, SectionSpec
 from fedattn_shared.methods.phases import EVALUATE, TRAIN
-from fedattn_shared.wire.payload import Payload
+from fedattn_shared.wire.payload import Kind, Payload
 
 from .edges import EdgeBook
 from .secagg import SecAggDriver
@@ -80,6 +90,28 @@ class PhaseDriver:
 
     def check(self, upload: Payload) -> None:
         """The method's own check of an upload's values (ValueError refuses it)."""
+
+    def decode(self, edge: str, upload: Payload) -> Payload:
+        """The upload as the method reads it, from what traveled (a worker thread; the
+        gate calls it right after the signature, before every value check). WireError
+        names what no honest sender produces. Identity unless the run compresses."""
+        return upload
+
+    def common_delta(self) -> tuple[str, Payload] | None:
+        """(base id, delta): the common downlink as a change to the one of that id, for
+        edges that hold it; None when there is none (called after ``common``)."""
+        return None
+
+    def published(self, common_id: str) -> None:
+        """The common downlink went out under ``common_id``."""
+
+    def coded_uploads(self) -> dict[tuple[Kind, str], Encoded]:
+        """Upload sections that travel coded: their codec label and decoded size."""
+        return {}
+
+    def coded_delta(self) -> dict[tuple[Kind, str], Encoded]:
+        """Sections of ``common_delta`` that travel coded: codec label, decoded size."""
+        return {}
 
     def accept(self, edge: str, upload: Payload, weight: float) -> None:
         """Takes one checked upload (a worker thread, under ``agg_lock``). ValueError: the
@@ -169,6 +201,18 @@ class SecAggStep(PhaseDriver):
         """The wrapped phase's common downlink: the global model, sent once."""
         return self.base.common()
 
+    def common_delta(self) -> tuple[str, Payload] | None:
+        """The wrapped phase's downlink delta (``--compress down=``)."""
+        return self.base.common_delta()
+
+    def published(self, common_id: str) -> None:
+        """Told to the wrapped phase, whose reference the delta starts from."""
+        self.base.published(common_id)
+
+    def coded_delta(self) -> dict[tuple[Kind, str], Encoded]:
+        """The wrapped phase's."""
+        return self.base.coded_delta()
+
     def personal(self, edge: str) -> Payload:
         """The aggregator's personal downlink plus the protocol's request to this edge."""
         payload = self.aggregator.personal(edge, self.name)
@@ -197,6 +241,108 @@ class SecAggStep(PhaseDriver):
         return self.secagg.close(self.name, self.base.common)
 
 
+class Compressed(MethodPhase):
+    """A method phase under ``--compress`` (a proxy: what SecAgg wraps stays a
+    ``MethodPhase``). Uplink: ``schema`` is the coded schema, so the gate's exact-manifest
+    check bounds the declared sizes before a byte is allocated, and ``decode`` restores
+    the method's tensors (the base of a delta: the common downlink as the edges hold it)
+    before the gate's value checks. Downlink: the common payload is the shared
+    ``DownlinkReference``'s R, with the delta to the previous R for edges that hold it."""
+
+    def __init__(self, inner: MethodPhase, up: UplinkCompression | None,
+                 down: DownlinkReference | None):
+        # Not MethodPhase.__init__: the wrapper is the inner driver, plus the codecs.
+        self.inner, self.up, self.down = inner, up, down
+        self.name, self.aggregator, self.cfg = inner.name, inner.aggregator, inner.cfg
+        self.method = inner.method
+        self.weighted, self.evaluates = inner.weighted, inner.evaluates
+        self.protocol_step, self.training = inner.protocol_step, inner.training
+        self._schema = up.schema(inner.name) if up is not None else inner.schema()
+        self._common: Payload | None = None
+        self._delta: tuple[str, Payload] | None = None
+
+    @staticmethod
+    def wrap(plan: list[PhaseDriver], method: Method, models: dict,
+             spec: CompressSpec, seed: int) -> list[PhaseDriver]:
+        """Every method phase of ``plan`` wrapped (one downlink reference for them all)."""
+        if not spec:
+            return plan
+        up = UplinkCompression(method, models, spec.up) if spec.up is not None else None
+        down = DownlinkReference(spec.down, seed) if spec.down is not None else None
+        return [Compressed(d, up, down) if isinstance(d, MethodPhase) else d for d in plan]
+
+    def begin_round(self, round_number: int, edges: EdgeBook) -> None:
+        """The inner driver's."""
+        self.inner.begin_round(round_number, edges)
+
+    def schema(self) -> list[SectionSpec]:
+        """The coded upload schema (``--compress up=``), else the method's."""
+        return self._schema
+
+    def common(self) -> Payload:
+        """R: the global as every edge holds it after this phase's downlink (the global
+        itself without ``down=``). Remembered as the base uploads are decoded against."""
+        payload = self.inner.common()
+        if self.down is not None:
+            payload, self._delta = self.down.publish(payload)
+        self._common = payload
+        return payload
+
+    def common_delta(self) -> tuple[str, Payload] | None:
+        """The delta to R from the previous R (see ``DownlinkReference``)."""
+        return self._delta if self.down is not None else None
+
+    def published(self, common_id: str) -> None:
+        """R's id, the base of the next delta."""
+        if self.down is not None:
+            self.down.published(common_id)
+
+    def coded_uploads(self) -> dict[tuple[Kind, str], Encoded]:
+        """The sections the up codec codes, for the byte accounting."""
+        return self.up.coded_sizes(self.name) if self.up is not None else {}
+
+    def coded_delta(self) -> dict[tuple[Kind, str], Encoded]:
+        """The sections the down codec codes in the delta, for the byte accounting."""
+        if self.down is None or self._common is None:
+            return {}
+        return coded_sections(self._common, self.down.choice)
+
+    def decode(self, edge: str, upload: Payload) -> Payload:
+        """The method's tensors from the coded upload (WireError names the bad part)."""
+        if self.up is None:
+            return upload
+        common = self._common if self._common is not None else self.inner.common()
+        return self.up.decode(self.name, upload, common)
+
+    def personal(self, edge: str) -> Payload:
+        """The inner driver's."""
+        return self.inner.personal(edge)
+
+    def quorum(self, participants: int) -> int:
+        """The inner driver's."""
+        return self.inner.quorum(participants)
+
+    def deadline(self) -> float:
+        """The inner driver's."""
+        return self.inner.deadline()
+
+    def skipped(self) -> bool:
+        """The inner driver's."""
+        return self.inner.skipped()
+
+    def check(self, upload: Payload) -> None:
+        """The inner driver's, on the decoded upload."""
+        self.inner.check(upload)
+
+    def accept(self, edge: str, upload: Payload, weight: float) -> None:
+        """The inner driver's, with the decoded upload."""
+        self.inner.accept(edge, upload, weight)
+
+    def close(self) -> dict[str, Any]:
+        """The inner driver's."""
+        return self.inner.close()
+
+
 class SecAggPlus:
     """Secure aggregation as a wrapper: expands each masked method phase of a plan into
     its SecAgg+ steps and leaves the others as they are."""
@@ -222,9 +368,11 @@ class SecAggPlus:
 
 def round_plan(method: Method, models: dict, aggregator: Aggregator, cfg: ServerConfig,
                secagg: SecAggPlus | None) -> list[PhaseDriver]:
-    """The drivers of every round, in order: the method's phases, each masked one
-    expanded into its SecAgg+ steps under ``--secagg``."""
+    """The drivers of every round, in order: the method's phases, each wrapped by
+    ``Compressed`` under ``--compress``, then each masked one expanded into its SecAgg+
+    steps under ``--secagg``."""
     plan: list[PhaseDriver] = [
         EvaluatePhase(aggregator, cfg, method, models) if name == EVALUATE
         else MethodPhase(name, aggregator, cfg, method, models) for name in method.phases]
+    plan = Compressed.wrap(plan, method, models, cfg.compress_spec(), method.train.seed)
     return secagg.wrap(plan) if secagg is not None else plan

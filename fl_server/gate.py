@@ -10,7 +10,9 @@ An upload (``Submit``) passes, in this order:
    manifest exactly as the phase's schema, a training weight >= 1, the weight cap,
    the evaluation counts, the metric names;
 3. (the servicer: one stream per task, an upload slot, the body within its deadlines)
-4. ``verify`` (the body): the signature over header and body MAC, finite values;
+4. ``verify`` (the body): the signature over header and body MAC, then the driver's
+   ``decode`` (a compressed upload back to the method's tensors: a part no honest
+   encoder produces is refused by name), then finite values;
 5. ``check_values``: the method's own check (``Method.check_upload``);
 6. ``take``, under ``agg_lock`` once the last checkpoint is on disk: the phase still
    open, then ``aggregate`` (a worker thread): the update-norm bound
@@ -262,12 +264,18 @@ class UploadGate:
     # ---- 4. the body --------------------------------------------------------------------
     async def verify(self, admission: Admission, header: pb.SubmitHeader, body_mac: bytes,
                      assembler: PayloadAssembler) -> Payload:
-        """The signature over the header and the body's MAC, then the decoded payload's
-        values all finite (decoded and scanned off the event loop)."""
+        """The signature over the header and the body's MAC, then the phase driver's
+        ``decode`` (compressed uploads), then the decoded payload's values all finite
+        (decoded and scanned off the event loop): a decoded upload passes every check
+        a raw one does."""
         if not verify_submission(bytes.fromhex(admission.record.signing_key), header, body_mac):
             raise Refused("the signature does not verify over this header and "
                           "body with the edge's signing key", drop=True)
-        payload, bad = await asyncio.to_thread(_decode_checked, assembler)
+        try:
+            payload, bad = await asyncio.to_thread(_decode_checked, assembler,
+                                                   admission.phase.driver, header.edge_id)
+        except ValueError as err:  # WireError included: a part no honest encoder produces
+            raise Refused(f"compressed upload refused: {err}", drop=True) from None
         if bad:
             raise Refused(f"non-finite values in {bad[:3]}", drop=True)
         return payload
@@ -430,7 +438,9 @@ class UploadGate:
         return result
 
 
-def _decode_checked(assembler: PayloadAssembler) -> tuple[Payload, list[str]]:
-    """Decode and finiteness scan: off the event loop (torch drops the GIL)."""
-    payload = assembler.finish()
+def _decode_checked(assembler: PayloadAssembler, driver: PhaseDriver,
+                    edge: str) -> tuple[Payload, list[str]]:
+    """Decode, the driver's decode and the finiteness scan: off the event loop (torch
+    drops the GIL)."""
+    payload = driver.decode(edge, assembler.finish())
     return payload, nonfinite_tensors(payload)

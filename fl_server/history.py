@@ -69,6 +69,7 @@ def run_manifest(server: ServerConfig, train: TrainConfig, method: Method) -> di
         "train": train.__dict__, "params": method.describe_params(),
         "dp": dataclasses.asdict(method.dp) if method.dp is not None else None,
         "seeds": {"train": train.seed},
+        "compress": server.compress_spec().text,
     }
 
 
@@ -100,6 +101,9 @@ def run_config(server: ServerConfig, train: TrainConfig, method: Method,
         config["dp"] = dataclasses.asdict(method.dp)
     if secagg is not None:
         config["secagg"] = secagg.to_config()
+    compress = server.compress_spec().text
+    if compress:  # the codecs every edge encodes and decodes with (absent: none)
+        config["compress"] = compress
     return json.dumps(config, sort_keys=True)
 
 

@@ -77,6 +77,14 @@ class Phase:
     # phase opened (SecAgg steps' schemas depend on the earlier steps).
     driver: Any = None
     schema: list = field(default_factory=list)
+    # --compress down=: the common downlink as a delta to the one of ``delta_base``, for
+    # edges that hold that one (``common`` is then the edges' reference R, whole).
+    delta_base: str = ""
+    delta: EncodedPayload | None = None
+    # Kinds that travel coded, for the byte accounting: kind label -> (codec label,
+    # decoded bytes of its coded sections), of an upload and of the delta.
+    coded_up: dict = field(default_factory=dict)
+    coded_delta: dict = field(default_factory=dict)
 
     def pending(self) -> list[str]:
         """Edges that hold a task and have neither answered nor been dropped."""
@@ -165,7 +173,10 @@ async def open_phase(driver: Any, round_number: int, cfg: ServerConfig, task_ids
     name = driver.name
     try:
         schema = driver.schema()
-        common = await asyncio.to_thread(encode, driver.common())
+        # Off the event loop: under --compress down= the common payload is coded here.
+        common = await asyncio.to_thread(lambda: encode(driver.common()))
+        delta = driver.common_delta()
+        delta_encoded = await asyncio.to_thread(encode, delta[1]) if delta else None
         frames = await asyncio.to_thread(lambda: list(data_frames(common, cfg.chunk_bytes)))
         encoded = {e: encode(personal(e)) for e in task_ids}
     except Exception as err:
@@ -175,13 +186,29 @@ async def open_phase(driver: Any, round_number: int, cfg: ServerConfig, task_ids
     # rule out a CRC collision on the usual path, whenever a phase aggregated uploads;
     # so an edge's cached copy is reused exactly when it is current.
     layout = hashlib.sha256(common.manifest.SerializeToString(deterministic=True)).hexdigest()
+    common_id = f"{version}-{layout[:16]}"
+    driver.published(common_id)
     return Phase(
         name=name, round=round_number,
         tasks={edge: Task(task_id, edge) for edge, task_id in task_ids.items()},
-        quorum=driver.quorum(len(task_ids)), common_id=f"{version}-{layout[:16]}",
+        quorum=driver.quorum(len(task_ids)), common_id=common_id,
         common=common, common_frames=frames, personal=encoded,
         spec_json=json.dumps({"round": round_number, "rounds": cfg.rounds, "phase": name}),
-        driver=driver, schema=schema)
+        driver=driver, schema=schema,
+        delta_base=delta[0] if delta_encoded is not None and delta[0] != common_id else "",
+        delta=delta_encoded if delta_encoded is not None and delta[0] != common_id else None,
+        coded_up=_labels(driver.coded_uploads()),
+        coded_delta=_labels(driver.coded_delta()) if delta_encoded is not None else {})
+
+
+def _labels(coded: dict) -> dict[str, tuple[str, int]]:
+    """(Kind, name) -> Encoded as kind label -> (codec label, decoded bytes of that kind's
+    coded sections): chunks never span two sections, but carry only their kind."""
+    out: dict[str, tuple[str, int]] = {}
+    for (kind, _), encoded in coded.items():
+        label, total = out.get(kind.label, (encoded.label, 0))
+        out[kind.label] = (label, total + encoded.raw_bytes)
+    return out
 
 
 def close_checked(driver: PhaseDriver, phase: Phase, aggregator: Aggregator,

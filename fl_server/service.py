@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -30,8 +29,10 @@ from fedattn_shared.wire.accounting import (
     DOWN,
     GRPC_FRAME_PREFIX,
     META,
+    NO_CODEC,
     UP,
     ByteMeter,
+    count_coded,
     data_message_wire_bytes,
 )
 from fedattn_shared.wire.payload import WireError
@@ -280,27 +281,46 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
                 yield self._meta(edge, pb.TaskMessage(header=pb.TaskHeader(
                     status=pb.TaskHeader.WAIT)))
                 return
-            personal = phase.personal[edge]
-            cached = bool(request.cached_common) and request.cached_common == phase.common_id
-            header = pb.TaskHeader(
-                status=pb.TaskHeader.TASK, round=phase.round, task_id=task.task_id, phase=phase.name,
-                spec_json=phase.spec_json, common_id=phase.common_id, common_cached=cached,
-                common=phase.common.manifest, personal=personal.manifest, task_nonce=task.nonce)
-            yield self._meta(edge, pb.TaskMessage(header=header))
-            # Once every task of the phase went out, the shared frames are dropped (one model's
-            # worth of memory through the uploads); a task sent again, to an edge that
-            # restarted, builds its frames from the encoded tensors as it streams.
-            common = [] if cached else (phase.common_frames
-                                        or data_frames(phase.common, self.cfg.chunk_bytes))
-            for kind, frame, size in itertools.chain(common,
-                                                     data_frames(personal, self.cfg.chunk_bytes)):
-                self.meter.count(DOWN, kind.label, len(frame) + GRPC_FRAME_PREFIX, size, edge)
-                yield frame
+            for message in self._task_messages(phase, task, edge, request.cached_common):
+                yield message
             task.delivered = True
             if all(t.delivered for t in phase.tasks.values()):
                 phase.common_frames = []
         except asyncio.CancelledError:
             return  # gRPC ends the call (the server stops, or the edge went): no traceback
+
+    def _task_messages(self, phase: Phase, task, edge: str, cached_common: str):
+        """The task's header, then the frames of its common downlink (none when the edge's
+        copy is current; the delta when the edge holds its base, ``--compress down=``) and
+        of its personal one; each counted as it goes."""
+        personal = phase.personal[edge]
+        cached = bool(cached_common) and cached_common == phase.common_id
+        delta = not cached and phase.delta is not None and cached_common == phase.delta_base
+        header = pb.TaskHeader(
+            status=pb.TaskHeader.TASK, round=phase.round, task_id=task.task_id, phase=phase.name,
+            spec_json=phase.spec_json, common_id=phase.common_id, common_cached=cached,
+            common=(phase.delta if delta else phase.common).manifest,
+            common_base_id=phase.delta_base if delta else "",
+            personal=personal.manifest, task_nonce=task.nonce)
+        yield self._meta(edge, pb.TaskMessage(header=header))
+        # Once every task of the phase went out, the shared frames are dropped (one model's
+        # worth of memory through the uploads); a task sent again, to an edge that
+        # restarted, builds its frames from the encoded tensors as it streams.
+        if delta:
+            common = data_frames(phase.delta, self.cfg.chunk_bytes)
+            count_coded(self.meter, DOWN, phase.coded_delta, edge)
+        else:
+            common = [] if cached else (phase.common_frames
+                                        or data_frames(phase.common, self.cfg.chunk_bytes))
+        coded = phase.coded_delta if delta else {}
+        for kind, frame, size in common:
+            codec = coded.get(kind.label, (NO_CODEC, 0))[0]
+            self.meter.count(DOWN, kind.label, len(frame) + GRPC_FRAME_PREFIX,
+                             0 if kind.label in coded else size, edge, codec)
+            yield frame
+        for kind, frame, size in data_frames(personal, self.cfg.chunk_bytes):
+            self.meter.count(DOWN, kind.label, len(frame) + GRPC_FRAME_PREFIX, size, edge)
+            yield frame
 
     def _meta(self, edge: str, message):
         self.meter.count_message(DOWN, message, edge=edge)
@@ -449,8 +469,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
                     raise WireError(message.reason if isinstance(message, Malformed)
                                     else "a second header inside one upload")
                 kind, offset = assembler.reserve(message)
-                size = len(message)
-                self.meter.count(UP, kind.label, data_message_wire_bytes(size), size, edge)
+                self._count_chunk(phase, kind.label, len(message), edge)
                 if writing is not None:
                     await writing
                 writing = loop.run_in_executor(None, ingest, offset, message)
@@ -458,6 +477,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
                 await writing
             if await read() is not grpc.aio.EOF:
                 raise WireError("data beyond the declared payload")
+            count_coded(self.meter, UP, phase.coded_up, edge)
         except BaseException:
             if writing is not None and not writing.done():
                 # Never let the buffer go back to the pool while a worker writes to it.
@@ -467,6 +487,12 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         finally:
             closing.cancel()
         return assembler, body.tag()
+
+    def _count_chunk(self, phase: Phase, kind: str, size: int, edge: str) -> None:
+        """An upload chunk's bytes; a coded kind's raw bytes are counted once, decoded."""
+        codec = phase.coded_up.get(kind)
+        self.meter.count(UP, kind, data_message_wire_bytes(size), 0 if codec else size, edge,
+                         codec[0] if codec else NO_CODEC)
 
     # ---- Leave ------------------------------------------------------------------------
     async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveReply:

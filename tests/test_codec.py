@@ -550,7 +550,8 @@ def test_byte_meter_prometheus_counters():
 
     def sample(metric, kind, direction, edge):
         return registry.get_sample_value(
-            f"fedattn_{metric}_total", {"kind": kind, "direction": direction, "edge": edge})
+            f"fedattn_{metric}_total", {"kind": kind, "direction": direction, "edge": edge,
+                                        "codec": "none"})
 
     assert sample("wire_bytes", "shared_tensors", "up", "e1") == 150
     assert sample("raw_tensor_bytes", "shared_tensors", "up", "e1") == 120
@@ -566,7 +567,8 @@ def test_byte_meter_prometheus_counters():
     other = CollectorRegistry()
     ByteMeter(other, namespace="edge").count("up", "meta", wire=3)
     assert other.get_sample_value("edge_wire_bytes_total",
-                                  {"kind": "meta", "direction": "up", "edge": ""}) == 3
+                                  {"kind": "meta", "direction": "up", "edge": "",
+                                   "codec": "none"}) == 3
 
 
 def test_count_message_adds_the_grpc_prefix():
@@ -584,7 +586,8 @@ def test_count_message_adds_the_grpc_prefix():
         "up": {"control": {"wire": 8, "raw": 12, "messages": 1}},
     }
     assert registry.get_sample_value("fedattn_wire_bytes_total",
-                                     {"kind": "meta", "direction": "down", "edge": "e3"}) == 8
+                                     {"kind": "meta", "direction": "down", "edge": "e3",
+                                      "codec": "none"}) == 8
 
 
 def test_byte_meter_is_thread_safe():

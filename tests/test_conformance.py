@@ -29,6 +29,8 @@ from test_bad_input import assert_bit_identical, tensor_bytes
 from test_codec import transmit
 from test_dp import dp_config, private_edge, split
 
+from fedattn_shared.compress import load_codec
+from fedattn_shared.compress.apply import UplinkCompression
 from fedattn_shared.config import ServerConfig, TrainConfig
 from fedattn_shared.methods import (
     AggregatorKind,
@@ -234,6 +236,34 @@ def test_uploads_match_the_declared_schema_in_every_phase(name, rounds):
             scores = scorer.predict(r.data.x[:5])
         assert scores.shape == (5, r.method.train.num_classes)
         assert torch.isfinite(scores).all()
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_every_upload_survives_the_codec_path(name, rounds):
+    """``--compress up=fp16`` on every phase's uploads, each section by the method's rule
+    for its kind: coded exactly as the server's coded schema says, decoded back to the
+    method's schema, the values within fp16's precision (exact sections unchanged)."""
+    r = driven(rounds, name)
+    up = UplinkCompression(r.method, r.server_models, load_codec("fp16"))
+    for phase, uploads in r.uploads.items():
+        common = r.aggregator.broadcast(phase)
+        schema = r.method.uplink_schema(phase, r.server_models)
+        for upload in uploads:
+            coded, _ = up.encode(phase, upload, common, torch.Generator().manual_seed(0))
+            assert_matches_schema(coded, up.schema(phase))
+            decoded = up.decode(phase, coded, common)
+            assert_matches_schema(decoded, schema)
+            for sent, got in zip(upload.sections, decoded.sections, strict=True):
+                for tensor, value in sent.tensors.items():
+                    back = got.tensors[tensor]
+                    if not value.is_floating_point() or up.rule(
+                            next(s for s in schema if (s.kind, s.name) == (sent.kind, sent.name))
+                    ) == "exact":
+                        assert torch.equal(back, value), f"{phase} {tensor}"
+                        continue
+                    scale = max(1.0, float(value.abs().max()))
+                    torch.testing.assert_close(back, value, rtol=0, atol=2e-3 * scale,
+                                               msg=lambda m, t=tensor, p=phase: f"{p} {t}: {m}")
 
 
 # ---- 3. state round trips --------------------------------------------------------------

@@ -64,9 +64,11 @@ def test_prometheus_counts_bytes_by_kind_direction_edge(cluster, tmp_path):
     edge_text = urllib.request.urlopen(f"http://127.0.0.1:{edge_port}/metrics").read().decode()
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read().decode()
     wire = {m.group(1): float(m.group(2)) for m in re.finditer(
-        r'fedattn_wire_bytes_total\{direction="up",edge="e0",kind="shared_tensors"\}() (\S+)', text)}
+        r'fedattn_wire_bytes_total\{codec="none",direction="up",edge="e0",kind="shared_tensors"\}'
+        r'() (\S+)', text)}
     assert wire and wire[""] > 0
-    assert 'fedattn_raw_tensor_bytes_total{direction="down",edge="e1",kind="shared_tensors"}' in text
+    assert ('fedattn_raw_tensor_bytes_total{codec="none",direction="down",edge="e1",'
+            'kind="shared_tensors"}') in text
     assert 'fedattn_eval_accuracy_mean{split="test"}' in text
     assert "round=" not in text  # the round is never a label
     # Participation, aggregation and checkpoint figures (names per Prometheus conventions).

@@ -116,6 +116,16 @@ class SectionSpec:
         return sum(self.tensors[name].nbytes for name in names)
 
 
+#: ``MethodSpec.compression``'s rules and the defaults every method starts from: model
+#: tensors as deltas, everything else as values, scalars and SecAgg's material exact (a
+#: masked vector is integers in a ring: rounding it would break the unmasking).
+COMPRESSION_RULES = ("delta", "values", "exact")
+COMPRESSION: dict[Kind, str] = {
+    Kind.SHARED_TENSORS: "delta", Kind.CONTROL: "values", Kind.PROTOTYPES: "values",
+    Kind.STAT_VECTORS: "values", Kind.SCALAR_SUMMARY: "exact", Kind.SECAGG: "exact",
+}
+
+
 @dataclass
 class NoParams:
     """A method without hyperparameters of its own."""
@@ -190,6 +200,13 @@ class MethodSpec:
     #: Names of the figures ``EdgeAlgorithm.training_metrics`` reports, beyond
     #: ``STANDARD_METRICS``; the server ignores any other name an edge sends.
     extra_metrics: tuple[str, ...] = ()
+    #: How ``--compress up=`` treats each kind of upload section, over the defaults
+    #: (``COMPRESSION``): "delta" codes the change against the common downlink the edge
+    #: received (model weights: small changes compress well), "values" codes the values
+    #: themselves (statistics, prototypes, control variates: the edge holds no base for
+    #: them), "exact" sends the section as it is (what a method must not have rounded).
+    #: Declared as a dict {Kind: rule}, kept as sorted (Kind, rule) pairs, defaults filled.
+    compression: Any = ()
 
     def __post_init__(self) -> None:
         where = f"method {self.name or '(unnamed)'!r}"
@@ -224,6 +241,13 @@ class MethodSpec:
                 isinstance(self.personal_copy, tuple) and len(self.personal_copy) == 2
                 and len(set(self.personal_copy)) == 2):
             raise TypeError(f"{where}: personal_copy must be (shared, private), two names")
+        rules = self.compression
+        rules = dict(rules.items() if isinstance(rules, Mapping) else rules)
+        if not all(isinstance(k, Kind) and v in COMPRESSION_RULES for k, v in rules.items()):
+            raise TypeError(f"{where}: compression must map a Kind to one of "
+                            f"{COMPRESSION_RULES}, got {self.compression!r}")
+        object.__setattr__(self, "compression",
+                           tuple(sorted({**COMPRESSION, **rules}.items())))
         overlap = STANDARD_METRICS & set(self.extra_metrics)
         if overlap:
             raise TypeError(f"{where}: extra_metrics repeat standard ones: {sorted(overlap)}")
@@ -321,6 +345,7 @@ class Method(metaclass=_MethodType):
     dp_support = _Declared()
     personal_copy = _Declared()
     extra_metrics = _Declared()
+    compression = _Declared()
     aggregator_kind = _Declared()
 
     def __init_subclass__(cls, **declared: Any) -> None:

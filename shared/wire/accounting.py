@@ -4,7 +4,14 @@ Wire bytes are what gRPC carries for a message (its serialized size plus gRPC's 
 length prefix); raw bytes are the tensor bytes inside it. Data chunks belong to exactly
 one section, so both are attributed to that section's kind; headers, joins, polls and
 replies are counted as kind "meta". Totals go to Prometheus counters (labels kind,
-direction, edge) and to a per-round tally that the server writes into history.json.
+direction, edge, codec) and to a per-round tally that the server writes into history.json.
+
+Under update compression (``--compress``) a coded section's raw bytes are what its tensors
+would be uncompressed (the decoded section), its wire bytes what traveled, and its
+``codec`` label the codec's registered name (``int8``, ``topk+ef``; bounded: only
+registered names) instead of ``none``: wire / raw is the compression ratio. The raw bytes
+of a coded payload are counted once per payload (``messages=0``), its chunks carry wire
+bytes only.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ GRPC_FRAME_PREFIX = 5
 META = "meta"
 UP = "up"      # edge -> server
 DOWN = "down"  # server -> edge
+NO_CODEC = "none"  # the codec label of bytes that travel as they are
 
 
 def message_wire_bytes(message) -> int:
@@ -28,6 +36,14 @@ def data_message_wire_bytes(chunk_length: int) -> int:
     """Wire size of a message whose only field is ``bytes data = 2`` (TaskMessage or
     SubmitMessage), computed rather than measured: tag byte + length varint + data."""
     return 1 + _varint_length(chunk_length) + chunk_length + GRPC_FRAME_PREFIX
+
+
+def count_coded(meter: ByteMeter, direction: str, coded: dict[str, tuple[str, int]],
+                edge: str = "") -> None:
+    """The raw (decoded) bytes of a coded payload, once: ``coded`` maps a kind label to
+    (codec label, decoded bytes); its chunks were counted with their wire bytes only."""
+    for kind, (codec, raw) in coded.items():
+        meter.count(direction, kind, 0, raw, edge, codec, messages=0)
 
 
 def _varint_length(value: int) -> int:
@@ -43,38 +59,41 @@ class ByteMeter:
 
     def __init__(self, registry: CollectorRegistry | None, namespace: str = "fedattn"):
         self._lock = threading.Lock()
-        self._round: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0])
-        self._total: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0])
+        self._round: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0, 0])
+        self._total: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0, 0])
         self._wire = self._raw = self._messages = None
-        self._children: dict[tuple[str, str, str], tuple] = {}
-        self._raw_children: dict[tuple[str, str, str], object] = {}
+        self._children: dict[tuple[str, str, str, str], tuple] = {}
+        self._raw_children: dict[tuple[str, str, str, str], object] = {}
         if registry is not None:
-            labels = ["kind", "direction", "edge"]
+            labels = ["kind", "direction", "edge", "codec"]
             self._wire = Counter(f"{namespace}_wire_bytes", "Bytes on the wire (protobuf + gRPC prefix)",
                                  labels, registry=registry)
-            self._raw = Counter(f"{namespace}_raw_tensor_bytes", "Raw tensor bytes carried",
+            self._raw = Counter(f"{namespace}_raw_tensor_bytes",
+                                "Raw tensor bytes carried (a coded section's: decoded)",
                                 labels, registry=registry)
             self._messages = Counter(f"{namespace}_messages", "gRPC messages", labels,
                                      registry=registry)
 
-    def count(self, direction: str, kind: str, wire: int, raw: int = 0, edge: str = "") -> None:
+    def count(self, direction: str, kind: str, wire: int, raw: int = 0, edge: str = "",
+              codec: str = NO_CODEC, messages: int = 1) -> None:
         with self._lock:
             for table in (self._round, self._total):
-                entry = table[(direction, kind)]
+                entry = table[(direction, kind, codec)]
                 entry[0] += wire
                 entry[1] += raw
-                entry[2] += 1
+                entry[2] += messages
         if self._wire is not None:
             # Resolving labels costs ~5 us of Python each time: once per label set, not
             # three times per chunk. A raw series exists only once raw bytes were counted
             # (meta messages carry none).
-            key = (kind, direction, edge)
+            key = (kind, direction, edge, codec)
             counters = self._children.get(key)
             if counters is None:
                 counters = self._children.setdefault(
                     key, (self._wire.labels(*key), self._messages.labels(*key)))
-            counters[0].inc(wire)
-            counters[1].inc()
+            if wire or messages:
+                counters[0].inc(wire)
+                counters[1].inc(messages)
             if raw:
                 raw_counter = self._raw_children.get(key)
                 if raw_counter is None:
@@ -87,13 +106,26 @@ class ByteMeter:
 
     @staticmethod
     def _as_dict(table) -> dict:
+        """{direction: {kind: {wire, raw, messages}}}, summed over codecs; a kind that
+        traveled coded adds ``codecs``: {codec: {wire, raw, messages}}."""
         out: dict = {}
-        for (direction, kind), (wire, raw, messages) in sorted(table.items()):
-            out.setdefault(direction, {})[kind] = {"wire": wire, "raw": raw, "messages": messages}
+        for (direction, kind, codec), (wire, raw, messages) in sorted(table.items()):
+            entry = out.setdefault(direction, {}).setdefault(
+                kind, {"wire": 0, "raw": 0, "messages": 0})
+            entry["wire"] += wire
+            entry["raw"] += raw
+            entry["messages"] += messages
+            entry.setdefault("_by", {})[codec] = {"wire": wire, "raw": raw, "messages": messages}
+        for kinds in out.values():
+            for entry in kinds.values():
+                by = entry.pop("_by")
+                if set(by) != {NO_CODEC}:
+                    entry["codecs"] = by
         return out
 
     def take_round(self) -> dict:
-        """The tally since the last call, as {direction: {kind: {wire, raw, messages}}}."""
+        """The tally since the last call, as {direction: {kind: {wire, raw, messages}}}
+        (plus ``codecs`` where a kind traveled coded)."""
         with self._lock:
             out = self._as_dict(self._round)
             self._round.clear()

@@ -147,7 +147,7 @@ class TaskRequest(_message.Message):
     def __init__(self, edge_id: _Optional[str] = ..., session: _Optional[str] = ..., cached_common: _Optional[str] = ...) -> None: ...
 
 class TaskHeader(_message.Message):
-    __slots__ = ("status", "round", "task_id", "phase", "spec_json", "common_id", "common_cached", "common", "personal", "task_nonce")
+    __slots__ = ("status", "round", "task_id", "phase", "spec_json", "common_id", "common_cached", "common", "personal", "task_nonce", "common_base_id")
     class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATUS_UNSPECIFIED: _ClassVar[TaskHeader.Status]
@@ -168,6 +168,7 @@ class TaskHeader(_message.Message):
     COMMON_FIELD_NUMBER: _ClassVar[int]
     PERSONAL_FIELD_NUMBER: _ClassVar[int]
     TASK_NONCE_FIELD_NUMBER: _ClassVar[int]
+    COMMON_BASE_ID_FIELD_NUMBER: _ClassVar[int]
     status: TaskHeader.Status
     round: int
     task_id: int
@@ -178,7 +179,8 @@ class TaskHeader(_message.Message):
     common: PayloadManifest
     personal: PayloadManifest
     task_nonce: bytes
-    def __init__(self, status: _Optional[_Union[TaskHeader.Status, str]] = ..., round: _Optional[int] = ..., task_id: _Optional[int] = ..., phase: _Optional[str] = ..., spec_json: _Optional[str] = ..., common_id: _Optional[str] = ..., common_cached: _Optional[bool] = ..., common: _Optional[_Union[PayloadManifest, _Mapping]] = ..., personal: _Optional[_Union[PayloadManifest, _Mapping]] = ..., task_nonce: _Optional[bytes] = ...) -> None: ...
+    common_base_id: str
+    def __init__(self, status: _Optional[_Union[TaskHeader.Status, str]] = ..., round: _Optional[int] = ..., task_id: _Optional[int] = ..., phase: _Optional[str] = ..., spec_json: _Optional[str] = ..., common_id: _Optional[str] = ..., common_cached: _Optional[bool] = ..., common: _Optional[_Union[PayloadManifest, _Mapping]] = ..., personal: _Optional[_Union[PayloadManifest, _Mapping]] = ..., task_nonce: _Optional[bytes] = ..., common_base_id: _Optional[str] = ...) -> None: ...
 
 class TaskMessage(_message.Message):
     __slots__ = ("header", "data")
