@@ -19,6 +19,7 @@ is private state, written behind the upload with the rest (``feedback.safetensor
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
 
 import torch
@@ -56,19 +57,31 @@ class Compression:
             raise EdgeExit(2, str(err)) from None
 
     def __call__(self, task: Task, next: Handler) -> Result:
+        # CPU time of this thread (the edge's torch runs --threads 1 by default): what
+        # coding costs the device, reported as ``compress_seconds`` with the result.
+        started = time.thread_time()
         task = self._downlink(task)
+        spent = time.thread_time() - started
         result = next(task)
         if self.up is None or is_secagg_phase(task.phase) or not result.upload.sections:
-            return result
+            return self._timed(result, spent) if self.down is not None else result
+        started = time.thread_time()
         generator = torch.Generator().manual_seed(task.seed)
         upload, coded = self.up.encode(task.phase, result.upload, task.common, generator,
                                        self.residuals if self.feedback else None)
+        result = self._timed(result, spent + time.thread_time() - started)
         saves = list(result.saves)
         if self.feedback:
             # A snapshot: each residual is a new tensor per round, never written into.
             saves.append((self.store.save_feedback, dict(self.residuals), self.fingerprint,
                           task.round))
         return replace(result, upload=upload, coded=coded, saves=saves)
+
+    @staticmethod
+    def _timed(result: Result, seconds: float) -> Result:
+        """The result with ``compress_seconds`` (a figure of the work, not of the data: it
+        may leave under DP and SecAgg, which run inside this layer)."""
+        return replace(result, metrics={**result.metrics, "compress_seconds": seconds})
 
     def _downlink(self, task: Task) -> Task:
         """The task with R as its common downlink (a delta applied)."""

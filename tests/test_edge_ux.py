@@ -59,11 +59,12 @@ def test_progress_lines_without_a_terminal(cluster, tmp_path):
     assert read_history(tmp_path / "server-state")["rounds"][0]["train"]["received"] == ["slow"]
 
 
-def _series(text: str) -> dict[tuple[str, str, str, str], float]:
-    """(metric, edge, direction, kind) -> value of the byte and message counters."""
-    return {(m["metric"], m["edge"], m["direction"], m["kind"]): float(m["value"])
-            for m in re.finditer(r'^fedattn_(?P<metric>wire_bytes|messages)_total\{direction='
-                                 r'"(?P<direction>\w+)",edge="(?P<edge>[^"]*)",kind="(?P<kind>\w+)"'
+def _series(text: str) -> dict[tuple[str, str, str, str, str], float]:
+    """(metric, edge, direction, kind, codec) -> value of the byte and message counters."""
+    return {(m["metric"], m["edge"], m["direction"], m["kind"], m["codec"]): float(m["value"])
+            for m in re.finditer(r'^fedattn_(?P<metric>wire_bytes|messages)_total\{codec='
+                                 r'"(?P<codec>[^"]*)",direction="(?P<direction>\w+)",'
+                                 r'edge="(?P<edge>[^"]*)",kind="(?P<kind>\w+)"'
                                  r'\} (?P<value>\S+)$', text, re.M)}
 
 
@@ -102,8 +103,8 @@ def test_edge_and_server_count_the_same_bytes_per_edge(cluster, tmp_path):
         edge_id = daemon.identity.edge_id
         own = _series(generate_latest(daemon.registry).decode())
         assert {key[1] for key in own} == {edge_id}  # never edge=""
-        assert own[("wire_bytes", edge_id, "up", "meta")] > 0
-        assert own[("messages", edge_id, "down", "meta")] >= 6  # join x2, presence, polls, leave
+        assert own[("wire_bytes", edge_id, "up", "meta", "none")] > 0
+        assert own[("messages", edge_id, "down", "meta", "none")] >= 6  # join x2, presence, polls, leave
         assert own == {key: value for key, value in served.items() if key[1] == edge_id}
     server.popen.send_signal(signal.SIGTERM)
     assert server.wait(timeout=10) == 0

@@ -67,6 +67,7 @@ STANDARD_METRICS = frozenset({
     "finetune_loss", "finetune_seconds", "dp_epsilon", "dp_delta", "dp_noise_multiplier",
     "dp_steps", "dp_stats_epsilon", "dp_total_epsilon_rdp",
     "grad_norm", "clipped_fraction",  # train.clip_grad_norm: mean norm before the clip, share clipped
+    "compress_seconds",  # --compress: the edge's CPU seconds decoding the downlink and coding the upload
 })
 
 
