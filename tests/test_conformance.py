@@ -15,6 +15,7 @@ A new method gets these tests for free, as a new optimizer gets torch's.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -73,6 +74,8 @@ def registered_methods() -> list[str]:
 
 
 METHODS = registered_methods() + MODULE_METHODS
+#: The methods that declare ``dp_params`` (the built-in ones: the plug-ins declare none).
+DP_PARAMS_METHODS = [m for m in available_methods() if load_method(m).dp_params]
 
 
 # Known defects, by test: each keeps failing (a strict xfail) until the defect is fixed.
@@ -107,16 +110,19 @@ def plugin_installed(monkeypatch) -> None:
         p for p in (str(PLUGINS), os.environ.get("PYTHONPATH", "")) if p))
 
 
-def small_method(name: str, dp=None, gn: bool = False, **train) -> Method:
+def small_method(name: str, dp=None, gn: bool = False, params: dict | None = None,
+                 **train) -> Method:
     """The method on the first small model it accepts (its own default model first);
-    ``gn``: the models' GroupNorm variants (what DP-SGD needs)."""
+    ``gn``: the models' GroupNorm variants (what DP-SGD needs); ``params`` over the
+    method's defaults."""
     cls = load_method(name)
     refusals = []
     for model in dict.fromkeys([cls.default_model or SMALL_MODELS[0], *SMALL_MODELS]):
         model = f"{model}+gn" if gn and not model.startswith("anfr") else model
         config = TrainConfig(model=model, lr=0.05, batch_size=BATCH, **train)
         try:
-            return cls(MethodContext(config, cls.Params(), dp=dp))
+            return cls(MethodContext(config, dataclasses.replace(cls.Params(), **(params or {})),
+                                     dp=dp))
         except ValueError as err:
             refusals.append(f"{model}: {err}")
     raise LookupError(f"{name} accepts none of the small models: {refusals}")
@@ -431,6 +437,14 @@ def test_dp_refusal_is_none_exactly_when_a_dp_sgd_step_runs(name):
     after = qualified_state(algo.models)
     assert steps > 0 and all(torch.isfinite(t).all() for t in after.values() if t.is_floating_point())
     assert any(not torch.equal(before[k], t) for k, t in after.items() if t.is_floating_point())
+
+
+@pytest.mark.parametrize("name", DP_PARAMS_METHODS)
+def test_dp_params_are_what_dp_sgd_needs(name):
+    """A method's declared ``dp_params`` (what fl-demo --dp sets for the user) are what
+    its DP refusal asks for: refused without them, covered with them."""
+    assert small_method(name).dp_refusal() is not None
+    assert small_method(name, params=dict(load_method(name).dp_params)).dp_refusal() is None
 
 
 # ---- 5. secure aggregation: summability agrees with the uploads ------------------------------

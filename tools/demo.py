@@ -37,12 +37,6 @@ DEMO_EPSILON = 8.0
 #: signal (the demo shows the machinery, not their utility); override with
 #: ``--dp-stats-sigma``.
 DEMO_STATS_SIGMA = 2.0
-#: Method parameters DP-SGD needs (each method's refusal names them): set under ``--dp``
-#: unless the user ``--set`` the key. Fed-SAP's batch-mean GSR and pFedLA's hybrid
-#: attention (BatchNorm inside) cannot be covered by per-sample clipping.
-DEMO_DP_PARAMS = {"fedsap": {"gsr_form": "per-sample"}, "pfedla": {"attention": "se"}}
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fl-demo", description=__doc__.splitlines()[0])
     p.add_argument("--method", default="fedsap")
@@ -130,19 +124,20 @@ def server_settings(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 
 def dp_method_settings(args: argparse.Namespace, flags: list[str],
                        method_name: str) -> tuple[list[str], list[str]]:
-    """Under ``--dp``: the method parameters DP-SGD needs (``DEMO_DP_PARAMS``, unless the
-    user set them) and, when the method uploads statistics DP-SGD does not cover, their
+    """Under ``--dp``: the method parameters DP-SGD needs (its declared ``dp_params``,
+    unless the user set them) and, when the method uploads statistics DP-SGD does not cover, their
     noise (``--dp-stats-sigma``). Which sections are statistics is the server's own check
     (``statistics_sections``), run on the settings the server will get; settings the
     server refuses for another reason are left for it to name."""
     from fedattn_shared.config import ConfigError
+    from fedattn_shared.methods import load_method
     from fedattn_shared.privacy.dp import statistics_sections
     from fl_server.cli import build_parser as server_parser
     from fl_server.cli import resolve
 
     user_keys = {s.partition("=")[0].strip() for s in args.set}
-    sets = [f"{method_name}.{key}={value}"
-            for key, value in DEMO_DP_PARAMS.get(method_name, {}).items()
+    sets = [f"{method_name}.{key}={json.dumps(value)}"
+            for key, value in load_method(args.method).dp_params
             if f"{method_name}.{key}" not in user_keys]
     out = [f"--set={s}" for s in sets]
     notes = [f"{args.method} under DP-SGD: --set {', '.join(sets)}"] if sets else []

@@ -194,6 +194,11 @@ class MethodSpec:
     #: after clipping and noise). A method that does not declare it is refused under --dp;
     #: one whose support depends on its parameters overrides ``Method.dp_refusal``.
     dp_support: bool = False
+    #: Parameter values (``Params`` fields) under which DP-SGD can cover the loss, for a
+    #: method whose default cannot be (``dp_refusal`` names them): Fed-SAP's per-sample GSR.
+    #: Tools that turn DP on for a user (fl-demo --dp) apply them where the user set none;
+    #: the server never does (a run's parameters are the user's). Kept as sorted pairs.
+    dp_params: Any = ()
     #: (shared model, private model): a second model per edge that starts as a copy of the
     #: shared one and never leaves the edge (Ditto's and pFedMe's personal model, FedAvg-FT's
     #: fine-tuned one). None: the models of ``model_names`` as they are split.
@@ -229,6 +234,16 @@ class MethodSpec:
             raise TypeError(f"{where}: train_settings must map [train] keys to values, "
                             f"got {self.train_settings!r}")
         object.__setattr__(self, "train_settings", settings)
+        dp_params = self.dp_params
+        if isinstance(dp_params, Mapping):
+            dp_params = tuple(sorted(dp_params.items()))
+        param_keys = {f.name for f in dataclasses.fields(self.Params)}
+        if not (isinstance(dp_params, tuple) and all(
+                isinstance(pair, tuple) and len(pair) == 2 and pair[0] in param_keys
+                for pair in dp_params)):
+            raise TypeError(f"{where}: dp_params must map Params fields to values, "
+                            f"got {self.dp_params!r}")
+        object.__setattr__(self, "dp_params", dp_params)
         for key in ("private_rules", "phases", "extra_metrics"):
             value = getattr(self, key)
             if not (isinstance(value, tuple) and all(isinstance(v, str) for v in value)):
@@ -344,6 +359,7 @@ class Method(metaclass=_MethodType):
     default_model = _Declared()
     train_settings = _Declared()
     dp_support = _Declared()
+    dp_params = _Declared()
     personal_copy = _Declared()
     extra_metrics = _Declared()
     compression = _Declared()

@@ -276,6 +276,7 @@ class FedSAP(Method):
     name = "fedsap"
     Params = FedSAPParams
     default_model = "se-cnn"  # 3 SE modules, small enough for a CPU demo (the paper: mobilenet-v3-small)
+    dp_params = {"gsr_form": "per-sample"}  # batch-mean GSR mixes samples (dp_refusal)
     extra_metrics = ("gsr_loss", "stats_drift")  # FedSAPEdge.training_metrics
 
     def __init__(self, context: MethodContext):

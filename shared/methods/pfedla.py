@@ -72,6 +72,7 @@ class PFedLA(Method):
     name = "pfedla"
     Params = PFedLAParams
     default_model = "lenet-bn"  # the paper's LeNet, with attention sites
+    dp_params = {"attention": "se"}  # the hybrid's CA and CBAM hold BatchNorm (dp_refusal)
 
     def __new__(cls, context: MethodContext) -> PFedLA:
         if cls is not PFedLA:
