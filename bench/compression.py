@@ -145,7 +145,9 @@ def figures(history_file: Path) -> dict:
     from fl_tools.report import analyze_run, load_history
 
     history = load_history(history_file)
-    out: dict = {"traffic": traffic(history["rounds"]),
+    # Rounds 2+: round 1's downlink is the whole global (no edge holds a reference yet),
+    # and under SecAgg round 1 masks at 32 bits (no earlier sum to take scales from).
+    out: dict = {"traffic": traffic(history["rounds"]), "steady": traffic(history["rounds"][1:]),
                  "compress_seconds": compress_seconds(history["rounds"])}
     for split in ("test", "global_test"):
         run_figures = analyze_run(history_file, history, split)
@@ -179,9 +181,9 @@ def target_note(row: Row, ratio: float) -> str:
 def table(model: str, rows: list[Row], results: dict[Row, list[dict]]) -> str:
     lines = [f"\n{model}: bytes per round (mean over rounds and seeds) and mean accuracy over "
              "edges (%), final / best, mean ± std over seeds",
-             "| method | compress | up MB | up vs none | up wire/raw | down MB | down vs none "
-             "| compress s/round | global test | local test |",
-             "|---" * 10 + "|"]
+             "| method | compress | up MB | up vs none | rounds 2+ | up wire/raw | down MB "
+             "| down vs none | rounds 2+ | compress s/round | global test | local test |",
+             "|---" * 12 + "|"]
     for row in rows:
         runs = results.get(row, [])
         if not runs:
@@ -196,10 +198,15 @@ def table(model: str, rows: list[Row], results: dict[Row, list[dict]]) -> str:
         down_base = mean([r["traffic"]["down_wire"] for r in base_runs])
         seconds = [r["compress_seconds"] for r in runs if r["compress_seconds"] is not None]
         ratio = up / up_base if base_runs else float("nan")
+        steady = {direction: mean([r["steady"][f"{direction}_wire"] for r in runs])
+                  / mean([r["steady"][f"{direction}_wire"] for r in base_runs])
+                  if base_runs else float("nan") for direction in ("up", "down")}
         cells = [row.method + (" +secagg" if row.secagg else ""), row.compress,
-                 f"{up / 1e6:.3f}", f"{ratio:.3f}x{target_note(row, ratio)}",
+                 f"{up / 1e6:.3f}", f"{ratio:.3f}x", f"{steady['up']:.3f}x"
+                 f"{target_note(row, steady['up'])}",
                  f"{up / raw_up:.3f}x" if raw_up else "-", f"{down / 1e6:.3f}",
-                 f"{down / down_base:.3f}x" if base_runs else "-", pm(seconds, 3)]
+                 f"{down / down_base:.3f}x" if base_runs else "-", f"{steady['down']:.3f}x",
+                 pm(seconds, 3)]
         for split in ("global_test", "test"):
             cells.append(f"{pm([r[split]['final'] for r in runs])} / "
                          f"{pm([r[split]['best'] for r in runs])}")
