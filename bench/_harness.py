@@ -3,7 +3,9 @@ one step (fl-partition, fl-sim, ...) as a subprocess with its output kept in a l
 
 from __future__ import annotations
 
+import math
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -32,3 +34,14 @@ def fl_partition(out: Path, log_dir: Path, flags: list[str]) -> bool:
     run([sys.executable, "-m", "fedattn_shared.data.partition", "--out", str(out), *flags],
         log_dir / f"partition-{out.name}.log")
     return True
+
+
+def pm(values: list[float], digits: int = 1) -> str:
+    """mean ± sample std of the finite values (one value alone; "-" for none): how every
+    bench prints a figure over seeds."""
+    values = [v for v in values if math.isfinite(v)]
+    if not values:
+        return "-"
+    if len(values) < 2:
+        return f"{values[0]:.{digits}f}"
+    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"

@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 import torch
-from _harness import ROOT, SHARED_DATA, fl_partition, run
+from _harness import ROOT, SHARED_DATA, fl_partition, pm, run
 
 CIFAR10 = SHARED_DATA / "cifar-10" / "cifar-10-batches-bin"
 ARCHS = {  # label -> (compact model, -50 model)
@@ -164,10 +164,6 @@ def figures(history_file: Path) -> dict[str, float]:
     return out
 
 
-def pm(values: list[float]) -> str:
-    if len(values) < 2:
-        return f"{values[0]:.1f}" if values else "-"
-    return f"{statistics.mean(values):.1f} ± {statistics.stdev(values):.1f}"
 
 
 def table(results: dict, scheme: str, methods: list[str], split: str, paper: bool,

@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from _harness import ROOT, SHARED_DATA, fl_partition, run
+from _harness import ROOT, SHARED_DATA, fl_partition, pm, run
 
 CIFAR = SHARED_DATA / "cifar-10" / "cifar-10-batches-bin"
 #: Each codec in both directions (error feedback only up: the downlink codes the change
@@ -156,12 +156,6 @@ def figures(history_file: Path) -> dict:
     return out
 
 
-def pm(values: list[float], digits: int = 1) -> str:
-    if not values:
-        return "-"
-    if len(values) < 2:
-        return f"{values[0]:.{digits}f}"
-    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
 
 def mean(values: list[float]) -> float:

@@ -40,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-from _harness import ROOT, SHARED_DATA, fl_partition, run
+from _harness import ROOT, SHARED_DATA, fl_partition, pm, run
 
 CIFAR10 = SHARED_DATA / "cifar-10" / "cifar-10-batches-bin"
 ARCHS = {"GN-ResNet": ("gn-resnet-compact", "gn-resnet-50"),
@@ -109,12 +109,6 @@ def figures(history_file: Path) -> dict[str, float]:
     return out
 
 
-def pm(values: list[float], digits: int = 1) -> str:
-    if not values:
-        return "-"
-    if len(values) < 2:
-        return f"{values[0]:.{digits}f}"
-    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
 
 def report(results: dict, args) -> str:

@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 
 from _harness import ROOT, SHARED_DATA, fl_partition, run
+from _harness import pm as harness_pm
 
 DOMAINS = ["mnist", "usps", "mnistm-style", "synthdigits-style"]
 HOSTS = ["fedavg", "fedprox", "fedbn", "pfedme", "ditto"]
@@ -126,10 +127,9 @@ def figures(run_dir: Path) -> dict:
     return {"accuracy": accuracy, "bytes": statistics.mean(shared)}
 
 
-def pm(values: list[float]) -> str:
-    if len(values) < 2:
-        return f"{values[0]:.2f}" if values else "-"
-    return f"{statistics.mean(values):.2f} ± {statistics.stdev(values):.2f}"
+
+def pm(values: list[float], digits: int = 2) -> str:
+    return harness_pm(values, digits)
 
 
 def table(results: dict, hosts: list[str], attentions: list[str], edges: dict[str, str]) -> str:

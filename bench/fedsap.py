@@ -46,7 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from _harness import ROOT, SHARED_DATA, fl_partition, run
+from _harness import ROOT, SHARED_DATA, fl_partition, pm, run
 
 SOURCES = {
     "cifar10": (SHARED_DATA / "cifar-10" / "cifar-10-batches-bin", 3, 32),
@@ -201,10 +201,6 @@ def figures(history_file: Path, seed: int, analysis: dict | None = None) -> dict
     return out
 
 
-def pm(values: list[float]) -> str:
-    if len(values) < 2:
-        return f"{values[0]:.1f}" if values else "-"
-    return f"{statistics.mean(values):.1f} ± {statistics.stdev(values):.1f}"
 
 
 def table(results: dict, labels: list[str], alphas: list[str], paper: dict | None) -> str:

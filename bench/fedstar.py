@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from _harness import ROOT, SHARED_DATA, fl_partition, run
+from _harness import pm as harness_pm
 
 SOURCES = {
     "mnist": (SHARED_DATA / "mnist", 1, 28),
@@ -166,12 +167,9 @@ def figures(history_file: Path) -> dict:
     }
 
 
+
 def pm(values: list[float], digits: int = 4) -> str:
-    if not values:
-        return "-"
-    if len(values) < 2:
-        return f"{values[0]:.{digits}f}"
-    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+    return harness_pm(values, digits)
 
 
 def human(n: float) -> str:

@@ -48,7 +48,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from _harness import ROOT, SHARED_DATA, fl_partition, run
+from _harness import ROOT, SHARED_DATA, fl_partition, pm, run
 
 from fedattn_shared.methods.pfedka import PFedKAParams
 
@@ -183,11 +183,6 @@ def figures(run_dir: Path, args) -> dict:
                                          for t in d.values()) for r in rounds[1:])}
 
 
-def pm(values: list[float]) -> str:
-    values = [v for v in values if v == v]
-    if len(values) < 2:
-        return f"{values[0]:.1f}" if values else "-"
-    return f"{statistics.mean(values):.1f} ± {statistics.stdev(values):.1f}"
 
 
 def table(results: dict, labels: list[str], alphas: list[str], with_paper: bool) -> str:
