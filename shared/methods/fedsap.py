@@ -278,10 +278,6 @@ class FedSAP(Method):
     default_model = "se-cnn"  # 3 SE modules, small enough for a CPU demo (the paper: mobilenet-v3-small)
     dp_params = {"gsr_form": "per-sample"}  # batch-mean GSR mixes samples (dp_refusal)
     extra_metrics = ("gsr_loss", "stats_drift")  # FedSAPEdge.training_metrics
-    # The squeeze statistics are GSR's target and ~0.5 % of the upload: exact under
-    # --compress costs nothing and keeps a biased codec (top-k drops ~99 % of a vector)
-    # away from the target every edge aligns to.
-    compression = {Kind.STAT_VECTORS: "exact"}
 
     def __init__(self, context: MethodContext):
         super().__init__(context)
