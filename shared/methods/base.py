@@ -161,6 +161,16 @@ def _nothing(*_: Any) -> None:
     return None
 
 
+def _sorted_pairs(value: Any, keys: set[str], refusal: str) -> tuple[tuple[str, Any], ...]:
+    """A declared {key: value} as sorted (key, value) pairs (hashable, for the frozen
+    spec), every key one of ``keys``; TypeError ``refusal`` otherwise."""
+    pairs = tuple(sorted(value.items())) if isinstance(value, Mapping) else value
+    if not (isinstance(pairs, tuple) and all(
+            isinstance(pair, tuple) and len(pair) == 2 and pair[0] in keys for pair in pairs)):
+        raise TypeError(f"{refusal}, got {value!r}")
+    return pairs
+
+
 @dataclass(frozen=True)
 class MethodSpec:
     """What a method declares once, for the class: validated when the class is built and
@@ -224,26 +234,11 @@ class MethodSpec:
                 and isinstance(getattr(self.aggregator, "kind", None), AggregatorKind)):
             raise TypeError(f"{where}: aggregator must be an Aggregator class declaring its "
                             f"kind, got {self.aggregator!r}")
-        settings = self.train_settings
-        if isinstance(settings, Mapping):
-            settings = tuple(sorted(settings.items()))
-        train_keys = {f.name for f in dataclasses.fields(TrainConfig)}
-        if not (isinstance(settings, tuple) and all(
-                isinstance(pair, tuple) and len(pair) == 2 and pair[0] in train_keys
-                for pair in settings)):
-            raise TypeError(f"{where}: train_settings must map [train] keys to values, "
-                            f"got {self.train_settings!r}")
-        object.__setattr__(self, "train_settings", settings)
-        dp_params = self.dp_params
-        if isinstance(dp_params, Mapping):
-            dp_params = tuple(sorted(dp_params.items()))
-        param_keys = {f.name for f in dataclasses.fields(self.Params)}
-        if not (isinstance(dp_params, tuple) and all(
-                isinstance(pair, tuple) and len(pair) == 2 and pair[0] in param_keys
-                for pair in dp_params)):
-            raise TypeError(f"{where}: dp_params must map Params fields to values, "
-                            f"got {self.dp_params!r}")
-        object.__setattr__(self, "dp_params", dp_params)
+        for key, dataclass_, what in (("train_settings", TrainConfig, "[train] keys"),
+                                      ("dp_params", self.Params, "Params fields")):
+            object.__setattr__(self, key, _sorted_pairs(
+                getattr(self, key), {f.name for f in dataclasses.fields(dataclass_)},
+                f"{where}: {key} must map {what} to values"))
         for key in ("private_rules", "phases", "extra_metrics"):
             value = getattr(self, key)
             if not (isinstance(value, tuple) and all(isinstance(v, str) for v in value)):
