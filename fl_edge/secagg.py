@@ -36,7 +36,6 @@ from fedattn_shared.privacy.secagg import (
     SHARE,
     UNMASK,
     ClientRound,
-    IntegerQuantizer,
     Quantizer,
     SecAggError,
     SecAggPolicy,
@@ -45,8 +44,11 @@ from fedattn_shared.privacy.secagg import (
     base_vector,
     flatten_upload,
     masked_phases,
-    pack_bits,
     protocol_step,
+)
+from fedattn_shared.privacy.secagg_ring import (
+    IntegerQuantizer,
+    pack_bits,
 )
 from fedattn_shared.state import (
     StateError,

@@ -43,7 +43,6 @@ from fedattn_shared.privacy.secagg import (
     SHARE_BYTES,
     SIGNATURE_BYTES,
     UNMASK,
-    IntegerQuantizer,
     Quantizer,
     SecAggError,
     SecAggPolicy,
@@ -52,12 +51,15 @@ from fedattn_shared.privacy.secagg import (
     as_tensor,
     base_vector,
     masked_phases,
-    packed_length,
     protocol_step,
-    public_scales,
     unflatten_sum,
-    unpack_bits,
     vector_length,
+)
+from fedattn_shared.privacy.secagg_ring import (
+    IntegerQuantizer,
+    packed_length,
+    public_scales,
+    unpack_bits,
 )
 from fedattn_shared.wire.payload import Kind, Payload, Section
 

@@ -27,17 +27,19 @@ from test_secagg import public, reveal
 
 from fedattn_shared.config import ServerConfig, TrainConfig
 from fedattn_shared.methods import MethodContext, load_method
-from fedattn_shared.privacy import secagg
+from fedattn_shared.privacy import secagg_ring
 from fedattn_shared.privacy.secagg import (
     ClientRound,
-    IntegerQuantizer,
     SecAggError,
     SecAggPolicy,
     ServerRound,
     base_vector,
     flatten_upload,
-    levels,
     masked_phases,
+)
+from fedattn_shared.privacy.secagg_ring import (
+    IntegerQuantizer,
+    levels,
     pack_bits,
     packed_length,
     public_scales,
@@ -59,7 +61,7 @@ from fl_server.secagg import SecAggDriver, request
 
 @pytest.mark.parametrize("ring", range(1, 33))
 def test_packing_round_trips_for_every_ring_width(ring, monkeypatch):
-    monkeypatch.setattr(secagg, "PACK_CHUNK", 3)  # chunks of 24 values: boundaries tested
+    monkeypatch.setattr(secagg_ring, "PACK_CHUNK", 3)  # chunks of 24 values: boundaries tested
     rng = np.random.default_rng(ring)
     for n in (0, 1, 7, 8, 9, 23, 24, 25, 100, 1001):
         words = rng.integers(0, 2**ring, n, dtype=np.uint64).astype(np.uint32)
