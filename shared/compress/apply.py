@@ -76,6 +76,15 @@ class UplinkCompression:
         return [encoded_spec(spec, self.choice.codec) if self.rule(spec) != "exact" else spec
                 for spec in self.specs(phase).values()]
 
+    def _coded(self, phase: str, section: Section, common: Payload
+               ) -> tuple[SectionSpec | None, dict[str, torch.Tensor] | None]:
+        """The section's spec when the codec codes it (None: it travels as it is), and the
+        base it is coded against (None: its values themselves)."""
+        spec = self.specs(phase).get((section.kind, section.name))
+        if spec is None or self.rule(spec) == "exact":
+            return None, None
+        return spec, kind_base(common, spec.kind) if self.rule(spec) == "delta" else None
+
     def encode(self, phase: str, upload: Payload, common: Payload,
                generator: torch.Generator,
                residuals: dict[str, torch.Tensor] | None = None
@@ -83,14 +92,12 @@ class UplinkCompression:
         """The upload coded; ``residuals`` (error feedback, updated in place, keyed
         ``phase/kind/section``) when the codec has +ef. Returns the coded payload and, per
         coded section, its codec label and decoded size (what the accounting reports)."""
-        specs = self.specs(phase)
         sections, coded = [], {}
         for section in upload.sections:
-            spec = specs.get((section.kind, section.name))
-            if spec is None or self.rule(spec) == "exact":
+            spec, base = self._coded(phase, section, common)
+            if spec is None:
                 sections.append(section)
                 continue
-            base = kind_base(common, spec.kind) if self.rule(spec) == "delta" else None
             section = Section(section.kind, section.name,
                               {n: t.detach().cpu() for n, t in section.tensors.items()})
             residual = None
@@ -110,14 +117,12 @@ class UplinkCompression:
     def decode(self, phase: str, upload: Payload, common: Payload) -> Payload:
         """The upload as the edge's tensors (its layout already matched ``schema``).
         WireError names the part whose values no honest encoder produces."""
-        specs = self.specs(phase)
         sections = []
         for section in upload.sections:
-            spec = specs.get((section.kind, section.name))
-            if spec is None or self.rule(spec) == "exact":
+            spec, base = self._coded(phase, section, common)
+            if spec is None:
                 sections.append(section)
                 continue
-            base = kind_base(common, spec.kind) if self.rule(spec) == "delta" else None
             try:
                 sections.append(decode_section(section, spec, self.choice.codec, base))
             except WireError as err:
