@@ -94,18 +94,14 @@ def test_the_ring_holds_every_honest_sum_and_no_bit_more(bits):
 # ---- the protocol in process with an integer fixed point ----------------------------------
 
 
-def integer_protocol(bits: int, n: int = 6, length: int = 500, block: int = 64,
-                     drop: dict | None = None, seed: int = 0):
-    """One masked phase, every edge quantizing w_e x_e with the same public scales (a
-    margin over the largest |w_e / w_ref x_e| of each block, so nothing is clipped) and
-    stochastic rounding; returns (the unmasked integer sum, the sum of the integers the
-    surviving edges sent, the quantizer, (values, weight) unmasked, expected weighted sum
-    and weight over the survivors)."""
-    drop = drop or {}
-    ids = [f"e{i}" for i in range(n)]
+
+def through_receive(ids: list[str], policy: SecAggPolicy, length: int,
+                    rng: random.Random | None = None):
+    """A masked phase's protocol for ``ids`` up to the masking: adverts, shares, receive
+    (every edge honest). Returns the server round, the client rounds and signing keys."""
     keys = {e: Ed25519PrivateKey.generate() for e in ids}
-    policy = SecAggPolicy(graph="full", clip=4.0, max_weight=1000.0, bits=bits, block=block)
-    server = ServerRound(1, "train", length + 1, -1, 0.5, public(keys), rng=random.Random(seed))
+    server = ServerRound(1, "train", length, -1, 0.5, public(keys),
+                         **({"rng": rng} if rng is not None else {}))
     clients = {e: ClientRound.fresh(1, "train", e) for e in ids}
     for e in ids:
         server.accept_advert(e, clients[e].advertise(keys[e]))
@@ -118,6 +114,20 @@ def integer_protocol(bits: int, n: int = 6, length: int = 500, block: int = 64,
     for e in ids:
         server.accept_receive(e, clients[e].receive(server.receive_request(e)))
     server.close_receive()
+    return server, clients, keys
+
+
+def integer_protocol(bits: int, n: int = 6, length: int = 500, block: int = 64,
+                     drop: dict | None = None, seed: int = 0):
+    """One masked phase, every edge quantizing w_e x_e with the same public scales (a
+    margin over the largest |w_e / w_ref x_e| of each block, so nothing is clipped) and
+    stochastic rounding; returns (the unmasked integer sum, the sum of the integers the
+    surviving edges sent, the quantizer, (values, weight) unmasked, expected weighted sum
+    and weight over the survivors)."""
+    drop = drop or {}
+    ids = [f"e{i}" for i in range(n)]
+    policy = SecAggPolicy(graph="full", clip=4.0, max_weight=1000.0, bits=bits, block=block)
+    server, clients, keys = through_receive(ids, policy, length + 1, random.Random(seed))
     rng = np.random.default_rng(seed)
     direction = rng.normal(0, 0.01, length)
     xs = {e: direction * rng.uniform(0.5, 1.5) + rng.normal(0, 0.002, length) for e in ids}
@@ -573,20 +583,8 @@ def test_a_server_that_gives_one_edge_other_scales_gets_no_unmask(tmp_path):
 
 def test_an_edge_reveals_no_seed_of_a_survivor_without_its_signature_of_the_same_scales():
     ids = ["a", "b", "c"]
-    keys = {e: Ed25519PrivateKey.generate() for e in ids}
     policy = SecAggPolicy(graph="full", clip=4.0, max_weight=100.0, bits=8, block=8)
-    server = ServerRound(1, "train", 9, -1, 0.5, public(keys))
-    clients = {e: ClientRound.fresh(1, "train", e) for e in ids}
-    for e in ids:
-        server.accept_advert(e, clients[e].advertise(keys[e]))
-    server.close_advertise()
-    for e in ids:
-        info, adverts = server.share_request(e)
-        server.accept_shares(e, clients[e].share(info["threshold"], info["index"], adverts,
-                                                 server.signing_keys, info["parties"], policy))
-    for e in ids:
-        server.accept_receive(e, clients[e].receive(server.receive_request(e)))
-    server.close_receive()
+    server, clients, keys = through_receive(ids, policy, 9)
     honest = IntegerQuantizer(8, 8, 3, 100.0, np.ones(1, np.float32), 1.0)
     target = replace(honest, scales=np.full(1, 1e-3, np.float32))  # a malicious server's
     signatures = {}
