@@ -94,7 +94,6 @@ def test_the_ring_holds_every_honest_sum_and_no_bit_more(bits):
 # ---- the protocol in process with an integer fixed point ----------------------------------
 
 
-
 def through_receive(ids: list[str], policy: SecAggPolicy, length: int,
                     rng: random.Random | None = None):
     """A masked phase's protocol for ``ids`` up to the masking: adverts, shares, receive
