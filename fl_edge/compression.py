@@ -46,7 +46,8 @@ class Compression:
     def __init__(self, run: EdgeRun, store: PrivateStore, writer: StateWriter):
         spec = run.compress
         self.store, self.writer, self.fingerprint = store, writer, run.fingerprint
-        self.up = (UplinkCompression(run.method, run.algo.models, spec.up)
+        self.up = (UplinkCompression(run.method, run.algo.models, spec.up,
+                                     changes=run.asynchronous)
                    if spec.up is not None else None)
         self.down = EdgeReference(spec.down) if spec.down is not None else None
         self.feedback = spec.up is not None and spec.up.feedback

@@ -14,9 +14,10 @@ import logging
 from collections.abc import Callable
 from dataclasses import replace
 
+from fedattn_shared.methods.base import Method
 from fedattn_shared.methods.phases import EVALUATE, TRAIN
 from fedattn_shared.privacy.dp import BudgetSpent, PrivateTraining
-from fedattn_shared.wire.payload import Kind, Payload
+from fedattn_shared.wire.payload import Kind, Payload, Section, WireError
 
 from .compression import Compression
 from .metrics import EdgeMetrics
@@ -48,6 +49,43 @@ class InitialWeights:
                                                    if s is not init]))
             log.info("loaded the server's initial weights (%d tensors)", len(init.tensors))
         return next(task)
+
+
+class UploadChanges:
+    """``--mode async`` (FedBuff): a training upload's model sections leave as their change
+    against the global the task brought, Delta = trained - received. The server adds each
+    result's change, scaled by its staleness, to the global of a later version; it keeps no
+    old global to subtract from. Non-floating tensors (BatchNorm's step counters) travel
+    as values. Which sections are model sections is the method's
+    compression rule ("delta", by kind): the one rule both daemons read. Inside compression
+    (which then codes the change as values) and outside SecAgg and DP."""
+
+    def __init__(self, method: Method):
+        self.rules = dict(method.compression)
+
+    def __call__(self, task: Task, next: Handler) -> Result:
+        result = next(task)
+        if task.phase != TRAIN or not result.upload.sections:
+            return result
+        sections = []
+        for section in result.upload.sections:
+            if self.rules.get(section.kind) != "delta":
+                sections.append(section)
+                continue
+            base = task.common.get(section.kind, section.name)
+            changed = {}
+            for name, value in section.tensors.items():
+                if not value.is_floating_point():  # counters travel as values
+                    changed[name] = value
+                    continue
+                reference = base.tensors.get(name) if base is not None else None
+                if reference is None:
+                    raise WireError(f"--mode async: the task's global has no tensor {name!r} "
+                                    f"of section {section.kind.label}:{section.name!r} to "
+                                    "take the change against")
+                changed[name] = value.detach().cpu() - reference.to(value.dtype)
+            sections.append(Section(section.kind, section.name, changed))
+        return replace(result, upload=Payload(sections))
 
 
 class SecureAggregation:
@@ -130,8 +168,10 @@ def edge_middleware(run: EdgeRun, secagg: EdgeSecAgg, store: PrivateStore,
     compression outside SecAgg and DP, so that it codes what DP privatized (post-processing)
     and leaves masked sections alone; SecAgg outside DP, so that it masks what DP has
     already privatized and booked."""
-    layers: list[Middleware] = [InitialWeights(run), Compression(run, store, writer),
-                                SecureAggregation(secagg, run)]
+    layers: list[Middleware] = [InitialWeights(run), Compression(run, store, writer)]
+    if run.asynchronous:  # the change, coded by compression as values (--mode async)
+        layers.append(UploadChanges(run.method))
+    layers.append(SecureAggregation(secagg, run))
     if run.privacy is not None:
         layers.append(DifferentialPrivacy(run.privacy, store, writer, metrics, leave))
     return layers

@@ -81,6 +81,8 @@ class EdgeRun:
     secagg: SecAggPolicy | None  # what this edge holds every SecAgg round to
     downlink_cap: int
     compress: CompressSpec = field(default_factory=CompressSpec)  # server.compress
+    # server.mode = "async": training uploads carry the model's change, not the model
+    asynchronous: bool = False
 
 
 @dataclass
@@ -90,6 +92,7 @@ class _Config:
     dp: DPConfig | None
     secagg: SecAggPolicy | None
     compress: CompressSpec
+    asynchronous: bool = False
 
 
 def build_run(config_json: str, fingerprint: str, opts: EdgeOptions, device: torch.device,
@@ -117,7 +120,8 @@ def build_run(config_json: str, fingerprint: str, opts: EdgeOptions, device: tor
     log.info("data: %d train, %d test, %s global-test samples", len(data.train),
              len(data.test), len(data.global_test) if data.global_test else "no")
     return EdgeRun(config_json, fingerprint, method, algo, data, config.train, batch_size,
-                   privacy, config.secagg, downlink_cap(models), config.compress)
+                   privacy, config.secagg, downlink_cap(models), config.compress,
+                   config.asynchronous)
 
 
 def _read_config(config_json: str, opts: EdgeOptions) -> _Config:
@@ -144,9 +148,12 @@ def _read_config(config_json: str, opts: EdgeOptions) -> _Config:
             if dp.enabled and train.clip_grad_norm:
                 raise ConfigError(CLIP_WITH_DP)
         secagg = SecAggPolicy.from_config(config["secagg"]) if "secagg" in config else None
+        if config.get("mode", "sync") not in ("sync", "async"):
+            raise ValueError(f"mode {str(config['mode'])[:40]!r} is not sync or async")
     except (ConfigError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise EdgeExit(2, f"cannot use the server's configuration: {err}") from None
-    return _Config(config, train, dp, secagg, _compress(config.get("compress", "")))
+    return _Config(config, train, dp, secagg, _compress(config.get("compress", "")),
+                   config.get("mode") == "async")
 
 
 def _compress(text: object) -> CompressSpec:

@@ -50,6 +50,9 @@ class Task:
     train_seed: int
     edge_id: str
     lr_at: Callable[[int, int], float]
+    # --mode async: an edge may get several tasks on one version, so its seed follows the
+    # task id (unique in the run), not the round
+    by_task: bool = False
 
     @property
     def phase(self) -> str:
@@ -64,7 +67,8 @@ class Task:
     @cached_property
     def seed(self) -> int:
         """The round's ``loader_seed``: data order, dropout, seeded DP noise."""
-        return loader_seed(self.train_seed, self.header.round, self.edge_id)
+        key = self.header.task_id if self.by_task else self.header.round
+        return loader_seed(self.train_seed, key, self.edge_id)
 
     @cached_property
     def lr(self) -> float:
@@ -112,7 +116,7 @@ class TaskRunner:
         """The task's result; its state writes are on their way (flushed before the next)."""
         self.metrics.round.set(header.round)
         task = Task(header, common, personal, self.run.train.seed, self.edge_id,
-                    self.run.train.lr_at)
+                    self.run.train.lr_at, by_task=self.run.asynchronous)
         result = self.chain(task)
         for save, *args in result.saves:
             self.writer.write_behind(save, *args)

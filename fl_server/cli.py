@@ -62,6 +62,9 @@ FLAG_TARGETS = {
     "secagg": ("server", "secagg"), "secagg_graph": ("server", "secagg_graph"),
     "max_weight": ("server", "max_weight"), "clip_update_norm": ("server", "clip_update_norm"),
     "clip_update_mode": ("server", "clip_update_mode"), "compress": ("server", "compress"),
+    "mode": ("server", "mode"), "buffer": ("server", "buffer"),
+    "max_staleness": ("server", "max_staleness"),
+    "staleness_weight": ("server", "staleness_weight"), "server_lr": ("server", "server_lr"),
     "model": ("train", "model"), "num_classes": ("train", "num_classes"),
     "in_channels": ("train", "in_channels"), "image_size": ("train", "image_size"),
     "local_epochs": ("train", "local_epochs"), "batch_size": ("train", "batch_size"),
@@ -129,6 +132,28 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
                           "topk:FRACTION, +ef for error feedback (e.g. up=int8,down=fp16)")
     run.add_argument("--secagg-graph", choices=["sparse", "full"],
                      help="SecAgg+ neighbour graph: sparse k-regular (default) or full")
+    _async_flags(p)
+
+
+def _async_flags(p: argparse.ArgumentParser) -> None:
+    """Buffered asynchronous aggregation (FedBuff) flags."""
+    run = p.add_argument_group(
+        "asynchronous rounds", "--mode async: every free edge gets work at once; the server "
+        "applies the mean change of each --buffer results (FedBuff) and --rounds counts "
+        "those versions")
+    run.add_argument("--mode", choices=["sync", "async"],
+                     help="sync: rounds wait for their quorum (default); async: buffered "
+                          "asynchronous aggregation")
+    run.add_argument("--buffer", type=int, metavar="K",
+                     help="results per applied update in --mode async (default 10)")
+    run.add_argument("--max-staleness", type=int, metavar="VERSIONS",
+                     help="refuse a result whose model is more than this many versions "
+                          "older than the current global (default 20)")
+    run.add_argument("--staleness-weight", metavar="FUNCTION",
+                     help="scale of a result tau versions old: constant, poly:A = "
+                          "(1+tau)^-A (default poly:0.5), hinge:A,B")
+    run.add_argument("--server-lr", type=float, metavar="ETA",
+                     help="step of the buffered mean change in --mode async (default 1)")
 
 
 def _robust_flags(p: argparse.ArgumentParser) -> None:

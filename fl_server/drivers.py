@@ -55,6 +55,7 @@ class PhaseDriver:
     evaluates = False  # the upload is an evaluation result
     protocol_step = False  # every participant must answer (no quorum below all)
     training = False  # a training result: its weight must be >= 1
+    changes = False  # uploads are changes of the model, not the model (--mode async)
 
     def __init__(self, name: str, aggregator: Aggregator, cfg: ServerConfig):
         self.name = name
@@ -263,11 +264,13 @@ class Compressed(MethodPhase):
 
     @staticmethod
     def wrap(plan: list[PhaseDriver], method: Method, models: dict,
-             spec: CompressSpec, seed: int) -> list[PhaseDriver]:
-        """Every method phase of ``plan`` wrapped (one downlink reference for them all)."""
+             spec: CompressSpec, seed: int, changes: bool = False) -> list[PhaseDriver]:
+        """Every method phase of ``plan`` wrapped (one downlink reference for them all);
+        ``changes``: model sections travel as changes already (``--mode async``)."""
         if not spec:
             return plan
-        up = UplinkCompression(method, models, spec.up) if spec.up is not None else None
+        up = (UplinkCompression(method, models, spec.up, changes=changes)
+              if spec.up is not None else None)
         down = DownlinkReference(spec.down, seed) if spec.down is not None else None
         return [Compressed(d, up, down) if isinstance(d, MethodPhase) else d for d in plan]
 
@@ -374,5 +377,6 @@ def round_plan(method: Method, models: dict, aggregator: Aggregator, cfg: Server
     plan: list[PhaseDriver] = [
         EvaluatePhase(aggregator, cfg, method, models) if name == EVALUATE
         else MethodPhase(name, aggregator, cfg, method, models) for name in method.phases]
-    plan = Compressed.wrap(plan, method, models, cfg.compress_spec(), method.train.seed)
+    plan = Compressed.wrap(plan, method, models, cfg.compress_spec(), method.train.seed,
+                           changes=cfg.mode == "async")
     return secagg.wrap(plan) if secagg is not None else plan

@@ -28,8 +28,10 @@ from typing import Any
 
 from fedattn_shared.config import ServerConfig, TrainConfig
 from fedattn_shared.methods.base import Method
+from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire.accounting import ByteMeter
 
+from .buffered import BufferedSchedule
 from .drivers import PhaseDriver, SecAggPlus, round_plan
 from .edges import EdgeBook
 from .evaluation import summarize
@@ -37,7 +39,15 @@ from .gate import UploadGate
 from .history import RunHistory, Snapshot, run_config, tensors_digest
 from .initial import initial_payload
 from .metrics import ServerMetrics, drop_reason_label
-from .phase import Phase, RoundAborted, RoundState, close_checked, open_phase, select_edges
+from .phase import (
+    Phase,
+    RoundAborted,
+    RoundState,
+    Task,
+    close_checked,
+    open_phase,
+    select_edges,
+)
 from .secagg import SecAggDriver
 
 log = logging.getLogger("fl_server")
@@ -76,6 +86,9 @@ class Engine:
         self.finished = False
         self.config_json = run_config(server, train, method,
                                       self.secagg.policy if self.secagg is not None else None)
+        # --mode async: the run is versions of a buffer, not rounds of a plan (ValueError,
+        # exit 2, names a method that needs rounds).
+        self.buffered = BufferedSchedule(self) if server.mode == "async" else None
 
     # ---- state ------------------------------------------------------------------------
     def resume(self) -> None:
@@ -115,6 +128,30 @@ class Engine:
         log.warning("round %d %s: dropped %s (%s)", phase.round, phase.name, edge_id, reason)
         phase.maybe_close()
 
+    # ---- what the servicer asks (``front.EdgeFront``) ------------------------------------
+    def task_for(self, edge: str) -> tuple[Phase, Task] | None:
+        """The edge's pending task: in the open phase, or (``--mode async``) the one the
+        buffered schedule hands it."""
+        if self.buffered is not None:
+            return self.buffered.task_for(edge)
+        phase = self.phase
+        if phase is None or phase.closed or edge not in phase.pending():
+            return None
+        return phase, phase.tasks[edge]
+
+    def phase_for(self, header: pb.SubmitHeader) -> Phase | None:
+        """The phase a result is for: the open one, or (async) the one it names."""
+        return self.buffered.phase_for(header) if self.buffered is not None else self.phase
+
+    def lose(self, edge: str, reason: str) -> None:
+        """The edge's session ended: its pending task (async: tasks) is dropped."""
+        if self.buffered is not None:
+            self.buffered.lose(edge, reason)
+            return
+        phase = self.phase
+        if phase is not None and not phase.closed and edge in phase.pending():
+            self.drop(phase, edge, reason)
+
     # ---- rounds -------------------------------------------------------------------------
     async def run(self) -> None:
         """Runs rounds until ``--rounds``; every round starts with at least --min-edges
@@ -124,6 +161,8 @@ class Engine:
         if self.method.dp is not None and self.method.dp.target_epsilon:
             self.metrics.export_dp_budget(self.method.dp.target_epsilon)
         self.metrics.round.set(self.round)
+        if self.buffered is not None:
+            await self.buffered.run()
         while self.round < self.cfg.rounds:
             await self.edges.wait_for(self.cfg.min_edges)
             await self.run_round(self.round + 1)
@@ -202,8 +241,9 @@ class Engine:
             return
         async with self.agg_lock:
             closing = time.monotonic()
-            figures, failure = await asyncio.to_thread(close_checked, driver, phase,
-                                                       self.aggregator, state.snapshot)
+            figures, failure = await asyncio.to_thread(close_checked, driver.close,
+                                                       phase.tainted, self.aggregator,
+                                                       state.snapshot)
             self.metrics.aggregation_seconds.labels(driver.name, "close").observe(
                 time.monotonic() - closing)
             if figures.get("aggregated"):

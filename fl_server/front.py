@@ -101,18 +101,13 @@ class EdgeFront:
         self.metrics.connected.set(len(self.engine.edges.connected_ids()))
 
     def edge_lost(self, edge_id: str, reason: str) -> None:
-        """An edge's session ended: its pending task in the open phase is dropped."""
-        phase = self.engine.phase
-        if phase is not None and not phase.closed and edge_id in phase.pending():
-            self.engine.drop(phase, edge_id, reason)
+        """An edge's session ended: its pending task is dropped."""
+        self.engine.lose(edge_id, reason)
 
     # ---- tasks --------------------------------------------------------------------------
     def next_task(self, edge: str) -> tuple[Phase, Task] | None:
-        """The edge's pending task in the open phase, if any."""
-        phase = self.engine.phase
-        if phase is None or phase.closed or edge not in phase.pending():
-            return None
-        return phase, phase.tasks[edge]
+        """The edge's pending task, if any (async: new work when it is free)."""
+        return self.engine.task_for(edge)
 
     def deliver(self, phase: Phase, task: Task, limit: int) -> bool:
         """Counts one more download of a task; past ``limit`` the task is dropped (a
@@ -132,7 +127,8 @@ class EdgeFront:
     def admit(self, header: pb.SubmitHeader, record: EdgeRecord,
               certificate: Callable[[], str]) -> Admission:
         """Gate step 2: the header, against the open phase."""
-        return self.engine.gate.admit(header, record, certificate, self.engine.phase)
+        return self.engine.gate.admit(header, record, certificate,
+                                      self.engine.phase_for(header))
 
     async def submit(self, admission: Admission, header: pb.SubmitHeader, body_mac: bytes,
                      assembler: PayloadAssembler) -> None:

@@ -86,6 +86,9 @@ class UploadGate:
         self.metrics = metrics
         self.agg_lock = agg_lock  # the engine's: uploads and closes never overlap
         self.durable = durable  # waits for the last checkpoint, which views the state
+        # Called after each taken upload, still under agg_lock (--mode async: a full
+        # buffer is applied before the next upload is taken).
+        self.on_taken: Callable[[Phase], Awaitable[None]] | None = None
 
     # ---- 1. who -------------------------------------------------------------------------
     def identify(self, header: pb.SubmitHeader) -> EdgeRecord:
@@ -119,7 +122,8 @@ class UploadGate:
         """What the header says about the task and the body, against the open phase and
         its driver: task, manifest, weight, evaluation counts, metric names."""
         if phase is None or phase.closed:
-            raise Refused("no phase is open")
+            raise Refused(phase.closed_why if phase is not None and phase.closed_why
+                          else "no phase is open")
         self.check_task(header, phase)
         driver: PhaseDriver = phase.driver
         self.check_manifest(header.payload, phase.schema)
@@ -304,7 +308,8 @@ class UploadGate:
         async with self.agg_lock:
             await self.durable()  # the last round's checkpoint views the state this changes
             if phase.closed or edge not in phase.pending():
-                raise Refused("the phase closed before the upload completed")
+                raise Refused("the phase closed before the upload completed"
+                              + (f" ({phase.closed_why})" if phase.closed_why else ""))
             try:
                 norm = None
                 if driver.weighted:
@@ -327,6 +332,8 @@ class UploadGate:
                 raise Refused(f"{phase.name} upload: the server could not take it "
                               f"({type(err).__name__})", drop=True) from None
             phase.maybe_close()
+            if self.on_taken is not None:
+                await self.on_taken(phase)
 
     # (6, a worker thread: the update bound and the driver's accept) ----------------------
     def aggregate(self, phase: Phase, driver: PhaseDriver, edge: str, payload: Payload,
@@ -364,14 +371,15 @@ class UploadGate:
         sphere of radius C around the global, in place in the receive buffer (no copy).
         Returns the norm (before scaling), or None when the upload holds no model tensor.
         Runs in a worker thread under ``agg_lock``: the global cannot change meanwhile."""
-        pairs = self._model_pairs(payload)
+        pairs = self._model_pairs(payload, changes=phase.driver.changes)
         if not pairs:
             return None
         squares = 0.0
         for value, base in pairs:  # float64 in steps: no overflow, no model-sized buffer
             for start in range(0, value.numel(), SUM_STEP):
                 delta = value[start : start + SUM_STEP].to(torch.float64)
-                delta.sub_(base[start : start + SUM_STEP])
+                if base is not None:
+                    delta.sub_(base[start : start + SUM_STEP])
                 squares += float(delta.dot(delta))
         norm = math.sqrt(squares)
         bound = self.cfg.clip_update_norm
@@ -383,6 +391,9 @@ class UploadGate:
                           drop=True)
         scale = bound / norm
         for value, base in pairs:
+            if base is None:  # the upload is the change itself (--mode async)
+                value.mul_(scale)
+                continue
             for start in range(0, value.numel(), SUM_STEP):
                 piece = value[start : start + SUM_STEP]
                 delta = piece.to(torch.float64)
@@ -394,10 +405,13 @@ class UploadGate:
                  phase.name, edge, norm, bound)
         return norm
 
-    def _model_pairs(self, payload: Payload) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _model_pairs(self, payload: Payload, changes: bool = False
+                     ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """(uploaded, global) flat views of the upload's floating model tensors that the
-        global holds with the same shape: what the norm bound measures."""
-        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        global holds with the same shape: what the norm bound measures. With ``changes``
+        (the driver's uploads are changes, ``--mode async``) the base is None: the
+        upload is measured as it is."""
+        pairs: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         for section in payload.sections:
             if section.kind != Kind.SHARED_TENSORS:
                 continue
@@ -407,7 +421,7 @@ class UploadGate:
                 if (base is None or not value.is_floating_point()
                         or tuple(base.shape) != tuple(value.shape)):
                     continue
-                pairs.append((value.reshape(-1), base.reshape(-1)))
+                pairs.append((value.reshape(-1), None if changes else base.reshape(-1)))
         return pairs
 
     # ---- the result -----------------------------------------------------------------------

@@ -70,6 +70,7 @@ def run_manifest(server: ServerConfig, train: TrainConfig, method: Method) -> di
         "dp": dataclasses.asdict(method.dp) if method.dp is not None else None,
         "seeds": {"train": train.seed},
         "compress": server.compress_spec().text,
+        "mode": server.mode,
     }
 
 
@@ -104,6 +105,8 @@ def run_config(server: ServerConfig, train: TrainConfig, method: Method,
     compress = server.compress_spec().text
     if compress:  # the codecs every edge encodes and decodes with (absent: none)
         config["compress"] = compress
+    if server.mode == "async":  # edges upload their change, not their model (absent: sync)
+        config["mode"] = "async"
     return json.dumps(config, sort_keys=True)
 
 
@@ -154,6 +157,17 @@ class RunHistory:
         atomic_write(self.path, (history_json + "\n").encode(), mode=0o644)
         self.store.save(round_number, tensors, state)
         log.info("checkpoint round %d written", round_number)
+
+    def record_changed(self) -> None:
+        """A round record changed after it was written (``--mode async``: a version's
+        evaluation arrives later): the next write encodes the history afresh."""
+        self._encoded_rounds.clear()
+
+    def write_history(self) -> None:
+        """Writes history.json alone (a worker thread): the last evaluation of an async run
+        arrives after its last checkpoint."""
+        atomic_write(self.path, (history_text(self.data, self._encoded_rounds) + "\n").encode(),
+                     mode=0o644)
 
     def start_checkpoint(self, snapshot: Snapshot, record: dict[str, Any], participants: int,
                          selected: int) -> None:

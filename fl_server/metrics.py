@@ -35,6 +35,9 @@ DROP_REASONS = {
     "re-delivery limit": "redelivery_limit",
     "bad upload": "bad_upload",
     "phase closed at quorum": "closed_at_quorum",
+    "too stale": "too_stale",          # --mode async: past --max-staleness
+    "superseded": "superseded",        # --mode async: the edge asked for newer work
+    "run over": "run_over",            # --mode async: the last version is applied
 }
 
 
@@ -83,6 +86,10 @@ class ServerMetrics:
         self.checkpoint_seconds = histogram("fedattn_checkpoint_seconds",
                                             "Checkpoint write time (history + state)",
                                             buckets=FAST_BUCKETS)
+        self.staleness = histogram(
+            "fedattn_result_staleness_versions",
+            "--mode async: versions the global moved between a result's download and its "
+            "arrival in the buffer", buckets=(0, 1, 2, 3, 5, 8, 13, 20, 50, 100))
         self.checkpoint_round = gauge("fedattn_checkpoint_round", "Round of the last checkpoint")
         self.checkpoint_timestamp = gauge("fedattn_checkpoint_timestamp_seconds",
                                           "Unix time of the last checkpoint write")

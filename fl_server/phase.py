@@ -30,7 +30,6 @@ from fedattn_shared.wire.transport import data_frames
 if TYPE_CHECKING:  # annotations only: the drivers and metrics import this module's types
     from fedattn_shared.methods.aggregators import Aggregator
 
-    from .drivers import PhaseDriver
     from .metrics import ServerMetrics
 
 log = logging.getLogger("fl_server")
@@ -85,6 +84,19 @@ class Phase:
     # decoded bytes of its coded sections), of an upload and of the delta.
     coded_up: dict = field(default_factory=dict)
     coded_delta: dict = field(default_factory=dict)
+    # --mode async: the phase takes new tasks while it is the newest version's (its common
+    # frames stay built); ``closed_why`` is the refusal a closed phase's results get.
+    growing: bool = False
+    closed_why: str = ""
+
+    def retire(self) -> None:
+        """Takes no new tasks and lets its downlinks go (a model's memory each): results
+        of tasks already out are still taken until the phase closes."""
+        self.growing = False
+        self.common_frames = []
+        self.common = encode(Payload())
+        self.delta = None
+        self.personal = {}
 
     def pending(self) -> list[str]:
         """Edges that hold a task and have neither answered nor been dropped."""
@@ -211,17 +223,17 @@ def _labels(coded: dict) -> dict[str, tuple[str, int]]:
     return out
 
 
-def close_checked(driver: PhaseDriver, phase: Phase, aggregator: Aggregator,
-              snapshot: RoundSnapshot | None) -> tuple[dict[str, Any], Exception | None]:
-    """Closes a phase (a worker thread, under ``agg_lock``) and checks the state it
-    leaves before anything publishes it (the next broadcast, the checkpoint). Returns
-    (figures, None), or ({}, the reason) after putting the aggregator back to
-    ``snapshot`` when the close raised, the phase was tainted or the new state holds a
-    non-finite or beyond-float32 value."""
+def close_checked(close: Callable[[], dict[str, Any]], tainted: str, aggregator: Aggregator,
+                  snapshot: RoundSnapshot | None) -> tuple[dict[str, Any], Exception | None]:
+    """Closes a phase (``close``: a driver's; a worker thread, under ``agg_lock``) and
+    checks the state it leaves before anything publishes it (the next broadcast, the
+    checkpoint). Returns (figures, None), or ({}, the reason) after putting the
+    aggregator back to ``snapshot`` when the close raised, the phase was ``tainted`` or
+    the new state holds a non-finite or beyond-float32 value."""
     try:
-        if phase.tainted:
-            raise RoundAborted(phase.tainted)
-        figures = driver.close()
+        if tainted:
+            raise RoundAborted(tainted)
+        figures = close()
         bad = aggregator.unusable_tensors(snapshot) if snapshot is not None else []
         if bad:
             more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""

@@ -284,7 +284,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
             for message in self._task_messages(phase, task, edge, request.cached_common):
                 yield message
             task.delivered = True
-            if all(t.delivered for t in phase.tasks.values()):
+            if not phase.growing and all(t.delivered for t in phase.tasks.values()):
                 phase.common_frames = []
         except asyncio.CancelledError:
             return  # gRPC ends the call (the server stops, or the edge went): no traceback

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from fedattn_shared.augment import Augment
 from fedattn_shared.compress import CompressSpec
+from fedattn_shared.staleness import StalenessWeight
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -166,6 +167,15 @@ class ServerConfig:
     # Update compression, each direction: "up=CODEC,down=CODEC" (codecs: fp16, bf16, int8,
     # int4, topk:FRACTION; +ef adds error feedback to an upload codec); "": none.
     compress: str = ""
+    # Buffered asynchronous aggregation (FedBuff): "sync" runs rounds; "async" hands work
+    # to every free edge and applies the mean change of each `buffer` results, each
+    # scaled by `staleness_weight` (constant, poly:A, hinge:A,B) and by `server_lr`;
+    # results more than `max_staleness` versions old are refused. `rounds` counts versions.
+    mode: Literal["sync", "async"] = "sync"
+    buffer: int = 10
+    max_staleness: int = 20
+    staleness_weight: str = "poly:0.5"
+    server_lr: float = 1.0
 
     def validate(self) -> None:
         check_choices(self, "server")
@@ -223,10 +233,40 @@ class ServerConfig:
             raise ConfigError("server.clip_update_mode is set but server.clip_update_norm is 0: "
                               "pass --clip-update-norm C")
         self.compress_spec()  # ConfigError names a bad codec
+        self.validate_async()
         if self.clip_update_norm and self.secagg:
             raise ConfigError("server.clip_update_norm needs each upload and secure aggregation "
                               "shows the server only their sum: use one or the other "
                               "(server.secagg_clip bounds each value under --secagg)")
+
+    def validate_async(self) -> None:
+        """The buffered-mode settings; ConfigError names what does not combine."""
+        if self.buffer < 1:
+            raise ConfigError(f"server.buffer must be >= 1, got {self.buffer}")
+        if self.max_staleness < 0:
+            raise ConfigError(f"server.max_staleness must be >= 0, got {self.max_staleness}")
+        if not 0 < self.server_lr < math.inf:
+            raise ConfigError(f"server.server_lr must be > 0 and finite, got {self.server_lr}")
+        self.staleness()
+        if self.mode != "async":
+            return
+        if self.secagg:
+            raise ConfigError(
+                "--mode async does not combine with --secagg: SecAgg+ agrees its masks among "
+                "a round's participants before any of them uploads, and a buffer's "
+                "contributors are known only as their results arrive (each weighted by its "
+                "own staleness, which a masked upload would hide); use --mode sync")
+        if self.quorum or self.fraction != 1.0:
+            raise ConfigError("server.quorum and server.fraction select a synchronous round's "
+                              "participants; --mode async gives work to every free edge and "
+                              "applies each --buffer results: leave them at their defaults")
+
+    def staleness(self) -> StalenessWeight:
+        """``staleness_weight`` parsed (ConfigError names a bad spec)."""
+        try:
+            return StalenessWeight.parse(self.staleness_weight)
+        except ValueError as err:
+            raise ConfigError(f"server.staleness_weight: {err}") from None
 
     def compress_spec(self) -> CompressSpec:
         """``compress`` parsed; ConfigError names what is wrong, including a codec that

@@ -54,9 +54,15 @@ class Encoded:
 class UplinkCompression:
     """The up codec with the method's per-kind rules (see the module doc)."""
 
-    def __init__(self, method: Method, models: dict, choice: CodecChoice):
+    def __init__(self, method: Method, models: dict, choice: CodecChoice,
+                 changes: bool = False):
         self.method, self.models, self.choice = method, models, choice
         self.rules = dict(method.compression)
+        if changes:
+            # --mode async: the edge uploads its change already (fl_edge UploadChanges),
+            # so a "delta" section is coded as the values it holds.
+            self.rules = {kind: "values" if rule == "delta" else rule
+                          for kind, rule in self.rules.items()}
         self._specs: dict[str, dict[tuple[Kind, str], SectionSpec]] = {}
 
     def specs(self, phase: str) -> dict[tuple[Kind, str], SectionSpec]:

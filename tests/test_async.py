@@ -1,0 +1,276 @@
+"""Buffered asynchronous aggregation (``fl-server --mode async``, issue #27).
+
+- the staleness functions against hand-computed values, and their parse errors;
+- the buffer: K results apply x + eta sum n_k s(tau_k) Delta_k / sum n_k through the
+  method's own aggregator (hand case, in process);
+- over real gRPC, raw edges speaking the protocol by hand: the same hand case with a stale
+  result scaled by s(tau), a result past --max-staleness refused by name, and a server
+  killed mid-buffer resuming with the buffer's lost result counted nowhere (none twice);
+- real fl-edge processes with compression: versions complete while an edge holding a
+  task never answers; evaluations land in their version's record;
+- refused methods and combinations exit 2 naming why.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import Cluster, read_history, wait_for, write_edge_dirs
+from rawedge import RawEdge, train_messages
+
+from fedattn_shared.config import ConfigError, ServerConfig, TrainConfig
+from fedattn_shared.methods import MethodContext, load_method
+from fedattn_shared.methods.phases import TRAIN
+from fedattn_shared.staleness import StalenessWeight
+from fedattn_shared.wire import fedattn_pb2 as pb
+from fedattn_shared.wire.payload import Kind, Payload, Section
+from fl_edge.middleware import UploadChanges
+from fl_edge.tasks import Result, Task
+from fl_server.buffered import ChangeBuffer
+from fl_server.cli import main
+
+
+# ---- staleness weights -------------------------------------------------------------------
+@pytest.mark.parametrize("spec, tau, expected", [
+    ("constant", 0, 1.0), ("constant", 7, 1.0),
+    ("poly:0.5", 0, 1.0), ("poly:0.5", 3, 0.5), ("poly:1", 1, 0.5), ("poly:2", 4, 1 / 25),
+    ("hinge:0.5,2", 2, 1.0), ("hinge:0.5,2", 4, 0.5), ("hinge:1,0", 3, 0.25),
+])
+def test_staleness_weights_are_the_papers_functions(spec, tau, expected):
+    assert StalenessWeight.parse(spec)(tau) == pytest.approx(expected, rel=1e-15)
+
+
+@pytest.mark.parametrize("spec", ["poly", "poly:x", "poly:-1", "hinge:1", "linear:1",
+                                  "constant:1", "poly:inf"])
+def test_bad_staleness_weights_are_refused_by_name(spec):
+    with pytest.raises(ConfigError, match="server.staleness_weight"):
+        ServerConfig(mode="async", staleness_weight=spec).validate()
+
+
+# ---- the buffer, in process --------------------------------------------------------------
+def _fedavg(method: str = "fedavg"):
+    cls = load_method(method)
+    m = cls(MethodContext(TrainConfig(model="lenet-bn"), cls.Params()))
+    models = m.build_models()
+    return m, models, m.server(models)
+
+
+def test_a_full_buffer_applies_the_weighted_mean_change_with_the_server_lr():
+    method, models, aggregator = _fedavg()
+    (spec,) = method.uplink_schema(TRAIN, models)
+    x = {n: t.clone() for n, t in aggregator.state[(spec.kind, spec.name)].items()}
+    buffer = ChangeBuffer(method.uplink_schema(TRAIN, models))
+    generator = torch.Generator().manual_seed(0)
+    changes, weights, scales = [], [5.0, 15.0, 10.0], [1.0, 0.5, 1 / 3]
+    for weight, scale in zip(weights, scales, strict=True):
+        change = {n: (torch.randn(t.shape, generator=generator) if t.is_floating_point()
+                      else t.clone()) for n, t in x.items()}
+        changes.append(change)
+        buffer.add(Payload([Section(spec.kind, spec.name, change)]), weight, scale)
+    lr = 0.7
+    aggregator.begin_round(1, ["a", "b", "c"], 3)
+    aggregator.accept_sum(TRAIN, buffer.weighted_sum(aggregator.state, lr), buffer.weight, 3)
+    aggregator.close_phase(TRAIN)
+    after = aggregator.state[(spec.kind, spec.name)]
+    total = sum(weights)
+    for name, value in x.items():
+        if not value.is_floating_point():
+            assert torch.equal(after[name], value)  # counters: the weighted mean of values
+            continue
+        step = sum(w * s * c[name].double() for w, s, c in zip(weights, scales, changes,
+                                                               strict=True)) / total
+        torch.testing.assert_close(after[name], (value.double() + lr * step).float(),
+                                   rtol=1e-6, atol=1e-7)
+
+
+# ---- over gRPC, raw edges ------------------------------------------------------------------
+ASYNC = ["--method", "fedavg", "--mode", "async", "--eval-every", "0", "--local-epochs", "1"]
+
+
+def _change(task, value: float) -> dict[str, torch.Tensor]:
+    """A change of ``value`` on every floating tensor; counters as the global holds them."""
+    return {n: torch.full_like(t, value) if t.is_floating_point() else t.clone()
+            for n, t in task.globals.items()}
+
+
+def _moved(before: dict, after: dict, step: float) -> None:
+    for name, value in before.items():
+        if value.is_floating_point():
+            torch.testing.assert_close(after[name], (value.double() + step).float(),
+                                       rtol=1e-6, atol=1e-6)
+
+
+def _submit(edge: RawEdge, task, value: float, n: int):
+    return edge.submit(train_messages(edge, task, _change(task, value), num_examples=n))
+
+
+def _versions(root, count: int) -> dict:
+    path = root / "server-state" / "history.json"
+    wait_for(lambda: path.exists() and len(read_history(root / "server-state")["rounds"]) >= count,
+             30, f"{count} versions in history.json")
+    return read_history(root / "server-state")
+
+
+def test_stale_results_are_scaled_and_too_stale_ones_refused_over_grpc(tmp_path):
+    cluster = Cluster(tmp_path)
+    edges: list[RawEdge] = []
+    try:
+        cluster.server(*ASYNC, "--rounds", "5", "--min-edges", "4", "--buffer", "2",
+                       "--server-lr", "0.5", "--staleness-weight", "poly:1",
+                       "--max-staleness", "1")
+        a, b, c, d = edges = [RawEdge(cluster.port, p) for p in "abcd"]
+        for edge in edges:
+            edge.connect()
+        ta, tb, tc, td = (edge.next_task() for edge in edges)
+        assert {t.header.round for t in (ta, tb, tc, td)} == {1}  # all start from version 0
+        x0 = ta.globals
+        assert _submit(a, ta, 0.1, 5).accepted
+        assert _submit(b, tb, 0.3, 15).accepted
+        ta2 = a.next_task()  # version 1 = x0 + 0.5 (5 * 0.1 + 15 * 0.3) / 20
+        assert ta2.header.round == 2
+        _moved(x0, ta2.globals, 0.5 * 0.25)
+        # c started from version 0 (tau 1: scaled by 1/2), a from version 1 (tau 0).
+        assert _submit(c, tc, -0.2, 10).accepted
+        assert _submit(a, ta2, 0.4, 5).accepted
+        tb2 = b.next_task()
+        assert tb2.header.round == 3
+        _moved(ta2.globals, tb2.globals, 0.5 * (10 * 0.5 * -0.2 + 5 * 1.0 * 0.4) / 15)
+        # d's task started from version 0; the global is at 2: more than 1 version later.
+        reply = _submit(d, td, 0.1, 5)
+        assert not reply.accepted
+        assert "too stale" in reply.reason and "--max-staleness 1" in reply.reason
+        history = _versions(tmp_path, 2)
+        first, second = history["rounds"][:2]
+        assert [e["edge"] for e in first["train"]["contributors"]] == [a.edge_id, b.edge_id]
+        assert second["train"]["staleness"] == {"0": 1, "1": 1}
+        assert [(e["edge"], e["staleness"], e["scale"]) for e in
+                second["train"]["contributors"]] == [(c.edge_id, 1, 0.5), (a.edge_id, 0, 1.0)]
+        assert history["manifest"]["mode"] == "async"
+    finally:
+        for edge in edges:
+            edge.close()
+        cluster.close()
+
+
+def test_a_server_killed_mid_buffer_resumes_counting_nothing_twice(tmp_path):
+    cluster = Cluster(tmp_path)
+    edges: list[RawEdge] = []
+    run = [*ASYNC, "--rounds", "5", "--min-edges", "2", "--buffer", "2"]
+    try:
+        server = cluster.server(*run)
+        port = cluster.port
+        a, b = edges = [RawEdge(port, "a"), RawEdge(port, "b")]
+        for edge in edges:
+            edge.connect()
+        ta, tb = a.next_task(), b.next_task()
+        assert _submit(a, ta, 0.1, 5).accepted and _submit(b, tb, 0.1, 5).accepted
+        x1 = a.next_task()
+        _versions(tmp_path, 1)
+        assert _submit(a, x1, 1.0, 5).accepted  # in the buffer, never applied
+        server.kill()
+        for edge in edges:
+            edge.close()
+        cluster.server(*run, "--resume", port=port, name="resumed")
+        a, b = edges = [RawEdge(port, "a2"), RawEdge(port, "b2")]
+        for edge in edges:
+            edge.connect()
+        ta, tb = a.next_task(), b.next_task()
+        assert ta.header.round == tb.header.round == 2  # version 1 again, buffer empty
+        for name, value in x1.globals.items():
+            assert torch.equal(ta.globals[name], value)
+        assert _submit(a, ta, 0.2, 5).accepted and _submit(b, tb, 0.4, 15).accepted
+        after = a.next_task()
+        _moved(x1.globals, after.globals, (5 * 0.2 + 15 * 0.4) / 20)  # a's 1.0 is nowhere
+        history = _versions(tmp_path, 2)
+        assert [r["round"] for r in history["rounds"]] == [1, 2]
+        assert [e["edge"] for e in history["rounds"][1]["train"]["contributors"]] == [
+            a.edge_id, b.edge_id]
+    finally:
+        for edge in edges:
+            edge.close()
+        cluster.close()
+
+
+# ---- real edges --------------------------------------------------------------------------
+def test_versions_complete_without_waiting_for_an_edge_that_does_not_answer(tmp_path):
+    cluster = Cluster(tmp_path)
+    silent = None
+    try:
+        dirs = write_edge_dirs(tmp_path, 2, per_edge=100)
+        server = cluster.server(*ASYNC, "--rounds", "4", "--min-edges", "3", "--buffer", "2",
+                                "--max-staleness", "1", "--eval-every", "2",
+                                "--round-timeout", "4", "--compress", "up=int8,down=int8")
+        silent = RawEdge(cluster.port, "silent")
+        silent.connect()
+        edges = [cluster.edge(d, f"e{i}") for i, d in enumerate(dirs)]
+        held = silent.next_task()  # and never answered
+        assert held.header.round == 1
+        assert [e.wait() for e in edges] == [0, 0], [e.log()[-2000:] for e in edges]
+        silent.close()  # the server waits for connected edges to hear the run is over
+        assert server.wait() == 0
+        history = read_history(tmp_path / "server-state")
+        rounds = history["rounds"]
+        assert [r["round"] for r in rounds] == [1, 2, 3, 4]
+        for record in rounds:
+            assert "aborted" not in record
+            assert len(record["train"]["contributors"]) == 2
+            assert {e["edge"] for e in record["train"]["contributors"]} <= {"e0", "e1"}
+            assert record["bytes"]["up"]["shared_tensors"]["codecs"].keys() == {"int8"}
+        for record in (rounds[1], rounds[3]):  # evaluated versions, scores in their record
+            assert set(record["evaluation"]["per_edge"]) >= {"e0", "e1"}
+            assert 0 <= record["evaluation"]["summary"]["test"]["mean_accuracy"] <= 1
+        assert "evaluation" not in rounds[0] and "evaluation" not in rounds[2]
+        server_log = (tmp_path / "server.log").read_text()
+        assert f"dropped {silent.edge_id} (too stale" in server_log
+        # The silent edge's evaluation tasks ran out at --round-timeout; training did not wait.
+        assert rounds[3]["evaluate"]["dropped"] == {silent.edge_id: "deadline"}
+    finally:
+        if silent is not None:
+            silent.close()
+        cluster.close()
+
+
+# ---- refusals ----------------------------------------------------------------------------
+@pytest.mark.parametrize("method, needle", [
+    ("pfedka", "lock-step"), ("fedsap", "not a model section"), ("scaffold", "control"),
+    ("fedmedian", "collect_then_learn"), ("local", "uploads nothing"),
+])
+def test_methods_that_need_rounds_are_refused_at_start(tmp_path, capsys, method, needle):
+    code = main(["--insecure", "--port", "0", "--checkpoint-dir", str(tmp_path / "s"),
+                 "--mode", "async", "--method", method])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--mode async" in err and needle in err and "--mode sync" in err
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--secagg"], "--secagg"), (["--quorum", "2"], "server.quorum"),
+    (["--fraction", "0.5"], "server.fraction"), (["--buffer", "0"], "server.buffer"),
+    (["--max-staleness", "-1"], "server.max_staleness"), (["--server-lr", "0"], "server_lr"),
+])
+def test_combinations_async_cannot_serve_exit_2(tmp_path, capsys, flags, needle):
+    code = main(["--insecure", "--port", "0", "--checkpoint-dir", str(tmp_path / "s"),
+                 "--mode", "async", *flags])
+    assert code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_an_async_edge_uploads_trained_minus_received():
+    """The change an async edge uploads is trained - received, exactly what the server
+    adds to a later global (``UploadChanges``, over the method's delta rule)."""
+    method, models, aggregator = _fedavg()
+    (spec,) = method.uplink_schema(TRAIN, models)
+    received = {n: t.clone() for n, t in aggregator.state[(spec.kind, spec.name)].items()}
+    trained = {n: t + 0.25 if t.is_floating_point() else t + 3 for n, t in received.items()}
+    task = Task(pb.TaskHeader(round=1, phase=TRAIN),
+                Payload([Section(Kind.SHARED_TENSORS, "", received)]), Payload(), 0, "e",
+                lambda r, n: 0.1)
+    result = UploadChanges(method)(task, lambda t: Result(
+        Payload([Section(Kind.SHARED_TENSORS, "", trained)]), 5))
+    sent = result.upload.sections[0].tensors
+    for name, value in received.items():
+        if value.is_floating_point():
+            torch.testing.assert_close(sent[name], torch.full_like(value, 0.25))
+        else:
+            assert torch.equal(sent[name], value + 3)  # counters travel as values
+    assert result.num_examples == 5
