@@ -352,7 +352,11 @@ class BufferedSchedule:
 
     async def taken(self, phase: Phase) -> None:
         """After every accepted upload (under ``agg_lock``): a full buffer is applied."""
-        if isinstance(phase.driver, BufferedTrain) and len(self.buffer) >= self.cfg.buffer:
+        if not isinstance(phase.driver, BufferedTrain) or not self.buffer.entries:
+            return
+        entry = self.buffer.entries[-1]  # this upload's: added under the same lock
+        entry["metrics"] = phase.received.get(entry["edge"], {}).get("metrics", {})
+        if len(self.buffer) >= self.cfg.buffer:
             try:
                 await self.apply()
             except Exception as err:  # the run cannot go on: stop it (a checkpoint exists)
@@ -410,8 +414,11 @@ class BufferedSchedule:
         now = time.monotonic()
         staleness = Counter(e["staleness"] for e in entries)
         record: dict[str, Any] = {
-            "round": version, "version": version, "started": time.time(),
-            "seconds": now - self.started, "aggregate": figures,
+            # As a round's: when the version began (the last one applied) and how long
+            # its buffer took to fill; the global exists from started + seconds.
+            "round": version, "version": version,
+            "started": time.time() - (now - self.started), "seconds": now - self.started,
+            "aggregate": figures,
             TRAIN: {"contributors": entries,
                     "staleness": {str(t): n for t, n in sorted(staleness.items())},
                     "in_flight": sum(len(p.pending()) for p in self.phases.values()

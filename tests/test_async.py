@@ -28,6 +28,8 @@ from fl_edge.middleware import UploadChanges
 from fl_edge.tasks import Result, Task
 from fl_server.buffered import ChangeBuffer
 from fl_server.cli import main
+from fl_tools.report import analyze_run
+from fl_tools.report import main as report_main
 
 
 # ---- staleness weights -------------------------------------------------------------------
@@ -224,6 +226,12 @@ def test_versions_complete_without_waiting_for_an_edge_that_does_not_answer(tmp_
         assert f"dropped {silent.edge_id} (too stale" in server_log
         # The silent edge's evaluation tasks ran out at --round-timeout; training did not wait.
         assert rounds[3]["evaluate"]["dropped"] == {silent.edge_id: "deadline"}
+        # fl-report reads the run per version.
+        state = tmp_path / "server-state"
+        assert report_main([str(state), "--out", str(tmp_path / "report")]) == 0
+        analyzed = analyze_run(state / "history.json", history, "test")
+        assert analyzed["unit"] == "version" and analyzed["final_round"] == 4
+        assert [p["received"] for p in analyzed["participation"]] == [2, 2, 2, 2]
     finally:
         if silent is not None:
             silent.close()

@@ -281,7 +281,11 @@ def analyze_run(path: Path, history: dict, split: str) -> dict:
             if cosine:
                 similarity.append({"round": number, **{g: float(v) for g, v in cosine.items()}})
             train = record.get("train")
-            if isinstance(train, dict):
+            if isinstance(train, dict) and "contributors" in train:  # --mode async
+                participation.append({"round": number, "selected": int(train["in_flight"])
+                                      + len(train["contributors"]),
+                                      "received": len(train["contributors"]), "dropped": 0})
+            elif isinstance(train, dict):
                 participation.append({"round": number, "selected": len(train["selected"]),
                                       "received": len(train["received"]),
                                       "dropped": len(train.get("dropped") or {})})
@@ -308,6 +312,8 @@ def analyze_run(path: Path, history: dict, split: str) -> dict:
                                      / len(byte_rounds)) if byte_rounds else math.nan
                                  for d in ("up", "down")},
         "compress": compress_label(manifest),
+        # --mode async: a record is a version (an applied buffer), not a round
+        "unit": "version" if manifest.get("mode") == "async" else "round",
     }
 
 
@@ -484,7 +490,7 @@ def plot_accuracy(runs: list[dict], split: str, path: Path) -> None:
     for run in runs:
         ax.plot([r["round"] for r in run["rounds"]], [r["mean_accuracy"] for r in run["rounds"]],
                 marker="o", markersize=3, label=run["label"])
-    ax.set_xlabel("round")
+    ax.set_xlabel(" / ".join(sorted({run.get("unit", "round") for run in runs})))
     ax.set_ylabel(f"mean accuracy over edges, {split} split (0-1)")
     ax.set_title(f"Accuracy per round ({split} split)")
     ax.xaxis.get_major_locator().set_params(integer=True)
@@ -539,7 +545,7 @@ def plot_bytes(run: dict, path: Path) -> None:
     log_ax.set_title("The same per kind on a log scale (solid: up, dashed: down)",
                      fontsize="medium")
     log_ax.xaxis.get_major_locator().set_params(integer=True)
-    log_ax.set_xlabel("round")
+    log_ax.set_xlabel(run.get("unit", "round"))
     log_ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -621,7 +627,7 @@ def plot_participation(run: dict, path: Path) -> None:
     for i, (field, color) in enumerate((("selected", "C0"), ("received", "C2"), ("dropped", "C3"))):
         ax.bar(x + (i - 1) * width, [r[field] for r in records], width, color=color, label=field)
     ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.set_xlabel("round")
+    ax.set_xlabel(run.get("unit", "round"))
     ax.set_ylabel("edges")
     ax.set_title(f"Participation per round (train phase): {run['label']}")
     ax.yaxis.get_major_locator().set_params(integer=True)
@@ -647,7 +653,7 @@ def plot_similarity(run: dict, path: Path) -> None:
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3,
                 label=group)
     ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.set_xlabel("round")
+    ax.set_xlabel(run.get("unit", "round"))
     ax.set_ylabel("mean pairwise cosine similarity")
     ax.set_title(f"How alike the edges' uploads are, per layer group: {run['label']}\n"
                  "(cosine similarity averaged over pairs of edges: 1 = the same direction, "
@@ -682,7 +688,7 @@ def plot_edges(run: dict, split: str, path: Path) -> None:
     step = max(1, len(rounds) // 20)
     ax.set_xticks(range(0, len(rounds), step), [str(r) for r in rounds[::step]])
     ax.set_yticks(range(len(edges)), edges, fontsize="small" if len(edges) <= 40 else 5)
-    ax.set_xlabel("round")
+    ax.set_xlabel(run.get("unit", "round"))
     ax.set_ylabel("edge")
     ax.set_title(f"Accuracy per edge and round: {run['label']}")
     fig.tight_layout()
