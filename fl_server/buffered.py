@@ -253,7 +253,8 @@ class BufferedSchedule:
         """Hands out work until ``--rounds`` versions are applied, then waits for the last
         evaluation."""
         engine = self.engine
-        await engine.edges.wait_for(self.cfg.min_edges)
+        # K distinct edges fill a buffer (``may_train``): start with at least that many.
+        await engine.edges.wait_for(max(self.cfg.min_edges, self.cfg.buffer))
         self.started = time.monotonic()
         if self.version < self.cfg.rounds:
             async with engine.agg_lock:
@@ -297,13 +298,24 @@ class BufferedSchedule:
                 return phase, task
             self.engine.drop(phase, edge, "superseded: the edge asked for new work")
         phase = self.current
-        if phase is None or phase.closed:
+        if phase is None or phase.closed or not self.may_train(phase, edge):
             return None
         return phase, self.new_task(phase, edge)
 
+    def may_train(self, phase: Phase, edge: str) -> bool:
+        """Whether the edge may have new work now. An edge whose result is in the buffer
+        waits for the buffer to apply (no edge holds more than one result of a version: a
+        fast or lying edge cannot fill a buffer alone), and so does one whose task of this
+        version was dropped for what it sent or pulled (a bad upload, the re-delivery
+        limit): it cannot turn refusals into endless downloads."""
+        if any(entry["edge"] == edge for entry in self.buffer.entries):
+            return False
+        why = phase.dropped.get(edge, "")
+        return not why.startswith(("bad upload", "re-delivery limit"))
+
     def new_task(self, phase: Phase, edge: str) -> Task:
         """A training task in ``phase`` (an edge may take several per version: one that
-        finished or lost its task gets another rather than idling until the next one)."""
+        lost its task, or whose result was applied, gets another)."""
         engine = self.engine
         phase.received.pop(edge, None)
         phase.dropped.pop(edge, None)

@@ -13,6 +13,9 @@
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 from conftest import Cluster, read_history, wait_for, write_edge_dirs
@@ -148,6 +151,36 @@ def test_stale_results_are_scaled_and_too_stale_ones_refused_over_grpc(tmp_path)
         assert [(e["edge"], e["staleness"], e["scale"]) for e in
                 second["train"]["contributors"]] == [(c.edge_id, 1, 0.5), (a.edge_id, 0, 1.0)]
         assert history["manifest"]["mode"] == "async"
+    finally:
+        for edge in edges:
+            edge.close()
+        cluster.close()
+
+
+def test_no_new_work_while_a_result_waits_in_the_buffer_or_after_a_bad_upload(tmp_path):
+    """One result per edge per buffer (a fast or lying edge cannot fill one alone), and a
+    refused upload does not buy its sender a fresh download until the next version."""
+    cluster = Cluster(tmp_path)
+    edges: list[RawEdge] = []
+    try:
+        cluster.server(*ASYNC, "--rounds", "3", "--min-edges", "3", "--buffer", "2")
+        a, b, c = edges = [RawEdge(cluster.port, p) for p in "abc"]
+        for edge in edges:
+            edge.connect()
+        ta, tb, tc = (edge.next_task() for edge in edges)
+        poisoned = _change(tc, 0.1)
+        name = next(n for n, t in poisoned.items() if t.is_floating_point())
+        poisoned[name].view(-1)[0] = float("nan")
+        reply = c.submit(train_messages(c, tc, poisoned, num_examples=5))
+        assert not reply.accepted and "non-finite" in reply.reason
+        assert _submit(a, ta, 0.1, 5).accepted
+        with ThreadPoolExecutor(2) as pool:  # both ask for work before the buffer applies
+            asked = [pool.submit(edge.next_task) for edge in (a, c)]
+            # Give the polls time to reach the server (without the rule they would get
+            # version 0's work at once; with it they pass whatever the timing).
+            time.sleep(1.0)
+            assert _submit(b, tb, 0.3, 5).accepted  # the buffer applies: version 1
+            assert [f.result().header.round for f in asked] == [2, 2]
     finally:
         for edge in edges:
             edge.close()
