@@ -6,10 +6,12 @@ is slow or flaky by itself: neither option belongs in a deployment.
 Neither changes what the edge computes. ``Throttle`` sleeps after the work, so a
 throttled edge's upload is bit-identical to an unthrottled one's; ``Dropout`` discards a
 task's result as a device that lost its connection would, before the state writes the
-task owed (the state on disk is the state before the task, as after a reboot), and the
-daemon reconnects and rejoins from that state. Both sit outside every other middleware
-(``EdgeDaemon._setup``): the throttle's clock covers the whole of the edge's own work on
-a task, and a dropped task has cost its full (throttled) time before the edge goes away.
+task owed are made (the private state on disk is the state before the task, as after a
+crash; only a DP ledger, written before anything may leave, keeps the lost round booked,
+which errs on the safe side), and the daemon reconnects and rejoins from that state.
+Both sit outside every other middleware (``EdgeDaemon._setup``): the throttle's clock
+covers the whole of the edge's own work on a task, and a dropped task has cost its full
+(throttled) time before the edge goes away.
 """
 
 from __future__ import annotations

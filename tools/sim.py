@@ -201,6 +201,11 @@ def main(argv: list[str] | None = None) -> int:
         print("fl-sim: error: --edges and --procs must be >= 1, --fraction in (0, 1]",
               file=sys.stderr)
         return 2
+    try:
+        heterogeneity(args, [])  # the flags' syntax, before any data is partitioned
+    except ValueError as err:
+        print(f"fl-sim: error: {err}", file=sys.stderr)
+        return 2
     if args.device == "cuda":
         import torch
 
