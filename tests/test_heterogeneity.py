@@ -19,6 +19,7 @@ from fl_edge.cli import main as edge_main
 from fl_edge.heterogeneity import Disconnected, Dropout, Throttle, parse_disconnect
 from fl_edge.tasks import Result, Task
 from fl_tools.sim import choose_edges
+from fl_tools.sim import main as sim_main
 
 
 def _task(round: int = 1, phase: str = "train") -> Task:
@@ -159,7 +160,7 @@ def test_disconnecting_edge_loses_its_task_and_rejoins_from_its_saved_state(clus
     assert "(round 1, phase train" in log.split("simulated disconnect")[1]
 
 
-def test_fl_sim_chooses_slow_and_flaky_edges_by_seed_and_writes_them(tmp_path):
+def test_fl_sim_chooses_slow_and_flaky_edges_by_seed_and_runs_them(tmp_path):
     names = [f"edge_{i:02d}" for i in range(20)]
     slow = choose_edges(names, 0.25, 7, "throttle")
     assert len(slow) == 5 and slow == choose_edges(names, 0.25, 7, "throttle")
@@ -167,19 +168,31 @@ def test_fl_sim_chooses_slow_and_flaky_edges_by_seed_and_writes_them(tmp_path):
     assert len(choose_edges(names, 0.1, 7, "disconnect")) == 2
     out, data = tmp_path / "sim", tmp_path / "data"
     edges = [d.name for d in write_edge_dirs(data, 4, per_edge=60)]
+    # The flaky edge loses every task and is away 60 s: the run ends without it, and
+    # fl-sim, whose server ended the run, does not wait for it (nor call it a failure).
     result = run_tool("fl_tools.sim", "--method", "fedavg", "--edges", "4", "--procs", "2",
                       "--fraction", "1", "--rounds", "1", "--out", str(out), "--seed", "3",
                       "--data-root", str(data), "--throttle", "0.5:3",
-                      "--disconnect", "0.25:0:0", "--set", "server.eval_every=0")
+                      "--disconnect", "0.25:1:60", "--set", "server.eval_every=0")
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     plan = json.loads((out / "sim.json").read_text())
     assert plan["slow"] == choose_edges(edges, 0.5, 3, "throttle") and plan["throttle"] == 3
     assert plan["flaky"] == choose_edges(edges, 0.25, 3, "disconnect")
-    assert plan["disconnect_seed"] == 3 and plan["offline_seconds"] == 0
-    assert ", ".join(plan["slow"]) in result.stdout
-    figures = read_history(out / "server")["rounds"][0]["train"]["edge_metrics"]
-    # The worker gave each edge its own options: only the slow ones slept.
-    assert sorted(n for n, f in figures.items() if "throttle_seconds" in f) == plan["slow"]
-    refused = run_tool("fl_tools.sim", "--edges", "4", "--data-root", str(data),
-                       "--out", str(tmp_path / "other"), "--throttle", "0.5")
-    assert refused.returncode == 2 and "--throttle '0.5'" in refused.stderr
+    assert plan["disconnect"] == 1 and plan["offline_seconds"] == 60
+    assert plan["disconnect_seed"] == 3
+    assert ", ".join(plan["slow"]) in result.stdout and plan["flaky"][0] in result.stdout
+    train = read_history(out / "server")["rounds"][0]["train"]
+    # The worker gave each edge its own options: the flaky one dropped out, only the
+    # slow ones slept.
+    assert train["dropped"] == {plan["flaky"][0]: "disconnected"}
+    assert sorted(n for n, f in train["edge_metrics"].items() if "throttle_seconds" in f) \
+        == sorted(set(plan["slow"]) - set(plan["flaky"]))
+
+
+@pytest.mark.parametrize("flag, value", [("--throttle", "0.5"), ("--throttle", "0.5:0.9"),
+                                         ("--disconnect", "2:0.1"), ("--disconnect", "0.1:2")])
+def test_fl_sim_refuses_bad_heterogeneity_flags_by_name(tmp_path, capsys, flag, value):
+    """Before a byte of data is partitioned or a process started."""
+    assert sim_main(["--edges", "4", "--out", str(tmp_path / "sim"), flag, value]) == 2
+    assert f"{flag} '{value}'" in capsys.readouterr().err
+    assert not (tmp_path / "sim" / "data").exists()

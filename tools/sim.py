@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -70,13 +72,26 @@ def worker(argv: list[str]) -> int:
             codes[data_dir.name] = err.code
 
     threads = [threading.Thread(target=run, args=(d,), name=d.name) for d in args.data_dirs]
+
+    # fl-sim's SIGUSR1: its server ended the run (and told every connected edge). A flaky
+    # edge still running then is away (--disconnect) and would retry a server that is
+    # gone: it is not waited for, and it is no failure.
+    run_over, flaky = threading.Event(), set(args.flaky)
+    signal.signal(signal.SIGUSR1, lambda signum, frame: run_over.set())
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    while any(t.is_alive() and not (run_over.is_set() and t.name in flaky)
+              for t in threads):
+        time.sleep(0.2)
+    away = sorted(t.name for t in threads if t.is_alive())
     failed = {k: v for k, v in codes.items() if v}
+    if away:
+        print(f"fl-sim worker: the run ended with flaky edges away: {', '.join(away)}",
+              file=sys.stderr)
     if failed:
         print(f"fl-sim worker: edges failed: {failed}", file=sys.stderr)
+    if away:
+        os._exit(1 if failed else 0)  # their threads sleep offline or retry the gone server
     return 1 if failed else 0
 
 
@@ -172,9 +187,28 @@ def heterogeneity(args: argparse.Namespace, names: list[str]) -> Heterogeneity:
         plan.slow = choose_edges(names, fraction, args.seed, "throttle")
     if args.disconnect:
         fraction, rest = _fraction(args.disconnect, "--disconnect")
-        plan.disconnect, plan.offline_seconds = parse_disconnect(rest)
+        try:
+            plan.disconnect, plan.offline_seconds = parse_disconnect(rest)
+        except ValueError as err:
+            raise ValueError(f"--disconnect {args.disconnect!r}: expected "
+                             f"FRACTION:P[:SECONDS] (fl-edge says: {err})") from None
         plan.flaky = choose_edges(names, fraction, args.seed, "disconnect")
     return plan
+
+
+def wait_for_workers(workers: list[subprocess.Popen],
+                     server: subprocess.Popen | None) -> list[int]:
+    """The workers' exit statuses. Once fl-sim's own server has exited (the run over, every
+    connected edge told), each worker still running is told so (SIGUSR1) and stops
+    waiting for its flaky edges that are away (``worker``)."""
+    if server is None:
+        return [w.wait() for w in workers]
+    while server.poll() is None and any(w.poll() is None for w in workers):
+        time.sleep(0.2)
+    for worker_proc in workers:
+        if worker_proc.poll() is None:
+            worker_proc.send_signal(signal.SIGUSR1)
+    return [w.wait() for w in workers]
 
 
 def prepare_tls(ca_dir: Path, names: list[str], own_server: bool) -> Path:
@@ -298,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"worker-{i}.log")
                    for i, group in enumerate(groups) if group]
         print(f"fl-sim: {args.edges} edges in {len(workers)} processes against {address}")
-        codes = [w.wait() for w in workers]
+        codes = wait_for_workers(workers, server)
         if server is not None:
             server.wait(timeout=60)
             history = json.loads((out / "server" / "history.json").read_text())
