@@ -83,6 +83,9 @@ def worker(argv: list[str]) -> int:
     while any(t.is_alive() and not (run_over.is_set() and t.name in flaky)
               for t in threads):
         time.sleep(0.2)
+    # Ignored from here on: the interpreter's shutdown would restore the default action
+    # (the process killed) for a signal that arrives while it exits.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     away = sorted(t.name for t in threads if t.is_alive())
     failed = {k: v for k, v in codes.items() if v}
     if away:
