@@ -13,6 +13,7 @@ from fedattn_shared.methods.registry import MODULE_SPEC
 from fedattn_shared.privacy.dp import PrivacyPolicy
 
 from .daemon import EdgeDaemon, EdgeExit, EdgeOptions
+from .heterogeneity import DEFAULT_OFFLINE_SECONDS, check_throttle, parse_disconnect
 
 log = logging.getLogger("fl_edge")
 
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     small.add_argument("--amp", action="store_true",
                        help="half-precision forward pass (fp16 on CUDA, bf16 on CPU)")
     _add_policy(parser)
+    _add_simulation(parser)
     parser.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
                         help="progress bars (auto: when a terminal is attached)")
     parser.add_argument("--log-every", type=float, default=10.0, metavar="SECONDS",
@@ -96,6 +98,26 @@ def _add_policy(parser: argparse.ArgumentParser) -> None:
                              "edge runs only methods installed under the fedattn.methods entry "
                              "points, and refuses any module:Class a server names before "
                              "importing anything")
+
+
+def _add_simulation(parser: argparse.ArgumentParser) -> None:
+    """Slow and flaky edges on one machine (fl_edge.heterogeneity), in one help group."""
+    sim = parser.add_argument_group(
+        "simulated heterogeneity (tests and benchmarks only)",
+        "Make this edge slower or flaky without changing what it computes, so that fast and "
+        "slow edges can be mixed on one machine (fl-sim sets these per edge).")
+    sim.add_argument("--throttle", type=float, default=1.0, metavar="FACTOR",
+                     help="after its own work on each task, sleep (FACTOR - 1) x that work's "
+                          "wall time before submitting: every task takes FACTOR x as long, "
+                          "the result is bit-identical (default 1: full speed)")
+    sim.add_argument("--disconnect", default=None, metavar="P[:SECONDS]",
+                     help="with probability P per task, do the work, then drop the connection "
+                          "instead of submitting (the server drops the task), stay offline "
+                          "SECONDS (default 10) and rejoin from the state on disk, as a "
+                          "rebooted device would")
+    sim.add_argument("--disconnect-seed", type=int, default=0, metavar="N",
+                     help="seeds the --disconnect draws with the edge's id: the same seed "
+                          "repeats the pattern (default 0)")
 
 
 def build_tools_parser() -> argparse.ArgumentParser:
@@ -213,6 +235,13 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     try:
+        throttle = check_throttle(args.throttle)
+        disconnect, offline = (parse_disconnect(args.disconnect) if args.disconnect
+                               else (0.0, DEFAULT_OFFLINE_SECONDS))
+    except ValueError as err:
+        print(f"fl-edge: error: {err}", file=sys.stderr)
+        return 2
+    try:
         privacy = PrivacyPolicy(max_epsilon=args.dp_max_epsilon, require_dp=args.require_dp,
                                 allow_seeded_noise=args.allow_seeded_dp_noise)
     except ValueError as err:
@@ -227,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         log_every=args.log_every,
         retry_for=args.retry_for, batch_size=args.batch_size, amp=args.amp,
         grad_accum=args.grad_accum, tls_dir=args.tls_dir, tls_server_name=args.tls_server_name,
-        privacy=privacy, allow_methods=tuple(args.allow_method))
+        privacy=privacy, allow_methods=tuple(args.allow_method), throttle=throttle,
+        disconnect=disconnect, offline_seconds=offline, disconnect_seed=args.disconnect_seed)
     try:
         return EdgeDaemon(options).run()
     except EdgeExit as err:

@@ -28,6 +28,7 @@ from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire.accounting import ByteMeter
 from fedattn_shared.wire.payload import WireError
 
+from .heterogeneity import Disconnected, Dropout, Throttle
 from .metrics import EdgeMetrics
 from .middleware import edge_middleware
 from .options import EdgeExit, EdgeOptions
@@ -81,6 +82,10 @@ class EdgeDaemon:
         self.run_state: EdgeRun | None = None
         self.runner: TaskRunner | None = None
         self.metrics_port: int | None = None
+        # One generator for the process's life: reconnects continue its pattern.
+        self.dropout = (Dropout(options.disconnect, options.offline_seconds,
+                                self.identity.edge_id, options.disconnect_seed)
+                        if options.disconnect > 0 else None)
 
     @staticmethod
     def _tls(options: EdgeOptions):
@@ -118,6 +123,9 @@ class EdgeDaemon:
             except Rejoin:
                 log.info("server forgot this session; joining again")
                 continue
+            except Disconnected as drop:
+                self._reboot(drop)
+                continue
             except WireError as err:
                 raise EdgeExit(2, f"server {self.opts.server} sent a task this edge refuses: "
                                   f"{err}") from None
@@ -129,6 +137,16 @@ class EdgeDaemon:
             finally:
                 self.metrics.connected.set(0)
             backoff, unreachable_since = 0.5, None
+
+    def _reboot(self, drop: Disconnected) -> None:
+        """After a simulated disconnect (``--disconnect``): offline for its seconds, then
+        back as a rebooted device, everything of the run rebuilt from the state on disk
+        (the lost task's writes were never made) at the next join."""
+        log.warning("%s", drop)
+        self.metrics.connected.set(0)
+        time.sleep(drop.offline)
+        self.run_state, self.runner = None, None
+        self.secagg = EdgeSecAgg(self.opts.state_dir, self.identity.edge_id, self.signing_key)
 
     def _retry_delay(self, err: grpc.RpcError, backoff: float, since: float) -> float:
         """How long to wait before the next attempt, or the EdgeExit that ends the tries."""
@@ -200,6 +218,11 @@ class EdgeDaemon:
         self.session.limit_downlinks(run.downlink_cap, RUN_CAP_WHY)
         layers = edge_middleware(run, self.secagg, self.store, self.writer, self.metrics,
                                  self.session.leave)
+        # Simulated heterogeneity around all of it (fl_edge.heterogeneity).
+        if self.opts.throttle > 1:
+            layers.insert(0, Throttle(self.opts.throttle))
+        if self.dropout is not None:
+            layers.insert(0, self.dropout)
         self.runner = TaskRunner(run, self.opts, self.device, self.identity.edge_id,
                                  self.metrics, self.store, self.writer, layers)
         self.run_state = run

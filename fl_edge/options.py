@@ -51,3 +51,9 @@ class EdgeOptions:
     # module:Class method specs this edge imports when a server names them (--allow-method);
     # any other method must be installed under the fedattn.methods entry points.
     allow_methods: tuple[str, ...] = ()
+    # Simulated heterogeneity, for tests and benches (fl_edge.heterogeneity): --throttle
+    # FACTOR (1: full speed) and --disconnect P:SECONDS with its --disconnect-seed.
+    throttle: float = 1.0
+    disconnect: float = 0.0  # probability per task of losing the connection
+    offline_seconds: float = 10.0
+    disconnect_seed: int = 0

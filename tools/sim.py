@@ -12,10 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import random
+import signal
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from fedattn_shared.state import StateError
@@ -28,6 +32,7 @@ def worker(argv: list[str]) -> int:
     from fedattn_shared.logs import setup_logging
     from fedattn_shared.privacy.dp import PrivacyPolicy
     from fl_edge.daemon import EdgeDaemon, EdgeExit, EdgeOptions
+    from fl_edge.heterogeneity import parse_disconnect
 
     p = argparse.ArgumentParser(prog="fl-sim worker")
     p.add_argument("--server", required=True)
@@ -37,19 +42,29 @@ def worker(argv: list[str]) -> int:
     p.add_argument("--allow-method", action="append", default=[],
                    help="a module:Class method the edges may import (fl-edge --allow-method)")
     p.add_argument("--allow-seeded-dp-noise", action="store_true")
+    p.add_argument("--throttle", type=float, default=1.0, help="fl-edge --throttle of --slow")
+    p.add_argument("--slow", action="append", default=[], metavar="NAME")
+    p.add_argument("--disconnect", default="0", help="fl-edge --disconnect of --flaky")
+    p.add_argument("--disconnect-seed", type=int, default=0)
+    p.add_argument("--flaky", action="append", default=[], metavar="NAME")
     p.add_argument("data_dirs", nargs="+", type=Path)
     args = p.parse_args(argv)
     setup_logging("WARNING")
     torch.set_num_threads(1)
     codes: dict[str, int] = {}
+    disconnect, offline = parse_disconnect(args.disconnect)
 
     def run(data_dir: Path) -> None:
+        name = data_dir.name
         options = EdgeOptions(server=args.server, data_dir=data_dir,
-                              state_dir=args.state_root / data_dir.name, name=data_dir.name,
+                              state_dir=args.state_root / name, name=name,
                               device=args.device, progress=False, retry_for=120,
-                              tls_dir=args.tls_root / data_dir.name if args.tls_root else None,
+                              tls_dir=args.tls_root / name if args.tls_root else None,
                               allow_methods=tuple(args.allow_method),
-                              privacy=PrivacyPolicy(allow_seeded_noise=args.allow_seeded_dp_noise))
+                              privacy=PrivacyPolicy(allow_seeded_noise=args.allow_seeded_dp_noise),
+                              throttle=args.throttle if name in args.slow else 1.0,
+                              disconnect=disconnect if name in args.flaky else 0.0,
+                              offline_seconds=offline, disconnect_seed=args.disconnect_seed)
         try:
             codes[data_dir.name] = EdgeDaemon(options).run()
         except EdgeExit as err:
@@ -57,13 +72,29 @@ def worker(argv: list[str]) -> int:
             codes[data_dir.name] = err.code
 
     threads = [threading.Thread(target=run, args=(d,), name=d.name) for d in args.data_dirs]
+
+    # fl-sim's SIGUSR1: its server ended the run (and told every connected edge). A flaky
+    # edge still running then is away (--disconnect) and would retry a server that is
+    # gone: it is not waited for, and it is no failure.
+    run_over, flaky = threading.Event(), set(args.flaky)
+    signal.signal(signal.SIGUSR1, lambda signum, frame: run_over.set())
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    while any(t.is_alive() and not (run_over.is_set() and t.name in flaky)
+              for t in threads):
+        time.sleep(0.2)
+    # Ignored from here on: the interpreter's shutdown would restore the default action
+    # (the process killed) for a signal that arrives while it exits.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    away = sorted(t.name for t in threads if t.is_alive())
     failed = {k: v for k, v in codes.items() if v}
+    if away:
+        print(f"fl-sim worker: the run ended with flaky edges away: {', '.join(away)}",
+              file=sys.stderr)
     if failed:
         print(f"fl-sim worker: edges failed: {failed}", file=sys.stderr)
+    if away:
+        os._exit(1 if failed else 0)  # their threads sleep offline or retry the gone server
     return 1 if failed else 0
 
 
@@ -88,11 +119,99 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-seeded-dp-noise", action="store_true",
                    help="the edges accept dp.seeded_noise (bit-identical DP runs; whoever "
                         "knows the seed can remove the noise: reproductions only)")
+    p.add_argument("--throttle", default=None, metavar="FRACTION:FACTOR",
+                   help="simulated slow devices: round(FRACTION x edges) edges, a seeded "
+                        "choice (--seed), run with fl-edge --throttle FACTOR (e.g. 0.25:5)")
+    p.add_argument("--disconnect", default=None, metavar="FRACTION:P[:SECONDS]",
+                   help="simulated flaky devices: round(FRACTION x edges) edges, a seeded "
+                        "choice (--seed), run with fl-edge --disconnect P:SECONDS and "
+                        "--disconnect-seed SEED (e.g. 0.1:0.2:10)")
     p.add_argument("--tls-dir", type=Path,
                    help="mutual TLS with the CA folder of `fl-server certs init`: each edge "
                         "uses DIR/edges/NAME, issued here when missing; without --server a CA "
                         "for 127.0.0.1 is created when DIR has none")
     return p
+
+
+@dataclass
+class Heterogeneity:
+    """Which simulated edges are slow (``--throttle``) and which flaky (``--disconnect``),
+    as fl-sim writes it to ``RUN/sim.json`` for a bench to read."""
+
+    throttle: float = 1.0
+    slow: list[str] = field(default_factory=list)
+    disconnect: float = 0.0
+    offline_seconds: float = 10.0
+    disconnect_seed: int = 0
+    flaky: list[str] = field(default_factory=list)
+
+    def worker_args(self) -> list[str]:
+        """What a worker needs to give its edges their options."""
+        return [f"--throttle={self.throttle}", *[f"--slow={n}" for n in self.slow],
+                f"--disconnect={self.disconnect}:{self.offline_seconds}",
+                f"--disconnect-seed={self.disconnect_seed}",
+                *[f"--flaky={n}" for n in self.flaky]]
+
+
+def choose_edges(names: list[str], fraction: float, seed: int, what: str) -> list[str]:
+    """round(fraction x edges) of ``names``, a choice seeded by ``seed`` and ``what`` (the
+    slow and the flaky edges are drawn independently), in the order of ``names``."""
+    count = round(fraction * len(names))
+    chosen = set(random.Random(f"fl-sim {what}:{seed}").sample(names, count))
+    return [name for name in names if name in chosen]
+
+
+def _fraction(text: str, flag: str) -> tuple[float, str]:
+    """FRACTION:REST, the fraction in [0, 1]; ValueError names the flag."""
+    head, _, rest = text.partition(":")
+    try:
+        fraction = float(head)
+    except ValueError:
+        fraction = -1.0
+    if not rest or not 0 <= fraction <= 1:
+        raise ValueError(f"{flag} {text!r}: expected a FRACTION in [0, 1], then ':' and the "
+                         "edge's setting")
+    return fraction, rest
+
+
+def heterogeneity(args: argparse.Namespace, names: list[str]) -> Heterogeneity:
+    """The slow and flaky edges ``--throttle`` and ``--disconnect`` ask for (ValueError,
+    naming the flag, on a bad value)."""
+    from fl_edge.heterogeneity import check_throttle, parse_disconnect
+
+    plan = Heterogeneity(disconnect_seed=args.seed)
+    if args.throttle:
+        fraction, factor = _fraction(args.throttle, "--throttle")
+        try:
+            plan.throttle = check_throttle(float(factor))
+        except ValueError:
+            raise ValueError(f"--throttle {args.throttle!r}: expected FRACTION:FACTOR, the "
+                             "factor a finite number >= 1") from None
+        plan.slow = choose_edges(names, fraction, args.seed, "throttle")
+    if args.disconnect:
+        fraction, rest = _fraction(args.disconnect, "--disconnect")
+        try:
+            plan.disconnect, plan.offline_seconds = parse_disconnect(rest)
+        except ValueError as err:
+            raise ValueError(f"--disconnect {args.disconnect!r}: expected "
+                             f"FRACTION:P[:SECONDS] (fl-edge says: {err})") from None
+        plan.flaky = choose_edges(names, fraction, args.seed, "disconnect")
+    return plan
+
+
+def wait_for_workers(workers: list[subprocess.Popen],
+                     server: subprocess.Popen | None) -> list[int]:
+    """The workers' exit statuses. Once fl-sim's own server has exited (the run over, every
+    connected edge told), each worker still running is told so (SIGUSR1) and stops
+    waiting for its flaky edges that are away (``worker``)."""
+    if server is None:
+        return [w.wait() for w in workers]
+    while server.poll() is None and any(w.poll() is None for w in workers):
+        time.sleep(0.2)
+    for worker_proc in workers:
+        if worker_proc.poll() is None:
+            worker_proc.send_signal(signal.SIGUSR1)
+    return [w.wait() for w in workers]
 
 
 def prepare_tls(ca_dir: Path, names: list[str], own_server: bool) -> Path:
@@ -118,6 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.edges < 1 or args.procs < 1 or not 0 < args.fraction <= 1:
         print("fl-sim: error: --edges and --procs must be >= 1, --fraction in (0, 1]",
               file=sys.stderr)
+        return 2
+    try:
+        heterogeneity(args, [])  # the flags' syntax, before any data is partitioned
+    except ValueError as err:
+        print(f"fl-sim: error: {err}", file=sys.stderr)
         return 2
     if args.device == "cuda":
         import torch
@@ -150,6 +274,18 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     data_dirs = data_dirs[: args.edges]
+    try:
+        plan = heterogeneity(args, [d.name for d in data_dirs])
+    except ValueError as err:
+        print(f"fl-sim: error: {err}", file=sys.stderr)
+        return 2
+    (out / "sim.json").write_text(json.dumps(asdict(plan), indent=1) + "\n")
+    if plan.slow:
+        print(f"fl-sim: {len(plan.slow)} slow edges (--throttle {plan.throttle:g}): "
+              + ", ".join(plan.slow))
+    if plan.flaky:
+        print(f"fl-sim: {len(plan.flaky)} flaky edges (--disconnect "
+              f"{plan.disconnect:g}:{plan.offline_seconds:g}): " + ", ".join(plan.flaky))
     tls = []
     if args.tls_dir:
         try:
@@ -195,11 +331,11 @@ def main(argv: list[str] | None = None) -> int:
             allow.append("--allow-seeded-dp-noise")
         workers = [spawn(["-m", "fl_tools.sim", "worker", "--server", address, "--state-root",
                           str(out / "state"), "--device", args.device, *tls, *allow,
-                          *map(str, group)],
+                          *plan.worker_args(), *map(str, group)],
                          f"worker-{i}.log")
                    for i, group in enumerate(groups) if group]
         print(f"fl-sim: {args.edges} edges in {len(workers)} processes against {address}")
-        codes = [w.wait() for w in workers]
+        codes = wait_for_workers(workers, server)
         if server is not None:
             server.wait(timeout=60)
             history = json.loads((out / "server" / "history.json").read_text())

@@ -68,6 +68,7 @@ STANDARD_METRICS = frozenset({
     "dp_steps", "dp_stats_epsilon", "dp_total_epsilon_rdp",
     "grad_norm", "clipped_fraction",  # train.clip_grad_norm: mean norm before the clip, share clipped
     "compress_seconds",  # --compress: the edge's CPU seconds decoding the downlink and coding the upload
+    "throttle_seconds",  # fl-edge --throttle (simulations only): the seconds the edge slept
 })
 
 
