@@ -431,7 +431,7 @@ class BufferedSchedule:
             "round": version, "version": version,
             "started": time.time() - (now - self.started), "seconds": now - self.started,
             "aggregate": figures,
-            TRAIN: {"contributors": entries,
+            TRAIN: {"contributors": entries, "received": [e["edge"] for e in entries],
                     "staleness": {str(t): n for t, n in sorted(staleness.items())},
                     "in_flight": sum(len(p.pending()) for p in self.phases.values()
                                      if not p.driver.evaluates)},
