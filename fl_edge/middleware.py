@@ -52,16 +52,22 @@ class InitialWeights:
 
 
 class UploadChanges:
-    """``--mode async`` (FedBuff): a training upload's model sections leave as their change
-    against the global the task brought, Delta = trained - received. The server adds each
-    result's change, scaled by its staleness, to the global of a later version; it keeps no
-    old global to subtract from. Non-floating tensors (BatchNorm's step counters) travel
-    as values. Which sections are model sections is the method's
-    compression rule ("delta", by kind): the one rule both daemons read. Inside compression
+    """``--mode async`` (FedBuff): a training upload's model parameters leave as their
+    change against the global the task brought, Delta = trained - received. The server adds
+    each result's change, scaled by its staleness, to the global of a later version; it
+    keeps no old global to subtract from. Which sections hold model tensors is the method's
+    compression rule ("delta", by kind): the one rule both daemons read. Buffers (BatchNorm's
+    running statistics: a stale change of a variance could turn it negative) and
+    non-floating tensors travel as values, which the server averages. Inside compression
     (which then codes the change as values) and outside SecAgg and DP."""
 
-    def __init__(self, method: Method):
-        self.rules = dict(method.compression)
+    def __init__(self, method: Method, models: dict):
+        rules = dict(method.compression)
+        # (kind, section) -> the tensors that travel as changes
+        self.stepped = {(spec.kind, spec.name): {n for n, t in spec.tensors.items()
+                                                 if t.dtype.is_floating_point and not t.is_buffer}
+                        for spec in method.uplink_schema(TRAIN, models)
+                        if rules.get(spec.kind) == "delta"}
 
     def __call__(self, task: Task, next: Handler) -> Result:
         result = next(task)
@@ -69,13 +75,14 @@ class UploadChanges:
             return result
         sections = []
         for section in result.upload.sections:
-            if self.rules.get(section.kind) != "delta":
+            stepped = self.stepped.get((section.kind, section.name))
+            if not stepped:
                 sections.append(section)
                 continue
             base = task.common.get(section.kind, section.name)
             changed = {}
             for name, value in section.tensors.items():
-                if not value.is_floating_point():  # counters travel as values
+                if name not in stepped:
                     changed[name] = value
                     continue
                 reference = base.tensors.get(name) if base is not None else None
@@ -170,7 +177,7 @@ def edge_middleware(run: EdgeRun, secagg: EdgeSecAgg, store: PrivateStore,
     already privatized and booked."""
     layers: list[Middleware] = [InitialWeights(run), Compression(run, store, writer)]
     if run.asynchronous:  # the change, coded by compression as values (--mode async)
-        layers.append(UploadChanges(run.method))
+        layers.append(UploadChanges(run.method, run.algo.models))
     layers.append(SecureAggregation(secagg, run))
     if run.privacy is not None:
         layers.append(DifferentialPrivacy(run.privacy, store, writer, metrics, leave))

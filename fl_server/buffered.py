@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fedattn_shared.methods.aggregators import AggregatorKind, add_scaled, finish_sum
-from fedattn_shared.methods.base import Method, SectionSpec
+from fedattn_shared.methods.base import Method, SectionSpec, TensorSpec
 from fedattn_shared.methods.phases import EVALUATE, TRAIN
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire.codec import encode
@@ -92,10 +92,17 @@ def async_refusal(method: Method, models: dict, state: dict) -> str:
     return ""
 
 
+def stepped(spec: TensorSpec) -> bool:
+    """Whether a tensor travels as a change (a floating parameter) or as its value (a
+    buffer, BatchNorm's running statistics, or a counter): a stale change of a running
+    variance, added to a later global, could turn it negative."""
+    return spec.dtype.is_floating_point and not spec.is_buffer
+
+
 class ChangeBuffer:
     """The buffer: sum_k n_k s(tau_k) Delta_k per section as a float64 compensated sum
-    (order-independent, see ``add_scaled``), non-floating tensors (counters) as sum_k n_k
-    v_k, and the record of each contributor."""
+    (order-independent, see ``add_scaled``), values (buffers, counters) as sum_k n_k v_k,
+    and the record of each contributor."""
 
     def __init__(self, specs: list[SectionSpec]):
         self.specs = {(s.kind, s.name): s for s in specs}
@@ -124,7 +131,7 @@ class ChangeBuffer:
                 for name, tensor in spec.tensors.items():
                     n = math.prod(tensor.shape)
                     value = section.tensors[name].reshape(-1)
-                    factor = weight * scale if value.is_floating_point() else weight
+                    factor = weight * scale if stepped(tensor) else weight
                     add_scaled(total[start:start + n], value, factor, comp[start:start + n])
                     start += n
         except Exception as err:  # part of the upload may be in the sums
@@ -142,7 +149,7 @@ class ChangeBuffer:
         return self.sums[key]
 
     def weighted_sum(self, state: dict, lr: float) -> Payload:
-        """sum_k n_k (x_t + lr s(tau_k) Delta_k) = W x_t + lr S for floating tensors, the
+        """sum_k n_k (x_t + lr s(tau_k) Delta_k) = W x_t + lr S for parameters, the
         weighted sum of values for the others: what ``Aggregator.accept_sum`` takes."""
         sections = []
         for key, spec in self.specs.items():
@@ -152,7 +159,7 @@ class ChangeBuffer:
             for name, tensor in spec.tensors.items():
                 n = math.prod(tensor.shape)
                 piece = total[start:start + n]
-                if tensor.dtype.is_floating_point:
+                if stepped(tensor):
                     base = state[key][name].reshape(-1).to(torch.float64)
                     piece = base.mul(self.weight).add_(piece, alpha=lr)
                 tensors[name] = piece.view(tensor.shape)

@@ -127,8 +127,12 @@ class EdgeFront:
     def admit(self, header: pb.SubmitHeader, record: EdgeRecord,
               certificate: Callable[[], str]) -> Admission:
         """Gate step 2: the header, against the open phase."""
-        return self.engine.gate.admit(header, record, certificate,
-                                      self.engine.phase_for(header))
+        phase = self.engine.phase_for(header)
+        try:
+            return self.engine.gate.admit(header, record, certificate, phase)
+        except Refused as err:
+            err.phase = phase  # a header refusal that costs the task drops it there
+            raise
 
     async def submit(self, admission: Admission, header: pb.SubmitHeader, body_mac: bytes,
                      assembler: PayloadAssembler) -> None:
@@ -150,8 +154,9 @@ class EdgeFront:
         reason = f"{type(err).__name__}: {err}" if isinstance(err, WireError) else str(err)
         log.warning("submission from %s refused: %s", edge or "?", reason)
         self.metrics.refused.labels(label).inc()
-        if drop and phase is None:  # the header checks name no phase
-            phase = self.engine.phase
+        if drop and phase is None:  # refused at the header: the phase it named
+            phase = (err.phase if isinstance(err, Refused) and err.phase is not None
+                     else self.engine.phase)
         if drop and phase is not None and edge in phase.pending() and not phase.closed:
             self.engine.drop(phase, edge, f"bad upload: {err}")
         return reason

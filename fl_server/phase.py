@@ -161,6 +161,7 @@ class Refused(Exception):
         super().__init__(reason)
         self.drop = drop
         self.code = code
+        self.phase: Phase | None = None  # the phase the refused header named, when found
 
 
 class RoundAborted(Exception):

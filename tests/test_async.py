@@ -69,6 +69,7 @@ def test_a_full_buffer_applies_the_weighted_mean_change_with_the_server_lr():
     generator = torch.Generator().manual_seed(0)
     changes, weights, scales = [], [5.0, 15.0, 10.0], [1.0, 0.5, 1 / 3]
     for weight, scale in zip(weights, scales, strict=True):
+        # parameters travel as changes; buffers (BN statistics) and counters as values
         change = {n: (torch.randn(t.shape, generator=generator) if t.is_floating_point()
                       else t.clone()) for n, t in x.items()}
         changes.append(change)
@@ -79,9 +80,16 @@ def test_a_full_buffer_applies_the_weighted_mean_change_with_the_server_lr():
     aggregator.close_phase(TRAIN)
     after = aggregator.state[(spec.kind, spec.name)]
     total = sum(weights)
+    buffers = {n for n, t in spec.tensors.items() if t.is_buffer}
+    assert buffers and buffers != set(x)  # lenet-bn has both kinds
     for name, value in x.items():
         if not value.is_floating_point():
             assert torch.equal(after[name], value)  # counters: the weighted mean of values
+            continue
+        if name in buffers:  # the weighted mean of the values, no staleness, no lr
+            mean = sum(w * c[name].double() for w, c in zip(weights, changes, strict=True))
+            torch.testing.assert_close(after[name], (mean / total).float(), rtol=1e-6,
+                                       atol=1e-7)
             continue
         step = sum(w * s * c[name].double() for w, s, c in zip(weights, scales, changes,
                                                                strict=True)) / total
@@ -93,17 +101,27 @@ def test_a_full_buffer_applies_the_weighted_mean_change_with_the_server_lr():
 ASYNC = ["--method", "fedavg", "--mode", "async", "--eval-every", "0", "--local-epochs", "1"]
 
 
+def _parameters() -> set[str]:
+    """The tensors an async upload carries as changes: fedavg's floating parameters
+    (buffers, BN's running statistics, and counters travel as values)."""
+    method, models, _ = _fedavg()
+    (spec,) = method.uplink_schema(TRAIN, models)
+    return {n for n, t in spec.tensors.items() if t.dtype.is_floating_point and not t.is_buffer}
+
+
 def _change(task, value: float) -> dict[str, torch.Tensor]:
-    """A change of ``value`` on every floating tensor; counters as the global holds them."""
-    return {n: torch.full_like(t, value) if t.is_floating_point() else t.clone()
+    """A change of ``value`` on every parameter; buffers as the global holds them."""
+    stepped = _parameters()
+    return {n: torch.full_like(t, value) if n in stepped else t.clone()
             for n, t in task.globals.items()}
 
 
 def _moved(before: dict, after: dict, step: float) -> None:
+    """Parameters moved by ``step``; the buffers' mean of unchanged values is unchanged."""
+    stepped = _parameters()
     for name, value in before.items():
-        if value.is_floating_point():
-            torch.testing.assert_close(after[name], (value.double() + step).float(),
-                                       rtol=1e-6, atol=1e-6)
+        expected = (value.double() + step).float() if name in stepped else value
+        torch.testing.assert_close(after[name], expected, rtol=1e-6, atol=1e-6)
 
 
 def _submit(edge: RawEdge, task, value: float, n: int):
@@ -182,6 +200,35 @@ def test_no_new_work_while_a_result_waits_in_the_buffer_or_after_a_bad_upload(tm
             time.sleep(1.0)
             assert _submit(b, tb, 0.3, 5).accepted  # the buffer applies: version 1
             assert [f.result().header.round for f in asked] == [2, 2]
+    finally:
+        for edge in edges:
+            edge.close()
+        cluster.close()
+
+
+def test_a_refused_evaluation_costs_its_task_at_once(tmp_path):
+    """A result refused at its header (here a non-finite loss) drops its task in the
+    phase it named: the edge is not sent the same evaluation again and again."""
+    cluster = Cluster(tmp_path)
+    edges: list[RawEdge] = []
+    try:
+        server = cluster.server(*ASYNC[:-4], "--eval-every", "1", "--rounds", "3",
+                                "--min-edges", "2", "--buffer", "2")
+        a, b = edges = [RawEdge(cluster.port, p) for p in "ab"]
+        for edge in edges:
+            edge.connect()
+        ta, tb = a.next_task(), b.next_task()
+        mark = server.mark()
+        assert _submit(a, ta, 0.1, 5).accepted and _submit(b, tb, 0.1, 5).accepted
+        evaluation = a.next_task()
+        assert (evaluation.header.phase, evaluation.header.round) == ("evaluate", 1)
+        messages = a.evaluation(evaluation)
+        messages[0].header.evaluation[0].loss_sum = float("inf")
+        reply = a.submit(messages)
+        assert not reply.accepted and "non-finite loss" in reply.reason
+        server.logged(mark, f"dropped {a.edge_id} (bad upload")
+        after = a.next_task()
+        assert (after.header.phase, after.header.round) == ("train", 2)
     finally:
         for edge in edges:
             edge.close()
@@ -294,21 +341,24 @@ def test_combinations_async_cannot_serve_exit_2(tmp_path, capsys, flags, needle)
 
 
 def test_an_async_edge_uploads_trained_minus_received():
-    """The change an async edge uploads is trained - received, exactly what the server
-    adds to a later global (``UploadChanges``, over the method's delta rule)."""
+    """The change an async edge uploads is trained - received for each parameter, exactly
+    what the server adds to a later global (``UploadChanges``, over the method's delta
+    rule); BN's running statistics and counters go as their values."""
     method, models, aggregator = _fedavg()
     (spec,) = method.uplink_schema(TRAIN, models)
     received = {n: t.clone() for n, t in aggregator.state[(spec.kind, spec.name)].items()}
     trained = {n: t + 0.25 if t.is_floating_point() else t + 3 for n, t in received.items()}
+    buffers = {n for n, t in spec.tensors.items() if t.is_buffer}
     task = Task(pb.TaskHeader(round=1, phase=TRAIN),
                 Payload([Section(Kind.SHARED_TENSORS, "", received)]), Payload(), 0, "e",
                 lambda r, n: 0.1)
-    result = UploadChanges(method)(task, lambda t: Result(
+    result = UploadChanges(method, models)(task, lambda t: Result(
         Payload([Section(Kind.SHARED_TENSORS, "", trained)]), 5))
     sent = result.upload.sections[0].tensors
+    assert buffers
     for name, value in received.items():
-        if value.is_floating_point():
+        if value.is_floating_point() and name not in buffers:
             torch.testing.assert_close(sent[name], torch.full_like(value, 0.25))
-        else:
-            assert torch.equal(sent[name], value + 3)  # counters travel as values
+        else:  # BN statistics and counters travel as values
+            assert torch.equal(sent[name], trained[name])
     assert result.num_examples == 5
