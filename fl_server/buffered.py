@@ -271,8 +271,8 @@ class BufferedSchedule:
             raise self.failure
         while self.evaluations:
             await asyncio.gather(*self.evaluations)
-        await engine.durable()
-        await asyncio.to_thread(engine.runlog.write_history)
+        async with engine.agg_lock:
+            await engine.runlog.write_history()
 
     async def open_training(self) -> None:
         """The training phase of the current version (under ``agg_lock``): its common
@@ -480,6 +480,12 @@ class BufferedSchedule:
         """An evaluate task for every connected edge on version ``version``'s global,
         taken before its next training task; the scores join ``record`` when in."""
         engine = self.engine
+        # One evaluation open at a time (each holds its version's global): the older one
+        # ends with the scores it has, its pending tasks superseded by this one.
+        for (name, _), phase in list(self.phases.items()):
+            if name == EVALUATE:
+                for edge in phase.pending():
+                    engine.drop(phase, edge, f"superseded: version {version} is evaluated")
         edges = engine.edges.connected_ids()
         ids = range(engine.task_counter + 1, engine.task_counter + 1 + len(edges))
         try:
@@ -509,11 +515,13 @@ class BufferedSchedule:
             await asyncio.wait_for(phase.done.wait(), timeout=self.cfg.round_timeout)
         except asyncio.TimeoutError:
             engine.metrics.phase_timeouts.labels(EVALUATE).inc()
-        async with engine.agg_lock:
+        async with engine.agg_lock:  # no upload, version or checkpoint meanwhile
             self.close(phase, "deadline")
-        record[EVALUATE] = phase.summary()
-        per_edge = {e: r["evaluation"] for e, r in phase.received.items()}
-        record["evaluation"] = {"per_edge": per_edge, "summary": summarize(per_edge)}
-        engine.metrics.publish_evaluation(per_edge, record["evaluation"]["summary"])
-        engine.metrics.phase_seconds.labels(EVALUATE).observe(time.monotonic() - phase.started)
-        engine.runlog.record_changed()
+            record[EVALUATE] = phase.summary()
+            per_edge = {e: r["evaluation"] for e, r in phase.received.items()}
+            record["evaluation"] = {"per_edge": per_edge, "summary": summarize(per_edge)}
+            engine.metrics.publish_evaluation(per_edge, record["evaluation"]["summary"])
+            engine.metrics.phase_seconds.labels(EVALUATE).observe(
+                time.monotonic() - phase.started)
+            engine.runlog.record_changed()
+            await engine.runlog.write_history()

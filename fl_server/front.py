@@ -8,8 +8,9 @@ gRPC context.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire.payload import Payload, WireError
@@ -21,6 +22,28 @@ from .gate import Admission
 from .phase import Phase, Refused, Task
 
 log = logging.getLogger("fl_server")
+
+
+async def run_to_end(coro: Awaitable[None]) -> None:
+    """Awaits ``coro`` to its end even when the caller is cancelled, then re-raises the
+    cancellation. Taking an upload must not stop half way: a client that cancels its
+    Submit once the body is in would otherwise stop it between adding to the sums and
+    recording the result (or, under --mode async, in the middle of applying a buffer),
+    and the receive buffer its tensors view would go back to the pool while a worker
+    thread still reads it."""
+    task = asyncio.ensure_future(coro)
+    cancelled = False
+    while True:
+        try:
+            await asyncio.shield(task)
+            break
+        except asyncio.CancelledError:
+            if task.done():
+                break
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    task.result()
 
 
 class EdgeFront:
@@ -141,7 +164,7 @@ class EdgeFront:
         gate = self.engine.gate
         payload: Payload = await gate.verify(admission, header, body_mac, assembler)
         gate.check_values(admission.phase, header.edge_id, payload)
-        await gate.take(admission.phase, header, payload)
+        await run_to_end(gate.take(admission.phase, header, payload))
 
     def refused(self, edge: str, label: str, err: Refused | WireError,
                 phase: Phase | None) -> str:

@@ -163,11 +163,13 @@ class RunHistory:
         evaluation arrives later): the next write encodes the history afresh."""
         self._encoded_rounds.clear()
 
-    def write_history(self) -> None:
-        """Writes history.json alone (a worker thread): the last evaluation of an async run
-        arrives after its last checkpoint."""
-        atomic_write(self.path, (history_text(self.data, self._encoded_rounds) + "\n").encode(),
-                     mode=0o644)
+    async def write_history(self) -> None:
+        """Writes history.json alone, after the checkpoint in flight (which writes it too):
+        an async run's evaluations arrive after their version's checkpoint. The text is
+        taken on the event loop, written on a worker thread."""
+        await self.durable()
+        text = history_text(self.data, self._encoded_rounds) + "\n"
+        await asyncio.to_thread(atomic_write, self.path, text.encode(), mode=0o644)
 
     def start_checkpoint(self, snapshot: Snapshot, record: dict[str, Any], participants: int,
                          selected: int) -> None:

@@ -235,6 +235,38 @@ def test_a_refused_evaluation_costs_its_task_at_once(tmp_path):
         cluster.close()
 
 
+def test_one_evaluation_is_open_at_a_time(tmp_path):
+    """Each evaluation holds its version's global: when the next one opens, the older one
+    ends with the scores it has (an edge that never answered is superseded)."""
+    cluster = Cluster(tmp_path)
+    edges: list[RawEdge] = []
+    try:
+        cluster.server(*ASYNC[:-4], "--eval-every", "1", "--rounds", "4", "--min-edges", "3",
+                       "--buffer", "2")
+        a, b, c = edges = [RawEdge(cluster.port, p) for p in "abc"]
+        for edge in edges:
+            edge.connect()
+        ta, tb, _ = (edge.next_task() for edge in edges)  # c keeps its task and is silent
+        for edge, task in ((a, ta), (b, tb)):
+            assert _submit(edge, task, 0.1, 5).accepted
+        for edge in (a, b):  # version 1's evaluation, then version 2's training
+            evaluation = edge.next_task()
+            assert evaluation.header.phase == "evaluate"
+            assert edge.submit(edge.evaluation(evaluation)).accepted
+            assert _submit(edge, edge.next_task(), 0.1, 5).accepted
+        history = _versions(tmp_path, 2)
+        wait_for(lambda: "evaluation" in read_history(tmp_path / "server-state")["rounds"][0],
+                 30, "version 1's scores")
+        first = read_history(tmp_path / "server-state")["rounds"][0]
+        assert sorted(first["evaluation"]["per_edge"]) == sorted([a.edge_id, b.edge_id])
+        assert first["evaluate"]["dropped"] == {c.edge_id: "superseded: version 2 is evaluated"}
+        assert history["rounds"][1]["round"] == 2
+    finally:
+        for edge in edges:
+            edge.close()
+        cluster.close()
+
+
 def test_a_server_killed_mid_buffer_resumes_counting_nothing_twice(tmp_path):
     cluster = Cluster(tmp_path)
     edges: list[RawEdge] = []

@@ -1,9 +1,13 @@
 """Pieces of the round engine with hand-computed expectations."""
 
+import asyncio
+
 import numpy as np
+import pytest
 
 from fl_server.edges import AuthError, EdgeBook
 from fl_server.evaluation import split_figures, summarize
+from fl_server.front import run_to_end
 from fl_server.phase import select_edges
 
 
@@ -77,3 +81,33 @@ def test_history_text_encodes_each_round_once_and_reads_back():
     # A replaced history (a resume truncating it) is encoded afresh.
     resumed = {"manifest": history["manifest"], "rounds": [{"round": 1, "resumed": True}]}
     assert json.loads(history_text(resumed, encoded))["rounds"] == [{"round": 1, "resumed": True}]
+
+
+def test_taking_an_upload_runs_to_its_end_when_the_call_is_cancelled():
+    """A client cancelling its Submit mid-take must not stop the take half way (the sums
+    would hold an upload no result records; a buffer would be applied twice)."""
+
+    async def scenario():
+        release, finished = asyncio.Event(), []
+
+        async def take():
+            await release.wait()
+            finished.append(True)
+
+        call = asyncio.ensure_future(run_to_end(take()))
+        await asyncio.sleep(0)
+        call.cancel()
+        await asyncio.sleep(0)
+        assert not call.done() and not finished  # the cancelled call waits for the take
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert finished == [True]
+
+        async def refuse():
+            raise ValueError("refused")
+
+        with pytest.raises(ValueError, match="refused"):
+            await run_to_end(refuse())
+
+    asyncio.run(scenario())
