@@ -31,7 +31,11 @@ ASYNC = {"server": {"mode": "async", "buffer": 8, "maxStaleness": 20, "rounds": 
 FLEET = {"edges": {"count": 100}, "tls": {"enabled": True}}
 BARE = {"prometheus": {"enabled": False}, "grafana": {"enabled": False},
         "token": {"existingSecret": "", "value": "s3cret"}}
-VALUES = {"defaults": {}, "tls": TLS, "async": ASYNC, "100-edges": FLEET, "no-monitoring": BARE}
+OUTSIDE = {"prometheus": {"enabled": False},
+           "grafana": {"prometheusUrl": "http://prometheus.monitoring:9090",
+                       "adminPassword": {"existingSecret": "", "value": "pw"}}}
+VALUES = {"defaults": {}, "tls": TLS, "async": ASYNC, "100-edges": FLEET, "no-monitoring": BARE,
+          "outside-prometheus": OUTSIDE}
 
 
 @pytest.fixture(scope="module")
@@ -89,14 +93,19 @@ def test_rendered_manifests_match_the_schemas(helm, values, tmp_path):
     core = {f"Deployment/{RELEASE}-server", f"Service/{RELEASE}-server",
             f"PersistentVolumeClaim/{RELEASE}-server-state", f"StatefulSet/{RELEASE}-edge",
             f"Service/{RELEASE}-edge"}
-    monitoring = {f"{kind}/{RELEASE}-prometheus" for kind in
+    prometheus = {f"{kind}/{RELEASE}-prometheus" for kind in
                   ("ConfigMap", "ServiceAccount", "Role", "RoleBinding", "Deployment", "Service")}
-    monitoring |= {f"{kind}/{RELEASE}-grafana" for kind in ("Deployment", "Service")}
-    monitoring |= {f"ConfigMap/{RELEASE}-grafana-{part}" for part in ("dashboards", "provisioning")}
+    grafana = {f"{kind}/{RELEASE}-grafana" for kind in ("Deployment", "Service")}
+    grafana |= {f"ConfigMap/{RELEASE}-grafana-{part}" for part in ("dashboards", "provisioning")}
     if values is BARE:
         assert kinds == core | {f"Secret/{RELEASE}-token"}
+    elif values is OUTSIDE:
+        assert kinds == core | grafana | {f"Secret/{RELEASE}-grafana"}
+        provisioning = objects[("ConfigMap", f"{RELEASE}-grafana-provisioning")]["data"]
+        source = yaml.safe_load(provisioning["datasources.yml"])["datasources"][0]
+        assert source["url"] == OUTSIDE["grafana"]["prometheusUrl"]
     else:
-        assert kinds == core | monitoring  # the token and passwords: existing Secrets
+        assert kinds == core | prometheus | grafana  # token and password: existing Secrets
     for obj in objects.values():
         kubernetes_validate.validate(obj, "1.30.0", strict=True)  # raises naming the field
         assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "fedattn"
@@ -219,6 +228,20 @@ def test_monitoring_scrapes_the_release_and_uses_deploys_files(helm, tmp_path):
     assert source["url"] == f"http://{RELEASE}-prometheus:9090"
     assert env_of(grafana)["GF_SECURITY_ADMIN_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
         "name": "fedattn-grafana", "key": "admin-password"}
+
+
+def test_a_packaged_chart_holds_deploys_files(helm, tmp_path):
+    """`helm package` (what a chart repository serves) replaces the symlinks by the files."""
+    import tarfile
+
+    done = run_helm(helm, "package", str(CHART), "--destination", str(tmp_path), tmp=tmp_path)
+    assert done.returncode == 0, done.stderr
+    with tarfile.open(next(tmp_path.glob("fedattn-*.tgz"))) as archive:
+        for name, source in {"alerts.yml": "prometheus/alerts.yml",
+                             "fedattn.json": "grafana/dashboards/fedattn.json"}.items():
+            member = archive.getmember(f"fedattn/files/{name}")
+            assert member.isfile()
+            assert archive.extractfile(member).read() == (DEPLOY / source).read_bytes()
 
 
 def project(secret: dict[str, bytes], items: list[dict], root: Path) -> None:
