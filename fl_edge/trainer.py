@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator
@@ -30,6 +29,7 @@ from tqdm import tqdm
 from fedattn_shared.augment import InputPipeline
 from fedattn_shared.data.npz import Split
 from fedattn_shared.methods.base import EdgeAlgorithm
+from fedattn_shared.rng import GLOBAL_RNG_LOCK
 
 if TYPE_CHECKING:
     from fedattn_shared.privacy.dp import PrivateTraining
@@ -80,10 +80,6 @@ class EvalCounts:
 # Flips the seed of the forked global RNG away from the loader generator's seed: the same
 # Mersenne Twister stream would otherwise drive both the data order and dropout.
 GLOBAL_STREAM = 1 << 62
-# torch's global RNG is one per process; fl-sim hosts several edges as threads of one
-# process, whose rounds would otherwise draw from (and reseed) it in turns that depend on
-# scheduling. A lock, not state: it serialises deterministic rounds within a process.
-GLOBAL_RNG_LOCK = threading.Lock()
 
 
 def loader_seed(seed: int, round_number: int, edge_id: str) -> int:

@@ -53,6 +53,7 @@ from torch import nn
 
 from ..config import DPConfig, TrainConfig, check_choices
 from ..models import build_model, model_spec
+from ..rng import GLOBAL_RNG_LOCK
 from ..tensors import PackedTensors
 from ..wire.payload import Kind, Payload, Section, TensorViews
 from . import split
@@ -421,11 +422,13 @@ class Method(metaclass=_MethodType):
         return self.personal_copy or ("model",)
 
     def build_models(self) -> dict[str, nn.Module]:
-        """Fresh models, identical on every edge and the server for the same seed."""
-        torch.manual_seed(self.train.seed)
+        """Fresh models, identical on every edge and the server for the same seed (alone on
+        the global RNG: edges that share a process build theirs in turn)."""
         t = self.train
-        models = {name: build_model(t.model, t.num_classes, t.in_channels, t.model_size)
-                  for name in self.model_names()}
+        with GLOBAL_RNG_LOCK:
+            torch.manual_seed(t.seed)
+            models = {name: build_model(t.model, t.num_classes, t.in_channels, t.model_size)
+                      for name in self.model_names()}
         if self.personal_copy:
             shared, personal = self.personal_copy
             models[personal] = copy.deepcopy(models[shared])
