@@ -66,8 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                                "every node)")
     ray.add_argument("--ray", metavar="ADDRESS",
                      help="host the edges as Ray actors placed across the Ray cluster at "
-                          "ADDRESS (auto, HOST:PORT of its head, or ray://HOST:PORT), "
-                          "instead of --procs local processes")
+                          "ADDRESS (auto or HOST:PORT of its head, fl-sim running on a node; "
+                          "or ray://HOST:PORT, Ray Client: the ray[client] extra and a "
+                          "--server-host the nodes reach), instead of --procs local processes")
     ray.add_argument("--edges-per-actor", type=int, default=10,
                      help="edges one actor hosts, as threads of one process")
     ray.add_argument("--actor-cpus", type=float, default=1.0,
@@ -340,7 +341,7 @@ def join_ray(address: str) -> str:
         return connect(address)
     except ImportError as err:
         raise RuntimeError(f"Ray is not installed ({err}): pip install 'fedattn[ray]'") from None
-    except (ConnectionError, ValueError) as err:
+    except (ConnectionError, ValueError, RuntimeError) as err:  # RuntimeError: Ray's own
         raise RuntimeError(f"no Ray cluster to join: {err}") from None
 
 

@@ -51,10 +51,11 @@ def write_folders(folders: Folders, root: Path) -> None:
     path that would leave ``root`` is refused all the same (StateError names it)."""
     for name, files in folders.items():
         for rel, data in files.items():
-            parts = PurePosixPath(name, rel).parts
-            if PurePosixPath(rel).is_absolute() or ".." in parts or len(parts) < 2:
+            inside = PurePosixPath(name, rel)
+            if (inside.is_absolute() or ".." in inside.parts or len(inside.parts) < 2
+                    or len(PurePosixPath(name).parts) != 1):
                 raise StateError(f"shipped file {name}/{rel}: not a path inside an edge folder")
-            path = root.joinpath(*parts)
+            path = root.joinpath(*inside.parts)
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(path.name + ".part")
             tmp.write_bytes(data)
@@ -143,6 +144,13 @@ def connect(address: str) -> str:
     as the cluster knows it, where the other nodes reach fl-sim's own server."""
     import ray
 
+    host, colon, port = address.rpartition(":")
+    if colon and port.isdigit() and "://" not in address:
+        # ray.init retries an address where nothing listens for minutes; say so at once.
+        try:
+            socket.create_connection((host, int(port)), timeout=10).close()
+        except OSError as err:
+            raise ConnectionError(f"nothing answers at {address} ({err})") from None
     ray.init(address=address, logging_level=logging.WARNING, configure_logging=False)
     return ray.util.get_node_ip_address()
 
@@ -189,7 +197,10 @@ def place(actors: list, groups: list[ActorSpec], out: Path) -> list[dict[str, st
     while len(ray.wait(refs, num_returns=len(refs), timeout=30)[0]) < len(refs):
         print(f"fl-sim: waiting for Ray to place the actors ({time.monotonic() - started:.0f}s)",
               file=sys.stderr)
-    nodes = ray.get(refs)
+    try:
+        nodes = ray.get(refs)
+    except ray.exceptions.RayError as err:  # e.g. a node without fedattn installed
+        raise RayError(f"an actor did not start: {err}") from None
     for spec, node in zip(groups, nodes, strict=True):
         print(f"fl-sim: actor {spec.index} ({len(spec.names)} edges) on node {node['ip']} "
               f"({node['host']}, {node['node_id'][:12]})")
