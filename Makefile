@@ -18,12 +18,19 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m pip install -q --no-cache-dir -c constraints.txt -e '.[test]'
 	touch $@
 
+# The ray extra (fl-sim --ray; ~80 MB download, ~240 MB installed, ~10 s) for
+# tests/test_ray_sim.py, which starts a two-node Ray cluster on loopback. make test installs
+# it; make setup, run on every machine of a deployment, does not.
+$(VENV)/.ray: $(VENV)/.installed
+	$(PY) -m pip install -q --no-cache-dir -c constraints.txt -e '.[test,ray]'
+	touch $@
+
 # A real fl-server and 4 fl-edge processes on loopback, on the bundled MNIST subset.
 demo: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/fl-demo --method fedsap --edges 4 --rounds 5 --alpha 0.5 \
 		--out runs/demo --force
 
-test: setup
+test: setup $(VENV)/.ray
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider
 
 lint: setup

@@ -11,91 +11,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
-import os
 import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from fedattn_shared.state import StateError
-
-
-def worker(argv: list[str]) -> int:
-    """``python -m fl_tools.sim worker --server H:P --state-root D DATA_DIR...``"""
-    import torch
-
-    from fedattn_shared.logs import setup_logging
-    from fedattn_shared.privacy.dp import PrivacyPolicy
-    from fl_edge.daemon import EdgeDaemon, EdgeExit, EdgeOptions
-    from fl_edge.heterogeneity import parse_disconnect
-
-    p = argparse.ArgumentParser(prog="fl-sim worker")
-    p.add_argument("--server", required=True)
-    p.add_argument("--state-root", required=True, type=Path)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--tls-root", type=Path, help="one certificate folder per edge name")
-    p.add_argument("--allow-method", action="append", default=[],
-                   help="a module:Class method the edges may import (fl-edge --allow-method)")
-    p.add_argument("--allow-seeded-dp-noise", action="store_true")
-    p.add_argument("--throttle", type=float, default=1.0, help="fl-edge --throttle of --slow")
-    p.add_argument("--slow", action="append", default=[], metavar="NAME")
-    p.add_argument("--disconnect", default="0", help="fl-edge --disconnect of --flaky")
-    p.add_argument("--disconnect-seed", type=int, default=0)
-    p.add_argument("--flaky", action="append", default=[], metavar="NAME")
-    p.add_argument("data_dirs", nargs="+", type=Path)
-    args = p.parse_args(argv)
-    setup_logging("WARNING")
-    torch.set_num_threads(1)
-    codes: dict[str, int] = {}
-    disconnect, offline = parse_disconnect(args.disconnect)
-
-    def run(data_dir: Path) -> None:
-        name = data_dir.name
-        options = EdgeOptions(server=args.server, data_dir=data_dir,
-                              state_dir=args.state_root / name, name=name,
-                              device=args.device, progress=False, retry_for=120,
-                              tls_dir=args.tls_root / name if args.tls_root else None,
-                              allow_methods=tuple(args.allow_method),
-                              privacy=PrivacyPolicy(allow_seeded_noise=args.allow_seeded_dp_noise),
-                              throttle=args.throttle if name in args.slow else 1.0,
-                              disconnect=disconnect if name in args.flaky else 0.0,
-                              offline_seconds=offline, disconnect_seed=args.disconnect_seed)
-        try:
-            codes[data_dir.name] = EdgeDaemon(options).run()
-        except EdgeExit as err:
-            logging.getLogger("fl_sim").error("%s: %s", data_dir.name, err)
-            codes[data_dir.name] = err.code
-
-    threads = [threading.Thread(target=run, args=(d,), name=d.name) for d in args.data_dirs]
-
-    # fl-sim's SIGUSR1: its server ended the run (and told every connected edge). A flaky
-    # edge still running then is away (--disconnect) and would retry a server that is
-    # gone: it is not waited for, and it is no failure.
-    run_over, flaky = threading.Event(), set(args.flaky)
-    signal.signal(signal.SIGUSR1, lambda signum, frame: run_over.set())
-    for t in threads:
-        t.start()
-    while any(t.is_alive() and not (run_over.is_set() and t.name in flaky)
-              for t in threads):
-        time.sleep(0.2)
-    # Ignored from here on: the interpreter's shutdown would restore the default action
-    # (the process killed) for a signal that arrives while it exits.
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    away = sorted(t.name for t in threads if t.is_alive())
-    failed = {k: v for k, v in codes.items() if v}
-    if away:
-        print(f"fl-sim worker: the run ended with flaky edges away: {', '.join(away)}",
-              file=sys.stderr)
-    if failed:
-        print(f"fl-sim worker: edges failed: {failed}", file=sys.stderr)
-    if away:
-        os._exit(1 if failed else 0)  # their threads sleep offline or retry the gone server
-    return 1 if failed else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,7 +53,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-dir", type=Path,
                    help="mutual TLS with the CA folder of `fl-server certs init`: each edge "
                         "uses DIR/edges/NAME, issued here when missing; without --server a CA "
-                        "for 127.0.0.1 is created when DIR has none")
+                        "for 127.0.0.1 (and --server-host) is created when DIR has none")
+    p.add_argument("--state-root", type=Path,
+                   help="the edges' state dirs, one folder per edge (default RUN/state; with "
+                        "--ray, a folder in each node's temp dir: give a path every node shares "
+                        "for an edge to keep its identity wherever Ray places it)")
+    p.add_argument("--server-host", default=None,
+                   help="where fl-sim's own server listens and the edges dial it (default "
+                        "127.0.0.1; with --ray, this machine's address as the Ray cluster "
+                        "knows it, so that the other nodes reach it)")
+    ray = p.add_argument_group("Ray cluster (the `ray` extra: pip install 'fedattn[ray]' on "
+                               "every node)")
+    ray.add_argument("--ray", metavar="ADDRESS",
+                     help="host the edges as Ray actors placed across the Ray cluster at "
+                          "ADDRESS (auto or HOST:PORT of its head, fl-sim running on a node; "
+                          "or ray://HOST:PORT, Ray Client: the ray[client] extra and a "
+                          "--server-host the nodes reach), instead of --procs local processes")
+    ray.add_argument("--edges-per-actor", type=int, default=10,
+                     help="edges one actor hosts, as threads of one process")
+    ray.add_argument("--actor-cpus", type=float, default=1.0,
+                     help="CPUs Ray reserves for each actor")
+    ray.add_argument("--actor-gpus", type=float, default=0.0,
+                     help="GPUs Ray reserves for each actor (a fraction shares one; with "
+                          "--device cuda)")
+    ray.add_argument("--ship-data", action="store_true",
+                     help="put the edges' partitions into Ray's object store, each actor "
+                          "writing its edges' to its node's temp dir (implied without "
+                          "--data-root, whose partitions are on this machine only); else "
+                          "--data-root must be a path every node sees")
     return p
 
 
@@ -214,15 +165,17 @@ def wait_for_workers(workers: list[subprocess.Popen],
     return [w.wait() for w in workers]
 
 
-def prepare_tls(ca_dir: Path, names: list[str], own_server: bool) -> Path:
-    """The per-edge certificate folders under ``ca_dir/edges``, issued where missing."""
+def prepare_tls(ca_dir: Path, names: list[str], own_server: bool,
+                host: str = "127.0.0.1") -> Path:
+    """The per-edge certificate folders under ``ca_dir/edges``, issued where missing; a CA
+    made here is for 127.0.0.1 and ``host``, where fl-sim's own server listens."""
     from fedattn_shared.tls import CA_KEY, EDGE_CERT, init_ca, issue_edge
 
     if not (ca_dir / CA_KEY).exists():
         if not own_server:
             raise StateError(f"--tls-dir {ca_dir} holds no CA: pass the folder the server's "
                              "`fl-server certs init` made")
-        init_ca(ca_dir, ["127.0.0.1", "localhost"])
+        init_ca(ca_dir, list(dict.fromkeys(["127.0.0.1", "localhost", host])))
     for name in names:
         if not (ca_dir / "edges" / name / EDGE_CERT).exists():
             issue_edge(ca_dir, name)
@@ -232,18 +185,21 @@ def prepare_tls(ca_dir: Path, names: list[str], own_server: bool) -> Path:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "worker":
+        from fl_tools.sim_worker import worker
+
         return worker(argv[1:])
     args = build_parser().parse_args(argv)
-    if args.edges < 1 or args.procs < 1 or not 0 < args.fraction <= 1:
-        print("fl-sim: error: --edges and --procs must be >= 1, --fraction in (0, 1]",
-              file=sys.stderr)
+    if (args.edges < 1 or args.procs < 1 or args.edges_per_actor < 1
+            or not 0 < args.fraction <= 1 or args.actor_cpus < 0 or args.actor_gpus < 0):
+        print("fl-sim: error: --edges, --procs and --edges-per-actor must be >= 1, --fraction "
+              "in (0, 1], --actor-cpus and --actor-gpus >= 0", file=sys.stderr)
         return 2
     try:
         heterogeneity(args, [])  # the flags' syntax, before any data is partitioned
     except ValueError as err:
         print(f"fl-sim: error: {err}", file=sys.stderr)
         return 2
-    if args.device == "cuda":
+    if args.device == "cuda" and not args.ray:  # on Ray, each edge checks its own node
         import torch
 
         if not torch.cuda.is_available():
@@ -286,11 +242,18 @@ def main(argv: list[str] | None = None) -> int:
     if plan.flaky:
         print(f"fl-sim: {len(plan.flaky)} flaky edges (--disconnect "
               f"{plan.disconnect:g}:{plan.offline_seconds:g}): " + ", ".join(plan.flaky))
-    tls = []
+    host = args.server_host or "127.0.0.1"
+    if args.ray:
+        try:
+            host = args.server_host or join_ray(args.ray)
+        except RuntimeError as err:
+            print(f"fl-sim: error: --ray {args.ray}: {err}", file=sys.stderr)
+            return 2
+    tls_root = None
     if args.tls_dir:
         try:
-            tls = ["--tls-root", str(prepare_tls(args.tls_dir, [d.name for d in data_dirs],
-                                                 own_server=args.server is None))]
+            tls_root = prepare_tls(args.tls_dir, [d.name for d in data_dirs],
+                                   own_server=args.server is None, host=host)
         except StateError as err:
             print(f"fl-sim: error: {err}", file=sys.stderr)
             return 2
@@ -312,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             ready = out / "server.ready.json"
             ready.unlink(missing_ok=True)
             security = ["--tls-dir", str(args.tls_dir)] if args.tls_dir else ["--insecure"]
-            server = spawn(["-m", "fl_server", *security, "--host", "127.0.0.1", "--port", "0",
+            server = spawn(["-m", "fl_server", *security, "--host", host, "--port", "0",
                             "--ready-file", str(ready), "--checkpoint-dir", str(out / "server"),
                             "--method", args.method, "--rounds", str(args.rounds),
                             "--fraction", str(args.fraction), "--min-edges", str(args.edges),
@@ -324,18 +287,30 @@ def main(argv: list[str] | None = None) -> int:
                           + (out / "logs" / "server.log").read_text()[-2000:], file=sys.stderr)
                     return 1
                 time.sleep(0.1)
-            address = f"127.0.0.1:{json.loads(ready.read_text())['port']}"
-        groups = [data_dirs[i :: args.procs] for i in range(args.procs)]
+            address = f"{host}:{json.loads(ready.read_text())['port']}"
         allow = ["--allow-method", args.method] if ":" in args.method else []
         if args.allow_seeded_dp_noise:
             allow.append("--allow-seeded-dp-noise")
-        workers = [spawn(["-m", "fl_tools.sim", "worker", "--server", address, "--state-root",
-                          str(out / "state"), "--device", args.device, *tls, *allow,
-                          *plan.worker_args(), *map(str, group)],
-                         f"worker-{i}.log")
-                   for i, group in enumerate(groups) if group]
-        print(f"fl-sim: {args.edges} edges in {len(workers)} processes against {address}")
-        codes = wait_for_workers(workers, server)
+        options = ["--server", address, "--device", args.device, *allow, *plan.worker_args()]
+        if args.ray:
+            from fl_tools.sim_ray import RayError, run_actors
+
+            print(f"fl-sim: {args.edges} edges in Ray actors of {args.edges_per_actor} "
+                  f"against {address}")
+            try:
+                codes = run_actors(args, data_dirs, options, tls_root, out, server)
+            except RayError as err:
+                print(f"fl-sim: error: {err}", file=sys.stderr)
+                return 1
+        else:
+            tls = ["--tls-root", str(tls_root)] if tls_root else []
+            state = args.state_root or out / "state"
+            groups = [data_dirs[i :: args.procs] for i in range(args.procs)]
+            workers = [spawn(["-m", "fl_tools.sim", "worker", "--state-root", str(state),
+                              *options, *tls, *map(str, group)], f"worker-{i}.log")
+                       for i, group in enumerate(groups) if group]
+            print(f"fl-sim: {args.edges} edges in {len(workers)} processes against {address}")
+            codes = wait_for_workers(workers, server)
         if server is not None:
             server.wait(timeout=60)
             history = json.loads((out / "server" / "history.json").read_text())
@@ -351,6 +326,23 @@ def main(argv: list[str] | None = None) -> int:
                 proc.terminate()
         for handle in logs:
             handle.close()
+        if args.ray:
+            from fl_tools.sim_ray import disconnect
+
+            disconnect()
+
+
+def join_ray(address: str) -> str:
+    """Joins the Ray cluster at ``address``; this machine's address as the cluster knows it.
+    RuntimeError says why not (no Ray installed, no cluster there)."""
+    from fl_tools.sim_ray import connect
+
+    try:
+        return connect(address)
+    except ImportError as err:
+        raise RuntimeError(f"Ray is not installed ({err}): pip install 'fedattn[ray]'") from None
+    except (ConnectionError, ValueError, RuntimeError) as err:  # RuntimeError: Ray's own
+        raise RuntimeError(f"no Ray cluster to join: {err}") from None
 
 
 if __name__ == "__main__":
