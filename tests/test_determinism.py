@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import REPO, Cluster, write_edge_dirs
 
@@ -74,14 +75,15 @@ def test_same_seed_bit_identical_federation(tmp_path):
 
 
 
-def _sim(root: Path, data_root: Path, seed: int) -> tuple[dict, list[dict]]:
-    """fl-sim: the three edges as threads of one worker process, on a model with dropout,
-    so their rounds share torch's global RNG."""
+def _sim(root: Path, data_root: Path, seed: int, method: str,
+         *sets: str) -> tuple[dict, list[dict]]:
+    """fl-sim: the three edges as threads of one worker process, so their model builds
+    and rounds share torch's global RNG."""
     out = root / "sim"
-    subprocess.run([sys.executable, "-m", "fl_tools.sim", "--method", "fedbn", "--edges", str(EDGES),
+    subprocess.run([sys.executable, "-m", "fl_tools.sim", "--method", method, "--edges", str(EDGES),
                     "--procs", "1", "--fraction", "1", "--rounds", "2", "--data-root",
                     str(data_root), "--out", str(out), "--seed", str(seed),
-                    "--set", 'train.model="mobilenet-v3-compact"'],
+                    *(arg for value in sets for arg in ("--set", value))],
                    check=True, capture_output=True, timeout=300, cwd=REPO,
                    env={**os.environ, "OMP_NUM_THREADS": "1"})
     private = [load_tensors(out / "state" / f"data-{i}" / "private.safetensors")[0]
@@ -89,12 +91,17 @@ def _sim(root: Path, data_root: Path, seed: int) -> tuple[dict, list[dict]]:
     return _final_global(out / "server"), private
 
 
-def test_edges_sharing_a_process_with_dropout_bit_identical(tmp_path):
+@pytest.mark.parametrize("method, sets", [
+    ("fedbn", ('train.model="mobilenet-v3-compact"',)),  # dropout in every round
+    ("fedsap", ()),  # private SE layers initialised from the global RNG at build
+])
+def test_edges_sharing_a_process_bit_identical(tmp_path, method, sets):
     """fl-sim hosts edges as threads: before their rounds took turns on the global RNG,
-    dropout masks went to whichever thread drew first and every tensor differed."""
+    dropout masks went to whichever thread drew first and every tensor differed; before
+    their model builds did, Fed-SAP's private layers (random at build) differed."""
     write_edge_dirs(tmp_path / "data", EDGES, per_edge=[150, 170, 190])
-    global_a, private_a = _sim(tmp_path / "a", tmp_path / "data", seed=5)
-    global_b, private_b = _sim(tmp_path / "b", tmp_path / "data", seed=5)
+    global_a, private_a = _sim(tmp_path / "a", tmp_path / "data", 5, method, *sets)
+    global_b, private_b = _sim(tmp_path / "b", tmp_path / "data", 5, method, *sets)
     assert global_a and all(private_a)
     assert _identical(global_a, global_b) == []
     for i in range(EDGES):
