@@ -471,6 +471,13 @@ class CollectThenLearn(Aggregator):
                             for s in upload.sections])
         self.uploads[edge_id] = (kept, weight)
 
+    def evict(self, tensors: list[torch.Tensor]) -> None:
+        """``learn`` is done reading these views of its uploads (and wrote nothing into
+        them): spilled, their pages leave the process's memory (``UploadSpill.evict``)."""
+        if self.spill is not None:
+            for tensor in tensors:
+                self.spill.evict(tensor)
+
     @abc.abstractmethod
     def learn(self, uploads: dict[str, tuple[Payload, float]]) -> dict[str, Any]:
         """Update ``self.state`` from all uploads of the round."""

@@ -54,6 +54,7 @@ class UploadSpill:
         self.directory = Path(directory)
         self.max_bytes = max_bytes
         self.files: dict[str, tuple[Path, int]] = {}  # edge id -> (file, bytes)
+        self.maps: list[tuple[int, int, mmap.mmap]] = []  # (address, length, map)
         self.directory.mkdir(parents=True, exist_ok=True)
         for stale in self.directory.glob(f"*{SUFFIX}"):  # a crashed server's round
             stale.unlink(missing_ok=True)
@@ -86,8 +87,7 @@ class UploadSpill:
         self.files[edge_id] = (path, size)
         return self.load(path)
 
-    @staticmethod
-    def load(path: Path) -> Payload:
+    def load(self, path: Path) -> Payload:
         """The payload of a spilled file, its tensors views of a private memory map (a
         write into one changes the process's copy of that page, never the file)."""
         with open(path, "rb") as f:
@@ -95,6 +95,8 @@ class UploadSpill:
                 if os.fstat(f.fileno()).st_size else None
         if mapped is None:
             raise ValueError(f"{path}: empty spill file")
+        self.maps.append((torch.frombuffer(mapped, dtype=torch.uint8).data_ptr(), len(mapped),
+                          mapped))
         length = int.from_bytes(mapped[:8], "little")
         header = json.loads(mapped[8 : 8 + length])
         start = 8 + length
@@ -116,12 +118,27 @@ class UploadSpill:
             sections.append(Section(Kind(kind), name, tensors))
         return Payload(sections)
 
+    def evict(self, tensor: torch.Tensor) -> None:
+        """Gives back the pages of a mapped tensor that were read: a page of a file map
+        counts in the process's RSS once touched, so a ``learn`` that reads every upload
+        would otherwise end holding all of them. The pages stay in the page cache (the
+        kernel's to drop) and a later read maps them again. Only for tensors nothing
+        wrote into (a written page of a private map would be lost)."""
+        address, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        for base, length, mapped in self.maps:
+            if base <= address < base + length:
+                start = (address - base) // mmap.PAGESIZE * mmap.PAGESIZE
+                end = min(length, address - base + size)
+                if end > start:
+                    mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
+                return
+
     def clear(self) -> None:
         """Removes the round's files (its close or abort). Mapped tensors still referenced
         stay readable: an unlinked file lives until its last map goes."""
         for path, _ in self.files.values():
             path.unlink(missing_ok=True)
-        self.files = {}
+        self.files, self.maps = {}, []
 
 
 __all__ = ["UploadSpill", "default_spill_bytes"]
