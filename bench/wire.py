@@ -156,7 +156,7 @@ def fedattn_round(model: str, edges: int, rounds: int, workdir: Path, local_epoc
 # ---- server memory against the number of uploaders ---------------------------------------
 def uploaders_round(model: str, uploaders: int, rounds: int, workdir: Path,
                     server_args: tuple[str, ...] = (), server_code: Path | None = None,
-                    per_process: int = 16) -> dict:
+                    per_process: int = 16, server_env: dict[str, str] | None = None) -> dict:
     """A real fl-server (FedAvg, or --method in ``server_args``) and ``uploaders`` light
     edges (bench/uploaders.py, ``per_process`` per process, all uploading the global they
     received as soon as it arrives): the server's peak RSS growth over its idle RSS.
@@ -165,7 +165,7 @@ def uploaders_round(model: str, uploaders: int, rounds: int, workdir: Path,
     root = Path(__file__).resolve().parent.parent
     code = server_code or root
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    server_env = {**env, "PYTHONPATH": f"{code}:{code / '.pypath'}"}
+    server_env = {**env, "PYTHONPATH": f"{code}:{code / '.pypath'}", **(server_env or {})}
     ready = workdir / "ready.json"
     server = subprocess.Popen(
         [sys.executable, "-m", "fl_server", "--insecure", "--host", "127.0.0.1", "--port", "0",
