@@ -42,6 +42,8 @@ from .app import ServerApp, UsageError
 
 log = logging.getLogger("fl_server")
 
+# --x/--no-x flags: None when not given, so False is a choice (a store_true's False is not).
+NEGATABLE = {"spill_uploads"}
 # flag dest -> (config section, key)
 FLAG_TARGETS = {
     "method": ("server", "method"), "rounds": ("server", "rounds"),
@@ -276,7 +278,7 @@ def resolve(args: argparse.Namespace) -> tuple[ServerConfig, TrainConfig, Method
     flag_values: dict[str, dict] = {}
     for dest, (section, key) in FLAG_TARGETS.items():
         value = getattr(args, dest, None)
-        if value is not None and value is not False:
+        if value is not None and (value is not False or dest in NEGATABLE):
             flag_values.setdefault(section, {})[key] = value
     if "join_token" not in flag_values.get("server", {}) and os.environ.get("FEDATTN_TOKEN"):
         flag_values.setdefault("server", {})["join_token"] = os.environ["FEDATTN_TOKEN"]

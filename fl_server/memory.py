@@ -38,14 +38,23 @@ SPILL_DIR = "uploads"
 
 
 def available_memory() -> int:
-    """MemAvailable of /proc/meminfo (bytes), or physical memory where there is none."""
+    """MemAvailable of /proc/meminfo (bytes), or physical memory where there is none;
+    under a cgroup v2 memory limit (a container's), at most what the limit leaves."""
+    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+                available = int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+        if limit != "max":
+            available = min(available, max(int(limit) - used, 0))
+    except (OSError, ValueError):
+        pass
+    return available
 
 
 @dataclass(frozen=True)

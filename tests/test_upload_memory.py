@@ -169,6 +169,26 @@ def test_nonsense_values_exit_2_naming_the_key(flags, message, tmp_path):
     assert status == 2 and message in err.getvalue(), err.getvalue()
 
 
+def test_spilling_is_on_by_default_and_the_flag_turns_it_off():
+    base = ["--insecure", "--method", "fedmedian"]
+    assert cli.resolve(cli.build_parser().parse_args(base))[0].spill_uploads is True
+    off = cli.resolve(cli.build_parser().parse_args([*base, "--no-spill-uploads"]))[0]
+    assert off.spill_uploads is False
+
+
+def test_a_failed_write_refuses_the_upload_by_name(tmp_path):
+    """A write that fails (a full disk; here the folder replaced by a file, which fails
+    for root too) costs the upload, never the server."""
+    agg = aggregator()
+    agg.spill = UploadSpill(tmp_path / "uploads", 1 << 30)
+    (tmp_path / "uploads").rmdir()
+    (tmp_path / "uploads").write_bytes(b"")
+    agg.begin_round(1, ["e0"], 1)
+    with pytest.raises(ValueError, match=r"edge e0: .* \(server\.spill_uploads\)"):
+        agg.accept("e0", uploads(agg, 1)[0], 1.0)
+    assert agg.uploads == {}
+
+
 def test_a_tiny_budget_queues_uploads_and_all_complete(cluster, tmp_path):
     """256 KiB holds one LeNet upload (181 KB): one slot for three edges uploading at
     once; the round still takes all three, spilled to disk and removed."""

@@ -83,7 +83,11 @@ class UploadSpill:
                 tensors[f"{index}:{name}"] = tensor
         path = self.directory / f"r{round_number:06d}-{edge_id}{SUFFIX}"
         # Not fsync'd: a crash loses the round anyway, and its files are removed at start.
-        save_tensors(path, tensors, {META_KEY: json.dumps(layout)}, durable=False)
+        try:
+            save_tensors(path, tensors, {META_KEY: json.dumps(layout)}, durable=False)
+        except OSError as err:  # a full disk costs this upload, never the server
+            raise ValueError(f"edge {edge_id}: its upload could not be kept on disk in "
+                             f"{self.directory} (server.spill_uploads): {err}") from None
         self.files[edge_id] = (path, size)
         return self.load(path)
 
