@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_history, write_edge_dirs
+from conftest import read_history, wait_for, write_edge_dirs
 
 from fedattn_shared.config import ServerConfig, TrainConfig
 from fedattn_shared.methods import MethodContext, load_method
@@ -190,20 +190,20 @@ def test_a_failed_write_refuses_the_upload_by_name(tmp_path):
 
 
 def test_a_tiny_budget_queues_uploads_and_all_complete(cluster, tmp_path):
-    """256 KiB holds one LeNet upload (181 KB): one slot for three edges uploading at
-    once; the round still takes all three, spilled to disk and removed."""
-    dirs = write_edge_dirs(tmp_path, 3, per_edge=40)
-    server = cluster.server("--method", "fedmedian", "--rounds", "1", "--min-edges", "3",
+    """256 KiB holds one LeNet upload (181 KB): one slot for two edges uploading at
+    once; the round still takes both, spilled to disk and removed."""
+    dirs = write_edge_dirs(tmp_path, 2, per_edge=40)
+    server = cluster.server("--method", "fedmedian", "--rounds", "1", "--min-edges", "2",
                             "--eval-every", "0", "--max-concurrent-uploads", "3",
                             "--max-upload-memory", str(256 << 10), "--log-level", "INFO")
     edges = [cluster.edge(d, f"e{i}") for i, d in enumerate(dirs)]
-    assert [e.wait() for e in edges] == [0, 0, 0]
+    assert [e.wait() for e in edges] == [0, 0]
     assert server.wait() == 0
     log = server.log()
     assert "upload memory: 262144 bytes (server.max_upload_memory): 1 upload slot(s)" in log
     assert f"{MIN_WINDOW}-byte gRPC stream windows" in log
     history = read_history(tmp_path / "server-state")
-    assert [r["train"]["received"] for r in history["rounds"]] == [["e0", "e1", "e2"]]
+    assert [r["train"]["received"] for r in history["rounds"]] == [["e0", "e1"]]
     assert list(Path(tmp_path / "server-state" / "uploads").iterdir()) == []
 
 
@@ -234,3 +234,48 @@ def test_the_median_in_slices_is_the_median_of_whole_tensors(trim, count, tmp_pa
     run_round(agg, payloads)
     for name, value in expected.items():
         assert torch.equal(agg.state[SHARED][name], value), name
+
+
+def test_an_upload_beyond_the_disk_bound_is_refused_over_the_wire(tmp_path):
+    """Two raw edges speak the protocol to a FedMedian server whose spill holds one LeNet
+    upload (181,320 bytes of 200,000): the second is refused naming the key and dropped,
+    the first is the round's median bit for bit, its file is gone once the round
+    closes, and the server serves on."""
+    from conftest import Cluster
+    from rawedge import RawEdge, shifted, train_messages
+
+    cluster = Cluster(tmp_path)
+    edges: list[RawEdge] = []
+    try:
+        server = cluster.server("--model", "lenet-bn", "--method", "fedmedian", "--rounds",
+                                "50", "--eval-every", "0", "--min-edges", "2",
+                                "--round-timeout", "30", "--max-spill-bytes", "200000")
+        edges = [RawEdge(cluster.port, prefix=name) for name in ("first", "second")]
+        for edge in edges:
+            edge.connect()
+        first, second = edges
+        tasks = [edge.next_task() for edge in edges]
+        kept = shifted(tasks[0].globals, 0.5)
+        assert first.submit(train_messages(first, tasks[0], kept)).accepted
+        reply = second.submit(train_messages(second, tasks[1], shifted(tasks[1].globals, 1.0)))
+        assert not reply.accepted
+        assert "beyond server.max_spill_bytes=200000" in reply.reason, reply.reason
+        after = first.next_task()
+        assert after.header.round == tasks[0].header.round + 1
+        for name, value in kept.items():
+            assert torch.equal(after.globals[name], value), name
+        path = tmp_path / "server-state" / "history.json"
+
+        def written():
+            rounds = read_history(path.parent)["rounds"] if path.exists() else []
+            return next((r for r in rounds if r["round"] == tasks[0].header.round), None)
+
+        record = wait_for(written, 30, "the round in history.json")
+        assert record["train"]["received"] == [first.edge_id]
+        assert second.edge_id in record["train"]["dropped"]
+        assert list((tmp_path / "server-state" / "uploads").iterdir()) == []
+        assert server.popen.poll() is None and "Traceback" not in server.log()
+    finally:
+        for edge in edges:
+            edge.close()
+        cluster.close()
