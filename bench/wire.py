@@ -13,6 +13,11 @@ peak RSS growth over its idle RSS in model sizes, next to the bare grpcio server
 transport's own buffers). Figures are printed, never asserted.
 
     .venv/bin/python bench/wire.py [--edges 8] [--rounds 8] [--models mobilenet-v3-small resnet18-cifar]
+
+Server memory against the number of uploaders (issue #28): ``--uploaders 8 64`` runs
+only that: a real fl-server and N light uploaders (bench/uploaders.py) uploading
+ResNet-18 at once, the server's peak RSS growth in models; ``--before CHECKOUT`` adds the
+same figure with the server run from another checkout.
 """
 
 from __future__ import annotations
@@ -146,6 +151,75 @@ def fedattn_round(model: str, edges: int, rounds: int, workdir: Path, local_epoc
         "socket_over_raw": lo_total / (raw / len(steady) * len(history["rounds"])),
         "peak_rss_growth_kib": peak - idle_rss,
     }
+
+
+# ---- server memory against the number of uploaders ---------------------------------------
+def uploaders_round(model: str, uploaders: int, rounds: int, workdir: Path,
+                    server_args: tuple[str, ...] = (), server_code: Path | None = None,
+                    per_process: int = 16, server_env: dict[str, str] | None = None) -> dict:
+    """A real fl-server (FedAvg, or --method in ``server_args``) and ``uploaders`` light
+    edges (bench/uploaders.py, ``per_process`` per process, all uploading the global they
+    received as soon as it arrives): the server's peak RSS growth over its idle RSS.
+    ``server_code``: another checkout to run the server from (the figure before a change)."""
+    channels, size = MODEL_INPUT[model]
+    root = Path(__file__).resolve().parent.parent
+    code = server_code or root
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    server_env = {**env, "PYTHONPATH": f"{code}:{code / '.pypath'}", **(server_env or {})}
+    ready = workdir / "ready.json"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "fl_server", "--insecure", "--host", "127.0.0.1", "--port", "0",
+         "--ready-file", str(ready), "--checkpoint-dir", str(workdir / "server"),
+         "--model", model, "--in-channels", str(channels), "--image-size", str(size),
+         "--rounds", str(rounds), "--min-edges", str(uploaders), "--eval-every", "0",
+         "--round-timeout", "900", "--upload-idle-timeout", "600", "--log-level", "WARNING",
+         *server_args], env=server_env, cwd=code, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL)
+    while not ready.exists():
+        if server.poll() is not None:
+            raise RuntimeError(f"the server exited ({server.returncode})")
+        time.sleep(0.05)
+    time.sleep(1.0)
+    idle_rss = rss_kib(server.pid, "VmRSS")
+    port = json.loads(ready.read_text())["port"]
+    procs = [subprocess.Popen(
+        [sys.executable, str(root / "bench" / "uploaders.py"), "--port", str(port),
+         "--edges", str(min(per_process, uploaders - start)), "--prefix", f"p{start:03d}"],
+        env=env) for start in range(0, uploaders, per_process)]
+    started, peak = time.monotonic(), idle_rss
+    last = workdir / "server" / "rounds" / f"{rounds:06d}" / "state.json"
+    while server.poll() is None and not last.exists():  # the rounds' peak, not the exit's
+        peak = max(peak, rss_kib(server.pid, "VmHWM"))
+        time.sleep(0.02)
+    elapsed = time.monotonic() - started
+    statuses = [p.wait(timeout=300) for p in procs]
+    server.wait(timeout=120)
+    history = json.loads((workdir / "server" / "history.json").read_text())
+    return {"peak_rss_growth_kib": peak - idle_rss, "idle_kib": idle_rss, "seconds": elapsed,
+            "received": [len(r["train"]["received"]) for r in history["rounds"]],
+            "uploaders_ok": statuses.count(0) == len(statuses)}
+
+
+def memory_figures(model: str, counts: list[int], rounds: int, before: Path | None,
+                   method: str) -> None:
+    """Server peak RSS growth, in models, for each number of concurrent uploaders, with
+    this checkout's server (and ``before``'s, when given), next to the load average."""
+    model_bytes = model_params(model) * 4
+    print(f"\nserver memory, {model} ({model_bytes / 1e6:.1f} MB), {method}, {rounds} rounds, "
+          f"light uploaders (bench/uploaders.py), {os.cpu_count()} cores")
+    for count in counts:
+        for label, code in (("before", before), ("after", None)):
+            if label == "before" and before is None:
+                continue
+            load = os.getloadavg()[0]
+            with tempfile.TemporaryDirectory() as tmp:
+                r = uploaders_round(model, count, rounds, Path(tmp), ("--method", method),
+                                    server_code=code)
+            growth = r["peak_rss_growth_kib"] * 1024
+            print(f"  {count:3d} uploaders, {label:6s}: peak RSS growth {growth / 1e6:7.1f} MB = "
+                  f"{growth / model_bytes:5.2f}x one model (idle {r['idle_kib'] / 1024:.0f} MiB), "
+                  f"{r['seconds']:.1f} s for {rounds} rounds, received {r['received']}, "
+                  f"uploaders ok {r['uploaders_ok']}, load avg {load:.2f} before", flush=True)
 
 
 # ---- bare grpcio --------------------------------------------------------------------------
@@ -297,7 +371,17 @@ def main() -> int:
     parser.add_argument("--edges", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--models", nargs="+", default=["mobilenet-v3-small", "resnet18-cifar"])
+    parser.add_argument("--uploaders", type=int, nargs="+", metavar="N",
+                        help="only the server-memory figure: N light uploaders at once "
+                             "(ResNet-18, the first of --models when given)")
+    parser.add_argument("--before", type=Path, metavar="CHECKOUT",
+                        help="with --uploaders: also run the server from this checkout")
+    parser.add_argument("--method", default="fedavg", help="with --uploaders: the method")
     args = parser.parse_args()
+    if args.uploaders:
+        model = "resnet18-cifar" if "--models" not in sys.argv else args.models[0]
+        memory_figures(model, args.uploaders, min(args.rounds, 3), args.before, args.method)
+        return 0
     print(f"{args.edges} edges on loopback, {os.cpu_count()} cores; FedAvg, trivial local training")
     for model in args.models:
         params = model_params(model)

@@ -23,6 +23,7 @@ from fedattn_shared.wire.transport import server_options
 
 from .engine import Engine
 from .front import EdgeFront
+from .memory import attach_spill, global_bytes, plan_upload_memory
 from .metrics import ServerMetrics
 from .service import FederatedLearningService, service_handler
 
@@ -70,9 +71,12 @@ class ServerApp:
             raise UsageError(f"{cfg.checkpoint_dir} already holds a checkpoint; pass --resume to "
                              "continue it or choose an empty --checkpoint-dir")
         Path(cfg.checkpoint_dir).mkdir(parents=True, exist_ok=True)
-        self._grpc = grpc.aio.server(options=server_options())
+        attach_spill(engine.aggregator, cfg)
+        memory = plan_upload_memory(cfg, global_bytes(engine.aggregator))
+        self._grpc = grpc.aio.server(options=server_options() + memory.grpc_options())
         enrollment = Enrollment(Path(cfg.tls_dir) / ENROLLED) if cfg.tls_dir else None
-        service = FederatedLearningService(EdgeFront(engine), self.meter, cfg, enrollment)
+        service = FederatedLearningService(EdgeFront(engine), self.meter, cfg, enrollment,
+                                           upload_slots=memory.slots)
         self._watch = asyncio.create_task(service.watch_enrollment())
         self._grpc.add_generic_rpc_handlers((service_handler(service),))
         self._health = health.aio.HealthServicer()

@@ -42,6 +42,8 @@ from .app import ServerApp, UsageError
 
 log = logging.getLogger("fl_server")
 
+# --x/--no-x flags: None when not given, so False is a choice (a store_true's False is not).
+NEGATABLE = {"spill_uploads"}
 # flag dest -> (config section, key)
 FLAG_TARGETS = {
     "method": ("server", "method"), "rounds": ("server", "rounds"),
@@ -54,6 +56,9 @@ FLAG_TARGETS = {
     "tls_dir": ("server", "tls_dir"),
     "chunk_bytes": ("server", "chunk_bytes"), "poll_timeout": ("server", "poll_timeout"),
     "max_concurrent_uploads": ("server", "max_concurrent_uploads"),
+    "max_upload_memory": ("server", "max_upload_memory"),
+    "spill_uploads": ("server", "spill_uploads"),
+    "max_spill_bytes": ("server", "max_spill_bytes"),
     "max_edges": ("server", "max_edges"),
     "upload_idle_timeout": ("server", "upload_idle_timeout"),
     "upload_min_rate": ("server", "upload_min_rate"),
@@ -193,7 +198,16 @@ def _network_flags(p: argparse.ArgumentParser) -> None:
                                      "(default: $FEDATTN_TOKEN)")
     net.add_argument("--chunk-bytes", type=int, help="data chunk size on the wire")
     net.add_argument("--poll-timeout", type=float, help="long-poll timeout, seconds")
-    net.add_argument("--max-concurrent-uploads", type=int)
+    net.add_argument("--max-concurrent-uploads", type=int,
+                     help="uploads received or aggregated at once, at most (default 2)")
+    net.add_argument("--max-upload-memory", type=int, metavar="BYTES",
+                     help="bytes concurrent uploads may hold in receive buffers and gRPC "
+                          "stream windows (default 0: a quarter of the available memory)")
+    net.add_argument("--spill-uploads", action=argparse.BooleanOptionalAction,
+                     help="collect-then-learn methods keep uploads memory-mapped on disk in "
+                          "CHECKPOINT_DIR/uploads, not in RAM (default on)")
+    net.add_argument("--max-spill-bytes", type=int, metavar="BYTES",
+                     help="disk the spilled uploads may take (default 0: half the free disk)")
     net.add_argument("--max-edges", type=int,
                      help="edge ids that may register (default 10000); with --insecure and "
                           "no --token anyone may register ids, up to this many")
@@ -264,7 +278,7 @@ def resolve(args: argparse.Namespace) -> tuple[ServerConfig, TrainConfig, Method
     flag_values: dict[str, dict] = {}
     for dest, (section, key) in FLAG_TARGETS.items():
         value = getattr(args, dest, None)
-        if value is not None and value is not False:
+        if value is not None and (value is not False or dest in NEGATABLE):
             flag_values.setdefault(section, {})[key] = value
     if "join_token" not in flag_values.get("server", {}) and os.environ.get("FEDATTN_TOKEN"):
         flag_values.setdefault("server", {})["join_token"] = os.environ["FEDATTN_TOKEN"]

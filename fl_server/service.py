@@ -93,12 +93,15 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
     """The gRPC servicer: bytes, streams, deadlines and certificates. What it may ask of
     the server goes through ``front.EdgeFront``; every upload check is ``gate.UploadGate``."""
     def __init__(self, front: EdgeFront, meter: ByteMeter, cfg: ServerConfig,
-                 enrollment: Enrollment | None = None):
+                 enrollment: Enrollment | None = None, upload_slots: int | None = None):
+        """``upload_slots``: uploads received at once (``memory.plan_upload_memory``);
+        default ``cfg.max_concurrent_uploads``."""
         self.front = front  # the narrow interface to the engine: edges, tasks, uploads
         self.meter = meter
         self.cfg = cfg
-        self.upload_slots = asyncio.Semaphore(cfg.max_concurrent_uploads)
-        self.buffers = BufferPool(keep=cfg.max_concurrent_uploads)
+        slots = upload_slots or cfg.max_concurrent_uploads
+        self.upload_slots = asyncio.Semaphore(slots)
+        self.buffers = BufferPool(keep=slots)
         self.enrollment = enrollment  # mutual TLS: the enrolled edges
         self.receiving: set[str] = set()  # edges with an upload stream in flight
 

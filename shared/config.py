@@ -135,6 +135,14 @@ class ServerConfig:
     join_token: str = ""       # a shared secret every join must carry (plaintext runs)
     chunk_bytes: int = 1 << 20  # bytes per data chunk on the wire
     max_concurrent_uploads: int = 2  # uploads received or aggregated at once: memory vs. slow links
+    # Bytes concurrent uploads may hold (receive buffers and gRPC stream windows); fewer
+    # slots than max_concurrent_uploads when it holds fewer uploads. 0: a quarter of the
+    # memory available when the server starts.
+    max_upload_memory: int = 0
+    # Collect-then-learn methods (fedmedian, fedproto, fedstar): keep the round's uploads
+    # memory-mapped on disk in checkpoint_dir/uploads instead of in RAM.
+    spill_uploads: bool = True
+    max_spill_bytes: int = 0   # disk the spilled uploads may take; 0: half the free disk
     keep_checkpoints: int = 2  # round checkpoints kept on disk (the newest)
     init_weights: str = ""     # safetensors file with pretrained weights for the models
     init_skip_head: bool = False  # keep the fresh classifier head, ignore the file's
@@ -193,6 +201,12 @@ class ServerConfig:
             raise ConfigError(f"server.chunk_bytes must be in [1024, 3 MiB], got {self.chunk_bytes}")
         if self.max_concurrent_uploads < 1:
             raise ConfigError("server.max_concurrent_uploads must be >= 1")
+        if self.max_upload_memory != 0 and self.max_upload_memory < 64 << 10:
+            raise ConfigError(f"server.max_upload_memory must be 0 (a quarter of the available "
+                              f"memory) or >= 64 KiB, got {self.max_upload_memory}")
+        if self.max_spill_bytes < 0:
+            raise ConfigError(f"server.max_spill_bytes must be >= 0 (0: half the free disk), "
+                              f"got {self.max_spill_bytes}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"server.port out of range: {self.port}")
         if not self.poll_timeout > 0:

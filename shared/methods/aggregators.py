@@ -44,6 +44,7 @@ from torch import nn
 
 from ..wire.payload import Kind, Payload, Section, tensor_entries
 from .phases import TRAIN
+from .spill import UploadSpill
 
 if TYPE_CHECKING:
     from .base import Method
@@ -442,22 +443,40 @@ class ServerOptimizer(StreamingMean):
 
 
 class CollectThenLearn(Aggregator):
-    """Keeps the round's uploads individually; ``learn`` turns them into new global state."""
+    """Keeps the round's uploads individually; ``learn`` turns them into new global state.
+    With ``spill`` set (the server sets it: ``server.spill_uploads``), the uploads are
+    kept on disk, memory-mapped, instead of as clones in RAM (``spill.UploadSpill``)."""
 
     kind = AggregatorKind.COLLECT
 
     def __init__(self, method: Method, models: dict[str, nn.Module]):
         super().__init__(method, models)
         self.uploads: dict[str, tuple[Payload, float]] = {}
+        self.spill: UploadSpill | None = None
 
     def begin_round(self, round_number: int, selected: list[str], known_edges: int) -> None:
         super().begin_round(round_number, selected, known_edges)
+        self._drop_uploads()
+
+    def _drop_uploads(self) -> None:
         self.uploads = {}
+        if self.spill is not None:
+            self.spill.clear()
 
     def accept(self, edge_id: str, upload: Payload, weight: float) -> None:
-        copied = Payload([Section(s.kind, s.name, {k: v.clone() for k, v in s.tensors.items()})
-                          for s in upload.sections])
-        self.uploads[edge_id] = (copied, weight)
+        if self.spill is not None:
+            kept = self.spill.keep(self.round, edge_id, upload)
+        else:
+            kept = Payload([Section(s.kind, s.name, {k: v.clone() for k, v in s.tensors.items()})
+                            for s in upload.sections])
+        self.uploads[edge_id] = (kept, weight)
+
+    def evict(self, tensors: list[torch.Tensor]) -> None:
+        """``learn`` is done reading these views of its uploads (and wrote nothing into
+        them): spilled, their pages leave the process's memory (``UploadSpill.evict``)."""
+        if self.spill is not None:
+            for tensor in tensors:
+                self.spill.evict(tensor)
 
     @abc.abstractmethod
     def learn(self, uploads: dict[str, tuple[Payload, float]]) -> dict[str, Any]:
@@ -469,5 +488,5 @@ class CollectThenLearn(Aggregator):
             # In edge-id order, not arrival order: whatever ``learn`` sums or iterates
             # over gives the same bits on every run.
             figures.update(self.learn(dict(sorted(self.uploads.items()))))
-        self.uploads = {}
+        self._drop_uploads()  # a close that raises is undone by restore_round (begin_round)
         return figures

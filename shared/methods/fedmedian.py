@@ -27,6 +27,7 @@ from .aggregators import CollectThenLearn
 from .base import Method
 
 SHARED = (Kind.SHARED_TENSORS, "")
+STEP_BYTES = 8 << 20  # float32 values of all uploads sorted at once
 
 
 @dataclass
@@ -41,18 +42,28 @@ class MedianAggregator(CollectThenLearn):
         payloads = [payload for payload, _ in uploads.values()]
         trim = self.method.params.trim_fraction
         current = self.state[SHARED]
+        k = len(payloads)
+        # Coordinates are independent: a slice of STEP_BYTES of the k uploads' values at a
+        # time (stacked, sorted values and indices: ~3x that) instead of whole tensors,
+        # which for 64 ResNet-18 uploads took 2.4 GB at the largest tensor. Every value
+        # is computed as over the whole tensor, so the bits are the same.
+        step = max(1, STEP_BYTES // (4 * k))
         for name, x in current.items():
-            stacked = torch.stack([p.tensors(*SHARED)[name].float() for p in payloads])
-            ordered = stacked.sort(dim=0).values
-            k = ordered.shape[0]
-            if trim > 0:
-                cut = int(trim * k)
-                value = ordered[cut : k - cut].to(torch.float64).mean(dim=0)
-            elif k % 2:
-                value = ordered[(k - 1) // 2].clone()  # a view would keep all k alive
-            else:
-                value = (ordered[k // 2 - 1].to(torch.float64) + ordered[k // 2]) / 2
-            current[name] = value.to(x.dtype)
+            columns = [p.tensors(*SHARED)[name].reshape(-1) for p in payloads]
+            out = torch.empty(x.numel(), dtype=x.dtype)
+            for start in range(0, x.numel(), step):
+                stacked = torch.stack([c[start : start + step].float() for c in columns])
+                ordered = stacked.sort(dim=0).values
+                if trim > 0:
+                    cut = int(trim * k)
+                    value = ordered[cut : k - cut].to(torch.float64).mean(dim=0)
+                elif k % 2:
+                    value = ordered[(k - 1) // 2]
+                else:
+                    value = (ordered[k // 2 - 1].to(torch.float64) + ordered[k // 2]) / 2
+                out[start : start + step] = value.to(x.dtype)
+                self.evict([c[start : start + step] for c in columns])
+            current[name] = out.view(x.shape)
         return {}
 
 

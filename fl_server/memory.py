@@ -1,0 +1,111 @@
+"""What uploads may make the server hold: ``server.max_upload_memory`` and the spill.
+
+Two things grow with the number of edges uploading at once. fedattn's own receive
+buffers (one upload's bytes each) are bounded by the upload slots; here the slots come
+from the memory budget, so ``max_concurrent_uploads`` is a ceiling, not a promise. And
+grpcio's stream buffers: an upload stream waiting for a slot keeps receiving until its
+HTTP/2 flow-control window is full, and grpc's BDP probe grows that window towards the
+link's bandwidth-delay product (megabytes per stream on loopback), so each waiting
+uploader parked megabytes in the server. Here the probe is off and every stream's
+window is a fixed share of what the budget leaves after the receive buffers, spread
+over every edge that may register (``max_edges``): the total cannot exceed the budget
+however many edges upload at once.
+
+A collect-then-learn aggregator keeps every upload of a round; ``attach_spill`` puts
+them on disk (``fedattn_shared.methods.spill``) when ``server.spill_uploads`` is on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from fedattn_shared.config import ServerConfig
+from fedattn_shared.methods.aggregators import Aggregator, CollectThenLearn, flatten_sections
+from fedattn_shared.methods.spill import UploadSpill, default_spill_bytes
+
+log = logging.getLogger("fl_server")
+
+# The default budget: this share of the memory available when the server starts.
+DEFAULT_SHARE = 4
+# A stream's window: grpc's own default lookahead (64 KiB) at least, so a budget spread
+# over many edges never stalls the link; 4 MiB at most (beyond, loopback gains nothing).
+MIN_WINDOW = 64 << 10
+MAX_WINDOW = 4 << 20
+SPILL_DIR = "uploads"
+
+
+def available_memory() -> int:
+    """MemAvailable of /proc/meminfo (bytes), or physical memory where there is none;
+    under a cgroup v2 memory limit (a container's), at most what the limit leaves."""
+    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+        if limit != "max":
+            available = min(available, max(int(limit) - used, 0))
+    except (OSError, ValueError):
+        pass
+    return available
+
+
+@dataclass(frozen=True)
+class UploadMemory:
+    """The budget and what it gives: receive slots and each stream's gRPC window."""
+
+    budget: int
+    upload_bytes: int
+    slots: int
+    window: int
+
+    def grpc_options(self) -> list[tuple[str, int]]:
+        """Server channel arguments: BDP probing off, every stream's window fixed."""
+        return [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", self.window)]
+
+
+def plan_upload_memory(cfg: ServerConfig, upload_bytes: int) -> UploadMemory:
+    """Slots and windows from ``cfg.max_upload_memory`` (0: a quarter of the memory
+    available now) for uploads of ``upload_bytes`` (one model's); raises ValueError
+    naming the key when the budget cannot hold a single upload."""
+    budget = cfg.max_upload_memory or available_memory() // DEFAULT_SHARE
+    upload_bytes = max(upload_bytes, 1)
+    if budget < upload_bytes:
+        raise ValueError(f"server.max_upload_memory={budget} bytes cannot hold one upload "
+                         f"of this model ({upload_bytes} bytes)")
+    slots = min(cfg.max_concurrent_uploads, budget // upload_bytes)
+    window = (budget - slots * upload_bytes) // cfg.max_edges
+    window = max(MIN_WINDOW, min(MAX_WINDOW, window))
+    plan = UploadMemory(budget, upload_bytes, slots, window)
+    log.info("upload memory: %d bytes (%s): %d upload slot(s) of %d bytes, %d-byte gRPC "
+             "stream windows", budget, "server.max_upload_memory" if cfg.max_upload_memory
+             else f"1/{DEFAULT_SHARE} of the memory available", slots, upload_bytes, window)
+    return plan
+
+
+def attach_spill(aggregator: Aggregator, cfg: ServerConfig) -> None:
+    """Keeps a collect-then-learn aggregator's uploads on disk under the checkpoint dir
+    (``server.spill_uploads``), at most ``server.max_spill_bytes`` (0: half the free
+    disk)."""
+    if not (cfg.spill_uploads and isinstance(aggregator, CollectThenLearn)):
+        return
+    directory = Path(cfg.checkpoint_dir) / SPILL_DIR
+    limit = cfg.max_spill_bytes or default_spill_bytes(directory)
+    aggregator.spill = UploadSpill(directory, limit)
+    log.info("uploads kept on disk in %s (at most %d bytes)", directory, limit)
+
+
+def global_bytes(aggregator: Aggregator) -> int:
+    """Bytes of the global model state: what one upload of the model weighs."""
+    return sum(t.numel() * t.element_size() for t in flatten_sections(aggregator.state).values())
+
+
+__all__ = ["UploadMemory", "attach_spill", "available_memory", "global_bytes",
+           "plan_upload_memory"]
