@@ -72,7 +72,12 @@ class Fleet:
 
     def fail(self, method: str, err: grpc.RpcError) -> None:
         code = err.code() if isinstance(err, grpc.aio.AioRpcError) else None
-        self.failed[f"{method} {code.name if code else type(err).__name__}"] += 1
+        key = f"{method} {code.name if code else type(err).__name__}"
+        self.failed[key] += 1
+        if self.failed[key] <= 5:  # the first few of each kind, with when and why, in the log
+            details = err.details() if isinstance(err, grpc.aio.AioRpcError) else str(err)
+            print(f"{time.monotonic() - self.started:8.1f}s {key}: {details}", file=sys.stderr,
+                  flush=True)
 
 
 class AioEdge:
