@@ -10,6 +10,16 @@ seconds per round and peak RSS (from wait4 on the server process), failed RPCs (
 that failed and were retried, from the fl-sim logs; submissions the server refused; tasks
 dropped), and the machine's load average before and after.
 
+Aio load (--aio; sizes 1000 3000, --full adds 10000): the edges are bench/_aioedges.py
+processes (--procs of them), thousands of edges on one grpc.aio event loop each, speaking
+the real protocol with real ids, keys and signatures but a trivial training, so the
+figures are the server's. Per (N, fraction in --fractions): the server waits for N + 1
+edges; once the N are connected (the fleet's join time), --idle seconds measure the idle
+fleet (server CPU per second: presence streams and long-polls; presence events per second;
+server RSS per idle edge over the server's RSS before the first join, and the slope of RSS
+against connected edges while they join), then one more edge joins and --rounds rounds run
+(round times, server CPU per round, peak RSS from wait4, failed RPCs by method and code).
+
 Soak (--soak): --soak-edges edges in worker processes of --soak-edges-per-worker each
 (fl-sim's worker), --soak-rounds rounds. Every few seconds a random worker is SIGKILLed
 (all its edges die mid-whatever) and restarted a moment later from the same state dirs;
@@ -21,6 +31,7 @@ last round; the checkpoint loads) and that every edge's private state file still
     .venv/bin/python bench/load.py                      # 100 and 300 edges, then the soak
     .venv/bin/python bench/load.py --full               # adds 1000 edges
     .venv/bin/python bench/load.py --edges 50 --no-soak # a quick look
+    .venv/bin/python bench/load.py --aio --full         # 1000, 3000, 10000 aio edges
 
 Figures are printed, never asserted; bounded in time (--deadline per run), loopback only.
 """
