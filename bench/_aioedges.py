@@ -87,10 +87,10 @@ class AioEdge:
         self.fleet, self.edge_id, self.index = fleet, edge_id, index
         self.secret = secrets.token_hex(32)
         self.signing_key = Ed25519PrivateKey.generate()
-        # BDP probing off: with it, thousands of edges on two saturated cores saw their
+        # BDP probing off: with it, 3,000 edges on two saturated cores saw their
         # data-carrying calls (task downloads, uploads) CANCELLED 0.1 s in (117 to 2,461
-        # of them per 3,000-edge run, with main's server too; none without it); the
-        # edges recovered by polling again, but they are the load client's, not the server's.
+        # per run, with main's server too; 0 to 15 without it). At 10,000 edges they come
+        # back with or without it (docs/benchmarks.md: cause not found yet).
         self.channel = grpc.aio.insecure_channel(
             fleet.server, options=[*channel_options(), ("grpc.use_local_subchannel_pool", 1),
                                    ("grpc.http2.bdp_probe", 0)])
