@@ -10,6 +10,16 @@ seconds per round and peak RSS (from wait4 on the server process), failed RPCs (
 that failed and were retried, from the fl-sim logs; submissions the server refused; tasks
 dropped), and the machine's load average before and after.
 
+Aio load (--aio; sizes 1000 3000, --full adds 10000): the edges are bench/_aioedges.py
+processes (--procs of them), thousands of edges on one grpc.aio event loop each, speaking
+the real protocol with real ids, keys and signatures but a trivial training, so the
+figures are the server's. Per (N, fraction in --fractions): the server waits for N + 1
+edges; once the N are connected (the fleet's join time), --idle seconds measure the idle
+fleet (server CPU per second: presence streams and long-polls; presence events per second;
+server RSS per idle edge over the server's RSS before the first join, and the slope of RSS
+against connected edges while they join), then one more edge joins and --rounds rounds run
+(round times, server CPU per round, peak RSS from wait4, failed RPCs by method and code).
+
 Soak (--soak): --soak-edges edges in worker processes of --soak-edges-per-worker each
 (fl-sim's worker), --soak-rounds rounds. Every few seconds a random worker is SIGKILLed
 (all its edges die mid-whatever) and restarted a moment later from the same state dirs;
@@ -21,6 +31,7 @@ last round; the checkpoint loads) and that every edge's private state file still
     .venv/bin/python bench/load.py                      # 100 and 300 edges, then the soak
     .venv/bin/python bench/load.py --full               # adds 1000 edges
     .venv/bin/python bench/load.py --edges 50 --no-soak # a quick look
+    .venv/bin/python bench/load.py --aio --full         # 1000, 3000, 10000 aio edges
 
 Figures are printed, never asserted; bounded in time (--deadline per run), loopback only.
 """
@@ -183,6 +194,137 @@ def load_run(edges: int, args, work: Path) -> dict:
     }
 
 
+def rss_bytes(pid: int) -> int:
+    """The live process's resident set (VmRSS), bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def fleet_status(files: list[Path]) -> dict:
+    """The aio client processes' status files, added up."""
+    total: dict = {"connected": 0, "counts": {}, "failed": {}, "join_seconds": [], "final": True}
+    for path in files:
+        try:
+            status = json.loads(path.read_text())
+        except (OSError, ValueError):
+            total["final"] = False
+            continue
+        total["connected"] += status["connected"]
+        total["final"] &= status["final"]
+        total["join_seconds"] += status["join_seconds"]
+        for key in ("counts", "failed"):
+            for name, value in status[key].items():
+                total[key][name] = total[key].get(name, 0) + value
+    return total
+
+
+def slope_per_1000(points: list[tuple[int, int]]) -> float:
+    """Least-squares bytes per 1,000 connected edges over (connected, rss) samples."""
+    if len(points) < 2 or len({c for c, _ in points}) < 2:
+        return float("nan")
+    xs, ys = [c for c, _ in points], [r for _, r in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    return 1000 * sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x in xs)
+
+
+def aio_run(edges: int, fraction: float, args, work: Path) -> dict:
+    """One server, ``edges`` aio edges in --procs processes. The server waits for one more
+    edge than the fleet (--min-edges N+1), so the fleet's joins and an idle window of
+    --idle seconds (all connected, no round: presence streams and long-polls only) are
+    measured before a last edge joins and the rounds start."""
+    work.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    server = start_server(work, ["--rounds", str(args.rounds), "--fraction", str(fraction),
+                                 "--min-edges", str(edges + 1), "--max-edges", str(edges + 10),
+                                 "--eval-every", str(args.eval_every),
+                                 "--round-timeout", str(args.round_timeout),
+                                 "--seed", str(args.seed)], port)
+    started = time.monotonic()
+    deadline = started + args.deadline
+    base_rss, base_cpu = rss_bytes(server.pid), cpu_seconds(server.pid)
+    per_proc = -(-edges // args.procs)
+    files, clients = [], []
+
+    def client(count: int, prefix: str, first: int) -> subprocess.Popen:
+        files.append(work / f"status-{prefix}.json")
+        log = open(work / f"client-{prefix}.log", "ab")
+        return subprocess.Popen([PY, str(Path(__file__).parent / "_aioedges.py"), "--server",
+                                 f"127.0.0.1:{port}", "--edges", str(count), "--prefix", prefix,
+                                 "--first-index", str(first), "--seed", str(args.seed),
+                                 "--deadline", str(args.deadline), "--status", str(files[-1])],
+                                env=ENV, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+    t0 = time.time()
+    for i in range(args.procs):
+        count = min(per_proc, edges - i * per_proc)
+        if count > 0:
+            clients.append(client(count, f"p{i}", i * per_proc))
+    ramp: list[tuple[int, int]] = []
+    joined_at = idle = None
+    while server.poll() is None and time.monotonic() < deadline:
+        connected = fleet_status(files)["connected"]
+        ramp.append((connected, rss_bytes(server.pid)))
+        if connected >= edges:
+            joined_at = time.monotonic() - started
+            break
+        time.sleep(0.5)
+    if joined_at is not None:
+        cpu0, t_idle = cpu_seconds(server.pid), time.monotonic()
+        events0 = fleet_status(files)["counts"].get("presence events", 0)
+        time.sleep(args.idle)
+        seconds = time.monotonic() - t_idle
+        idle = {"seconds": seconds, "cpu_per_s": (cpu_seconds(server.pid) - cpu0) / seconds,
+                "rss": rss_bytes(server.pid),
+                "presence_events_per_s": (fleet_status(files)["counts"].get("presence events", 0)
+                                          - events0) / seconds}
+        clients.append(client(1, "last", edges))
+    rounds_cpu = None
+    cpu_start = cpu_seconds(server.pid) if idle else 0.0
+    manifest = work / "server" / "manifest.json"
+    while server.poll() is None and time.monotonic() < deadline:
+        if manifest.exists() and json.loads(manifest.read_text())["round"] >= args.rounds:
+            rounds_cpu = cpu_seconds(server.pid) - cpu_start
+            break
+        time.sleep(0.2)
+    code, usage = wait_rusage(server, max(deadline - time.monotonic(), 60))
+    for proc in clients:
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    fleet = fleet_status(files)
+    history_file = work / "server" / "history.json"
+    rounds = json.loads(history_file.read_text())["rounds"] if history_file.exists() else []
+    train = [r["seconds"] for r in rounds if "evaluation" not in r]
+    evaluated = [r for r in rounds if "evaluation" in r]
+    joins = sorted(fleet["join_seconds"])
+    return {
+        "edges": edges, "fraction": fraction, "server_rc": code, "rounds": len(rounds),
+        "join_s": joined_at if joined_at is not None else float("nan"),
+        "join_wall_s": (rounds[0]["started"] - t0) if rounds else float("nan"),
+        "edge_join_p50_s": joins[len(joins) // 2] if joins else float("nan"),
+        "edge_join_max_s": joins[-1] if joins else float("nan"),
+        "train_round_s": statistics.median(train) if train else float("nan"),
+        "eval_round_s": evaluated[-1]["seconds"] if evaluated else float("nan"),
+        "trained_per_round": statistics.mean(len(r["train"]["received"]) for r in rounds)
+        if rounds else 0,
+        "evaluated": len(evaluated[-1]["evaluate"]["received"]) if evaluated else 0,
+        "server_cpu_per_round_s": rounds_cpu / len(rounds) if rounds_cpu and rounds else float("nan"),
+        "server_base_rss_mib": base_rss / 2**20, "server_base_cpu_s": base_cpu,
+        "server_peak_rss_mib": usage.ru_maxrss / 1024,
+        "rss_per_1000_connected_mib": slope_per_1000(ramp) / 2**20,
+        "idle_rss_per_edge_kib": (idle["rss"] - base_rss) / edges / 1024 if idle else float("nan"),
+        "idle_cpu_per_s": idle["cpu_per_s"] if idle else float("nan"),
+        "presence_events_per_s": idle["presence_events_per_s"] if idle else float("nan"),
+        "failed_rpcs": sum(fleet["failed"].values()), "failed": fleet["failed"],
+        "edge_counts": fleet["counts"], "dropped": dropped_by_reason({"rounds": rounds}),
+    }
+
+
 def soak(args, work: Path, say) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     data = work / "data"
@@ -280,10 +422,43 @@ def soak(args, work: Path, say) -> dict:
     }
 
 
+def aio_table(sizes: list[int], args, work: Path, say) -> None:
+    """Every (size, fraction) run with the aio fleet, then the table of figures."""
+    results = []
+    for edges in sizes:
+        for fraction in args.fractions:
+            say(f"\n-- {edges} aio edges in {args.procs} processes, {args.rounds} rounds, "
+                f"fraction {fraction}, idle window {args.idle:g} s")
+            r = aio_run(edges, fraction, args, work / f"aio-{edges}-{fraction}")
+            results.append(r)
+            say(json.dumps(r, sort_keys=True))
+    say("\n| connected edges | selected per round | fleet joined after | train round (median) "
+        "| last round (train + eval on all) | server CPU per round | server idle CPU (presence "
+        "+ long-polls) | server peak RSS | RSS per 1,000 connected | per idle edge | failed RPCs |")
+    say("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        say(f"| {r['edges']} | {r['trained_per_round']:.0f} ({r['fraction']:.0%}) | "
+            f"{r['join_s']:.1f} s | {r['train_round_s']:.2f} s | {r['eval_round_s']:.2f} s "
+            f"({r['evaluated']} evaluated) | {r['server_cpu_per_round_s']:.2f} s | "
+            f"{r['idle_cpu_per_s']:.2f} s/s ({r['presence_events_per_s']:.0f} presence events/s) | "
+            f"{r['server_peak_rss_mib']:.0f} MiB | {r['rss_per_1000_connected_mib']:.1f} MiB | "
+            f"{r['idle_rss_per_edge_kib']:.1f} KiB | {r['failed_rpcs']} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--edges", type=int, nargs="+", default=[100, 300])
-    p.add_argument("--full", action="store_true", help="also 1000 edges")
+    p.add_argument("--edges", type=int, nargs="+", default=None,
+                   help="fleet sizes (default 100 300; with --aio 1000 3000)")
+    p.add_argument("--full", action="store_true", help="also 1000 edges (with --aio: 10000)")
+    p.add_argument("--aio", action="store_true",
+                   help="edges from _aioedges.py (one grpc.aio loop per process, trivial "
+                        "training) instead of fl-sim; no soak")
+    p.add_argument("--fractions", type=float, nargs="+", default=[0.01, 0.1],
+                   help="--aio: the fractions selected per round, one run each")
+    p.add_argument("--idle", type=float, default=20.0,
+                   help="--aio: seconds all edges stay connected and idle before the rounds")
+    p.add_argument("--eval-every", type=int, default=None,
+                   help="--aio: the server's --eval-every (default: the last round only)")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--fraction", type=float, default=0.1)
     p.add_argument("--procs", type=int, default=2, help="fl-sim worker processes")
@@ -298,7 +473,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="results file (default: print only)")
     p.add_argument("--work", type=Path, default=None, help="keep runs here (default: a temp dir)")
     args = p.parse_args(argv)
-    sizes = [] if args.soak_only else sorted(set(args.edges + ([1000] if args.full else [])))
+    if args.eval_every is None:
+        args.eval_every = args.rounds
+    if args.edges is None:
+        args.edges = [1000, 3000] if args.aio else [100, 300]
+    sizes = [] if args.soak_only else sorted(set(args.edges + (
+        [10000 if args.aio else 1000] if args.full else [])))
+    if args.aio:
+        args.soak = args.soak_only = False
     lines: list[str] = []
 
     def say(line: str = "") -> None:
@@ -310,6 +492,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{' '.join(f'{v:.2f}' for v in os.getloadavg())}, data {mnist_source()}")
     with tempfile.TemporaryDirectory(prefix="fedattn-load-") as tmp:
         work = args.work or Path(tmp)
+        if args.aio:
+            aio_table(sizes, args, work, say)
+            sizes = []
         results = []
         for edges in sizes:
             say(f"\n-- {edges} edges, {args.rounds} rounds, fraction {args.fraction}, "

@@ -48,7 +48,6 @@ class EdgeRecord:
     secret_hash: str
     first_seen: float
     session: str = ""
-    connected: bool = False
     info: dict[str, str] = field(default_factory=dict)
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     needs_init: bool = False  # joined without private state: send the initial models once
@@ -59,6 +58,23 @@ class EdgeRecord:
     # Set when this session ends (a rejoin, a leave, a revocation): the presence stream of
     # the session waits on it, so a revoked device's stream closes at once.
     session_over: asyncio.Event = field(default_factory=asyncio.Event)
+    # The book's set of connected ids, shared by all its records: counting the connected
+    # edges is then O(1), not a scan of every record, which made each of 10,000 joins
+    # (a presence stream opening counts the fleet) pay for the whole fleet.
+    present: set[str] = field(default_factory=set, repr=False, compare=False)
+
+    @property
+    def connected(self) -> bool:
+        """A presence stream of the live session is open: rounds may select the edge."""
+        return self.edge_id in self.present
+
+    @connected.setter
+    def connected(self, value: bool) -> None:
+        """Opens or closes the edge's presence in the book's set (its count is O(1))."""
+        if value:
+            self.present.add(self.edge_id)
+        else:
+            self.present.discard(self.edge_id)
 
     def new_session(self) -> None:
         """A join: the previous session ends (its presence stream closes) first."""
@@ -92,6 +108,7 @@ class EdgeBook:
     def __init__(self, max_edges: int = 10_000) -> None:
         self.records: dict[str, EdgeRecord] = {}
         self.max_edges = max_edges
+        self.present: set[str] = set()  # connected ids, kept by the records themselves
 
     def join(self, edge_id: str, secret: str, info: dict[str, str],
              signing_key: bytes = b"", cert_serial: str = "") -> EdgeRecord:
@@ -113,7 +130,8 @@ class EdgeBook:
             if len(self.records) >= self.max_edges:
                 raise AuthError(f"edge {edge_id}: this server already has {len(self.records)} "
                                 f"registered edges (--max-edges {self.max_edges})", permanent=True)
-            record = EdgeRecord(edge_id, _hash(secret), time.time(), cert_serial=cert_serial)
+            record = EdgeRecord(edge_id, _hash(secret), time.time(), cert_serial=cert_serial,
+                                present=self.present)
             self.records[edge_id] = record
         elif cert_serial and record.cert_serial != cert_serial:
             # Re-issued (or bound before serials were recorded): the new certificate's
@@ -142,17 +160,21 @@ class EdgeBook:
 
     def connected_ids(self) -> list[str]:
         """Edges with a presence stream open: those a round can select."""
-        return sorted(e for e, r in self.records.items() if r.connected)
+        return sorted(self.present)
+
+    def connected_count(self) -> int:
+        """How many edges are connected, without listing them (every presence change asks)."""
+        return len(self.present)
 
     async def wait_for(self, count: int) -> None:
         """Returns once ``count`` edges are connected: every round starts with at least
         --min-edges (as Flower's min_available_clients); stragglers inside a round are
         what --quorum tolerates."""
         announced = False
-        while len(self.connected_ids()) < count:
+        while self.connected_count() < count:
             if not announced:
                 log.info("waiting for %d connected edge(s) (have %d)", count,
-                         len(self.connected_ids()))
+                         self.connected_count())
                 announced = True
             await asyncio.sleep(0.1)
 
@@ -187,8 +209,9 @@ class EdgeBook:
     def load_json(self, data: dict) -> None:
         """Replaces the records with those a checkpoint kept (a resume): the book itself
         stays, so whatever holds it (the upload gate) sees the resumed edges."""
+        self.present.clear()
         self.records = {
             edge_id: EdgeRecord(edge_id, entry["secret_sha256"], entry["first_seen"],
                                 signing_key=entry.get("signing_key", ""),
-                                cert_serial=entry.get("cert_serial", ""))
+                                cert_serial=entry.get("cert_serial", ""), present=self.present)
             for edge_id, entry in data.items()}

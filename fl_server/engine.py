@@ -135,7 +135,7 @@ class Engine:
         if self.buffered is not None:
             return self.buffered.task_for(edge)
         phase = self.phase
-        if phase is None or phase.closed or edge not in phase.pending():
+        if phase is None or phase.closed or not phase.is_pending(edge):
             return None
         return phase, phase.tasks[edge]
 
@@ -149,7 +149,7 @@ class Engine:
             self.buffered.lose(edge, reason)
             return
         phase = self.phase
-        if phase is not None and not phase.closed and edge in phase.pending():
+        if phase is not None and not phase.closed and phase.is_pending(edge):
             self.drop(phase, edge, reason)
 
     # ---- rounds -------------------------------------------------------------------------

@@ -121,7 +121,7 @@ class EdgeFront:
         self._count_connected()
 
     def _count_connected(self) -> None:
-        self.metrics.connected.set(len(self.engine.edges.connected_ids()))
+        self.metrics.connected.set(self.engine.edges.connected_count())
 
     def edge_lost(self, edge_id: str, reason: str) -> None:
         """An edge's session ended: its pending task is dropped."""
@@ -180,6 +180,6 @@ class EdgeFront:
         if drop and phase is None:  # refused at the header: the phase it named
             phase = (err.phase if isinstance(err, Refused) and err.phase is not None
                      else self.engine.phase)
-        if drop and phase is not None and edge in phase.pending() and not phase.closed:
+        if drop and phase is not None and phase.is_pending(edge) and not phase.closed:
             self.engine.drop(phase, edge, f"bad upload: {err}")
         return reason

@@ -307,7 +307,7 @@ class UploadGate:
         driver = phase.driver
         async with self.agg_lock:
             await self.durable()  # the last round's checkpoint views the state this changes
-            if phase.closed or edge not in phase.pending():
+            if phase.closed or not phase.is_pending(edge):
                 raise Refused("the phase closed before the upload completed"
                               + (f" ({phase.closed_why})" if phase.closed_why else ""))
             try:

@@ -272,9 +272,12 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
                     yield self._meta(edge, pb.TaskMessage(header=pb.TaskHeader(
                         status=pb.TaskHeader.WAIT)))
                     return
+                # Whatever gives this edge a task (a phase opening, the run ending) sets
+                # its wakeup, so an idle poll sleeps until then or its deadline: waking
+                # every second, 10,000 idle edges cost the server 10,000 wakeups a second.
                 record.wakeup.clear()
                 try:
-                    await asyncio.wait_for(record.wakeup.wait(), timeout=min(remaining, 1.0))
+                    await asyncio.wait_for(record.wakeup.wait(), timeout=remaining)
                 except asyncio.TimeoutError:
                     pass
             phase, task = found
