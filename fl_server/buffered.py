@@ -299,7 +299,7 @@ class BufferedSchedule:
             return None
         for phase in list(self.phases.values()):
             task = phase.tasks.get(edge)
-            if task is None or edge not in phase.pending():
+            if task is None or not phase.is_pending(edge):
                 continue
             if phase is self.current or phase.driver.evaluates:
                 return phase, task
@@ -355,7 +355,7 @@ class BufferedSchedule:
     def lose(self, edge: str, reason: str) -> None:
         """The edge's session ended: its pending tasks are dropped."""
         for phase in list(self.phases.values()):
-            if not phase.closed and edge in phase.pending():
+            if not phase.closed and phase.is_pending(edge):
                 self.engine.drop(phase, edge, reason)
 
     # ---- the buffer -----------------------------------------------------------------
