@@ -36,6 +36,17 @@ def fl_partition(out: Path, log_dir: Path, flags: list[str]) -> bool:
     return True
 
 
+def dirichlet_partition(out: Path, log_dir: Path, source: Path, edges: int, alpha: float,
+                        seed: int, limit: int = 0) -> Path:
+    """``fl_partition`` with the benches' label-skew protocol: Dirichlet(``alpha``) over
+    ``edges`` folders, at least 20 samples each, the first ``limit`` samples (0: all)."""
+    fl_partition(out, log_dir, ["--source", str(source), "--edges", str(edges), "--seed",
+                                str(seed), "--min-per-edge", "20", "--scheme", "dirichlet",
+                                "--alpha", str(alpha),
+                                *(["--limit", str(limit)] if limit else [])])
+    return out
+
+
 def pm(values: list[float], digits: int = 1) -> str:
     """mean ± sample std of the finite values (one value alone; "-" for none): how every
     bench prints a figure over seeds."""

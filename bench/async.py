@@ -56,7 +56,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from _harness import SHARED_DATA, fl_partition, pm, run
+from _harness import SHARED_DATA, dirichlet_partition, pm, run
 
 SOURCES = {"mnist": (SHARED_DATA / "mnist", "lenet-bn", 1, 28),
            "cifar10": (SHARED_DATA / "cifar-10" / "cifar-10-batches-bin", "resnet10-cifar-compact", 3, 32)}
@@ -117,11 +117,7 @@ def budget(args, settings: dict) -> int:
 def partition(args, seed: int) -> Path:
     source = SOURCES[args.data][0]
     out = args.out / "data" / f"{args.data}-{args.edges}-{args.alpha}-s{seed}-n{args.limit or 'all'}"
-    limit = ["--limit", str(args.limit)] if args.limit else []
-    fl_partition(out, args.out, ["--source", str(source), "--edges", str(args.edges), "--seed",
-                                 str(seed), "--min-per-edge", "20", "--scheme", "dirichlet",
-                                 "--alpha", str(args.alpha), *limit])
-    return out
+    return dirichlet_partition(out, args.out, source, args.edges, args.alpha, seed, args.limit)
 
 
 def federate(args, name: str, settings: dict, seed: int) -> Path:

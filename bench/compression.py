@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from _harness import ROOT, SHARED_DATA, fl_partition, pm, run
+from _harness import ROOT, SHARED_DATA, dirichlet_partition, pm, run
 
 CIFAR = SHARED_DATA / "cifar-10" / "cifar-10-batches-bin"
 #: Each codec in both directions (error feedback only up: the downlink codes the change
@@ -84,11 +84,7 @@ class Row:
 
 def partition(args, seed: int) -> Path:
     out = args.out / "data" / f"cifar10-{args.alpha}-s{seed}-n{args.limit or 'all'}"
-    limit = ["--limit", str(args.limit)] if args.limit else []
-    fl_partition(out, args.out, ["--source", str(CIFAR), "--edges", str(args.edges), "--seed",
-                                 str(seed), "--min-per-edge", "20", "--scheme", "dirichlet",
-                                 "--alpha", str(args.alpha), *limit])
-    return out
+    return dirichlet_partition(out, args.out, CIFAR, args.edges, args.alpha, seed, args.limit)
 
 
 def federate(args, row: Row, seed: int) -> Path:
