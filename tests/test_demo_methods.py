@@ -1,12 +1,17 @@
 """The README's promise, "any method: ``fl-demo --method M``", for every registered method.
 
-Each case runs fl-demo's ``main`` with its real ``fl-server`` and two real ``fl-edge``
-processes over gRPC on loopback, one round. What costs time is starting torch in three
-processes per method, not training, so ``main`` runs in this process (one torch import
-fewer per method) and the demos run a few at a time (``WORKERS``) while the cases read
-their results: a case selected alone (``-k pfedka``) runs only its own demo. The data is
-cut to a few hundred images (``--limit``) and the report is skipped (``tests/test_tools.py``
-covers it).
+What a method changes in a demo is the server's settings: its declared model and training
+settings, the demo's defaults where it declares none. Those are checked for EVERY method in
+this process, through fl-server's own parser and resolver (cheap). The whole demo, a real
+``fl-server`` and two real ``fl-edge`` processes over gRPC on loopback for one round, runs
+for the methods whose settings differ from the demo's defaults, and for one of each
+aggregation kind among the rest (``DEMO_RUNS``): the others run the very same processes with
+another ``--method`` string, and tests/test_conformance.py federates each of them over real
+gRPC. What costs time is starting torch in three processes per method, not training, so
+``main`` runs in this process and the demos run ``WORKERS`` at a time while the cases read
+their results. The data is cut to a few hundred images (``--limit``) and the report is
+skipped (``tests/test_tools.py`` covers it). Fed-SAP and pFedKA run their demos under
+``--dp`` below, and Fed-SAP is ``make demo``'s method (tests/test_tools.py).
 """
 
 from __future__ import annotations
@@ -19,10 +24,15 @@ from pathlib import Path
 
 import pytest
 
-from fedattn_shared.methods import available_methods
-from fl_tools.demo import DEMO_STATS_SIGMA, build_parser, main, server_settings
+from fedattn_shared.methods import available_methods, load_method
+from fl_server.cli import build_parser as server_parser
+from fl_server.cli import resolve
+from fl_tools.demo import DEMO_STATS_SIGMA, build_parser, main, run_flags, server_settings
 
 METHODS = available_methods()
+# Own model or training settings (anfr, fedstar, pfedla, scaffold), the demo's defaults
+# (fedavg), collect-then-learn (fedmedian), nothing uploaded (local).
+DEMO_RUNS = ["anfr", "fedavg", "fedmedian", "fedstar", "local", "pfedla", "scaffold"]
 WORKERS = 2  # concurrent demos (each mostly starts torch in 3 processes): one per core
 
 
@@ -50,6 +60,29 @@ def demos(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("method", METHODS)
+def test_fl_demo_settings_resolve_for_every_method(method):
+    """The server flags fl-demo would start with, through fl-server's parser and resolver:
+    the method's own model and settings win, and the server would accept them."""
+    args = build_parser().parse_args(["--method", method])
+    settings, _ = server_settings(args)
+    server, train, built = resolve(server_parser().parse_args(
+        ["--insecure", *run_flags(args, settings, 2)]))
+    declared = load_method(method)
+    assert server.method == method and built.name == method
+    assert train.model == (declared.default_model or settings[settings.index("--model") + 1])
+    for key, value in declared.train_settings:
+        assert getattr(train, key) == value, key
+    assert server.min_edges == 2 and server.rounds == args.rounds
+
+
+def test_demo_runs_cover_every_distinct_setting():
+    """Every method that declares its own model or training settings has a real demo run
+    here (or its --dp one below): a new such method must be added to ``DEMO_RUNS``."""
+    own = {m for m in METHODS if load_method(m).default_model or load_method(m).train_settings}
+    assert own <= set(DEMO_RUNS) | {"fedsap", "pfedka"}
+
+
+@pytest.mark.parametrize("method", DEMO_RUNS)
 def test_fl_demo_runs_every_method(demos, method):
     code, seconds, out = demos[method]
     logs = "".join(f"\n--- {p.name}\n{p.read_text()[-1500:]}"

@@ -122,6 +122,14 @@ def server_settings(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     return flags, notes
 
 
+def run_flags(args: argparse.Namespace, settings: list[str], edges: int) -> list[str]:
+    """The fl-server flags that say what the demo runs (``settings`` from
+    ``server_settings``); the rest (address, TLS, paths) is the process's."""
+    return ["--method", args.method, "--rounds", str(args.rounds), "--min-edges", str(edges),
+            *settings, "--local-epochs", str(args.local_epochs), "--seed", str(args.seed),
+            "--poll-timeout", "5", *[f"--set={s}" for s in args.set]]
+
+
 def dp_method_settings(args: argparse.Namespace, flags: list[str],
                        method_name: str) -> tuple[list[str], list[str]]:
     """Under ``--dp``: the method parameters DP-SGD needs (its declared ``dp_params``,
@@ -267,11 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint = out / "server"
     server = spawn(["-m", "fl_server", *security, "--host", "127.0.0.1", "--port", "0",
                     "--ready-file", str(ready), "--checkpoint-dir", str(checkpoint),
-                    "--method", args.method, "--rounds", str(args.rounds),
-                    "--min-edges", str(len(edge_dirs)), *settings,
-                    "--local-epochs", str(args.local_epochs),
-                    "--seed", str(args.seed), "--poll-timeout", "5",
-                    *[f"--set={s}" for s in args.set]], "server.log")
+                    *run_flags(args, settings, len(edge_dirs))], "server.log")
     try:
         deadline = time.monotonic() + 120
         while not ready.exists():
