@@ -84,6 +84,16 @@ CONFIGS = [
 EXTRA = [
     Config("fedstar-no-shared", "fedstar", {"lambda_shared": 0.0}),
     Config("ablation-shared", "fedstar", {"variant": "ablation", "ablation_loss": "shared"}),
+    # Issue #24: the lambda_shared sweep (the paper's 1.0 is "fedstar") ...
+    Config("fedstar-ls0.3", "fedstar", {"lambda_shared": 0.3}),
+    Config("fedstar-ls0.1", "fedstar", {"lambda_shared": 0.1}),
+    # ... and client embeddings drawn at a tenth of nn.Embedding's N(0, 1) (a deviation
+    # from the paper): the prototypes, not the client rows, then carry the LayerNorm input.
+    Config("fedstar-e0.1", "fedstar", {"embed_std": 0.1}),
+    Config("fedstar-ls0.1-e0.1", "fedstar", {"lambda_shared": 0.1, "embed_std": 0.1}),
+    # The style branch at test time: FiLM with the style of the class the plain head
+    # predicts (the default, the authors' paper-matching code, predicts with head(h)).
+    Config("fedstar-ls0.1-ps", "fedstar", {"lambda_shared": 0.1, "predict": "predicted-style"}),
 ]
 
 
@@ -95,13 +105,13 @@ def registered(method: str) -> bool:
 
 def partition(args, dataset: str, seed: int) -> Path:
     source, _, _ = SOURCES[dataset]
-    out = (args.out / "data" / f"{dataset}-a{args.alpha}-e{args.edges}-s{seed}"
-           f"-n{args.limit or 'all'}")
+    out = (args.out / "data" / (f"{dataset}-a{args.alpha}-e{args.edges}-s{seed}"
+           f"-n{args.limit or 'all'}" + (f"-g{args.global_test}" if args.global_test else "")))
     limit = ["--limit", str(args.limit)] if args.limit else []
     fl_partition(out, args.out, ["--source", str(source), "--edges", str(args.edges), "--seed",
                                  str(seed), "--scheme", "dirichlet", "--alpha", str(args.alpha),
                                  "--min-per-edge", str(args.min_per_edge),
-                                 "--global-test-per-class", "0", *limit])
+                                 "--global-test-per-class", str(args.global_test), *limit])
     return out
 
 
@@ -132,16 +142,21 @@ def federate(args, config: Config, dataset: str, seed: int) -> Path:
 
 
 def figures(history_file: Path) -> dict:
-    """Table 1's figures of one run, on the pooled local test splits."""
+    """Table 1's figures of one run, on the pooled local test splits, and issue #24's:
+    both test metrics best and final, the edges' feature norm |h| and the server's
+    prototype figures (``proto_energy``, ``proto_cosine``: fedstar.py, prototypes.py)."""
     from fl_tools.report import convergence_round, load_history, round_figures
 
     history = load_history(history_file)
-    rounds = []
+    rounds, global_rounds = [], []
     for record in history["rounds"]:
         per_edge = (record.get("evaluation") or {}).get("per_edge") or {}
         evaluated = round_figures(per_edge, "test")
         if evaluated is not None:
             rounds.append({"round": record["round"], **evaluated})
+        on_global = round_figures(per_edge, "global_test")
+        if on_global is not None:
+            global_rounds.append(on_global["pooled_accuracy"])
     numbers = [r["round"] for r in rounds]
 
     def best(key: str, lowest: bool = False) -> tuple[float, int]:
@@ -155,6 +170,10 @@ def figures(history_file: Path) -> dict:
             for record in history["rounds"]]
     up = [sum(tally["wire"] for tally in record["bytes"].get("up", {}).values())
           for record in history["rounds"]]
+    norms = [[m["feature_norm"] for m in record.get("train", {}).get("edge_metrics", {}).values()
+              if "feature_norm" in m] for record in history["rounds"]]
+    last = history["rounds"][-1].get("aggregate", {})
+    nan = float("nan")
     return {
         "accuracy": accuracy, "accuracy_round": at,
         "edge_mean": at_best["mean_accuracy"], "edge_std": at_best["std_accuracy"],
@@ -164,8 +183,16 @@ def figures(history_file: Path) -> dict:
         "convergence": convergence_round(numbers, [r["pooled_accuracy"] for r in rounds]),
         "bytes_per_round": statistics.mean(wire), "up_per_round": statistics.mean(up),
         "curve": [(r["round"], r["pooled_accuracy"]) for r in rounds],
+        "local_final": rounds[-1]["pooled_accuracy"],
+        "global_best": max(global_rounds) if global_rounds else nan,
+        "global_final": global_rounds[-1] if global_rounds else nan,
+        # |h|: the mean over the last round's trained edges, and the largest any edge had.
+        "norm_final": statistics.mean(norms[-1]) if norms and norms[-1] else nan,
+        "norm_max": max((n for ns in norms for n in ns), default=nan),
+        "proto_energy": last.get("proto_energy", nan),
+        "client_energy": last.get("client_energy", nan),
+        "proto_cosine": last.get("proto_cosine", nan),
     }
-
 
 
 def pm(values: list[float], digits: int = 4) -> str:
@@ -206,6 +233,38 @@ def table(results: dict, labels: list[str], dataset: str) -> str:
             f"| {pm([r['weighted_f1'] for r in runs])} | {pm([r['macro_f1'] for r in runs])} "
             f"| {pm([r['brier'] for r in runs])} | {pm([r['convergence'] for r in runs], 1)} "
             f"| {human(per_round)} ({human(up)}) | {ratio} | {paper_cell} |")
+    return "\n".join(lines)
+
+
+def issue_table(results: dict, labels: list[str], dataset: str) -> str:
+    """Issue #24's view: both test metrics best and final, |h| and the server's prototype
+    figures in the last round, mean ± std over seeds, and each row against FedProto seed by
+    seed (same seed = same partition, sampling and initialisation)."""
+    lines = [f"\n{dataset}: pooled accuracy on the edges' local test splits and on the shared "
+             "global test set, best over evaluated rounds / final round; |h| = mean feature "
+             "norm of the last round's trained edges (max over all rounds and edges); "
+             "proto energy / client energy = shares of the server LayerNorm's input energy, "
+             "cos = mean cos(p_global_c, p_k,c), both in the last round; vs FedProto: seeds "
+             "where the row's best local accuracy is higher, and the mean per-seed difference",
+             "| method | local best | local final | global best | global final | |h| final "
+             "(max) | proto energy | client energy | cos | vs FedProto (local best) |",
+             "|---" * 10 + "|"]
+    reference = results.get(("fedproto", dataset), [])
+    for label in labels:
+        runs = results.get((label, dataset), [])
+        if not runs:
+            continue
+        versus = "-"
+        if reference and label != "fedproto" and len(reference) == len(runs):
+            diffs = [r["accuracy"] - f["accuracy"] for r, f in zip(runs, reference, strict=True)]
+            versus = (f"{sum(d > 0 for d in diffs)}/{len(diffs)} higher, "
+                      f"{statistics.mean(diffs):+.4f} ({', '.join(f'{d:+.3f}' for d in diffs)})")
+        lines.append(
+            f"| {label} | {pm([r['accuracy'] for r in runs])} | {pm([r['local_final'] for r in runs])} "
+            f"| {pm([r['global_best'] for r in runs])} | {pm([r['global_final'] for r in runs])} "
+            f"| {pm([r['norm_final'] for r in runs], 1)} ({max(r['norm_max'] for r in runs):.1f}) "
+            f"| {pm([r['proto_energy'] for r in runs], 3)} | {pm([r['client_energy'] for r in runs], 3)} "
+            f"| {pm([r['proto_cosine'] for r in runs], 3)} | {versus} |")
     return "\n".join(lines)
 
 
@@ -261,6 +320,10 @@ def main() -> int:
     p.add_argument("--alpha", type=float, default=0.1)
     p.add_argument("--limit", type=int, default=4000, help="training images per dataset (CPU)")
     p.add_argument("--min-per-edge", type=int, default=20)
+    p.add_argument("--global-test", type=int, default=30,
+                   help="images per class of the shared global test set every edge is also "
+                        "scored on (from the source's test split; 0: none, the paper's "
+                        "protocol scores each client's own split only)")
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--lr", type=float, default=0.01)
@@ -300,6 +363,7 @@ def main() -> int:
     labels = [c.label for c in configs]
     for dataset in args.datasets:
         print(table(results, labels, dataset))
+        print(issue_table(results, labels, dataset))
     print()
     for dataset in args.datasets:
         print(ordering(results, dataset, args.seeds))
