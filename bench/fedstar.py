@@ -208,7 +208,7 @@ def figures(history_file: Path) -> dict:
         "norm_final": statistics.mean(norms) if norms else nan,
         "norm_max": max(every_norm, default=nan),
         "proto_energy": late("proto_energy"), "client_energy": late("client_energy"),
-        "proto_cosine": late("proto_cosine"),
+        "proto_cosine": late("proto_cosine"), "upload_norm": late("upload_norm"),
     }
 
 
@@ -260,13 +260,14 @@ def issue_table(results: dict, labels: list[str], dataset: str) -> str:
     lines = [f"\n{dataset}: pooled accuracy on the edges' local test splits and on the shared "
              "global test set, best over evaluated rounds / final round; |h| = mean feature "
              "norm of the trained edges over the last 10 rounds (max over all rounds and "
-             "edges); proto energy / client energy = shares of the server LayerNorm's input "
+             "edges); |p| = mean norm of the uploaded prototypes (eval mode) over the last 10 "
+             "rounds; proto energy / client energy = shares of the server LayerNorm's input "
              "energy, cos = mean cos(p_global_c, p_k,c), both means over the last 10 rounds; "
              "vs FedProto: seeds "
              "where the row's best local accuracy is higher, and the mean per-seed difference",
              "| method | local best | local final | global best | global final | |h| last 10 "
-             "(max) | proto energy | client energy | cos | vs FedProto (local best) |",
-             "|---" * 10 + "|"]
+             "(max) | |p| | proto energy | client energy | cos | vs FedProto (local best) |",
+             "|---" * 11 + "|"]
     reference = results.get(("fedproto", dataset), [])
     for label in labels:
         runs = results.get((label, dataset), [])
@@ -281,6 +282,7 @@ def issue_table(results: dict, labels: list[str], dataset: str) -> str:
             f"| {label} | {pm([r['accuracy'] for r in runs])} | {pm([r['local_final'] for r in runs])} "
             f"| {pm([r['global_best'] for r in runs])} | {pm([r['global_final'] for r in runs])} "
             f"| {pm([r['norm_final'] for r in runs], 1)} ({max(r['norm_max'] for r in runs):.1f}) "
+            f"| {pm([r['upload_norm'] for r in runs], 1)} "
             f"| {pm([r['proto_energy'] for r in runs], 3)} | {pm([r['client_energy'] for r in runs], 3)} "
             f"| {pm([r['proto_cosine'] for r in runs], 3)} | {versus} |")
     return "\n".join(lines)

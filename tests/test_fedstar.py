@@ -418,6 +418,7 @@ def test_only_the_edges_own_class_prototypes_travel_and_the_server_survives_a_re
         shares = [record["aggregate"][k] for k in ("proto_energy", "client_energy", "class_energy")]
         assert all(0 <= v <= 1 for v in shares) and math.isclose(sum(shares), 1, rel_tol=1e-9)
         assert -1 <= record["aggregate"]["proto_cosine"] <= 1
+        assert record["aggregate"]["upload_norm"] > 0
     aggregator = engine.aggregator
     participated = sorted({e for r in train_rounds for e in r})
     assert sorted(aggregator.client_rows) == participated
@@ -532,6 +533,14 @@ def test_alignment_is_the_mean_cosine_of_each_upload_with_its_global_prototype()
     assert alignment(global_prototypes, []) is None
 
 
+def test_upload_norm_is_the_mean_norm_of_the_uploaded_prototypes():
+    from fedattn_shared.methods.prototypes import upload_norm
+
+    uploads = [{"0": torch.tensor([3.0, 4.0])}, {"0": torch.tensor([0.0, 1.0]), "5": torch.zeros(2)}]
+    assert math.isclose(upload_norm(uploads), (5 + 1 + 0) / 3)
+    assert upload_norm([{}]) is None
+
+
 def test_input_energy_shares_count_only_uploaded_pairs_after_removing_each_mean():
     from fedattn_shared.methods.fedstar import input_energy
 
@@ -567,6 +576,8 @@ def test_aggregators_report_the_prototype_figures():
     expected = (F.cosine_similarity(glob["1"], a, dim=0) + F.cosine_similarity(glob["1"], b, dim=0)
                 + F.cosine_similarity(glob["2"], 2 * b, dim=0)) / 3
     assert math.isclose(figures["proto_cosine"], float(expected), rel_tol=1e-5)
+    assert math.isclose(figures["upload_norm"], float(a.norm() + b.norm() + 2 * b.norm()) / 3,
+                        rel_tol=1e-5)
     # FedProto's global prototype is the count-weighted mean of the uploads.
     fp = method("fedproto")
     fagg = fp.server(fp.build_models())
@@ -575,3 +586,4 @@ def test_aggregators_report_the_prototype_figures():
     mean = (a + 3 * b) / 4
     expected = (F.cosine_similarity(mean, a, dim=0) + F.cosine_similarity(mean, b, dim=0)) / 2
     assert math.isclose(figures["proto_cosine"], float(expected), rel_tol=1e-5)
+    assert math.isclose(figures["upload_norm"], float(a.norm() + b.norm()) / 2, rel_tol=1e-5)

@@ -26,7 +26,16 @@ from ..wire.payload import Kind, Payload, Section
 from .aggregators import CollectThenLearn
 from .base import SectionSpec, TensorSpec
 from .phases import TRAIN
-from .prototypes import GLOBAL, LOCAL, ProtoNorm, PrototypeEdge, PrototypeMethod, alignment, class_keys
+from .prototypes import (
+    GLOBAL,
+    LOCAL,
+    ProtoNorm,
+    PrototypeEdge,
+    PrototypeMethod,
+    alignment,
+    class_keys,
+    upload_norm,
+)
 
 COUNTS = (Kind.SCALAR_SUMMARY, "class_counts")
 
@@ -69,8 +78,10 @@ class FedProtoAggregator(CollectThenLearn):
         for key, total in sums.items():
             current[key] = (total / totals[key]).float()
         self.state[GLOBAL] = dict(sorted(current.items(), key=lambda kv: int(kv[0])))
-        cosine = alignment(current, (payload.tensors(*LOCAL) for payload, _ in uploads.values()))
-        return {"classes": len(sums), **({} if cosine is None else {"proto_cosine": cosine})}
+        local = [payload.tensors(*LOCAL) for payload, _ in uploads.values()]
+        cosine, norm = alignment(current, local), upload_norm(local)
+        return {"classes": len(sums), **({} if cosine is None else {"proto_cosine": cosine}),
+                **({} if norm is None else {"upload_norm": norm})}
 
 
 class FedProto(PrototypeMethod):

@@ -69,7 +69,16 @@ from torch import nn
 from ..models import build_model
 from .aggregators import CollectThenLearn
 from .base import MethodContext
-from .prototypes import GLOBAL, LOCAL, ProtoNorm, PrototypeEdge, PrototypeMethod, alignment, prototype_logits
+from .prototypes import (
+    GLOBAL,
+    LOCAL,
+    ProtoNorm,
+    PrototypeEdge,
+    PrototypeMethod,
+    alignment,
+    prototype_logits,
+    upload_norm,
+)
 
 Variant = Literal["full", "ablation"]
 CeInput = Literal["film", "raw"]
@@ -364,11 +373,12 @@ class FedSTARAggregator(CollectThenLearn):
         for c, value in zip(classes, merged, strict=True):
             current[str(c)] = value.clone()
         self.state[GLOBAL] = dict(sorted(current.items(), key=lambda kv: int(kv[0])))
-        cosine = alignment(current, tensors.values())
+        cosine, norm = alignment(current, tensors.values()), upload_norm(tensors.values())
         return {"server_loss": float(loss.detach()), "classes": len(classes),
                 "attention_max": float(alpha.max(dim=0).values.mean()),
                 "clients_known": len(self.client_rows), **energy,
-                **({} if cosine is None else {"proto_cosine": cosine})}
+                **({} if cosine is None else {"proto_cosine": cosine}),
+                **({} if norm is None else {"upload_norm": norm})}
 
     # ---- checkpoint -------------------------------------------------------------------
     def state_tensors(self) -> dict[str, torch.Tensor]:

@@ -161,6 +161,15 @@ def alignment(global_prototypes: dict[str, torch.Tensor],
     return sum(cosines) / len(cosines) if cosines else None
 
 
+def upload_norm(uploads: Iterable[dict[str, torch.Tensor]]) -> float | None:
+    """``upload_norm``: the mean L2 norm of the round's uploaded prototypes. They are class
+    means of h in eval mode (BatchNorm's running statistics), so they can be far larger
+    than the train-mode ``feature_norm`` the edges report: this is the scale the server's
+    LayerNorm input actually gets. None when nothing was uploaded."""
+    norms = [float(p.double().norm()) for upload in uploads for p in upload.values()]
+    return sum(norms) / len(norms) if norms else None
+
+
 class PrototypeMethod(Method):
     """Everything private; uplink = a PROTOTYPES section with the class means of h."""
 
