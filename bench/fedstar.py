@@ -56,6 +56,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from _harness import ROOT, SHARED_DATA, fl_partition, run
 from _harness import pm as harness_pm
 
@@ -288,6 +289,67 @@ def issue_table(results: dict, labels: list[str], dataset: str) -> str:
     return "\n".join(lines)
 
 
+READINGS = ("head", "predicted-style", "true-label style")
+
+
+def readings(args, label: str, dataset: str, seed: int) -> dict[str, dict[str, float]] | None:
+    """How FedSTAR's prediction uses the style branch, on one finished run's final models:
+    each trained edge's personalized model (its state dir, as ``fl-edge export`` loads
+    it) scores its local test split and the global test set three ways: ``head`` =
+    head(h), what the run evaluated (``predict = "head"``); ``predicted-style`` =
+    head(FiLM(h, s_k,argmax head(h))), what ``predict = "predicted-style"`` evaluates (only
+    evaluation differs, so this is that run's final round); ``true-label style`` =
+    head(FiLM(h, s_k,y)) with the TEST LABEL y, the later author code's leak: not a
+    predictor, a bound on what choosing the style could give. Pooled accuracy over the
+    edges that have trained (an edge never sampled has no state). None: not FedSTAR."""
+    from fedattn_shared.data import load_edge_data
+    from fl_edge.export import from_state_dir
+
+    out = args.out / "runs" / dataset / f"{label}-s{seed}"
+    correct = {(r, s): 0 for r in READINGS for s in ("test", "global_test")}
+    total = dict.fromkeys(("test", "global_test"), 0)
+    for state in sorted((out / "state").iterdir()):
+        if not (state / "private.safetensors").exists():
+            continue
+        model = from_state_dir(state)
+        algo = model.algo
+        if getattr(algo, "personal", None) is None:
+            return None
+        data = load_edge_data(partition(args, dataset, seed) / state.name, model.train)
+        for split, part in (("test", data.test), ("global_test", data.global_test)):
+            if part is None or not len(part.y):
+                continue
+            with torch.no_grad():
+                h, logits = algo.features(part.x)
+                styles = algo.personal.style
+                guesses = {"head": logits,
+                           "predicted-style": algo.head(algo.personal.film(h, styles[logits.argmax(1)])),
+                           "true-label style": algo.head(algo.personal.film(h, styles[part.y]))}
+            for reading, scores in guesses.items():
+                correct[(reading, split)] += int((scores.argmax(1) == part.y).sum())
+            total[split] += len(part.y)
+    return {r: {s: correct[(r, s)] / total[s] if total[s] else float("nan")
+                for s in total} for r in READINGS}
+
+
+def readings_table(args, labels: list[str], dataset: str) -> str:
+    lines = [f"\n{dataset}: FedSTAR's prediction with and without the style branch, final "
+             "round, pooled accuracy over the trained edges (mean ± std over seeds; "
+             "true-label style leaks the test label: a bound, not a predictor)",
+             "| method | split | " + " | ".join(READINGS) + " | predicted-style - head, per seed |",
+             "|---" * (len(READINGS) + 3) + "|"]
+    for label in labels:
+        per_seed = [readings(args, label, dataset, seed) for seed in args.seeds]
+        if any(r is None for r in per_seed):
+            continue
+        for split in ("test", "global_test"):
+            cells = [pm([r[reading][split] for r in per_seed]) for reading in READINGS]
+            diffs = [r["predicted-style"][split] - r["head"][split] for r in per_seed]
+            lines.append(f"| {label} | {split} | " + " | ".join(cells)
+                         + f" | {', '.join(f'{d:+.4f}' for d in diffs)} |")
+    return "\n".join(lines)
+
+
 def ordering(results: dict, dataset: str, seeds: list[int]) -> str:
     names = ("fedstar", "ablation", "fedproto")
     runs = {n: results.get((n, dataset), []) for n in names}
@@ -351,6 +413,9 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--eval-every", type=int, default=3)
     p.add_argument("--procs", type=int, default=2)
+    p.add_argument("--readings", action="store_true",
+                   help="also score each FedSTAR run's final models with and without the "
+                        "style branch (head, predicted-style, true-label style)")
     p.add_argument("--device", default="cpu", help="the edges' device (cuda with --full)")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-fedstar")
     args = p.parse_args()
@@ -384,6 +449,8 @@ def main() -> int:
     for dataset in args.datasets:
         print(table(results, labels, dataset))
         print(issue_table(results, labels, dataset))
+        if args.readings:
+            print(readings_table(args, labels, dataset))
     print()
     for dataset in args.datasets:
         print(ordering(results, dataset, args.seeds))
