@@ -25,8 +25,10 @@ feature norm |h| (``feature_norm``); the server's ``proto_energy`` / ``client_en
 rounds (they swing with the sampled edges); and each
 row against FedProto seed by seed. Rows beyond Table 1 (--methods): the lambda_shared
 sweep (fedstar-ls0.3, fedstar-ls0.1; "fedstar" is the paper's 1.0), the scaled client
-embedding (fedstar-e0.1, fedstar-ls0.1-e0.1: embed_std 0.1, a deviation from the paper),
-predicted-style prediction (fedstar-ls0.1-ps).
+embedding (fedstar-e0.1, fedstar-ls0.1-e0.1: embed_std 0.1, a deviation from the paper).
+--readings scores each FedSTAR run's final models with and without the style branch
+(``readings``): the predicted-style figure there is what a ``predict = "predicted-style"``
+run would evaluate in its final round, without training the run again.
 
 Protocols:
   default (CPU, the comparison of record): 20 edges, 30 % sampled per round (--fraction
@@ -102,9 +104,6 @@ EXTRA = [
     # from the paper): the prototypes, not the client rows, then carry the LayerNorm input.
     Config("fedstar-e0.1", "fedstar", {"embed_std": 0.1}),
     Config("fedstar-ls0.1-e0.1", "fedstar", {"lambda_shared": 0.1, "embed_std": 0.1}),
-    # The style branch at test time: FiLM with the style of the class the plain head
-    # predicts (the default, the authors' paper-matching code, predicts with head(h)).
-    Config("fedstar-ls0.1-ps", "fedstar", {"lambda_shared": 0.1, "predict": "predicted-style"}),
 ]
 
 
