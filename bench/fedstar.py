@@ -6,9 +6,11 @@ daemons (fl-sim: many edges in 2 processes) on loopback.
 Data: MNIST (../shared/data/mnist) and CIFAR-10 (../shared/data/cifar-10); the paper's
 Fashion-MNIST images are not available to us. fl-partition cuts each into --edges
 folders per seed with Dirichlet(alpha = 0.1) label skew (the paper's alpha) and a
-stratified 20 % local test split per edge; no shared global test set (the paper scores
-each client's own test split). A seed fixes the partition, the client sampling and the
-initialisation, so every method sees the same partitions.
+stratified 20 % local test split per edge (what the paper scores), and a shared balanced
+global test set of --global-test images per class (default 30, from the source's test
+split, disjoint from every edge's data; 0: none) that every evaluated edge is also scored
+on. A seed fixes the partition, the client sampling and the initialisation, so every
+method sees the same partitions.
 
 Metrics (the paper's Table 1, METHODS.md 2.3): per evaluated round, on the pooled local
 test splits of all edges: accuracy (total correct / total samples; "mean over edges" and
@@ -17,6 +19,16 @@ sum_c (p_c - y_c)^2); best accuracy and F1 over rounds (the round in parentheses
 Brier, and the convergence round (first evaluated round whose pooled accuracy reaches
 95 % of that run's maximum). Bytes: the mean wire bytes per round (up + down, all kinds,
 evaluation included) and its ratio to FedAvg's on the same backbone and data.
+Issue #24's table beside it: both test metrics, best and final round; the edges' mean
+feature norm |h| (``feature_norm``); the server's ``proto_energy`` / ``client_energy``
+(shares of the LayerNorm input's energy) and ``proto_cosine``, means over the last 10
+rounds (they swing with the sampled edges); and each
+row against FedProto seed by seed. Rows beyond Table 1 (--methods): the lambda_shared
+sweep (fedstar-ls0.3, fedstar-ls0.1; "fedstar" is the paper's 1.0), the scaled client
+embedding (fedstar-e0.1, fedstar-ls0.1-e0.1: embed_std 0.1, a deviation from the paper).
+--readings scores each FedSTAR run's final models with and without the style branch
+(``readings``): the predicted-style figure there is what a ``predict = "predicted-style"``
+run would evaluate in its final round, without training the run again.
 
 Protocols:
   default (CPU, the comparison of record): 20 edges, 30 % sampled per round (--fraction
@@ -46,6 +58,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from _harness import ROOT, SHARED_DATA, fl_partition, run
 from _harness import pm as harness_pm
 
@@ -84,6 +97,13 @@ CONFIGS = [
 EXTRA = [
     Config("fedstar-no-shared", "fedstar", {"lambda_shared": 0.0}),
     Config("ablation-shared", "fedstar", {"variant": "ablation", "ablation_loss": "shared"}),
+    # Issue #24: the lambda_shared sweep (the paper's 1.0 is "fedstar") ...
+    Config("fedstar-ls0.3", "fedstar", {"lambda_shared": 0.3}),
+    Config("fedstar-ls0.1", "fedstar", {"lambda_shared": 0.1}),
+    # ... and client embeddings drawn at a tenth of nn.Embedding's N(0, 1) (a deviation
+    # from the paper): the prototypes, not the client rows, then carry the LayerNorm input.
+    Config("fedstar-e0.1", "fedstar", {"embed_std": 0.1}),
+    Config("fedstar-ls0.1-e0.1", "fedstar", {"lambda_shared": 0.1, "embed_std": 0.1}),
 ]
 
 
@@ -95,13 +115,13 @@ def registered(method: str) -> bool:
 
 def partition(args, dataset: str, seed: int) -> Path:
     source, _, _ = SOURCES[dataset]
-    out = (args.out / "data" / f"{dataset}-a{args.alpha}-e{args.edges}-s{seed}"
-           f"-n{args.limit or 'all'}")
+    out = (args.out / "data" / (f"{dataset}-a{args.alpha}-e{args.edges}-s{seed}"
+           f"-n{args.limit or 'all'}" + (f"-g{args.global_test}" if args.global_test else "")))
     limit = ["--limit", str(args.limit)] if args.limit else []
     fl_partition(out, args.out, ["--source", str(source), "--edges", str(args.edges), "--seed",
                                  str(seed), "--scheme", "dirichlet", "--alpha", str(args.alpha),
                                  "--min-per-edge", str(args.min_per_edge),
-                                 "--global-test-per-class", "0", *limit])
+                                 "--global-test-per-class", str(args.global_test), *limit])
     return out
 
 
@@ -132,16 +152,21 @@ def federate(args, config: Config, dataset: str, seed: int) -> Path:
 
 
 def figures(history_file: Path) -> dict:
-    """Table 1's figures of one run, on the pooled local test splits."""
+    """Table 1's figures of one run, on the pooled local test splits, and issue #24's:
+    both test metrics best and final, the edges' feature norm |h| and the server's
+    prototype figures (``proto_energy``, ``proto_cosine``: fedstar.py, prototypes.py)."""
     from fl_tools.report import convergence_round, load_history, round_figures
 
     history = load_history(history_file)
-    rounds = []
+    rounds, global_rounds = [], []
     for record in history["rounds"]:
         per_edge = (record.get("evaluation") or {}).get("per_edge") or {}
         evaluated = round_figures(per_edge, "test")
         if evaluated is not None:
             rounds.append({"round": record["round"], **evaluated})
+        on_global = round_figures(per_edge, "global_test")
+        if on_global is not None:
+            global_rounds.append(on_global["pooled_accuracy"])
     numbers = [r["round"] for r in rounds]
 
     def best(key: str, lowest: bool = False) -> tuple[float, int]:
@@ -155,6 +180,19 @@ def figures(history_file: Path) -> dict:
             for record in history["rounds"]]
     up = [sum(tally["wire"] for tally in record["bytes"].get("up", {}).values())
           for record in history["rounds"]]
+    # |h| and the server's prototype figures swing from round to round with the 6 sampled
+    # edges: the table takes their mean over the last 10 rounds (max |h| over all).
+    tail = history["rounds"][-10:]
+    norms = [m["feature_norm"] for r in tail for m in r.get("train", {}).get("edge_metrics", {}).values()
+             if "feature_norm" in m]
+    every_norm = [m["feature_norm"] for r in history["rounds"]
+                  for m in r.get("train", {}).get("edge_metrics", {}).values() if "feature_norm" in m]
+
+    def late(key: str) -> float:
+        values = [r["aggregate"][key] for r in tail if key in r.get("aggregate", {})]
+        return statistics.mean(values) if values else float("nan")
+
+    nan = float("nan")
     return {
         "accuracy": accuracy, "accuracy_round": at,
         "edge_mean": at_best["mean_accuracy"], "edge_std": at_best["std_accuracy"],
@@ -164,8 +202,14 @@ def figures(history_file: Path) -> dict:
         "convergence": convergence_round(numbers, [r["pooled_accuracy"] for r in rounds]),
         "bytes_per_round": statistics.mean(wire), "up_per_round": statistics.mean(up),
         "curve": [(r["round"], r["pooled_accuracy"]) for r in rounds],
+        "local_final": rounds[-1]["pooled_accuracy"],
+        "global_best": max(global_rounds) if global_rounds else nan,
+        "global_final": global_rounds[-1] if global_rounds else nan,
+        "norm_final": statistics.mean(norms) if norms else nan,
+        "norm_max": max(every_norm, default=nan),
+        "proto_energy": late("proto_energy"), "client_energy": late("client_energy"),
+        "proto_cosine": late("proto_cosine"), "upload_norm": late("upload_norm"),
     }
-
 
 
 def pm(values: list[float], digits: int = 4) -> str:
@@ -206,6 +250,102 @@ def table(results: dict, labels: list[str], dataset: str) -> str:
             f"| {pm([r['weighted_f1'] for r in runs])} | {pm([r['macro_f1'] for r in runs])} "
             f"| {pm([r['brier'] for r in runs])} | {pm([r['convergence'] for r in runs], 1)} "
             f"| {human(per_round)} ({human(up)}) | {ratio} | {paper_cell} |")
+    return "\n".join(lines)
+
+
+def issue_table(results: dict, labels: list[str], dataset: str) -> str:
+    """Issue #24's view: both test metrics best and final, |h| and the server's prototype
+    figures in the last round, mean ± std over seeds, and each row against FedProto seed by
+    seed (same seed = same partition, sampling and initialisation)."""
+    lines = [f"\n{dataset}: pooled accuracy on the edges' local test splits and on the shared "
+             "global test set, best over evaluated rounds / final round; |h| = mean feature "
+             "norm of the trained edges over the last 10 rounds (max over all rounds and "
+             "edges); |p| = mean norm of the uploaded prototypes (eval mode) over the last 10 "
+             "rounds; proto energy / client energy = shares of the server LayerNorm's input "
+             "energy, cos = mean cos(p_global_c, p_k,c), both means over the last 10 rounds; "
+             "vs FedProto: seeds "
+             "where the row's best local accuracy is higher, and the mean per-seed difference",
+             "| method | local best | local final | global best | global final | |h| last 10 "
+             "(max) | |p| | proto energy | client energy | cos | vs FedProto (local best) |",
+             "|---" * 11 + "|"]
+    reference = results.get(("fedproto", dataset), [])
+    for label in labels:
+        runs = results.get((label, dataset), [])
+        if not runs:
+            continue
+        versus = "-"
+        if reference and label != "fedproto" and len(reference) == len(runs):
+            diffs = [r["accuracy"] - f["accuracy"] for r, f in zip(runs, reference, strict=True)]
+            versus = (f"{sum(d > 0 for d in diffs)}/{len(diffs)} higher, "
+                      f"{statistics.mean(diffs):+.4f} ({', '.join(f'{d:+.3f}' for d in diffs)})")
+        lines.append(
+            f"| {label} | {pm([r['accuracy'] for r in runs])} | {pm([r['local_final'] for r in runs])} "
+            f"| {pm([r['global_best'] for r in runs])} | {pm([r['global_final'] for r in runs])} "
+            f"| {pm([r['norm_final'] for r in runs], 1)} ({max(r['norm_max'] for r in runs):.1f}) "
+            f"| {pm([r['upload_norm'] for r in runs], 1)} "
+            f"| {pm([r['proto_energy'] for r in runs], 3)} | {pm([r['client_energy'] for r in runs], 3)} "
+            f"| {pm([r['proto_cosine'] for r in runs], 3)} | {versus} |")
+    return "\n".join(lines)
+
+
+READINGS = ("head", "predicted-style", "true-label style")
+
+
+def readings(args, label: str, dataset: str, seed: int) -> dict[str, dict[str, float]] | None:
+    """How FedSTAR's prediction uses the style branch, on one finished run's final models:
+    each trained edge's personalized model (its state dir, as ``fl-edge export`` loads
+    it) scores its local test split and the global test set three ways: ``head`` =
+    head(h), what the run evaluated (``predict = "head"``); ``predicted-style`` =
+    head(FiLM(h, s_k,argmax head(h))), what ``predict = "predicted-style"`` evaluates (only
+    evaluation differs, so this is that run's final round); ``true-label style`` =
+    head(FiLM(h, s_k,y)) with the TEST LABEL y, the later author code's leak: not a
+    predictor, a bound on what choosing the style could give. Pooled accuracy over the
+    edges that have trained (an edge never sampled has no state). None: not FedSTAR."""
+    from fedattn_shared.data import load_edge_data
+    from fl_edge.export import from_state_dir
+
+    out = args.out / "runs" / dataset / f"{label}-s{seed}"
+    correct = {(r, s): 0 for r in READINGS for s in ("test", "global_test")}
+    total = dict.fromkeys(("test", "global_test"), 0)
+    for state in sorted((out / "state").iterdir()):
+        if not (state / "private.safetensors").exists():
+            continue
+        model = from_state_dir(state)
+        algo = model.algo
+        if getattr(algo, "personal", None) is None:
+            return None
+        data = load_edge_data(partition(args, dataset, seed) / state.name, model.train)
+        for split, part in (("test", data.test), ("global_test", data.global_test)):
+            if part is None or not len(part.y):
+                continue
+            with torch.no_grad():
+                h, logits = algo.features(part.x)
+                styles = algo.personal.style
+                guesses = {"head": logits,
+                           "predicted-style": algo.head(algo.personal.film(h, styles[logits.argmax(1)])),
+                           "true-label style": algo.head(algo.personal.film(h, styles[part.y]))}
+            for reading, scores in guesses.items():
+                correct[(reading, split)] += int((scores.argmax(1) == part.y).sum())
+            total[split] += len(part.y)
+    return {r: {s: correct[(r, s)] / total[s] if total[s] else float("nan")
+                for s in total} for r in READINGS}
+
+
+def readings_table(args, labels: list[str], dataset: str) -> str:
+    lines = [f"\n{dataset}: FedSTAR's prediction with and without the style branch, final "
+             "round, pooled accuracy over the trained edges (mean ± std over seeds; "
+             "true-label style leaks the test label: a bound, not a predictor)",
+             "| method | split | " + " | ".join(READINGS) + " | predicted-style - head, per seed |",
+             "|---" * (len(READINGS) + 3) + "|"]
+    for label in labels:
+        per_seed = [readings(args, label, dataset, seed) for seed in args.seeds]
+        if any(r is None for r in per_seed):
+            continue
+        for split in ("test", "global_test"):
+            cells = [pm([r[reading][split] for r in per_seed]) for reading in READINGS]
+            diffs = [r["predicted-style"][split] - r["head"][split] for r in per_seed]
+            lines.append(f"| {label} | {split} | " + " | ".join(cells)
+                         + f" | {', '.join(f'{d:+.4f}' for d in diffs)} |")
     return "\n".join(lines)
 
 
@@ -261,6 +401,10 @@ def main() -> int:
     p.add_argument("--alpha", type=float, default=0.1)
     p.add_argument("--limit", type=int, default=4000, help="training images per dataset (CPU)")
     p.add_argument("--min-per-edge", type=int, default=20)
+    p.add_argument("--global-test", type=int, default=30,
+                   help="images per class of the shared global test set every edge is also "
+                        "scored on (from the source's test split; 0: none, the paper's "
+                        "protocol scores each client's own split only)")
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--lr", type=float, default=0.01)
@@ -268,6 +412,9 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--eval-every", type=int, default=3)
     p.add_argument("--procs", type=int, default=2)
+    p.add_argument("--readings", action="store_true",
+                   help="also score each FedSTAR run's final models with and without the "
+                        "style branch (head, predicted-style, true-label style)")
     p.add_argument("--device", default="cpu", help="the edges' device (cuda with --full)")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-fedstar")
     args = p.parse_args()
@@ -300,6 +447,9 @@ def main() -> int:
     labels = [c.label for c in configs]
     for dataset in args.datasets:
         print(table(results, labels, dataset))
+        print(issue_table(results, labels, dataset))
+        if args.readings:
+            print(readings_table(args, labels, dataset))
     print()
     for dataset in args.datasets:
         print(ordering(results, dataset, args.seeds))

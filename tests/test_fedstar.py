@@ -409,6 +409,16 @@ def test_only_the_edges_own_class_prototypes_travel_and_the_server_survives_a_re
     assert first["bytes"]["up"].keys() == {"meta", "prototypes"}
     assert first["bytes"]["down"].keys() <= {"meta", "prototypes"}
     assert set(first["evaluation"]["per_edge"]) == {"e0", "e1", "e2"}
+    # Issue #24's figures cross the wire into history.json: |h| per trained edge, the
+    # prototypes' share of the server LayerNorm's input and their cosine with the uploads.
+    for record in engine.history["rounds"]:
+        metrics = record["train"]["edge_metrics"]
+        assert sorted(metrics) == sorted(record["train"]["received"])
+        assert all(m["feature_norm"] > 0 for m in metrics.values())
+        shares = [record["aggregate"][k] for k in ("proto_energy", "client_energy", "class_energy")]
+        assert all(0 <= v <= 1 for v in shares) and math.isclose(sum(shares), 1, rel_tol=1e-9)
+        assert -1 <= record["aggregate"]["proto_cosine"] <= 1
+        assert record["aggregate"]["upload_norm"] > 0
     aggregator = engine.aggregator
     participated = sorted({e for r in train_rounds for e in r})
     assert sorted(aggregator.client_rows) == participated
@@ -455,6 +465,9 @@ def test_fedproto_sends_counts_and_the_ablation_does_not(tmp_path, name, params,
         own = {"e0": ["0", "1"], "e1": ["1", "4"]}[edge]
         assert all(names == own for names in uploaded.values())
     assert set(engine.aggregator.state[GLOBAL]) == {"0", "1", "4"}
+    for record in engine.history["rounds"]:
+        assert all(m["feature_norm"] > 0 for m in record["train"]["edge_metrics"].values())
+        assert -1 <= record["aggregate"]["proto_cosine"] <= 1
 
 
 def test_the_server_refuses_an_upload_that_fails_the_methods_check(tmp_path):
@@ -482,3 +495,95 @@ def test_the_server_refuses_an_upload_that_fails_the_methods_check(tmp_path):
     assert refused.value.drop and engine.aggregator.uploads == {}
     asyncio.run(submit(upload({1: [0.0] * 128}, {1: 10})))
     assert list(engine.aggregator.uploads) == ["e0"]
+
+
+# ---- issue #24's figures: |h| on the edge, the prototypes' content share on the server -------
+
+
+@pytest.mark.parametrize("name", ["fedstar", "fedproto"])
+def test_feature_norm_is_the_mean_norm_of_the_rounds_training_features(name):
+    torch.manual_seed(0)
+    m = method(name)
+    assert "feature_norm" in m.metric_names()
+    edge = edge_with_globals(m, [1, 2])
+    edge.begin_train()
+    assert edge.training_metrics() == {}  # nothing trained yet: no figure
+    edge.eval_mode()  # the same h in the step and in the check below
+    batches = [(torch.randn(3, 1, 28, 28), torch.tensor([1, 2, 3])),
+               (torch.randn(5, 1, 28, 28), torch.tensor([0, 1, 1, 2, 4]))]
+    norms = []
+    for x, y in batches:
+        edge.training_step((x, y))
+        with torch.no_grad():
+            norms.append(edge.features(x)[0].norm(dim=1))
+    expected = float(torch.cat(norms).mean())  # over samples, not the mean of batch means
+    assert math.isclose(edge.training_metrics()["feature_norm"], expected, rel_tol=1e-5)
+    edge.begin_train()  # a new round starts from zero
+    assert edge.training_metrics() == {}
+
+
+def test_alignment_is_the_mean_cosine_of_each_upload_with_its_global_prototype():
+    from fedattn_shared.methods.prototypes import alignment
+
+    global_prototypes = {"0": torch.tensor([1.0, 0.0]), "1": torch.tensor([0.0, 2.0])}
+    uploads = [{"0": torch.tensor([3.0, 0.0])},                                # cos 1
+               {"0": torch.tensor([0.0, 1.0]), "1": torch.tensor([0.0, -1.0])}]  # cos 0, -1
+    assert math.isclose(alignment(global_prototypes, uploads), 0.0, abs_tol=1e-12)
+    assert math.isclose(alignment(global_prototypes, uploads[:1]), 1.0)
+    assert alignment(global_prototypes, []) is None
+
+
+def test_upload_norm_is_the_mean_norm_of_the_uploaded_prototypes():
+    from fedattn_shared.methods.prototypes import upload_norm
+
+    uploads = [{"0": torch.tensor([3.0, 4.0])}, {"0": torch.tensor([0.0, 1.0]), "5": torch.zeros(2)}]
+    assert math.isclose(upload_norm(uploads), (5 + 1 + 0) / 3)
+    assert upload_norm([{}]) is None
+
+
+def test_input_energy_shares_count_only_uploaded_pairs_after_removing_each_mean():
+    from fedattn_shared.methods.fedstar import input_energy
+
+    # d = 2. Centred: p[0,0] = (1, -1) -> 2, p[1,0] = (2, 2) -> 0 (a constant vector carries
+    # no energy through LayerNorm), p[0,1] masked out (its 100s must not count).
+    prototypes = torch.tensor([[[2.0, 0.0], [100.0, -100.0]], [[2.0, 2.0], [0.0, 0.0]]])
+    client = torch.tensor([[0.0, 4.0], [1.0, 1.0]])    # centred energies 8 and 0
+    class_embed = torch.tensor([[1.0, 0.0], [5.0, -5.0]])  # 0.5 and (class 1 only masked) 50
+    mask = torch.tensor([[True, False], [True, False]])
+    shares = input_energy(prototypes, client, class_embed, mask)
+    total = 2 + 0 + 8 + 0 + 0.5 + 0.5
+    assert math.isclose(shares["proto_energy"], 2 / total)
+    assert math.isclose(shares["client_energy"], 8 / total)
+    assert math.isclose(shares["class_energy"], 1 / total)
+
+
+def test_aggregators_report_the_prototype_figures():
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    a, b = (torch.randn(128, generator=generator) for _ in range(2))
+    uploads = {"a": upload({1: a.tolist()}), "b": upload({1: b.tolist(), 2: (2 * b).tolist()})}
+    # embed_std = 0: no client energy; the shares are the prototypes' and the class rows'.
+    m = method(embed_std=0.0)
+    agg = m.server(m.build_models())
+    classes = agg.net.class_embed.weight.detach()[[1, 2]].clone()
+    figures = run_round(agg, 1, uploads)
+    assert figures["client_energy"] == 0.0
+    centred = [v - v.mean() for v in (a, b, 2 * b)]
+    proto = sum(float(v.square().sum()) for v in centred)
+    cls = [float((c - c.mean()).square().sum()) for c in classes]
+    assert math.isclose(figures["proto_energy"], proto / (proto + 2 * cls[0] + cls[1]), rel_tol=1e-5)
+    glob = agg.state[GLOBAL]
+    expected = (F.cosine_similarity(glob["1"], a, dim=0) + F.cosine_similarity(glob["1"], b, dim=0)
+                + F.cosine_similarity(glob["2"], 2 * b, dim=0)) / 3
+    assert math.isclose(figures["proto_cosine"], float(expected), rel_tol=1e-5)
+    assert math.isclose(figures["upload_norm"], float(a.norm() + b.norm() + 2 * b.norm()) / 3,
+                        rel_tol=1e-5)
+    # FedProto's global prototype is the count-weighted mean of the uploads.
+    fp = method("fedproto")
+    fagg = fp.server(fp.build_models())
+    counted = {"a": upload({1: a.tolist()}, {1: 1}), "b": upload({1: b.tolist()}, {1: 3})}
+    figures = run_round(fagg, 1, counted)
+    mean = (a + 3 * b) / 4
+    expected = (F.cosine_similarity(mean, a, dim=0) + F.cosine_similarity(mean, b, dim=0)) / 2
+    assert math.isclose(figures["proto_cosine"], float(expected), rel_tol=1e-5)
+    assert math.isclose(figures["upload_norm"], float(a.norm() + b.norm()) / 2, rel_tol=1e-5)

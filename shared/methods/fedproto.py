@@ -26,7 +26,16 @@ from ..wire.payload import Kind, Payload, Section
 from .aggregators import CollectThenLearn
 from .base import SectionSpec, TensorSpec
 from .phases import TRAIN
-from .prototypes import GLOBAL, LOCAL, ProtoNorm, PrototypeEdge, PrototypeMethod, class_keys
+from .prototypes import (
+    GLOBAL,
+    LOCAL,
+    ProtoNorm,
+    PrototypeEdge,
+    PrototypeMethod,
+    alignment,
+    class_keys,
+    upload_norm,
+)
 
 COUNTS = (Kind.SCALAR_SUMMARY, "class_counts")
 
@@ -41,6 +50,7 @@ class FedProtoEdge(PrototypeEdge):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
         h, logits = self.features(x)
+        self.observe_features(h)
         loss = F.cross_entropy(logits, y)
         known = self.has_global[y]
         if self.method.params.lam and bool(known.any()):
@@ -68,7 +78,10 @@ class FedProtoAggregator(CollectThenLearn):
         for key, total in sums.items():
             current[key] = (total / totals[key]).float()
         self.state[GLOBAL] = dict(sorted(current.items(), key=lambda kv: int(kv[0])))
-        return {"classes": len(sums)}
+        local = [payload.tensors(*LOCAL) for payload, _ in uploads.values()]
+        cosine, norm = alignment(current, local), upload_norm(local)
+        return {"classes": len(sums), **({} if cosine is None else {"proto_cosine": cosine}),
+                **({} if norm is None else {"upload_norm": norm})}
 
 
 class FedProto(PrototypeMethod):

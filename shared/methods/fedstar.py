@@ -69,7 +69,16 @@ from torch import nn
 from ..models import build_model
 from .aggregators import CollectThenLearn
 from .base import MethodContext
-from .prototypes import GLOBAL, LOCAL, ProtoNorm, PrototypeEdge, PrototypeMethod, prototype_logits
+from .prototypes import (
+    GLOBAL,
+    LOCAL,
+    ProtoNorm,
+    PrototypeEdge,
+    PrototypeMethod,
+    alignment,
+    prototype_logits,
+    upload_norm,
+)
 
 Variant = Literal["full", "ablation"]
 CeInput = Literal["film", "raw"]
@@ -106,7 +115,10 @@ class FedSTARParams:
     dropout: float = 0.05
     server_lr: float = 0.005         # one SGD step per round (the code: the client lr)
     server_momentum: float = 0.0
-    embed_std: float = 1.0           # nn.Embedding's N(0, 1), for new client rows
+    # New client rows are N(0, embed_std^2): 1.0 is nn.Embedding's N(0, 1), the paper's code.
+    # Below 1 scales the client embedding down (a deviation, issue #24: at 1.0 with d = 128
+    # the rows carry most of the LayerNorm input's energy and swamp the prototypes).
+    embed_std: float = 1.0
     normalize_class_embed: bool = True
 
 
@@ -170,6 +182,7 @@ class FedSTAREdge(PrototypeEdge):
                  "lr_scale": scale}]
 
     def begin_train(self) -> None:
+        super().begin_train()
         if self.personal is not None:
             self.personal.set_styles(self.global_table, self.has_global)
 
@@ -185,6 +198,7 @@ class FedSTAREdge(PrototypeEdge):
         x, y = batch
         p = self.method.params
         h, logits = self.features(x)
+        self.observe_features(h)
         known = self.has_global[y]
         any_known = bool(known.any())
         if self.personal is None:  # the ablation variant
@@ -263,6 +277,27 @@ def attention_aggregate(z: torch.Tensor, class_embed: torch.Tensor,
     return (alpha.unsqueeze(-1) * z).sum(0), alpha
 
 
+def input_energy(prototypes: torch.Tensor, client: torch.Tensor, class_embed: torch.Tensor,
+                 mask: torch.Tensor) -> dict[str, float]:
+    """Where the energy entering the server's LayerNorm comes from (eq. 8's
+    p_k,c + e_client_k + e_class_c), over the uploaded (k, c): each term's share of
+    sum |p|^2 + |e_client|^2 + |e_class|^2 after removing each vector's mean over its d
+    coordinates (the part LayerNorm removes anyway). ``proto_energy`` near 1: the
+    Transformer sees the edges' prototypes; near 0: it sees mostly the N(0, embed_std^2)
+    client rows, and what it returns says little about the classes' content.
+    ``prototypes`` (M, C, d), ``client`` (M, d), ``class_embed`` (C, d), ``mask`` (M, C)."""
+    def energy(x: torch.Tensor) -> torch.Tensor:
+        x = x.double()
+        return (x - x.mean(-1, keepdim=True)).square().sum(-1)
+
+    weight = mask.double()
+    parts = {"proto_energy": (energy(prototypes) * weight).sum(),
+             "client_energy": (energy(client)[:, None] * weight).sum(),
+             "class_energy": (energy(class_embed)[None, :] * weight).sum()}
+    total = sum(parts.values())
+    return {name: float(part / total) if total > 0 else 0.0 for name, part in parts.items()}
+
+
 def client_seed(seed: int, edge_id: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(edge_id.encode())) % (2**63)
 
@@ -316,6 +351,8 @@ class FedSTARAggregator(CollectThenLearn):
                 mask[i, column[int(key)]] = True
         client = torch.stack([self.client_embed[self.row(e)] for e in edges])
         class_ids = torch.tensor(classes)
+        with torch.no_grad():
+            energy = input_energy(prototypes, client, self.net.class_embed(class_ids), mask)
 
         self.net.train()
         # Dropout draws from a generator of (seed, round), not the process's global one,
@@ -336,9 +373,12 @@ class FedSTARAggregator(CollectThenLearn):
         for c, value in zip(classes, merged, strict=True):
             current[str(c)] = value.clone()
         self.state[GLOBAL] = dict(sorted(current.items(), key=lambda kv: int(kv[0])))
+        cosine, norm = alignment(current, tensors.values()), upload_norm(tensors.values())
         return {"server_loss": float(loss.detach()), "classes": len(classes),
                 "attention_max": float(alpha.max(dim=0).values.mean()),
-                "clients_known": len(self.client_rows)}
+                "clients_known": len(self.client_rows), **energy,
+                **({} if cosine is None else {"proto_cosine": cosine}),
+                **({} if norm is None else {"upload_norm": norm})}
 
     # ---- checkpoint -------------------------------------------------------------------
     def state_tensors(self) -> dict[str, torch.Tensor]:

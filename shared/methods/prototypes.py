@@ -94,6 +94,24 @@ class PrototypeEdge(EdgeAlgorithm):
         self.has_global = torch.zeros(self.num_classes, dtype=torch.bool, device=device)
         self.local_prototypes: dict[str, torch.Tensor] = {}
         self.local_counts: dict[str, int] = {}
+        self._norm_sum, self._norm_count = 0.0, 0
+
+    def begin_train(self) -> None:
+        self._norm_sum, self._norm_count = 0.0, 0
+
+    def observe_features(self, h: torch.Tensor) -> None:
+        """Adds a training batch's feature norms to the round's ``feature_norm``: a loss
+        that rewards a large |h| (FedSTAR's unnormalised L_shared) shows here first."""
+        self._norm_sum += float(h.detach().float().norm(dim=1).sum())
+        self._norm_count += h.shape[0]
+
+    def training_metrics(self) -> dict[str, float]:
+        """``feature_norm``: the mean L2 norm of h over the round's training samples (in
+        train mode, before each step). One scalar of the edge's own features: it says how
+        far the features grew, not what they encode."""
+        if not self._norm_count:
+            return {}
+        return {"feature_norm": self._norm_sum / self._norm_count}
 
     def receive(self, phase: str, common: Payload, personal: Payload) -> None:
         received = common.tensors(*GLOBAL)
@@ -131,10 +149,32 @@ class PrototypeEdge(EdgeAlgorithm):
         return Payload([Section(*LOCAL, dict(self.local_prototypes))])
 
 
+def alignment(global_prototypes: dict[str, torch.Tensor],
+              uploads: Iterable[dict[str, torch.Tensor]]) -> float | None:
+    """``proto_cosine``: the mean over the round's uploaded (edge k, class c) of
+    cos(p_global_c, p_k,c), the new global prototype against the class means it was made
+    from. A global prototype that carries its class's content points where the members
+    do (FedProto's weighted mean: by construction toward them); one dominated by other
+    inputs (FedSTAR's client embeddings) does not. None when nothing was uploaded."""
+    cosines = [float(F.cosine_similarity(global_prototypes[key].double(), local.double(), dim=0))
+               for upload in uploads for key, local in upload.items()]
+    return sum(cosines) / len(cosines) if cosines else None
+
+
+def upload_norm(uploads: Iterable[dict[str, torch.Tensor]]) -> float | None:
+    """``upload_norm``: the mean L2 norm of the round's uploaded prototypes. They are class
+    means of h in eval mode (BatchNorm's running statistics), so they can be far larger
+    than the train-mode ``feature_norm`` the edges report: this is the scale the server's
+    LayerNorm input actually gets. None when nothing was uploaded."""
+    norms = [float(p.double().norm()) for upload in uploads for p in upload.values()]
+    return sum(norms) / len(norms) if norms else None
+
+
 class PrototypeMethod(Method):
     """Everything private; uplink = a PROTOTYPES section with the class means of h."""
 
     private_rules = ("all",)
+    extra_metrics = ("feature_norm",)  # PrototypeEdge.training_metrics
 
     def __init__(self, context: MethodContext):
         super().__init__(context)
