@@ -28,6 +28,9 @@ Protocols:
     .venv/bin/python bench/anfr.py                      # the CPU protocol
     .venv/bin/python bench/anfr.py --full --device cuda
     .venv/bin/python bench/anfr.py attention --data-dir EDGE_DIR RUN_DIR...  # Fig. 3 only
+    .venv/bin/python bench/anfr.py --pretrained 3 --clip-grad-norm 1 --augment crop-flip \
+        --schemes shards --methods fedavg --archs ANFR NF-ResNet BN-ResNet --eval-every 2
+        # from centrally pretrained weights (see anfr_pretrain.py): the gates are live
 
 FedAdam's server learning rate (Reddi et al., https://arxiv.org/abs/2003.00295, tune it
 per task over a grid) is swept: each value of --fedadam-server-lrs (default 1e-3,3e-3,1e-2)
@@ -323,15 +326,22 @@ def attention_variability(model: torch.nn.Module, x: torch.Tensor, y: torch.Tens
 
 
 def analyse_run(path: Path, data_dir: Path) -> dict[str, dict[str, float]]:
-    """Before (the run's seeded initial model) and after (the first edge's model at the end,
-    global weights loaded) on the global_test images of ``data_dir``."""
+    """Before (the run's initial model: seeded, or its --init-weights as the server loaded
+    them) and after (the first edge's model at the end, global weights loaded) on the
+    global_test images of ``data_dir``."""
     from fedattn_shared.data import load_edge_data
     from fl_edge import export as tools
+    from fl_server.initial import load_initial_weights
 
     after = tools.from_state_dir(sorted((path / "state").iterdir())[0])
     data = load_edge_data(data_dir, after.train)
     split = data.global_test or data.test
-    fresh = after.method.build_models()["model"]
+    models = after.method.build_models()
+    server = json.loads((path / "server" / "history.json").read_text())["manifest"]["server"]
+    if server.get("init_weights"):
+        load_initial_weights(models, Path(server["init_weights"]), after.method.head,
+                             bool(server.get("init_skip_head")))
+    fresh = models["model"]
     return {"before": attention_variability(fresh, split.x, split.y, after.train.num_classes),
             "after": attention_variability(after.algo.models["model"], split.x, split.y,
                                            after.train.num_classes)}
@@ -339,7 +349,8 @@ def analyse_run(path: Path, data_dir: Path) -> dict[str, dict[str, float]]:
 
 def attention_report(paths: list[Path], data_dir: Path) -> str:
     lines = ["\nFig. 3: channel-attention gates on the global_test set, per-class mean vectors "
-             "(before = the run's seeded initial model, after = the end of the run); last "
+             "(before = the run's initial model, seeded or its --init-weights; after = the "
+             "end of the run); last "
              "module unless marked",
              "| run | channels | class std before -> after | all modules' class std | "
              "spread | mean gate | share > 0.9 |", "|---|---|---|---|---|---|---|"]
@@ -405,6 +416,9 @@ def main() -> int:
     p.add_argument("--eval-every", type=int, default=4)
     p.add_argument("--procs", type=int, default=2)
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-anfr")
+    p.add_argument("--no-attention", action="store_true",
+                   help="leave out the offline Fig. 3 table (two forward passes over "
+                        "global_test per run: minutes on a loaded machine)")
     p.add_argument("--report-only", action="store_true",
                    help="print the tables from the finished runs under --out, run nothing")
     args = p.parse_args()
@@ -425,7 +439,7 @@ def main() -> int:
           f"{args.clip_grad_norm or 'off'}, augmentation {args.augment}, "
           + (f"pretrained {args.pretrained} epochs on CIFAR-10 images 10,000-49,999"
              if args.pretrained else "from scratch"), flush=True)
-    if args.pretrained and args.limit > 10_000:
+    if args.pretrained and not 0 < args.limit <= 10_000:
         print("bench/anfr.py: --pretrained needs --limit <= 10,000 (the pretraining images "
               "start at 10,000)", file=sys.stderr)
         return 2
@@ -454,7 +468,7 @@ def main() -> int:
             print(table(results, scheme, methods, "test", paper=False, archs=args.archs, best=best))
         print(per_seed(results, scheme, methods, args.seeds, args.archs))
         print(gate_table(results, scheme))
-    for seed in args.seeds:
+    for seed in [] if args.no_attention else args.seeds:
         runs = [run_dir(args, "shards", arch, "fedavg", seed) for arch in ("SE-ResNet", "ANFR")
                 if arch in args.archs]
         if all(finished(r / "server" / "history.json", args.rounds) for r in runs):
