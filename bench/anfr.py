@@ -252,9 +252,10 @@ def per_seed(results: dict, scheme: str, methods: list[str], seeds: list[int],
         for seed in seeds:
             runs = {a: [r for r in results.get((scheme, a, method), []) if r["seed"] == seed]
                     for a in archs}
-            if not all(runs.values()):
+            if not (runs[pair[0]] and runs[pair[1]]):
                 continue
-            cells = [f"{runs[a][0]['global_test']:.1f} / {runs[a][0]['test']:.1f}" for a in archs]
+            cells = [f"{runs[a][0]['global_test']:.1f} / {runs[a][0]['test']:.1f}" if runs[a]
+                     else "-" for a in archs]
             first, second = runs[pair[0]][0], runs[pair[1]][0]
             delta = (f"{first['global_test'] - second['global_test']:+.1f}"
                      f" / {first['test'] - second['test']:+.1f}")
