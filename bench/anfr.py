@@ -28,6 +28,9 @@ Protocols:
     .venv/bin/python bench/anfr.py                      # the CPU protocol
     .venv/bin/python bench/anfr.py --full --device cuda
     .venv/bin/python bench/anfr.py attention --data-dir EDGE_DIR RUN_DIR...  # Fig. 3 only
+    .venv/bin/python bench/anfr.py --pretrained 3 --clip-grad-norm 1 --augment crop-flip \
+        --schemes shards --methods fedavg --archs ANFR NF-ResNet BN-ResNet --eval-every 2
+        # from centrally pretrained weights (see anfr_pretrain.py): the gates are live
 
 FedAdam's server learning rate (Reddi et al., https://arxiv.org/abs/2003.00295, tune it
 per task over a grid) is swept: each value of --fedadam-server-lrs (default 1e-3,3e-3,1e-2)
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -112,8 +116,39 @@ def partition(args, scheme: str, seed: int) -> Path:
 def recipe_tag(args) -> str:
     """Run-folder suffix for a non-default recipe, so --out's cache never mixes recipes."""
     parts = ([f"clip{args.clip_grad_norm:g}"] if args.clip_grad_norm else []) + \
-        ([args.augment] if args.augment != "none" else [])
+        ([args.augment] if args.augment != "none" else []) + \
+        ([f"pre{args.pretrained}"] if args.pretrained else []) + \
+        (["graft"] if args.pretrained and args.anfr_from_nf else [])
     return "".join(f"-{p}" for p in parts)
+
+
+# --pretrained --anfr-from-nf: the attention families graft fresh attention modules onto
+# their attention-free twin's pretrained weights (anfr_pretrain.graft).
+GRAFT_SOURCE = {"ANFR": "NF-ResNet", "SE-ResNet": "BN-ResNet"}
+
+
+def init_weights(args, arch: str) -> Path | None:
+    """The ``--init-weights`` file of ``arch`` under ``--pretrained`` (made on first use,
+    then reused from --out): the compact model pretrained for ``args.pretrained`` epochs
+    on CIFAR-10 images 10,000-49,999 (seed 0), each architecture itself, as the paper
+    pretrains ANFR itself on ImageNet; with ``--anfr-from-nf`` ANFR (SE-ResNet) takes
+    NF-ResNet's (BN-ResNet's) weights plus fresh attention. None without --pretrained."""
+    if not args.pretrained:
+        return None
+    from anfr_pretrain import graft, pretrain
+
+    source = GRAFT_SOURCE.get(arch, arch) if args.anfr_from_nf else arch
+    folder = args.out / "pretrained"
+    base = folder / f"{ARCHS[source][0]}-e{args.pretrained}-s0.safetensors"
+    if not base.exists():
+        figures = pretrain(ARCHS[source][0], args.cifar10, base, args.pretrained)
+        print(f"  pretrained {source}: {figures}", flush=True)
+    if source == arch:
+        return base
+    grafted = folder / f"{ARCHS[arch][0]}-from-{base.name}"
+    if not grafted.exists():
+        graft(base, ARCHS[arch][0], grafted)
+    return grafted
 
 
 def run_dir(args, scheme: str, arch: str, method: str, seed: int) -> Path:
@@ -133,6 +168,9 @@ def federate(args, scheme: str, arch: str, method: str, seed: int) -> Path:
     model = ARCHS[arch][1 if args.full else 0]
     label = method
     method, method_sets = base_method(label)
+    init = init_weights(args, arch)
+    # The head stays fresh (seeded per run), as the paper re-heads its ImageNet weights.
+    init_sets = {"server.init_weights": str(init), "server.init_skip_head": True} if init else {}
     sets = {"train.model": model, "train.in_channels": 3, "train.image_size": 32,
             "train.lr": args.lr, "train.batch_size": args.batch_size,
             # SCAFFOLD's control-variate update assumes plain SGD (and refuses momentum).
@@ -140,8 +178,11 @@ def federate(args, scheme: str, arch: str, method: str, seed: int) -> Path:
             "train.local_epochs": args.epochs, "train.lr_schedule": "cosine",
             "server.eval_every": args.eval_every, "server.round_timeout": 3600,
             "train.clip_grad_norm": args.clip_grad_norm, "train.augment": args.augment,
-            **method_sets}
-    flags = [f"--set={k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in sets.items()]
+            **init_sets, **method_sets}
+    # ANFR under FedAvg runs as --method anfr (FedAvg over an ANFR model, the same
+    # aggregation), whose edges report the gates' class-to-class spread every round.
+    method = "anfr" if (arch, method) == ("ANFR", "fedavg") else method
+    flags = [f"--set={k}={json.dumps(v) if isinstance(v, (str, bool)) else v}" for k, v in sets.items()]
     started = time.time()
     out.mkdir(parents=True, exist_ok=True)
     run([sys.executable, "-m", "fl_tools.sim", "--method", method, "--edges", str(args.edges),
@@ -153,31 +194,43 @@ def federate(args, scheme: str, arch: str, method: str, seed: int) -> Path:
     return history
 
 
-def figures(history_file: Path) -> dict[str, float]:
+def figures(history_file: Path) -> dict:
+    """Accuracy (%) on both splits at the final round (``test``, ``global_test``) and at
+    the split's best evaluated round (``test-best``, ...), and the per-round mean over
+    edges of the training figure ``gate_class_std`` (runs whose edges report it)."""
     from fl_tools.report import analyze_run, load_history
 
     history = load_history(history_file)
-    out = {}
+    out: dict = {}
     for split in ("test", "global_test"):
-        final = analyze_run(history_file, history, split)["final"]
-        out[split] = 100 * final["mean_accuracy"]
+        analysis = analyze_run(history_file, history, split)
+        out[split] = 100 * analysis["final"]["mean_accuracy"]
+        out[f"{split}-best"] = 100 * analysis["best"]["mean_accuracy"]
+    gates = []
+    for record in history["rounds"]:
+        edges = (record.get("train") or {}).get("edge_metrics") or {}
+        values = [m["gate_class_std"] for m in edges.values() if "gate_class_std" in m]
+        gates.append(statistics.mean(values) if values else math.nan)
+    out["gates"] = gates
     return out
 
 
 
 
 def table(results: dict, scheme: str, methods: list[str], split: str, paper: bool,
-          archs: tuple[str, ...] | list[str] = tuple(ARCHS)) -> str:
+          archs: tuple[str, ...] | list[str] = tuple(ARCHS), best: bool = False) -> str:
     name = {"global_test": "global model on the shared balanced global_test",
             "test": "mean over edges, each edge's model on its local test split"}[split]
-    lines = [f"\n{scheme}: final-round accuracy (%), {name}, mean ± std over seeds"
+    when = "best-round" if best else "final-round"
+    key = f"{split}-best" if best else split
+    lines = [f"\n{scheme}: {when} accuracy (%), {name}, mean ± std over seeds"
              + (" [paper Table 1, pretrained -50 at 224 px]" if paper else ""),
              "| architecture | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
     for arch in archs:
         cells = []
         for method in methods:
             runs = results.get((scheme, arch, method), [])
-            cell = pm([r[split] for r in runs]) if runs else "-"
+            cell = pm([r[key] for r in runs]) if runs else "-"
             if paper and (arch, base_method(method)[0]) in PAPER:
                 cell += f" [{PAPER[arch, base_method(method)[0]]}]"
             cells.append(cell)
@@ -185,20 +238,55 @@ def table(results: dict, scheme: str, methods: list[str], split: str, paper: boo
     return "\n".join(lines)
 
 
+def per_seed(results: dict, scheme: str, methods: list[str], seeds: list[int],
+             archs: list[str], pair: tuple[str, str] = ("ANFR", "NF-ResNet")) -> str:
+    """Final-round accuracy per seed on both splits, and ``pair[0]`` minus ``pair[1]``:
+    effects of a point or two need the seeds side by side, not just means."""
+    if not all(a in archs for a in pair):
+        return ""
+    lines = [f"\n{scheme}: per seed, final round, global_test / local test (%); "
+             f"{pair[0]} - {pair[1]} in the last column",
+             "| method | seed | " + " | ".join(archs) + f" | {pair[0]} - {pair[1]} |",
+             "|---" * (len(archs) + 3) + "|"]
+    for method in methods:
+        for seed in seeds:
+            runs = {a: [r for r in results.get((scheme, a, method), []) if r["seed"] == seed]
+                    for a in archs}
+            if not (runs[pair[0]] and runs[pair[1]]):
+                continue
+            cells = [f"{runs[a][0]['global_test']:.1f} / {runs[a][0]['test']:.1f}" if runs[a]
+                     else "-" for a in archs]
+            first, second = runs[pair[0]][0], runs[pair[1]][0]
+            delta = (f"{first['global_test'] - second['global_test']:+.1f}"
+                     f" / {first['test'] - second['test']:+.1f}")
+            lines.append(f"| {method} | {seed} | " + " | ".join(cells) + f" | {delta} |")
+    return "\n".join(lines)
+
+
+GATES_MOVED = 0.05  # the issue's bar: gates that differ by class at least this much
+
+
+def gate_table(results: dict, scheme: str) -> str:
+    """The training figure gate_class_std (mean over edges) per round of the ANFR FedAvg
+    runs: how far the attention moved from treating every class alike."""
+    runs = results.get((scheme, "ANFR", "fedavg"), [])
+    if not runs or all(math.isnan(g) for r in runs for g in r["gates"]):
+        return ""
+    rounds = len(runs[0]["gates"])
+    lines = [f"\n{scheme}: ANFR under FedAvg, gate_class_std by round (training figure: mean "
+             "over attention modules of the std over classes of the per-class mean gate, on "
+             f"each edge's own training batches; mean over edges); moved = max > {GATES_MOVED}",
+             "| seed | " + " | ".join(f"r{i + 1}" for i in range(rounds)) + " | max | moved |",
+             "|---" * (rounds + 3) + "|"]
+    for run_ in runs:
+        seed, gates = run_["seed"], run_["gates"]
+        peak = max(g for g in gates if not math.isnan(g))
+        lines.append(f"| {seed} | " + " | ".join(f"{g:.4f}" for g in gates)
+                     + f" | {peak:.4f} | {'yes' if peak > GATES_MOVED else 'no'} |")
+    return "\n".join(lines)
+
+
 # ---- Fig. 3: channel-attention weights across classes ---------------------------------
-
-
-def attention_gates(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """The sigmoid gate of every channel-attention module (timm SE/ECA: ``gate``; CBAM: its
-    channel branch's ``gate``), in forward order."""
-    from fedattn_shared.methods.split import attention_types
-
-    gates = []
-    for name, module in model.named_modules():
-        if isinstance(module, attention_types()):
-            owner = module.channel if hasattr(module, "channel") else module
-            gates.append((name, owner.gate))
-    return gates
 
 
 @torch.no_grad()
@@ -210,7 +298,9 @@ def attention_variability(model: torch.nn.Module, x: torch.Tensor, y: torch.Tens
     the class?), ``spread`` the std of all entries of A, ``mean`` its mean and
     ``saturated`` the share of entries above 0.9 (gates saturating toward 1 turn the module
     into an identity map up to scale); ``class_std_all`` is ``class_std`` averaged over
-    every module."""
+    every module (the offline twin of the edges' training figure ``gate_class_std``)."""
+    from fedattn_shared.methods.anfr import attention_gates, class_std
+
     gates = attention_gates(model)
     captured: dict[str, list[torch.Tensor]] = {name: [] for name, _ in gates}
     handles = [gate.register_forward_hook(
@@ -231,21 +321,28 @@ def attention_variability(model: torch.nn.Module, x: torch.Tensor, y: torch.Tens
     last_name = gates[-1][0]
     last = per_class[last_name]
     return {"module": last_name, "channels": last.shape[1],
-            "class_std": float(last.std(0).mean()), "spread": float(last.std()),
+            "class_std": class_std(last), "spread": float(last.std()),
             "mean": float(last.mean()), "saturated": float((last > 0.9).double().mean()),
-            "class_std_all": statistics.mean(float(a.std(0).mean()) for a in per_class.values())}
+            "class_std_all": statistics.mean(class_std(a) for a in per_class.values())}
 
 
 def analyse_run(path: Path, data_dir: Path) -> dict[str, dict[str, float]]:
-    """Before (the run's seeded initial model) and after (the first edge's model at the end,
-    global weights loaded) on the global_test images of ``data_dir``."""
+    """Before (the run's initial model: seeded, or its --init-weights as the server loaded
+    them) and after (the first edge's model at the end, global weights loaded) on the
+    global_test images of ``data_dir``."""
     from fedattn_shared.data import load_edge_data
     from fl_edge import export as tools
+    from fl_server.initial import load_initial_weights
 
     after = tools.from_state_dir(sorted((path / "state").iterdir())[0])
     data = load_edge_data(data_dir, after.train)
     split = data.global_test or data.test
-    fresh = after.method.build_models()["model"]
+    models = after.method.build_models()
+    server = json.loads((path / "server" / "history.json").read_text())["manifest"]["server"]
+    if server.get("init_weights"):
+        load_initial_weights(models, Path(server["init_weights"]), after.method.head,
+                             bool(server.get("init_skip_head")))
+    fresh = models["model"]
     return {"before": attention_variability(fresh, split.x, split.y, after.train.num_classes),
             "after": attention_variability(after.algo.models["model"], split.x, split.y,
                                            after.train.num_classes)}
@@ -253,7 +350,8 @@ def analyse_run(path: Path, data_dir: Path) -> dict[str, dict[str, float]]:
 
 def attention_report(paths: list[Path], data_dir: Path) -> str:
     lines = ["\nFig. 3: channel-attention gates on the global_test set, per-class mean vectors "
-             "(before = the run's seeded initial model, after = the end of the run); last "
+             "(before = the run's initial model, seeded or its --init-weights; after = the "
+             "end of the run); last "
              "module unless marked",
              "| run | channels | class std before -> after | all modules' class std | "
              "spread | mean gate | share > 0.9 |", "|---|---|---|---|---|---|---|"]
@@ -294,6 +392,13 @@ def main() -> int:
                    help="train.clip_grad_norm for every run (the ANFR paper uses 1.0; 0: off)")
     p.add_argument("--augment", choices=["none", "crop-flip", "resized-crop"], default="none",
                    help="train.augment for every run (crop-flip: the CIFAR recipe)")
+    p.add_argument("--pretrained", type=int, default=0, metavar="EPOCHS",
+                   help="start every run from its family's compact model pretrained centrally "
+                        "for EPOCHS epochs on CIFAR-10 images 10,000-49,999 (disjoint from "
+                        "the federations' first --limit images); 0: from scratch")
+    p.add_argument("--anfr-from-nf", action="store_true",
+                   help="with --pretrained: ANFR starts from NF-ResNet's pretrained weights "
+                        "plus fresh attention modules (SE-ResNet from BN-ResNet's)")
     p.add_argument("--archs", nargs="+", choices=list(ARCHS), default=list(ARCHS),
                    help="architectures to run (default all)")
     p.add_argument("--cifar10", type=Path, default=CIFAR10,
@@ -312,6 +417,9 @@ def main() -> int:
     p.add_argument("--eval-every", type=int, default=4)
     p.add_argument("--procs", type=int, default=2)
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-anfr")
+    p.add_argument("--no-attention", action="store_true",
+                   help="leave out the offline Fig. 3 table (two forward passes over "
+                        "global_test per run: minutes on a loaded machine)")
     p.add_argument("--report-only", action="store_true",
                    help="print the tables from the finished runs under --out, run nothing")
     args = p.parse_args()
@@ -329,7 +437,13 @@ def main() -> int:
           f"{args.momentum} batch {args.batch_size}, seeds {args.seeds}; shards: "
           f"{args.classes_per_edge} classes per edge, dirichlet: alpha {args.alpha}; FedAdam "
           f"server lr {', '.join(f'{r:g}' for r in args.fedadam_server_lrs)}; gradient clip "
-          f"{args.clip_grad_norm or 'off'}, augmentation {args.augment}", flush=True)
+          f"{args.clip_grad_norm or 'off'}, augmentation {args.augment}, "
+          + (f"pretrained {args.pretrained} epochs on CIFAR-10 images 10,000-49,999"
+             if args.pretrained else "from scratch"), flush=True)
+    if args.pretrained and not 0 < args.limit <= 10_000:
+        print("bench/anfr.py: --pretrained needs --limit <= 10,000 (the pretraining images "
+              "start at 10,000)", file=sys.stderr)
+        return 2
 
     # Seed-major: every cell gets its first seed before any gets its second, so an
     # interrupted run (rerun with --report-only) still covers the whole table.
@@ -343,16 +457,21 @@ def main() -> int:
                 history = (run_dir(args, scheme, arch, method, seed) / "server" / "history.json"
                            if args.report_only else federate(args, scheme, arch, method, seed))
                 if finished(history, args.rounds):
-                    results.setdefault((scheme, arch, method), []).append(figures(history))
+                    results.setdefault((scheme, arch, method), []).append(
+                        {**figures(history), "seed": seed})
     for scheme in args.schemes:
         methods = [m for s, m in plan if s == scheme]
         gfl = [m for m in methods if base_method(m)[0] in GFL]
-        if gfl:
-            print(table(results, scheme, gfl, "global_test", paper=scheme == "shards",
-                        archs=args.archs))
-        print(table(results, scheme, methods, "test", paper=False, archs=args.archs))
-    for seed in args.seeds:
-        runs = [run_dir(args, "shards", arch, "fedavg", seed) for arch in ("SE-ResNet", "ANFR")]
+        for best in (False, True):
+            if gfl:
+                print(table(results, scheme, gfl, "global_test", paper=scheme == "shards" and not best,
+                            archs=args.archs, best=best))
+            print(table(results, scheme, methods, "test", paper=False, archs=args.archs, best=best))
+        print(per_seed(results, scheme, methods, args.seeds, args.archs))
+        print(gate_table(results, scheme))
+    for seed in [] if args.no_attention else args.seeds:
+        runs = [run_dir(args, "shards", arch, "fedavg", seed) for arch in ("SE-ResNet", "ANFR")
+                if arch in args.archs]
         if all(finished(r / "server" / "history.json", args.rounds) for r in runs):
             print(attention_report(runs, partition(args, "shards", seed) / "edge_00"))
     return 0

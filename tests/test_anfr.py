@@ -228,6 +228,54 @@ def test_opacus_per_sample_gradients_of_anfr(name):
         assert torch.allclose(p.grad_sample[1], grad, atol=1e-9), key
 
 
+# ---- the gates' class-to-class spread (a training figure) --------------------------------
+
+
+def hand_made_se(gain: float) -> nn.Module:
+    """A timm SE module on 2 channels whose gate is sigmoid(gain * relu(channel mean))."""
+    from timm.layers import SEModule
+
+    se = SEModule(2, rd_channels=2)
+    with torch.no_grad():
+        se.fc1.weight.copy_(torch.eye(2).view(2, 2, 1, 1))
+        se.fc2.weight.copy_(gain * torch.eye(2).view(2, 2, 1, 1))
+        se.fc1.bias.zero_()
+        se.fc2.bias.zero_()
+    return se
+
+
+def test_gate_spread_on_a_hand_made_case():
+    """Two SE modules, the second inert (gate 0.5 always). Class 0's images are 0 (gate
+    0.5), class 1's are ln 3 (gate sigmoid(ln 3) = 0.75) in the first module. Per-class mean
+    gates [0.5, 0.5] and [0.75, 0.75]: sample std over the 2 classes 0.25 / sqrt(2) on
+    each channel, 0 in the inert module, so the figure is 0.25 / sqrt(2) / 2; the mean gate
+    is (0.625 + 0.5) / 2. Class 1 arrives in two batches of different sizes and 8 absent
+    classes do not count; a forward pass without labels (evaluation) adds nothing."""
+    from fedattn_shared.methods.anfr import GateSpread
+
+    model = nn.Sequential(hand_made_se(1.0), hand_made_se(0.0))
+    spread = GateSpread(model, num_classes=10)
+    ln3 = torch.log(torch.tensor(3.0))
+    batches = [(torch.zeros(3, 2, 4, 4), torch.zeros(3, dtype=torch.long)),
+               (torch.full((1, 2, 4, 4), ln3), torch.ones(1, dtype=torch.long)),
+               (torch.cat([torch.zeros(1, 2, 4, 4), torch.full((2, 2, 4, 4), ln3)]),
+                torch.tensor([0, 1, 1]))]
+    for x, y in batches:
+        spread.count(y)
+        spread.labels = y
+        model(x)
+        spread.labels = None
+    model(torch.full((5, 2, 4, 4), 9.0))  # no labels set: not counted
+    figures = spread.figures()
+    assert figures["gate_class_std"] == pytest.approx(0.25 / 2 ** 0.5 / 2, abs=1e-7)
+    assert figures["gate_mean"] == pytest.approx((0.625 + 0.5) / 2, abs=1e-7)
+    spread.reset()
+    spread.count(torch.zeros(2, dtype=torch.long))
+    spread.labels = torch.zeros(2, dtype=torch.long)
+    model(torch.zeros(2, 2, 4, 4))
+    assert spread.figures() == {}  # one class: no spread to speak of
+
+
 # ---- every aggregator over gRPC ----------------------------------------------------------
 
 
@@ -256,6 +304,12 @@ def test_compact_anfr_trains_under_every_aggregator(tmp_path, method_name, expec
     moved = [name for name, value in engine.aggregator.state[SHARED].items()
              if not torch.equal(value, fresh[name.split("/")[0]].state_dict()[name.split("/", 1)[1]])]
     assert len(moved) > len(expected) // 2  # the global model trained
+    if method_name == "anfr":  # the gate-spread figure reaches the server's history
+        figures = engine.history["rounds"][-1]["train"]["edge_metrics"]
+        assert set(figures) == {"e0", "e1"}
+        for edge in figures.values():
+            assert 0 <= edge["gate_class_std"] < 0.05  # from scratch: gates near 0.5
+            assert edge["gate_mean"] == pytest.approx(0.5, abs=0.05)
 
 
 @pytest.mark.slow
