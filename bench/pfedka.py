@@ -113,12 +113,24 @@ def toml_value(value: object) -> str:
     return json.dumps(value) if isinstance(value, str) else str(value)
 
 
+def run_path(args, config: Config, alpha: str, seed: int, tag: str = "") -> Path:
+    return args.out / "runs" / f"cifar10-{alpha}" / f"{config.label.replace('/', '-')}{tag}-s{seed}"
+
+
+def finished(args, config: Config, alpha: str, seed: int, rounds: int | None = None,
+             tag: str = "") -> bool:
+    history = run_path(args, config, alpha, seed, tag) / "server" / "history.json"
+    try:
+        return len(json.loads(history.read_text())["rounds"]) == (rounds or args.rounds)
+    except (OSError, ValueError, KeyError):
+        return False  # absent, or being written by a run under way
+
+
 def federate(args, config: Config, alpha: str, seed: int, rounds: int | None = None,
              extra: dict | None = None, tag: str = "") -> Path:
     rounds = rounds or args.rounds
-    out = args.out / "runs" / f"cifar10-{alpha}" / f"{config.label.replace('/', '-')}{tag}-s{seed}"
-    history = out / "server" / "history.json"
-    if history.exists() and len(json.loads(history.read_text())["rounds"]) == rounds:
+    out = run_path(args, config, alpha, seed, tag)
+    if finished(args, config, alpha, seed, rounds, tag):
         return out  # finished earlier: --out doubles as a cache
     if out.exists():
         shutil.rmtree(out)
@@ -189,6 +201,13 @@ def global_accuracy(run_dir: Path, args, through_ca: bool = False) -> float:
     return 100 * correct / len(data)
 
 
+def departure(gate: dict) -> float:
+    """0.5 sum_k |alpha_k - n_k / sum n| from a round's logged weights (the server's
+    ``alpha_tv``, recomputed so that runs from before that figure count too)."""
+    alpha, fedavg = gate["alpha"], gate["fedavg_weight"]
+    return 0.5 * sum(abs(alpha[e] - fedavg[e]) for e in alpha)
+
+
 def figures(run_dir: Path, args) -> dict:
     from fl_tools.report import analyze_run, load_history
 
@@ -206,8 +225,8 @@ def figures(run_dir: Path, args) -> dict:
             "global_ca": (global_accuracy(run_dir, args, through_ca=True)
                           if history["manifest"]["method"] == "pfedka" else float("nan")),
             # how far the GRU gate moved from FedAvg's n_k / sum n (pFedKA), per round
-            "alpha_tv": [r["aggregate"]["gate"].get("alpha_tv", float("nan"))
-                         for r in rounds if "gate" in r.get("aggregate", {})],
+            "alpha_tv": [departure(r["aggregate"]["gate"]) for r in rounds
+                         if "gate" in r.get("aggregate", {})],
             "step_s": sum(s for s, _ in steps) / sum(n for _, n in steps),
             # rounds 2.. (round 1 also starts the edges' models and caches)
             "round_s": statistics.mean(r["seconds"] for r in rounds[1:]),
@@ -390,6 +409,8 @@ def main() -> int:
     p.add_argument("--device", default="cpu", help="for the step-time measurement")
     p.add_argument("--only", nargs="+", metavar="LABEL",
                    help="run only these baselines of the table (pFedKA always runs)")
+    p.add_argument("--finished-only", action="store_true",
+                   help="start no run: print the tables from the finished runs under --out")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-pfedka")
     args = p.parse_args()
     if not CIFAR.exists():
@@ -423,6 +444,8 @@ def main() -> int:
         if (config.label, alpha) in results:
             return
         for seed in args.seeds:
+            if args.finished_only and not finished(args, config, alpha, seed):
+                continue
             run_dir = federate(args, config, alpha, seed)
             results.setdefault((config.label, alpha), []).append(figures(run_dir, args))
 
