@@ -27,6 +27,9 @@ Protocols:
     .venv/bin/python bench/pfedka.py                     # everything below
     .venv/bin/python bench/pfedka.py --what residual     # settle ca_residual (teacher acc)
     .venv/bin/python bench/pfedka.py --what traffic      # bytes per round, step time
+    .venv/bin/python bench/pfedka.py --what controls     # vs FedAvg-FT and Local-only
+    .venv/bin/python bench/pfedka.py --what switches     # teacher_logits, gate_init, lambda_bound
+    .venv/bin/python bench/pfedka.py --what controls --finished-only   # tables only
     .venv/bin/python bench/pfedka.py --full --device cuda
 
 Besides the tables it measures, in the same invocation: wire bytes per round of pFedKA
