@@ -27,6 +27,9 @@ Protocols:
     .venv/bin/python bench/pfedka.py                     # everything below
     .venv/bin/python bench/pfedka.py --what residual     # settle ca_residual (teacher acc)
     .venv/bin/python bench/pfedka.py --what traffic      # bytes per round, step time
+    .venv/bin/python bench/pfedka.py --what controls     # vs FedAvg-FT and Local-only
+    .venv/bin/python bench/pfedka.py --what switches     # teacher_logits, gate_init, lambda_bound
+    .venv/bin/python bench/pfedka.py --what controls --finished-only   # tables only
     .venv/bin/python bench/pfedka.py --full --device cuda
 
 Besides the tables it measures, in the same invocation: wire bytes per round of pFedKA
@@ -70,6 +73,16 @@ class Config:
 BASELINES = [Config("fedavg", "fedavg"), Config("fedprox", "fedprox"), Config("ditto", "ditto"),
              Config("fedrep", "fedrep"), Config("fedavg-ft", "fedavgft")]
 PFEDKA = Config("pfedka", "pfedka")
+# The paper's own controls (issue #24): FedAvg with one epoch of fine-tuning before each
+# evaluation (its global model is FedAvg's, n_k-weighted) and no federation at all.
+CONTROLS = [Config("fedavg-ft", "fedavgft"), Config("local-only", "local")]
+# The issue #24 switches, against the default reading (pfedka): the teacher's logits
+# through its own cross-attention path; a gate without the log p_k prior whose GRU takes
+# Adam steps that move it (lr 0.05: 1e-3 left alpha within 2 % of FedAvg's); the literal
+# p_k bound on lambda (K = 10 here: lambda <= ~0.1 instead of <= 1).
+SWITCHES = [Config("teacher through CA", "pfedka", {"teacher_logits": "through_ca"}),
+            Config("gate plain lr 0.05", "pfedka", {"gate_init": "plain", "gru_lr": 0.05}),
+            Config("lambda bound p_k", "pfedka", {"lambda_bound": "p_k"})]
 ABLATIONS = [Config("w/o KD", "pfedka", {"kd": False}),
              Config("w/o CA", "pfedka", {"cross_attention": False}),
              Config("w/o GA", "pfedka", {"gating": False}),
@@ -103,12 +116,24 @@ def toml_value(value: object) -> str:
     return json.dumps(value) if isinstance(value, str) else str(value)
 
 
+def run_path(args, config: Config, alpha: str, seed: int, tag: str = "") -> Path:
+    return args.out / "runs" / f"cifar10-{alpha}" / f"{config.label.replace('/', '-')}{tag}-s{seed}"
+
+
+def finished(args, config: Config, alpha: str, seed: int, rounds: int | None = None,
+             tag: str = "") -> bool:
+    history = run_path(args, config, alpha, seed, tag) / "server" / "history.json"
+    try:
+        return len(json.loads(history.read_text())["rounds"]) == (rounds or args.rounds)
+    except (OSError, ValueError, KeyError):
+        return False  # absent, or being written by a run under way
+
+
 def federate(args, config: Config, alpha: str, seed: int, rounds: int | None = None,
              extra: dict | None = None, tag: str = "") -> Path:
     rounds = rounds or args.rounds
-    out = args.out / "runs" / f"cifar10-{alpha}" / f"{config.label.replace('/', '-')}{tag}-s{seed}"
-    history = out / "server" / "history.json"
-    if history.exists() and len(json.loads(history.read_text())["rounds"]) == rounds:
+    out = run_path(args, config, alpha, seed, tag)
+    if finished(args, config, alpha, seed, rounds, tag):
         return out  # finished earlier: --out doubles as a cache
     if out.exists():
         shutil.rmtree(out)
@@ -130,8 +155,9 @@ def federate(args, config: Config, alpha: str, seed: int, rounds: int | None = N
     return out
 
 
-def global_accuracy(run_dir: Path, args) -> float:
-    """The final global model (pFedKA: the teacher) on the held-out test images."""
+def global_accuracy(run_dir: Path, args, through_ca: bool = False) -> float:
+    """The final global model (pFedKA: the teacher) on the held-out test images; with
+    ``through_ca`` (pFedKA) its head behind its own averaged cross-attention path."""
     import torch
 
     from fedattn_shared.config import TrainConfig
@@ -156,11 +182,33 @@ def global_accuracy(run_dir: Path, args) -> float:
         return float("nan")  # part of the model is private: there is no global model
     backbone.load_state_dict(state, strict=False)
     backbone.eval()
+    forward = backbone
+    if through_ca:
+        from fedattn_shared.methods.pfedka import teacher_forward
+        from fedattn_shared.models import model_spec
+
+        ca = models[name].ca
+        ca_prefix = prefix + "ca."
+        ca_state = {k[len(ca_prefix):]: v for k, v in tensors.items() if k.startswith(ca_prefix)}
+        if ca is None or set(ca_state) != set(ca.state_dict()):
+            return float("nan")  # no averaged projections: no CA path of the teacher's
+        ca.load_state_dict(ca_state)
+        spec = model_spec(train.model)
+
+        def forward(x):
+            return teacher_forward(backbone, spec.tokens, spec.head, ca, x)[1]
     data = read_npz(args.out / "data" / "global_test.npz", train)
     with torch.no_grad():
-        correct = sum(int((backbone(data.x[i:i + 500]).argmax(1) == data.y[i:i + 500]).sum())
+        correct = sum(int((forward(data.x[i:i + 500]).argmax(1) == data.y[i:i + 500]).sum())
                       for i in range(0, len(data), 500))
     return 100 * correct / len(data)
+
+
+def departure(gate: dict) -> float:
+    """0.5 sum_k |alpha_k - n_k / sum n| from a round's logged weights (the server's
+    ``alpha_tv``, recomputed so that runs from before that figure count too)."""
+    alpha, fedavg = gate["alpha"], gate["fedavg_weight"]
+    return 0.5 * sum(abs(alpha[e] - fedavg[e]) for e in alpha)
 
 
 def figures(run_dir: Path, args) -> dict:
@@ -173,9 +221,15 @@ def figures(run_dir: Path, args) -> dict:
              for m in r["train"]["edge_metrics"].values() if m.get("steps")]
     rounds = history["rounds"]
     return {"acc": 100 * result["final"]["mean_accuracy"],
-            "f1": 100 * result["final"]["macro_f1"],
+            "best": 100 * result["best"]["mean_accuracy"], "best_round": result["best_round"],
+            "f1": 100 * result["final"]["macro_f1"], "seed": history["manifest"]["train"]["seed"],
             "curve": [(r["round"], 100 * r["mean_accuracy"]) for r in result["rounds"]],
             "global": global_accuracy(run_dir, args),
+            "global_ca": (global_accuracy(run_dir, args, through_ca=True)
+                          if history["manifest"]["method"] == "pfedka" else float("nan")),
+            # how far the GRU gate moved from FedAvg's n_k / sum n (pFedKA), per round
+            "alpha_tv": [departure(r["aggregate"]["gate"]) for r in rounds
+                         if "gate" in r.get("aggregate", {})],
             "step_s": sum(s for s, _ in steps) / sum(n for _, n in steps),
             # rounds 2.. (round 1 also starts the edges' models and caches)
             "round_s": statistics.mean(r["seconds"] for r in rounds[1:]),
@@ -201,6 +255,28 @@ def table(results: dict, labels: list[str], alphas: list[str], with_paper: bool)
                 acc += f" [paper {PAPER[label]}]"
             cells += [acc, pm([r["f1"] for r in runs]), pm([r["global"] for r in runs])]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def compare(results: dict, labels: list[str], alphas: list[str]) -> str:
+    """Both metrics per row: the edges' own test splits (final and best evaluated round)
+    and the final global model on the held-out balanced test images, mean ± std over
+    seeds, then every seed's final personalized accuracy (the effects are small)."""
+    seeds = sorted({r["seed"] for runs in results.values() for r in runs})
+    lines = ["| method | alpha | local test, final | local test, best | macro-F1, final | "
+             "global model, final | teacher through CA | "
+             + " | ".join(f"seed {s}" for s in seeds) + " |",
+             "|---" * (7 + len(seeds)) + "|"]
+    for alpha in alphas:
+        for label in labels:
+            runs = results.get((label, alpha), [])
+            if not runs:
+                continue
+            by_seed = {r["seed"]: f"{r['acc']:.1f}" for r in runs}
+            lines.append(f"| {label} | {alpha} | {pm([r['acc'] for r in runs])} | "
+                         f"{pm([r['best'] for r in runs])} | {pm([r['f1'] for r in runs])} | "
+                         f"{pm([r['global'] for r in runs])} | {pm([r['global_ca'] for r in runs])} | "
+                         + " | ".join(by_seed.get(s, "-") for s in seeds) + " |")
     return "\n".join(lines)
 
 
@@ -315,7 +391,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--alphas", nargs="+", default=["0.1", "0.5"])
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    p.add_argument("--what", choices=["table", "ablations", "residual", "traffic", "all"],
+    p.add_argument("--what", choices=["table", "controls", "switches", "ablations", "residual",
+                                      "traffic", "all"],
                    default="all")
     p.add_argument("--full", action="store_true", help="the paper's setting (a GPU machine)")
     p.add_argument("--model", default=None,
@@ -335,6 +412,8 @@ def main() -> int:
     p.add_argument("--device", default="cpu", help="for the step-time measurement")
     p.add_argument("--only", nargs="+", metavar="LABEL",
                    help="run only these baselines of the table (pFedKA always runs)")
+    p.add_argument("--finished-only", action="store_true",
+                   help="start no run: print the tables from the finished runs under --out")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-pfedka")
     args = p.parse_args()
     if not CIFAR.exists():
@@ -368,6 +447,8 @@ def main() -> int:
         if (config.label, alpha) in results:
             return
         for seed in args.seeds:
+            if args.finished_only and not finished(args, config, alpha, seed):
+                continue
             run_dir = federate(args, config, alpha, seed)
             results.setdefault((config.label, alpha), []).append(figures(run_dir, args))
 
@@ -388,6 +469,31 @@ def main() -> int:
         print(table(results, labels, args.alphas, True))
         plot(results, labels, args.alphas, args.out / "convergence.png")
         print(f"\nconvergence curves: {args.out / 'convergence.png'}")
+    if what in ("controls", "all"):
+        for alpha in args.alphas:
+            for config in [PFEDKA, *CONTROLS]:
+                collect(config, alpha)
+        print("\npFedKA against the paper's FedAvg-FT and Local-only controls: personalized "
+              "accuracy % on the edges' local test splits (mean over edges), final and best "
+              "evaluated round; the final global model (pFedKA: the teacher) on the held-out "
+              "test images; mean ± std over seeds, then each seed's final local-test figure")
+        print(compare(results, [c.label for c in [PFEDKA, *CONTROLS]], args.alphas))
+    if what in ("switches", "all"):
+        alpha = args.alphas[0]
+        for config in [*SWITCHES, PFEDKA]:  # the default last: --what controls runs it too
+            collect(config, alpha)
+        print(f"\nthe issue #24 switches at alpha {alpha}, same figures as above; pFedKA's "
+              "teacher scored both ways (its head on the mean token; through its CA path)")
+        labels = [c.label for c in [PFEDKA, *SWITCHES]]
+        print(compare(results, labels, [alpha]))
+        print("\ngate departure from FedAvg, total variation 0.5 sum |alpha_k - n_k/n| "
+              "(first round, last round, max over rounds; mean over seeds):")
+        for label in labels:
+            runs = [r for r in results.get((label, alpha), []) if r["alpha_tv"]]
+            if runs:
+                print(f"  {label:<20} " + ", ".join(
+                    f"{pm([fn(r['alpha_tv']) for r in runs], 3)}"
+                    for fn in (lambda v: v[0], lambda v: v[-1], max)))
     if what in ("ablations", "all"):
         for config in [PFEDKA, *ABLATIONS]:
             collect(config, args.alphas[0])

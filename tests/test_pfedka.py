@@ -20,6 +20,7 @@ from fedattn_shared.methods.pfedka import (
     UPLOAD,
     PFedKA,
     PFedKAParams,
+    gate_departure,
     kd_loss,
     kd_weight,
     surrogate_loss,
@@ -67,6 +68,21 @@ def test_lambda_and_tau_match_methods_md_hand_computed_case():
     assert temperature(None) == 1.0 and temperature(50.0) == 2.0
     assert temperature(0.3, rule="fixed", tau_0=1.5) == 1.5
 
+
+
+@pytest.mark.parametrize("bound, first, later", [("p_k_rel", 0.5, 0.630930),
+                                                  ("p_k", 0.005, 0.0063093)])
+def test_the_lambda_bound_reading_decides_whether_kd_is_on_at_100_edges(bound, first, later):
+    """100 equal edges (p_k = 0.01): the literal bound caps lambda at 0.01, K p_k at 1."""
+    method, models = pfedka(lambda_bound=bound)
+    edge = method.edge(models, CPU)
+    edge.population = (40.0, 100.0)  # what the server sends: mean n_j, K
+    edge.num_examples = 40
+    edge.begin_train()
+    assert edge.lam == pytest.approx(first, rel=1e-6)  # no history: U_k / 2
+    edge.history = (1.0, 0.5, 0.3)
+    edge.begin_train()
+    assert edge.lam == pytest.approx(later, rel=1e-4)  # U_k * b / (a + b)
 
 def test_kd_loss_is_tau_squared_times_batchmean_kl():
     z_s = torch.tensor([[0.0, 0.0], [1.0, 0.0]])
@@ -395,3 +411,73 @@ def test_two_phase_round_over_grpc_and_the_gate_survives_a_server_restart(tmp_pa
         torch.equal(new.optimizer.state_dict()["state"][i][k], v)
         for i, entries in old_state.items() for k, v in entries.items())
     assert new.sizes == old.sizes == record["train"]["num_examples"]
+
+
+# ---- the issue #24 switches --------------------------------------------------------------
+def test_teacher_logits_through_ca_are_the_teachers_head_behind_its_own_attention():
+    """z_T by hand: H_T + softmax(H_T Wq (H_T Wk)^T / sqrt(d)) H_T Wv, averaged over the
+    tokens, through the teacher's head; the projections are the round's global ones."""
+    method, models = pfedka(teacher_logits="through_ca")
+    start = global_payload(method, models)
+    torch.manual_seed(3)
+    moved = {k: v + 0.05 * torch.randn_like(v) if v.is_floating_point() else v
+             for k, v in start.tensors(*SHARED).items()}  # a global unlike the student
+    edge = method.edge(models, CPU)
+    edge.receive(TRAIN, Payload([Section(Kind.SHARED_TENSORS, "", moved)]),
+                 scalars(n_mean=0.0, edges=2.0))
+    with torch.no_grad():  # the student's own projections move; the teacher's must not
+        models["model"].ca.w_q.weight.add_(1.0)
+    edge.train_mode()
+    x = torch.randn(3, 1, 28, 28)
+    tokens, z_t = edge._teacher_forward(x)
+    h = method_tokens(models["teacher"], x)
+    wq, wk, wv = (moved[f"model/ca.{w}.weight"] for w in ("w_q", "w_k", "w_v"))
+    attention = torch.softmax((h @ wq.T) @ (h @ wk.T).transpose(1, 2) / math.sqrt(128), dim=-1)
+    fused = h + attention @ (h @ wv.T)
+    expected = fused.mean(1) @ moved["model/backbone.fc.weight"].T + moved["model/backbone.fc.bias"]
+    assert torch.equal(tokens, h)
+    assert torch.allclose(z_t, expected, atol=1e-5)
+    plain, plain_models = pfedka()
+    plain_edge = plain.edge(plain_models, CPU)
+    plain_edge.receive(TRAIN, Payload([Section(Kind.SHARED_TENSORS, "", moved)]),
+                       scalars(n_mean=0.0, edges=2.0))
+    plain_edge.train_mode()
+    _, z_mean = plain_edge._teacher_forward(x)  # the default: the head on the mean token
+    assert torch.allclose(z_mean, models["teacher"].fc(h.mean(1)), atol=1e-6)
+    assert not torch.allclose(z_mean, z_t, atol=1e-3)
+    with pytest.raises(ValueError, match="teacher_logits.*cross_attention"):
+        pfedka(teacher_logits="through_ca", cross_attention=False)
+
+
+def test_gate_departure_hand_computed():
+    figures = gate_departure(torch.tensor([0.5, 0.5]), torch.tensor([0.25, 0.75]))
+    assert figures["alpha_tv"] == pytest.approx(0.25)
+    assert figures["alpha_max_rel"] == pytest.approx(1.0)  # 0.5 / 0.25 - 1
+    assert gate_departure(torch.tensor([0.3, 0.7]), torch.tensor([0.3, 0.7])) == {
+        "alpha_tv": 0.0, "alpha_max_rel": 0.0}
+
+
+def test_plain_gate_has_no_prior_learns_and_logs_its_departure_every_round():
+    reports = {"a": (10.0, 2.0), "b": (30.0, 1.0), "c": (60.0, 0.5)}
+    method, models = pfedka(gate_init="plain", gru_lr=0.05)
+    aggregator = method.server(models)
+    cell = {k: v.clone() for k, v in aggregator.gate.state_dict().items()}
+    first = gate_round(aggregator, 1, reports)
+    # round 1 by hand: softmax(w^T GRU(s_k, 0) + b), no log p_k, w not zero
+    gate = torch.nn.Module()
+    gate.cell, gate.out = torch.nn.GRUCell(2, 32), torch.nn.Linear(32, 1)
+    gate.load_state_dict(cell)
+    assert float(gate.out.weight.detach().abs().sum()) > 0
+    s = torch.tensor([[0.1, 2.0], [0.3, 1.0], [0.6, 0.5]])
+    alpha = torch.softmax(gate.out(gate.cell(s, torch.zeros(3, 32))).squeeze(-1), dim=0)
+    assert [first["alpha"][e] for e in "abc"] == pytest.approx(alpha.tolist(), abs=1e-6)
+    assert first["alpha_tv"] == pytest.approx(
+        0.5 * sum(abs(first["alpha"][e] - first["fedavg_weight"][e]) for e in "abc"), abs=1e-6)
+    shifts = [gate_round(aggregator, r, reports)["alpha_tv"] for r in range(2, 30)]
+    assert shifts[-1] > 0.1  # the surrogate moves weight to the low-loss edge, away from p
+    assert gate_round(aggregator, 30, reports)["alpha"]["c"] > 0.6 + 0.05
+    fedavg, fedavg_models = pfedka()  # the default start: round 1 is FedAvg exactly
+    start = gate_round(fedavg.server(fedavg_models), 1, reports)
+    assert start["alpha_tv"] == pytest.approx(0.0, abs=1e-6)
+    with pytest.raises(ValueError, match="pfedka.gate_init"):
+        pfedka(gate_init="prior")
