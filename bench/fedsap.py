@@ -35,6 +35,7 @@ convergence curves (PNG) and all runs under --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -76,8 +77,11 @@ class Config:
     train: dict[str, object] = field(default_factory=dict)  # [train] values beside the method's
 
 
+# FedPer (classifier private, no SE personalisation) is the control Table IV lacks: on
+# se-cnn the last SE module sits right before the pooled classifier, so Fed-SAP's private
+# excitation of it is itself a per-edge head (issue #24).
 TABLE_IV = [Config("local", "local"), Config("fedavg", "fedavg"), Config("fedprox", "fedprox"),
-            Config("fedbn", "fedbn"), Config("fedsap", "fedsap")]
+            Config("fedbn", "fedbn"), Config("fedper", "fedper"), Config("fedsap", "fedsap")]
 # Seeded like the main table: what the bar compares (GSR vs pSE alone) gets every seed,
 # and GSR with the squeezes taken under BN's running statistics (fedsap.stats_mode).
 PSE_ONLY = Config("pse-only", "fedsap", {"target": "off"})
@@ -94,6 +98,11 @@ ABLATIONS = [
     # edges (26 % under FedBN), so GSR has something to align; with GSR and without.
     Config("fedsap+bn-local", "fedsap", train={"private": ["bn"]}),
     Config("pse-only+bn-local", "fedsap", {"target": "off"}, train={"private": ["bn"]}),
+    # Eq. 6 as printed (sum over channels) with round 1's pull toward S_G^0 = 0 skipped,
+    # under batch and running statistics (issue #24).
+    *[Config(f"sum-{mode}-lambda={lam}", "fedsap",
+             {"reduction": "sum", "wait_for_stats": True, "stats_mode": mode, "lam": lam})
+      for mode in ("train", "eval") for lam in (0.1, 0.5, 2.0)],
 ]
 # Ablation rows run with every seed (the comparisons that need the seed spread).
 SEEDED = {"fedsap", "pse-only", "fedsap+bn-local", "pse-only+bn-local"}
@@ -176,6 +185,52 @@ def squeeze_dispersion(run_dir: Path, data_root: Path, device: str) -> dict[str,
     return out
 
 
+def swap_diagnostic(run_dir: Path, data_root: Path, device: str) -> dict[str, dict[str, float]]:
+    """The per-module swap diagnostic, offline from the run's saved edge states: for each SE
+    module m (and all of them at once), every edge's personalized model with only m's
+    private excitation replaced by the edges' n_k-weighted mean, scored on the edge's local
+    test split and on global_test (mean over edges, %). "none" is the models as saved,
+    which is the run's final evaluation. A module whose swap costs nothing carries no
+    personalisation; one whose swap drops accuracy to FedAvg's level acts as a private head."""
+    import torch
+
+    from fedattn_shared.augment import InputPipeline
+    from fedattn_shared.data import load_edge_data
+    from fedattn_shared.methods.fedsap import mean_excitation, swapped_excitation
+    from fedattn_shared.methods.split import squeeze_excitation_modules
+    from fl_edge.export import from_state_dir
+    from fl_edge.trainer import evaluate
+    from fl_tools.report import accuracy
+
+    dev = torch.device(device)
+    edges = []
+    for state in sorted(p for p in (run_dir / "state").iterdir() if p.is_dir()):
+        personalized = from_state_dir(state, dev)
+        edges.append((personalized, load_edge_data(data_root / state.name, personalized.train)))
+    models = [p.algo.models["model"] for p, _ in edges]
+    weights = [len(data.train) for _, data in edges]
+    names = [name for name, _ in squeeze_excitation_modules(models[0])]
+
+    def score(swap: dict[str, dict[str, torch.Tensor]]) -> dict[str, float]:
+        accs: dict[str, list[float]] = {"test": [], "global_test": []}
+        for (p, data), model in zip(edges, models, strict=True):
+            with contextlib.ExitStack() as stack:
+                for name, tensors in swap.items():
+                    stack.enter_context(swapped_excitation(model, name, tensors))
+                for split in accs:
+                    counts = evaluate(p.algo, getattr(data, split), split, p.train.num_classes,
+                                      256, dev, InputPipeline(input_size=p.train.input_size))
+                    accs[split].append(accuracy(counts.confusion))
+        return {split: 100 * statistics.mean(values) for split, values in accs.items()}
+
+    means = {name: mean_excitation(models, weights, name) for name in names}
+    out = {"none": score({})}
+    for name in names:
+        out[name] = score({name: means[name]})
+    out["all"] = score(means)
+    return out
+
+
 def reported_gsr(history_file: Path) -> dict[str, float]:
     """The edges' own GSR figures of the last training round (mean over edges)."""
     rounds = json.loads(history_file.read_text())["rounds"]
@@ -245,6 +300,31 @@ def analysis_table(results: dict, labels: list[str], alphas: list[str]) -> str:
             cells = [_mean_of(runs, "eval", 1, 1), _mean_of(runs, "train", 1, 1),
                      _mean_of(runs, "gsr_loss", 1, 4), _mean_of(runs, "stats_drift", 100, 1)]
             lines.append(f"| {label} | {alpha} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def swap_table(results: dict, labels: list[str], alphas: list[str]) -> str:
+    """The per-module swap diagnostic: accuracy as saved, and its change when one SE
+    module's private excitation (or all of them) is replaced by the edges' mean."""
+    lines = ["\nper-module swap diagnostic (final models): accuracy as saved, and the change "
+             "when only module m's private excitation\nis replaced by the edges' n_k-weighted "
+             "mean on every edge (mean +- std over seeds; points); local test | global_test"]
+    for alpha in alphas:
+        for label in labels:
+            runs = [r for r in results.get((label, alpha), []) if "swap" in r]
+            if not runs:
+                continue
+            modules = [m for m in runs[0]["swap"] if m != "none"]
+            if len(lines) == 1:
+                lines += ["| method | alpha | split | as saved | " + " | ".join(
+                    f"swap {m}" for m in modules) + " | seeds |",
+                    "|---" * (len(modules) + 5) + "|"]
+            for split in ("test", "global_test"):
+                base = [r["swap"]["none"][split] for r in runs]
+                cells = [pm([r["swap"][m][split] - r["swap"]["none"][split] for r in runs])
+                         for m in modules]
+                lines.append(f"| {label} | {alpha} | {split} | {pm(base)} | "
+                             + " | ".join(cells) + f" | {len(runs)} |")
     return "\n".join(lines)
 
 
@@ -338,6 +418,12 @@ def main() -> int:
         analysis = {**squeeze_dispersion(history.parent.parent, data, args.device),
                     **reported_gsr(history)}
         result = figures(history, seed, analysis)
+        if config.method == "fedsap" and config.params.get("personalization", "pse") == "pse":
+            cache = history.parent.parent / "swap.json"  # --out caches the diagnostic too
+            if not cache.exists():
+                swap = swap_diagnostic(history.parent.parent, data, args.device)
+                cache.write_text(json.dumps(swap, indent=1))
+            result["swap"] = json.loads(cache.read_text())
         results.setdefault((config.label, alpha), []).append(result)
         print(f"  {config.label:<14} alpha {alpha:<4} seed {seed}: final local test "
               f"{result['test']['final']:.1f}, global_test {result['global_test']['final']:.1f}",
@@ -353,6 +439,8 @@ def main() -> int:
     labels = [c.label for c in main_table if any((c.label, a) in results for a in args.alphas)]
     print(table(results, labels, args.alphas, paper))
     print(analysis_table(results, [c.label for c in main_table + ABLATIONS], args.alphas))
+    print(swap_table(results, [c.label for c in main_table + ABLATIONS],
+                     sorted({a for _, a in results})))
     if args.what in ("ablations", "all"):
         ablation_labels = ["fedsap", "pse-only", *[c.label for c in ABLATIONS]]
         print("\nablations, alpha 0.5 (paper, CIFAR-10 alpha 0.5: "
