@@ -415,8 +415,11 @@ def main() -> int:
         config, alpha, seed = job
         history = federate(args, config, alpha, seed)
         data = partition(args, alpha, seed)
-        analysis = {**squeeze_dispersion(history.parent.parent, data, args.device),
-                    **reported_gsr(history)}
+        spread = history.parent.parent / "squeeze-spread.json"  # cached like the runs
+        if not spread.exists():
+            spread.write_text(json.dumps(squeeze_dispersion(history.parent.parent, data,
+                                                            args.device)))
+        analysis = {**json.loads(spread.read_text()), **reported_gsr(history)}
         result = figures(history, seed, analysis)
         if config.method == "fedsap" and config.params.get("personalization", "pse") == "pse":
             cache = history.parent.parent / "swap.json"  # --out caches the diagnostic too
@@ -424,6 +427,11 @@ def main() -> int:
                 swap = swap_diagnostic(history.parent.parent, data, args.device)
                 cache.write_text(json.dumps(swap, indent=1))
             result["swap"] = json.loads(cache.read_text())
+            for split in ("test", "global_test"):  # the saved models are what was scored
+                if abs(result["swap"]["none"][split] - result[split]["final"]) > 1e-6:
+                    print(f"  WARNING {config.label} seed {seed}: saved models score "
+                          f"{result['swap']['none'][split]:.2f} on {split}, the run's final "
+                          f"evaluation {result[split]['final']:.2f}", flush=True)
         results.setdefault((config.label, alpha), []).append(result)
         print(f"  {config.label:<14} alpha {alpha:<4} seed {seed}: final local test "
               f"{result['test']['final']:.1f}, global_test {result['global_test']['final']:.1f}",
