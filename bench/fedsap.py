@@ -118,12 +118,21 @@ def partition(args, alpha: str, seed: int) -> Path:
     return out
 
 
+def finished(args, config: Config, alpha: str, seed: int) -> Path | None:
+    """The run's history when a run of this row, alpha and seed finished under --out."""
+    protocol = f"{args.dataset}-{alpha}-{args.model}-n{args.limit or 'all'}-b{args.batch_size}"
+    history = args.out / "runs" / protocol / f"{config.label}-s{seed}" / "server" / "history.json"
+    if history.exists() and len(json.loads(history.read_text())["rounds"]) == args.rounds:
+        return history
+    return None
+
+
 def federate(args, config: Config, alpha: str, seed: int) -> Path:
     _, channels, size = SOURCES[args.dataset]
     protocol = f"{args.dataset}-{alpha}-{args.model}-n{args.limit or 'all'}-b{args.batch_size}"
     out = args.out / "runs" / protocol / f"{config.label}-s{seed}"
     history = out / "server" / "history.json"
-    if history.exists() and len(json.loads(history.read_text())["rounds"]) == args.rounds:
+    if finished(args, config, alpha, seed):
         return history  # finished earlier: --out doubles as a cache
     shutil.rmtree(out, ignore_errors=True)  # an unfinished run starts over
     data = partition(args, alpha, seed)
@@ -303,12 +312,31 @@ def analysis_table(results: dict, labels: list[str], alphas: list[str]) -> str:
     return "\n".join(lines)
 
 
+def per_seed_table(results: dict, labels: list[str], alphas: list[str]) -> str:
+    """Final accuracy per seed (local test / global_test): every row of a seed saw the
+    same partition, so where the means are within the spread the paired view decides."""
+    lines = ["\nper seed, final: each edge's local test / shared global_test (%)"]
+    for alpha in alphas:
+        seeds = sorted({r["seed"] for label in labels for r in results.get((label, alpha), [])})
+        if not seeds:
+            continue
+        lines += [f"| alpha {alpha} | " + " | ".join(f"seed {s}" for s in seeds) + " |",
+                  "|---" * (len(seeds) + 1) + "|"]
+        for label in labels:
+            by_seed = {r["seed"]: r for r in results.get((label, alpha), [])}
+            if by_seed:
+                lines.append(f"| {label} | " + " | ".join(
+                    f"{by_seed[s]['test']['final']:.1f} / {by_seed[s]['global_test']['final']:.1f}"
+                    if s in by_seed else "-" for s in seeds) + " |")
+    return "\n".join(lines)
+
+
 def swap_table(results: dict, labels: list[str], alphas: list[str]) -> str:
     """The per-module swap diagnostic: accuracy as saved, and its change when one SE
     module's private excitation (or all of them) is replaced by the edges' mean."""
     lines = ["\nper-module swap diagnostic (final models): accuracy as saved, and the change "
              "when only module m's private excitation\nis replaced by the edges' n_k-weighted "
-             "mean on every edge (mean +- std over seeds; points); local test | global_test"]
+             "mean on every edge (mean +- std over seeds; changes in points)"]
     for alpha in alphas:
         for label in labels:
             runs = [r for r in results.get((label, alpha), []) if "swap" in r]
@@ -379,6 +407,8 @@ def main() -> int:
     p.add_argument("--jobs", type=int, default=1, help="federations run at once")
     p.add_argument("--only", nargs="+", metavar="LABEL",
                    help="run only these rows (e.g. fedsap pse-only fedsap-running)")
+    p.add_argument("--report-only", action="store_true",
+                   help="report the finished runs under --out; start none")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-fedsap")
     args = p.parse_args()
     source = SOURCES[args.dataset][0]
@@ -408,6 +438,8 @@ def main() -> int:
                  for s in (args.seeds if c.label in SEEDED else args.seeds[:1])]
     if args.only:
         jobs = [job for job in jobs if job[0].label in args.only]
+    if args.report_only:
+        jobs = [job for job in jobs if finished(args, *job)]
     for alpha, seed in dict.fromkeys((a, s) for _, a, s in jobs):
         partition(args, alpha, seed)  # before the runs start: they share the partitions
 
@@ -446,6 +478,7 @@ def main() -> int:
     paper = PAPER_TABLE_IV if args.dataset == "cifar10" else None
     labels = [c.label for c in main_table if any((c.label, a) in results for a in args.alphas)]
     print(table(results, labels, args.alphas, paper))
+    print(per_seed_table(results, labels, args.alphas))
     print(analysis_table(results, [c.label for c in main_table + ABLATIONS], args.alphas))
     print(swap_table(results, [c.label for c in main_table + ABLATIONS],
                      sorted({a for _, a in results})))
