@@ -490,7 +490,7 @@ def main() -> int:
     for alpha in args.alphas:
         if not any((label, alpha) in results for label in labels):
             continue  # an ablations-only run must not overwrite the table's curves
-        path = args.out / f"convergence-{args.dataset}-{alpha}.png"
+        path = args.out / f"convergence-{args.dataset}-{alpha}-{args.model}.png"
         plot(results, labels, alpha, path)
         print(f"\nconvergence curves: {path}")
     return 0
