@@ -26,9 +26,18 @@ conv takes 1 input channel), nothing is replicated.
     .venv/bin/python bench/fedsap.py --alphas 0.5 1.0 iid   # more columns
     .venv/bin/python bench/fedsap.py --full --device cuda --jobs 4
 
-It prints a Table IV-like table (mean +- std over seeds) beside the paper's figures, the
-ablation tables, an analysis of what GSR acts on (the between-edge spread of the final
-models' squeeze statistics, and the GSR figures the edges report), and writes
+Controls (issue #24): a FedPer row (on se-cnn the last SE module feeds the pooled
+classifier, so Fed-SAP's private excitation of it is a per-edge head); --model se-cnn-tail
+(a conv block after the last SE); the per-module swap diagnostic of every pSE run; rows
+sum-{train,eval}-lambda=... (eq. 6 as printed, with wait_for_stats).
+
+    .venv/bin/python bench/fedsap.py --what table --model se-cnn-tail --only fedavg fedper fedsap
+    .venv/bin/python bench/fedsap.py --what table --report-only   # finished runs only
+
+It prints a Table IV-like table (mean +- std over seeds) beside the paper's figures, a
+per-seed table, the ablation tables, the swap diagnostic, an analysis of what GSR acts
+on (the between-edge spread of the final models' squeeze statistics, and the GSR figures
+the edges report), and writes
 convergence curves (PNG) and all runs under --out.
 """
 
