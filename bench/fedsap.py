@@ -131,7 +131,14 @@ def finished(args, config: Config, alpha: str, seed: int) -> Path | None:
     """The run's history when a run of this row, alpha and seed finished under --out."""
     protocol = f"{args.dataset}-{alpha}-{args.model}-n{args.limit or 'all'}-b{args.batch_size}"
     history = args.out / "runs" / protocol / f"{config.label}-s{seed}" / "server" / "history.json"
-    if history.exists() and len(json.loads(history.read_text())["rounds"]) == args.rounds:
+    if not history.exists():
+        return None
+    rounds = json.loads(history.read_text())["rounds"]
+    # The last round must have been scored by every edge: a worker killed in the last
+    # round (out of memory, say) leaves all rounds recorded but no final evaluation.
+    last = rounds[-1] if rounds else {}
+    scored = last.get("evaluation", {}).get("summary", {}).get("test", {}).get("edges")
+    if len(rounds) == args.rounds and scored == args.edges:
         return history
     return None
 
