@@ -26,15 +26,25 @@ conv takes 1 input channel), nothing is replicated.
     .venv/bin/python bench/fedsap.py --alphas 0.5 1.0 iid   # more columns
     .venv/bin/python bench/fedsap.py --full --device cuda --jobs 4
 
-It prints a Table IV-like table (mean +- std over seeds) beside the paper's figures, the
-ablation tables, an analysis of what GSR acts on (the between-edge spread of the final
-models' squeeze statistics, and the GSR figures the edges report), and writes
+Controls (issue #24): a FedPer row (on se-cnn the last SE module feeds the pooled
+classifier, so Fed-SAP's private excitation of it is a per-edge head); --model se-cnn-tail
+(a conv block after the last SE); the per-module swap diagnostic of every pSE run; rows
+sum-{train,eval}-lambda=... (eq. 6 as printed, with wait_for_stats).
+
+    .venv/bin/python bench/fedsap.py --what table --model se-cnn-tail --only fedavg fedper fedsap
+    .venv/bin/python bench/fedsap.py --what table --report-only   # finished runs only
+
+It prints a Table IV-like table (mean +- std over seeds) beside the paper's figures, a
+per-seed table, the ablation tables, the swap diagnostic, an analysis of what GSR acts
+on (the between-edge spread of the final models' squeeze statistics, and the GSR figures
+the edges report), and writes
 convergence curves (PNG) and all runs under --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -76,8 +86,11 @@ class Config:
     train: dict[str, object] = field(default_factory=dict)  # [train] values beside the method's
 
 
+# FedPer (classifier private, no SE personalisation) is the control Table IV lacks: on
+# se-cnn the last SE module sits right before the pooled classifier, so Fed-SAP's private
+# excitation of it is itself a per-edge head (issue #24).
 TABLE_IV = [Config("local", "local"), Config("fedavg", "fedavg"), Config("fedprox", "fedprox"),
-            Config("fedbn", "fedbn"), Config("fedsap", "fedsap")]
+            Config("fedbn", "fedbn"), Config("fedper", "fedper"), Config("fedsap", "fedsap")]
 # Seeded like the main table: what the bar compares (GSR vs pSE alone) gets every seed,
 # and GSR with the squeezes taken under BN's running statistics (fedsap.stats_mode).
 PSE_ONLY = Config("pse-only", "fedsap", {"target": "off"})
@@ -94,6 +107,11 @@ ABLATIONS = [
     # edges (26 % under FedBN), so GSR has something to align; with GSR and without.
     Config("fedsap+bn-local", "fedsap", train={"private": ["bn"]}),
     Config("pse-only+bn-local", "fedsap", {"target": "off"}, train={"private": ["bn"]}),
+    # Eq. 6 as printed (sum over channels) with round 1's pull toward S_G^0 = 0 skipped,
+    # under batch and running statistics (issue #24).
+    *[Config(f"sum-{mode}-lambda={lam}", "fedsap",
+             {"reduction": "sum", "wait_for_stats": True, "stats_mode": mode, "lam": lam})
+      for mode in ("train", "eval") for lam in (0.1, 0.5, 2.0)],
 ]
 # Ablation rows run with every seed (the comparisons that need the seed spread).
 SEEDED = {"fedsap", "pse-only", "fedsap+bn-local", "pse-only+bn-local"}
@@ -109,12 +127,28 @@ def partition(args, alpha: str, seed: int) -> Path:
     return out
 
 
+def finished(args, config: Config, alpha: str, seed: int) -> Path | None:
+    """The run's history when a run of this row, alpha and seed finished under --out."""
+    protocol = f"{args.dataset}-{alpha}-{args.model}-n{args.limit or 'all'}-b{args.batch_size}"
+    history = args.out / "runs" / protocol / f"{config.label}-s{seed}" / "server" / "history.json"
+    if not history.exists():
+        return None
+    rounds = json.loads(history.read_text())["rounds"]
+    # The last round must have been scored by every edge: a worker killed in the last
+    # round (out of memory, say) leaves all rounds recorded but no final evaluation.
+    last = rounds[-1] if rounds else {}
+    scored = last.get("evaluation", {}).get("summary", {}).get("test", {}).get("edges")
+    if len(rounds) == args.rounds and scored == args.edges:
+        return history
+    return None
+
+
 def federate(args, config: Config, alpha: str, seed: int) -> Path:
     _, channels, size = SOURCES[args.dataset]
     protocol = f"{args.dataset}-{alpha}-{args.model}-n{args.limit or 'all'}-b{args.batch_size}"
     out = args.out / "runs" / protocol / f"{config.label}-s{seed}"
     history = out / "server" / "history.json"
-    if history.exists() and len(json.loads(history.read_text())["rounds"]) == args.rounds:
+    if finished(args, config, alpha, seed):
         return history  # finished earlier: --out doubles as a cache
     shutil.rmtree(out, ignore_errors=True)  # an unfinished run starts over
     data = partition(args, alpha, seed)
@@ -173,6 +207,52 @@ def squeeze_dispersion(run_dir: Path, data_root: Path, device: str) -> dict[str,
             if mean.norm() > 0:
                 spreads.append(math.sqrt(spread) / float(mean.norm()))
         out[mode] = 100 * statistics.mean(spreads) if spreads else float("nan")
+    return out
+
+
+def swap_diagnostic(run_dir: Path, data_root: Path, device: str) -> dict[str, dict[str, float]]:
+    """The per-module swap diagnostic, offline from the run's saved edge states: for each SE
+    module m (and all of them at once), every edge's personalized model with only m's
+    private excitation replaced by the edges' n_k-weighted mean, scored on the edge's local
+    test split and on global_test (mean over edges, %). "none" is the models as saved,
+    which is the run's final evaluation. A module whose swap costs nothing carries no
+    personalisation; one whose swap drops accuracy to FedAvg's level acts as a private head."""
+    import torch
+
+    from fedattn_shared.augment import InputPipeline
+    from fedattn_shared.data import load_edge_data
+    from fedattn_shared.methods.fedsap import mean_excitation, swapped_excitation
+    from fedattn_shared.methods.split import squeeze_excitation_modules
+    from fl_edge.export import from_state_dir
+    from fl_edge.trainer import evaluate
+    from fl_tools.report import accuracy
+
+    dev = torch.device(device)
+    edges = []
+    for state in sorted(p for p in (run_dir / "state").iterdir() if p.is_dir()):
+        personalized = from_state_dir(state, dev)
+        edges.append((personalized, load_edge_data(data_root / state.name, personalized.train)))
+    models = [p.algo.models["model"] for p, _ in edges]
+    weights = [len(data.train) for _, data in edges]
+    names = [name for name, _ in squeeze_excitation_modules(models[0])]
+
+    def score(swap: dict[str, dict[str, torch.Tensor]]) -> dict[str, float]:
+        accs: dict[str, list[float]] = {"test": [], "global_test": []}
+        for (p, data), model in zip(edges, models, strict=True):
+            with contextlib.ExitStack() as stack:
+                for name, tensors in swap.items():
+                    stack.enter_context(swapped_excitation(model, name, tensors))
+                for split in accs:
+                    counts = evaluate(p.algo, getattr(data, split), split, p.train.num_classes,
+                                      256, dev, InputPipeline(input_size=p.train.input_size))
+                    accs[split].append(accuracy(counts.confusion))
+        return {split: 100 * statistics.mean(values) for split, values in accs.items()}
+
+    means = {name: mean_excitation(models, weights, name) for name in names}
+    out = {"none": score({})}
+    for name in names:
+        out[name] = score({name: means[name]})
+    out["all"] = score(means)
     return out
 
 
@@ -248,6 +328,50 @@ def analysis_table(results: dict, labels: list[str], alphas: list[str]) -> str:
     return "\n".join(lines)
 
 
+def per_seed_table(results: dict, labels: list[str], alphas: list[str]) -> str:
+    """Final accuracy per seed (local test / global_test): every row of a seed saw the
+    same partition, so where the means are within the spread the paired view decides."""
+    lines = ["\nper seed, final: each edge's local test / shared global_test (%)"]
+    for alpha in alphas:
+        seeds = sorted({r["seed"] for label in labels for r in results.get((label, alpha), [])})
+        if not seeds:
+            continue
+        lines += [f"| alpha {alpha} | " + " | ".join(f"seed {s}" for s in seeds) + " |",
+                  "|---" * (len(seeds) + 1) + "|"]
+        for label in labels:
+            by_seed = {r["seed"]: r for r in results.get((label, alpha), [])}
+            if by_seed:
+                lines.append(f"| {label} | " + " | ".join(
+                    f"{by_seed[s]['test']['final']:.1f} / {by_seed[s]['global_test']['final']:.1f}"
+                    if s in by_seed else "-" for s in seeds) + " |")
+    return "\n".join(lines)
+
+
+def swap_table(results: dict, labels: list[str], alphas: list[str]) -> str:
+    """The per-module swap diagnostic: accuracy as saved, and its change when one SE
+    module's private excitation (or all of them) is replaced by the edges' mean."""
+    lines = ["\nper-module swap diagnostic (final models): accuracy as saved, and the change "
+             "when only module m's private excitation\nis replaced by the edges' n_k-weighted "
+             "mean on every edge (mean +- std over seeds; changes in points)"]
+    for alpha in alphas:
+        for label in labels:
+            runs = [r for r in results.get((label, alpha), []) if "swap" in r]
+            if not runs:
+                continue
+            modules = [m for m in runs[0]["swap"] if m != "none"]
+            if len(lines) == 1:
+                lines += ["| method | alpha | split | as saved | " + " | ".join(
+                    f"swap {m}" for m in modules) + " | seeds |",
+                    "|---" * (len(modules) + 5) + "|"]
+            for split in ("test", "global_test"):
+                base = [r["swap"]["none"][split] for r in runs]
+                cells = [pm([r["swap"][m][split] - r["swap"]["none"][split] for r in runs])
+                         for m in modules]
+                lines.append(f"| {label} | {alpha} | {split} | {pm(base)} | "
+                             + " | ".join(cells) + f" | {len(runs)} |")
+    return "\n".join(lines)
+
+
 def plot(results: dict, labels: list[str], alpha: str, path: Path) -> None:
     import matplotlib
 
@@ -299,6 +423,8 @@ def main() -> int:
     p.add_argument("--jobs", type=int, default=1, help="federations run at once")
     p.add_argument("--only", nargs="+", metavar="LABEL",
                    help="run only these rows (e.g. fedsap pse-only fedsap-running)")
+    p.add_argument("--report-only", action="store_true",
+                   help="report the finished runs under --out; start none")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-fedsap")
     args = p.parse_args()
     source = SOURCES[args.dataset][0]
@@ -328,6 +454,8 @@ def main() -> int:
                  for s in (args.seeds if c.label in SEEDED else args.seeds[:1])]
     if args.only:
         jobs = [job for job in jobs if job[0].label in args.only]
+    if args.report_only:
+        jobs = [job for job in jobs if finished(args, *job)]
     for alpha, seed in dict.fromkeys((a, s) for _, a, s in jobs):
         partition(args, alpha, seed)  # before the runs start: they share the partitions
 
@@ -335,9 +463,23 @@ def main() -> int:
         config, alpha, seed = job
         history = federate(args, config, alpha, seed)
         data = partition(args, alpha, seed)
-        analysis = {**squeeze_dispersion(history.parent.parent, data, args.device),
-                    **reported_gsr(history)}
+        spread = history.parent.parent / "squeeze-spread.json"  # cached like the runs
+        if not spread.exists():
+            spread.write_text(json.dumps(squeeze_dispersion(history.parent.parent, data,
+                                                            args.device)))
+        analysis = {**json.loads(spread.read_text()), **reported_gsr(history)}
         result = figures(history, seed, analysis)
+        if config.method == "fedsap" and config.params.get("personalization", "pse") == "pse":
+            cache = history.parent.parent / "swap.json"  # --out caches the diagnostic too
+            if not cache.exists():
+                swap = swap_diagnostic(history.parent.parent, data, args.device)
+                cache.write_text(json.dumps(swap, indent=1))
+            result["swap"] = json.loads(cache.read_text())
+            for split in ("test", "global_test"):  # the saved models are what was scored
+                if abs(result["swap"]["none"][split] - result[split]["final"]) > 1e-6:
+                    print(f"  WARNING {config.label} seed {seed}: saved models score "
+                          f"{result['swap']['none'][split]:.2f} on {split}, the run's final "
+                          f"evaluation {result[split]['final']:.2f}", flush=True)
         results.setdefault((config.label, alpha), []).append(result)
         print(f"  {config.label:<14} alpha {alpha:<4} seed {seed}: final local test "
               f"{result['test']['final']:.1f}, global_test {result['global_test']['final']:.1f}",
@@ -352,7 +494,10 @@ def main() -> int:
     paper = PAPER_TABLE_IV if args.dataset == "cifar10" else None
     labels = [c.label for c in main_table if any((c.label, a) in results for a in args.alphas)]
     print(table(results, labels, args.alphas, paper))
+    print(per_seed_table(results, labels, args.alphas))
     print(analysis_table(results, [c.label for c in main_table + ABLATIONS], args.alphas))
+    print(swap_table(results, [c.label for c in main_table + ABLATIONS],
+                     sorted({a for _, a in results})))
     if args.what in ("ablations", "all"):
         ablation_labels = ["fedsap", "pse-only", *[c.label for c in ABLATIONS]]
         print("\nablations, alpha 0.5 (paper, CIFAR-10 alpha 0.5: "
@@ -361,7 +506,7 @@ def main() -> int:
     for alpha in args.alphas:
         if not any((label, alpha) in results for label in labels):
             continue  # an ablations-only run must not overwrite the table's curves
-        path = args.out / f"convergence-{args.dataset}-{alpha}.png"
+        path = args.out / f"convergence-{args.dataset}-{alpha}-{args.model}.png"
         plot(results, labels, alpha, path)
         print(f"\nconvergence curves: {path}")
     return 0

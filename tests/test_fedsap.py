@@ -14,7 +14,14 @@ from torchvision.ops.misc import SqueezeExcitation
 from fedattn_shared.config import TrainConfig
 from fedattn_shared.methods import MethodContext, load_method
 from fedattn_shared.methods.aggregators import PairwiseCosine
-from fedattn_shared.methods.fedsap import STATS, SqueezeRecorder, gsr_loss
+from fedattn_shared.methods.fedsap import (
+    STATS,
+    SqueezeRecorder,
+    excitation_tensors,
+    gsr_loss,
+    mean_excitation,
+    swapped_excitation,
+)
 from fedattn_shared.methods.split import squeeze_excitation_modules
 from fedattn_shared.wire.payload import Kind, Payload, Section
 from fl_edge.store import PrivateStore, private_tensors
@@ -433,3 +440,58 @@ def test_parameter_dependent_rules_are_checked_like_declared_ones(monkeypatch):
         cls(MethodContext(train, cls.Params()))
     with pytest.raises(AttributeError, match="part of the method's declaration"):
         method.private_rules = ("bn",)  # declarations are fixed once the class is built
+
+
+def test_se_cnn_tail_puts_a_shared_conv_block_between_the_last_se_and_the_head():
+    """se-cnn's last SE module feeds the pooled classifier directly (a private head under
+    pSE); se-cnn-tail puts a shared conv block after it, and splits like se-cnn otherwise."""
+    plain, tail = fedsap("se-cnn"), fedsap("se-cnn-tail")
+    for method, models in (plain, tail):
+        model = models["model"]
+        assert [m.fc1.in_channels for _, m in squeeze_excitation_modules(model)] == [16, 32, 64]
+        assert float_names(model) - set(method.shared_specs(models)) == se_excitation_names(model)
+        assert model(torch.randn(2, 1, 28, 28)).shape == (2, 10)
+    after_last_se = [type(m) for m in list(tail[1]["model"].features)[-3:]]
+    assert after_last_se == [nn.Conv2d, nn.BatchNorm2d, nn.ReLU]
+    assert isinstance(list(plain[1]["model"].features)[-1], SqueezeExcitation)
+    fedper = load_method("fedper")
+    train = TrainConfig(model="se-cnn-tail", in_channels=1, image_size=28)
+    method = fedper(MethodContext(train, fedper.Params()))
+    models = method.build_models()
+    private = float_names(models["model"]) - set(method.shared_specs(models))
+    assert private == {"model/classifier.weight", "model/classifier.bias"}
+
+
+def test_swapped_excitation_is_the_weighted_mean_of_one_module_and_is_undone():
+    """The per-module swap diagnostic's mechanics, hand-computed: module m's excitation
+    becomes sum_k w_k e_k / sum_k w_k on a model, the other modules keep their own, the
+    output changes only inside the block, and the model is bit-identical afterwards."""
+    torch.manual_seed(0)
+    nets = [fedsap()[1]["model"].eval() for _ in range(2)]
+    names = [name for name, _ in squeeze_excitation_modules(nets[0])]
+    target = names[1]
+    with torch.no_grad():  # edge 1's gates on this module differ clearly from edge 0's
+        dict(squeeze_excitation_modules(nets[1]))[target].fc2.bias.add_(3.0)
+    mean = mean_excitation(nets, [1.0, 3.0], target)
+    own = [excitation_tensors(n, target) for n in nets]
+    for key, value in mean.items():
+        torch.testing.assert_close(value, 0.25 * own[0][key] + 0.75 * own[1][key])
+    x = torch.randn(4, 1, 28, 28)
+    before = {k: v.clone() for k, v in nets[0].state_dict().items()}
+    out_before = nets[0](x)
+    with swapped_excitation(nets[0], target, mean):
+        swapped = excitation_tensors(nets[0], target)
+        assert all(torch.equal(swapped[k], mean[k]) for k in mean)
+        for other in (names[0], names[2]):
+            assert all(torch.equal(v, before[f"{other}.{k}"])
+                       for k, v in excitation_tensors(nets[0], other).items())
+        assert not torch.allclose(nets[0](x), out_before)
+    assert all(torch.equal(v, before[k]) for k, v in nets[0].state_dict().items())
+    assert torch.equal(nets[0](x), out_before)
+    # The mean of identical excitations (FedAvg's shared SE) swaps in nothing new.
+    same = mean_excitation([nets[0], nets[0]], [2.0, 5.0], target)
+    with swapped_excitation(nets[0], target, same):
+        torch.testing.assert_close(nets[0](x), out_before)
+    with pytest.raises(ValueError, match="fc1.weight"):
+        with swapped_excitation(nets[0], target, {"fc1.weight": mean["fc1.weight"]}):
+            pass

@@ -138,6 +138,41 @@ def statistics_drift(stats: dict[str, torch.Tensor], target: dict[str, torch.Ten
     return sum(ratios) / len(ratios) if ratios else float("nan")
 
 
+def excitation_tensors(model: nn.Module, module: str) -> dict[str, torch.Tensor]:
+    """The private part of SE module ``module`` under the pSE split: its excitation FCs'
+    weights and biases, keyed as in the module's state dict (``fc1.weight``, ...)."""
+    se = dict(squeeze_excitation_modules(model))[module]
+    return {f"{fc}.{k}": v for fc in ("fc1", "fc2") for k, v in getattr(se, fc).state_dict().items()}
+
+
+def mean_excitation(models: list[nn.Module], weights: list[float],
+                    module: str) -> dict[str, torch.Tensor]:
+    """The ``weights``-weighted mean over ``models`` of SE module ``module``'s excitation:
+    what FedAvg's rule would have made of the edges' private copies."""
+    total = float(sum(weights))
+    states = [excitation_tensors(m, module) for m in models]
+    return {k: sum(w / total * s[k].double() for w, s in zip(weights, states, strict=True))
+            .to(states[0][k].dtype) for k in states[0]}
+
+
+@contextlib.contextmanager
+def swapped_excitation(model: nn.Module, module: str,
+                       tensors: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Inside the block, SE module ``module`` excites with ``tensors`` (e.g. the edges'
+    mean) instead of the model's own; restored afterwards. The per-module swap diagnostic
+    (issue #24): if replacing one module's private excitation by the mean costs the edge
+    its accuracy gain, that module carries the personalisation."""
+    se = dict(squeeze_excitation_modules(model))[module]
+    own = {k: v.clone() for k, v in excitation_tensors(model, module).items()}
+    if set(tensors) != set(own):
+        raise ValueError(f"swapped_excitation: {module} has {sorted(own)}, got {sorted(tensors)}")
+    se.load_state_dict(tensors, strict=False)
+    try:
+        yield
+    finally:
+        se.load_state_dict(own, strict=False)
+
+
 class SqueezeRecorder:
     """Forward pre-hooks on the SE modules that record each one's squeeze (the global
     average pool of its input, per sample) while ``recording`` is set."""

@@ -26,7 +26,7 @@ from .anfr import (
 from .lenet import LeNetBN, lenet_attention_sites
 from .mobilenet_compact import MobileNetV3Compact
 from .resnet import cifar_resnet18, compact_cifar_resnet, resnet_tokens
-from .secnn import SECNN
+from .secnn import SECNN, se_cnn_tail
 
 AttentionSites = Callable[[nn.Module], list[tuple[str, int]]]
 
@@ -106,6 +106,9 @@ MODELS: dict[str, ModelSpec] = {
                   _mobilenet_v2_attention_sites, se_reduction=4),
         ModelSpec("se-cnn", SECNN, "classifier",
                   "a small 3-block CNN with 3 SE modules, for tests and the demo"),
+        ModelSpec("se-cnn-tail", se_cnn_tail, "classifier",
+                  "se-cnn with a conv block after the last SE module: no SE directly "
+                  "before the head (Fed-SAP's CPU bench)"),
         ModelSpec("mobilenet-v3-small", _mobilenet_v3_small, "classifier.3",
                   "torchvision mobilenet_v3_small, 9 SE modules (the Fed-SAP backbone)"),
         ModelSpec("mobilenet-v3-compact", MobileNetV3Compact, "fc",
