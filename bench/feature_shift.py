@@ -198,6 +198,24 @@ def averages(results: dict, hosts: list[str], attentions: list[str]) -> str:
     return "\n".join(lines)
 
 
+def recalibration_gain(results: dict, hosts: list[str], attentions: list[str]) -> str:
+    """What recomputing BN statistics on each edge's own data adds (test_bnrecal - test,
+    4-domain average at the last round), per row, mean ± std over seeds."""
+    lines = ["\nBN recalibration gain (test_bnrecal - test, 4-domain average, final round), "
+             "mean ± std over seeds, and each seed's"]
+    for host in hosts:
+        for attention in attentions:
+            runs = results.get((host, attention))
+            if not runs or "test_bnrecal" not in runs[0]["final"]:
+                continue
+            gains = [statistics.mean(r["final"]["test_bnrecal"].values())
+                     - statistics.mean(r["final"]["test"].values()) for r in runs]
+            label = host if attention == "none" else f"{host} + {attention}"
+            lines.append(f"  {label:<16} {pm(gains):>14} points   "
+                         f"[{' '.join(f'{g:+.2f}' for g in gains)}]")
+    return "\n".join(lines)
+
+
 def paired(runs: list, base: list, split: str, when: str) -> list[float]:
     """Per-seed differences (this row - the host alone) of the 4-domain average."""
     def value(r: dict) -> float:
@@ -286,6 +304,7 @@ def main() -> int:
           "seeds; *_bnrecal: after each edge recomputes its BN running statistics on its own "
           "training images (weights unchanged)")
     print(averages(results, args.hosts, args.attention))
+    print(recalibration_gain(results, args.hosts, args.attention))
     print(verdict(results, args.hosts, args.attention, edges))
     if "hybrid" in args.attention:
         from fl_tools.report import attention_table, load_edge_history
