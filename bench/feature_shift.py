@@ -7,26 +7,35 @@ real MNIST, real USPS (the official test file, split), and two stand-ins built t
 originals were made: MNIST-M-style (MNIST digits blended over CIFAR-10 patches) and
 SynthDigits-style (digits rendered from matplotlib's fonts). SVHN is not available, so
 there are four edges where the paper had five; the averages are over four domains.
-``--limit`` training and ``--domain-test`` test images per domain, redrawn per seed.
+``--limit`` training and ``--domain-test`` test images per domain, redrawn per seed; the
+default 1,500 is every USPS image (2,007 in its file) not used for training at --limit
+500, and the most every domain can give at that limit (MNIST and MNIST-M-style hold 5,000
+each); the digits partition has no shared global test set.
 
 Model and training as the paper (section 4.2): LeNet with BN (``lenet-bn``, Table 7),
 attention after each conv block, plain SGD, E = 1, batch 32 (FedBN's); pFedLA's server
 averages uniformly (1/N). Host parameters are the library defaults (FedProx mu 0.01, Ditto
 lambda 0.1, pFedMe lambda 15, K 5, personal lr 0.09, beta 1).
 
-Metric: each edge's personalized model on its own domain's test images at the last round
-(per domain), and their mean; mean ± std over seeds. Bytes: wire bytes per round, both
-directions, of the SHARED_TENSORS sections, beside the host's.
+Metric: each edge's personalized model on its own domain's test images (per domain), and
+their mean, at the last round (final) and at the best of the evaluated rounds (best); mean
+± std over seeds; the per-seed differences against the host alone, and how many seeds are
+> 0. Beside it, the same after each edge recomputes its BN running statistics on its own
+training images, weights unchanged (``train.bn_recalibrated_eval``, the ``*_bnrecal``
+splits): with a FedAvg host the BN statistics are averaged over edges whose features
+differ. Bytes: wire bytes per round, both directions, of the SHARED_TENSORS sections,
+beside the host's.
 
 Protocols:
   default (CPU): --rounds 15 (the paper: 100) at lr 0.05 (the paper: 0.01; five times the
-    step for a sixth of the rounds), --limit 500 training and --domain-test 300 test
-    images per domain (FedBN's digits setting used 743 training images per domain),
-    seeds 0 1 2;
+    step for a sixth of the rounds), --limit 500 training images per domain (FedBN's
+    digits setting used 743), --domain-test 1500, evaluated every 3 rounds, seeds 0 1 2;
+    issue #24's: the same with --hosts fedavg fedbn --attention none se --seeds 0 ... 9;
   --full: the paper's T = 100 rounds at lr 0.01, 743 training images per domain.
 
     .venv/bin/python bench/feature_shift.py                     # Table 1, CPU protocol
-    .venv/bin/python bench/feature_shift.py --hosts fedavg fedbn --attention none se hybrid
+    .venv/bin/python bench/feature_shift.py --hosts fedavg fedbn --attention none se \
+        --seeds 0 1 2 3 4 5 6 7 8 9                             # issue #24's protocol
 """
 
 from __future__ import annotations
@@ -73,6 +82,10 @@ PAPER = {
     ("ditto", "ca"): (93.17, 61.68, 93.61, 76.89, 68.55, 78.05),
     ("ditto", "hybrid"): (93.10, 61.47, 93.70, 76.57, 68.41, 78.14),
 }
+#: The evaluated splits: the edges' own test split (the paper's metric), and the same after
+#: each edge recomputes its BN statistics on its own training data, weights unchanged
+#: (train.bn_recalibrated_eval). The digits partition has no shared global test set.
+SPLITS = ("test", "test_bnrecal", "global_test", "global_test_bnrecal")
 PAPER_COLUMNS = {"mnist": 0, "usps": 2, "synthdigits-style": 3, "mnistm-style": 4}
 
 
@@ -96,11 +109,13 @@ def federate(args, host: str, attention: str, seed: int) -> Path:
     sets = {"train.model": "lenet-bn", "train.in_channels": 3, "train.image_size": 28,
             "train.lr": args.lr, "train.momentum": 0.0, "train.batch_size": args.batch_size,
             "train.local_epochs": 1, "train.lr_schedule": "constant",
-            "server.eval_every": args.eval_every}
+            "server.eval_every": args.eval_every,
+            "train.bn_recalibrated_eval": args.bn_recal}
     if method == "pfedla":
         sets.update({"pfedla.base": host, "pfedla.attention": attention,
                      "pfedla.weighting": "uniform"})
-    flags = [f"--set={k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in sets.items()]
+    flags = [f"--set={k}={json.dumps(v) if isinstance(v, str | bool) else v}"
+             for k, v in sets.items()]
     started = time.time()
     out.mkdir(parents=True, exist_ok=True)
     run([sys.executable, "-m", "fl_tools.sim", "--method", method, "--edges", str(len(DOMAINS)),
@@ -112,20 +127,22 @@ def federate(args, host: str, attention: str, seed: int) -> Path:
 
 
 def figures(run_dir: Path) -> dict:
-    """Per-domain accuracy (%) at the last evaluated round, and SHARED_TENSORS wire bytes
-    per round (up + down, mean over rounds)."""
+    """Per-domain accuracy (%) on each evaluated split at the last evaluated round
+    (``accuracy``: the edges' own test split; ``final``: every split), the best round's
+    4-domain average per split (``best``), and SHARED_TENSORS wire bytes per round (up +
+    down, mean over rounds)."""
     history = json.loads((run_dir / "server" / "history.json").read_text())
-    last = [r for r in history["rounds"] if "evaluation" in r][-1]
-    per_edge = last["evaluation"]["per_edge"]
-    accuracy = {}
-    for edge, splits in per_edge.items():
-        confusion = splits["test"]["confusion"]
-        total = sum(map(sum, confusion))
-        accuracy[edge] = 100 * sum(confusion[i][i] for i in range(len(confusion))) / total
+    evaluated = [r["evaluation"]["per_edge"] for r in history["rounds"] if "evaluation" in r]
+    per_round = [{split: {edge: 100 * figures[split]["accuracy"]
+                          for edge, figures in per_edge.items() if split in figures}
+                  for split in SPLITS} for per_edge in evaluated]
+    final = {split: acc for split, acc in per_round[-1].items() if acc}
+    best = {split: max(statistics.mean(r[split].values()) for r in per_round if r[split])
+            for split in final}
     shared = [sum(r["bytes"][d].get("shared_tensors", {}).get("wire", 0) for d in ("up", "down"))
               for r in history["rounds"]]
-    return {"accuracy": accuracy, "bytes": statistics.mean(shared)}
-
+    return {"accuracy": final["test"], "final": final, "best": best,
+            "bytes": statistics.mean(shared)}
 
 
 def pm(values: list[float], digits: int = 2) -> str:
@@ -161,9 +178,55 @@ def table(results: dict, hosts: list[str], attentions: list[str], edges: dict[st
     return "\n".join(lines)
 
 
+def averages(results: dict, hosts: list[str], attentions: list[str]) -> str:
+    """The 4-domain average per split, final and best evaluated round, mean ± std over
+    seeds."""
+    splits = [s for s in SPLITS if any(s in r["final"] for runs in results.values() for r in runs)]
+    header = ["method"] + [f"{s} {when}" for s in splits for when in ("final", "best")]
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    for host in hosts:
+        for attention in attentions:
+            runs = results.get((host, attention))
+            if not runs:
+                continue
+            cells = []
+            for split in splits:
+                cells.append(pm([statistics.mean(r["final"][split].values()) for r in runs]))
+                cells.append(pm([r["best"][split] for r in runs]))
+            label = host if attention == "none" else f"  + {attention}"
+            lines.append("| " + " | ".join([label, *cells]) + " |")
+    return "\n".join(lines)
+
+
+def recalibration_gain(results: dict, hosts: list[str], attentions: list[str]) -> str:
+    """What recomputing BN statistics on each edge's own data adds (test_bnrecal - test,
+    4-domain average at the last round), per row, mean ± std over seeds."""
+    lines = ["\nBN recalibration gain (test_bnrecal - test, 4-domain average, final round), "
+             "mean ± std over seeds, and each seed's"]
+    for host in hosts:
+        for attention in attentions:
+            runs = results.get((host, attention))
+            if not runs or "test_bnrecal" not in runs[0]["final"]:
+                continue
+            gains = [statistics.mean(r["final"]["test_bnrecal"].values())
+                     - statistics.mean(r["final"]["test"].values()) for r in runs]
+            label = host if attention == "none" else f"{host} + {attention}"
+            lines.append(f"  {label:<16} {pm(gains):>14} points   "
+                         f"[{' '.join(f'{g:+.2f}' for g in gains)}]")
+    return "\n".join(lines)
+
+
+def paired(runs: list, base: list, split: str, when: str) -> list[float]:
+    """Per-seed differences (this row - the host alone) of the 4-domain average."""
+    def value(r: dict) -> float:
+        return statistics.mean(r["final"][split].values()) if when == "final" else r["best"][split]
+    return [value(r) - value(b) for r, b in zip(runs, base, strict=True)]
+
+
 def verdict(results: dict, hosts: list[str], attentions: list[str], edges: dict) -> str:
-    lines = ["\ndoes local attention help each host? (average over domains, mean over seeds; "
-             "difference and its std over seeds, paired by seed)"]
+    lines = ["\ndoes local attention help each host? 4-domain average, per-seed difference "
+             "(attention - host alone, paired by seed): mean ± std over seeds, seeds where it "
+             "is > 0, and each seed's difference"]
     for host in hosts:
         base = results.get((host, "none"))
         if not base:
@@ -172,12 +235,18 @@ def verdict(results: dict, hosts: list[str], attentions: list[str], edges: dict)
             runs = results.get((host, attention))
             if attention == "none" or not runs:
                 continue
-            diffs = [statistics.mean(r["accuracy"].values()) - statistics.mean(b["accuracy"].values())
-                     for r, b in zip(runs, base, strict=False)]
             paper_diff = (PAPER[(host, attention)][5] - PAPER[(host, "none")][5]
                           if (host, attention) in PAPER else float("nan"))
-            lines.append(f"  {host:<8} + {attention:<7} {pm(diffs):>16} points   "
-                         f"(paper {paper_diff:+.2f})")
+            lines.append(f"  {host} + {attention} (paper {paper_diff:+.2f}):")
+            for split in SPLITS:
+                if split not in runs[0]["final"]:
+                    continue
+                for when in ("final", "best"):
+                    diffs = paired(runs, base, split, when)
+                    positive = sum(d > 0 for d in diffs)
+                    each = " ".join(f"{d:+.2f}" for d in diffs)
+                    lines.append(f"    {split:<20} {when:<5} {pm(diffs):>14} points, "
+                                 f"{positive}/{len(diffs)} > 0   [{each}]")
     return "\n".join(lines)
 
 
@@ -189,10 +258,14 @@ def main() -> int:
     p.add_argument("--full", action="store_true", help="the paper's 100 rounds")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--limit", type=int, default=500, help="training images per domain")
-    p.add_argument("--domain-test", type=int, default=300, help="test images per domain")
+    p.add_argument("--domain-test", type=int, default=1500,
+                   help="test images per domain (1,500: every USPS image not used for "
+                        "training at --limit 500)")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--eval-every", type=int, default=5)
+    p.add_argument("--eval-every", type=int, default=3)
+    p.add_argument("--no-bn-recal", dest="bn_recal", action="store_false",
+                   help="skip the BN-recalibrated evaluation (train.bn_recalibrated_eval)")
     p.add_argument("--procs", type=int, default=2)
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-feature-shift")
     args = p.parse_args()
@@ -226,6 +299,12 @@ def main() -> int:
           f"{args.seeds}; paper: Table 1 (T = 100, five domains incl. SVHN; 'our 4' = its "
           "mean over the four domains here, stand-ins against the originals)")
     print(table(results, args.hosts, args.attention, edges))
+    print(f"\n4-domain average accuracy (%) per split, at round {args.rounds} (final) and at "
+          f"the best of the rounds evaluated every {args.eval_every} (best), mean ± std over "
+          "seeds; *_bnrecal: after each edge recomputes its BN running statistics on its own "
+          "training images (weights unchanged)")
+    print(averages(results, args.hosts, args.attention))
+    print(recalibration_gain(results, args.hosts, args.attention))
     print(verdict(results, args.hosts, args.attention, edges))
     if "hybrid" in args.attention:
         from fl_tools.report import attention_table, load_edge_history

@@ -21,6 +21,7 @@ from functools import cached_property, partial
 import torch
 
 from fedattn_shared.augment import InputPipeline
+from fedattn_shared.config import BN_RECALIBRATED
 from fedattn_shared.methods.phases import EVALUATE, TRAIN
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire.payload import Payload
@@ -29,7 +30,7 @@ from .metrics import EdgeMetrics
 from .options import EdgeExit, EdgeOptions
 from .run import EdgeRun
 from .store import PrivateStore
-from .trainer import evaluate, loader_seed, train_local
+from .trainer import evaluate, loader_seed, recalibrated_bn, train_local
 from .writer import StateWriter
 
 log = logging.getLogger("fl_edge")
@@ -178,7 +179,20 @@ class TaskRunner:
             log.info("round %d: fine-tuned %d steps before evaluation", task.round,
                      result.steps)
         evaluation = [self._score(scorer, task, name, split) for name, split in self._splits()]
+        if self.run.train.bn_recalibrated_eval:
+            evaluation += self._bn_recalibrated(scorer, task)
         return Result(Payload(), len(self.run.data.train), evaluation, metrics, saves)
+
+    def _bn_recalibrated(self, scorer, task: Task) -> list[pb.ConfusionCounts]:
+        """The splits scored again with BN statistics recomputed on this edge's train split
+        (``trainer.recalibrated_bn``; the state is restored after): none without BN."""
+        pipeline = InputPipeline(input_size=self.run.train.input_size)
+        with recalibrated_bn(scorer, self.run.data.train, self.opts.eval_batch_size,
+                             self.device, pipeline) as recalibrated:
+            if not recalibrated:
+                return []
+            return [self._score(scorer, task, name + BN_RECALIBRATED, split)
+                    for name, split in self._splits()]
 
     def _splits(self) -> list:
         data = self.run.data

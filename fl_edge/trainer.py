@@ -16,13 +16,14 @@ import sys
 import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from tqdm import tqdm
 
@@ -405,3 +406,44 @@ def evaluate(algo: EdgeAlgorithm, data: Split, split: str, num_classes: int, bat
         pred = logits.argmax(dim=1)
         np.add.at(confusion, (y.cpu().numpy(), pred.cpu().numpy()), 1)
     return EvalCounts(split, confusion, loss_sum, brier_sum)
+
+
+@contextmanager
+def recalibrated_bn(algo: EdgeAlgorithm, data: Split, batch_size: int, device: torch.device,
+                    inputs: InputPipeline | None = None) -> Iterator[bool]:
+    """Within the block, every BatchNorm layer of ``algo``'s models holds running statistics
+    recomputed on ``data`` (``train.bn_recalibrated_eval``); on leaving, the layers'
+    buffers and momentum are put back bit for bit, so the edge's state is as before. Yields
+    False, changing nothing, for models without BatchNorm running statistics.
+
+    Why: with BN statistics averaged across edges (FedAvg), an edge's shared statistics
+    describe the federation's mix of features, not its own; scoring again after each edge
+    recomputes them on its own data, weights untouched, measures how much of the error is
+    the statistics alone. Recomputed as PyTorch's cumulative average (``momentum=None``:
+    every batch weighs the same), one pass in order, no augmentation (``inputs`` only
+    resizes), no gradient; only the BN layers are in train mode (dropout stays off)."""
+    layers = [m for model in algo.models.values() for m in model.modules()
+              if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+    if not layers:
+        yield False
+        return
+    inputs = inputs or InputPipeline()
+    saved = [(m.momentum, {k: b.clone() for k, b in m.named_buffers(recurse=False)})
+             for m in layers]
+    try:
+        algo.eval_mode()
+        for m in layers:
+            m.reset_running_stats()
+            m.momentum = None
+            m.train()
+        with torch.no_grad():
+            for x, _ in _batches(data, batch_size, device):
+                algo.predict(inputs.eval_batch(x))
+        algo.eval_mode()
+        yield True
+    finally:
+        with torch.no_grad():
+            for m, (momentum, buffers) in zip(layers, saved, strict=True):
+                m.momentum = momentum
+                for name, value in buffers.items():
+                    getattr(m, name).copy_(value)

@@ -230,16 +230,18 @@ class UploadGate:
         return int(declared), "the num_examples the edge declared at join"
 
     def check_evaluation(self, header: pb.SubmitHeader) -> None:
-        """Known splits, once each, with a classes x classes matrix of counts >= 0 and
-        finite loss and Brier sums (they become the run's reported figures)."""
+        """Known splits (the run's ``evaluation_splits``), once each, with a classes x
+        classes matrix of counts >= 0 and finite loss and Brier sums (they become the run's
+        reported figures)."""
         classes = self.classes
         if not header.evaluation:
             raise Refused("evaluation result without any split", drop=True)
         splits = [entry.split for entry in header.evaluation]
         if len(set(splits)) != len(splits):
             raise Refused("an evaluation split appears twice", drop=True)
+        known = self.method.train.evaluation_splits
         for entry in header.evaluation:
-            if entry.split not in ("test", "global_test"):
+            if entry.split not in known:
                 raise Refused(f"evaluation split {entry.split[:40]!r} is unknown", drop=True)
             if entry.num_classes != classes or len(entry.counts) != classes * classes:
                 raise Refused(f"evaluation {entry.split}: expected {classes}x{classes} counts",

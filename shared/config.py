@@ -29,6 +29,11 @@ else:  # pragma: no cover - exercised on Python 3.10 (JetPack 6)
     import tomli as tomllib
 
 
+#: The suffix of the BN-recalibrated evaluation splits (``train.bn_recalibrated_eval``):
+#: ``test_bnrecal``, ``global_test_bnrecal``.
+BN_RECALIBRATED = "_bnrecal"
+
+
 class ConfigError(ValueError):
     """Bad configuration: the message names the file, section and key."""
 
@@ -64,6 +69,11 @@ class TrainConfig:
     clip_grad_norm: float = 0.0     # > 0: clip the stepped gradient's L2 norm to this; 0: off
     augment: Augment = "none"       # none | crop-flip | resized-crop, on training batches only
     input_size: int = 0             # > 0: resize inputs to this and build models for it; 0: off
+    # A diagnostic for shared BatchNorm: every evaluation also scores the model after the edge
+    # recomputes its BN running statistics on its own train split (no weight changes; the
+    # edge's state is restored bit for bit), as the extra splits test_bnrecal and
+    # global_test_bnrecal. Absent for models without BatchNorm.
+    bn_recalibrated_eval: bool = False
 
     def validate(self) -> None:
         check_choices(self, "train")
@@ -94,6 +104,15 @@ class TrainConfig:
         if self.input_size < 0:
             raise ConfigError(f"train.input_size must be >= 0 (0: the data's own size), got "
                               f"{self.input_size}")
+
+    @property
+    def evaluation_splits(self) -> tuple[str, ...]:
+        """The split names an evaluation result may carry under this config (the server
+        refuses any other)."""
+        splits = ("test", "global_test")
+        if self.bn_recalibrated_eval:
+            splits += tuple(name + BN_RECALIBRATED for name in splits)
+        return splits
 
     @property
     def model_size(self) -> int:

@@ -376,11 +376,18 @@ def eval_unknown_split(result: pb.ConfusionCounts) -> None:
     result.split = "train"
 
 
+def eval_bnrecal_not_asked(result: pb.ConfusionCounts) -> None:
+    # The BN-recalibrated diagnostic's split from a run that did not ask for it
+    # (train.bn_recalibrated_eval is off).
+    result.split = "test_bnrecal"
+
+
 BAD_EVALUATIONS = [
     ("nan-loss", eval_nan_loss, "non-finite loss"),
     ("99-counts", eval_short_counts, "expected 10x10 counts"),
     ("negative-count", eval_negative_count, "negative counts"),
     ("unknown-split", eval_unknown_split, "split 'train'"),
+    ("bnrecal-split-not-asked", eval_bnrecal_not_asked, "split 'test_bnrecal'"),
     ("tensors-in-an-evaluation", None, "is not in method fedavg's upload schema"),
 ]
 

@@ -67,7 +67,8 @@ from typing import Any
 
 import numpy as np
 
-SPLITS = ("test", "global_test")
+# *_bnrecal: the BN-recalibrated diagnostic (train.bn_recalibrated_eval)
+SPLITS = ("test", "global_test", "test_bnrecal", "global_test_bnrecal")
 IGNORED_SERVER_KEYS = frozenset({"checkpoint_dir", "port", "metrics_port", "resume"})
 CONVERGENCE_FRACTION = 0.95
 FINAL_METRICS = ("mean_accuracy", "pooled_accuracy", "macro_f1", "weighted_f1", "brier")
