@@ -287,7 +287,7 @@ class BufferedSchedule:
             self.current.retire()
         self.current = self.phases[(TRAIN, phase.round)] = phase
         for edge in engine.edges.connected_ids():
-            engine.edges.records[edge].wakeup.set()
+            engine.edges.records[edge].wake()
 
     # ---- tasks ----------------------------------------------------------------------
     def task_for(self, edge: str) -> tuple[Phase, Task] | None:
@@ -503,7 +503,7 @@ class BufferedSchedule:
         self.phases[(EVALUATE, version)] = phase
         phase.maybe_close()
         for edge in edges:
-            engine.edges.records[edge].wakeup.set()
+            engine.edges.records[edge].wake()
         task = asyncio.create_task(self.evaluation(phase, record))
         self.evaluations.add(task)
         task.add_done_callback(self.evaluations.discard)

@@ -49,15 +49,16 @@ class EdgeRecord:
     first_seen: float
     session: str = ""
     info: dict[str, str] = field(default_factory=dict)
-    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    wakeup: asyncio.Event = field(default_factory=asyncio.Event)  # ends a NextTask long-poll's wait
     needs_init: bool = False  # joined without private state: send the initial models once
     heard_run_over: bool = False  # has been told the run is over (the server waits for it)
     signing_key: str = ""  # hex Ed25519 public key, bound to the id at the first join
     upload_mac_key: bytes = b""  # this session's, agreed at join; never written to disk
     cert_serial: str = ""  # under mutual TLS: the certificate the id is bound to (hex)
-    # Set when this session ends (a rejoin, a leave, a revocation): the presence stream of
-    # the session waits on it, so a revoked device's stream closes at once.
-    session_over: asyncio.Event = field(default_factory=asyncio.Event)
+    # The presence stream of this session waits on it. Set when the session ends (a rejoin,
+    # a leave, a revocation: a revoked device's stream closes at once) and by ``wake`` (its
+    # next event tells the edge whether a task waits, so an idle edge need not long-poll).
+    stirred: asyncio.Event = field(default_factory=asyncio.Event)
     # The book's set of connected ids, shared by all its records: counting the connected
     # edges is then O(1), not a scan of every record, which made each of 10,000 joins
     # (a presence stream opening counts the fleet) pay for the whole fleet.
@@ -80,13 +81,19 @@ class EdgeRecord:
         """A join: the previous session ends (its presence stream closes) first."""
         self.end_session()
         self.session = secrets.token_hex(16)
-        self.session_over = asyncio.Event()
+        self.stirred = asyncio.Event()
 
     def end_session(self) -> None:
         """A leave, rejoin or revocation: wakes whatever waits on the old session."""
         self.session = ""
         self.connected = False
-        self.session_over.set()
+        self.stirred.set()
+
+    def wake(self) -> None:
+        """Something this edge may fetch changed (a task for it, the run's end): its
+        long-poll stops waiting and its presence stream sends a ``task_ready`` hint."""
+        self.wakeup.set()
+        self.stirred.set()
 
 
 def info_refusal(info: dict[str, str]) -> str:
@@ -190,7 +197,7 @@ class EdgeBook:
     def wake_all(self) -> None:
         """Ends every task long-poll's wait (a new phase, or the run is over)."""
         for record in self.records.values():
-            record.wakeup.set()
+            record.wake()
 
     def to_json(self) -> dict:
         """The bindings a checkpoint keeps (no session: a resumed server makes edges rejoin)."""

@@ -281,7 +281,7 @@ class Engine:
         log.info("round %d %s: %d task(s), quorum %d", round_number, name, len(phase.tasks),
                  phase.quorum)
         for edge in edges:
-            self.edges.records[edge].wakeup.set()
+            self.edges.records[edge].wake()
         # While the edges download, the last round's checkpoint finishes (or its failure
         # stops the server here, before anything of this round is aggregated).
         await self.durable()
