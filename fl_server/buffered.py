@@ -309,6 +309,19 @@ class BufferedSchedule:
             return None
         return phase, self.new_task(phase, edge)
 
+    def has_work(self, edge: str) -> bool:
+        """Whether ``task_for`` would hand the edge a task now, without handing it: the
+        presence stream's ``task_ready`` hint asks this for every event, and must neither
+        create a task nor give up the one the edge is training (``superseded``)."""
+        record = self.engine.edges.records.get(edge)
+        if record is None or not record.connected:
+            return False
+        if any(phase.is_pending(edge) and (phase is self.current or phase.driver.evaluates)
+               for phase in self.phases.values() if edge in phase.tasks):
+            return True
+        phase = self.current
+        return phase is not None and not phase.closed and self.may_train(phase, edge)
+
     def may_train(self, phase: Phase, edge: str) -> bool:
         """Whether the edge may have new work now. An edge whose result is in the buffer
         waits for the buffer to apply (no edge holds more than one result of a version: a

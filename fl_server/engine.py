@@ -139,6 +139,13 @@ class Engine:
             return None
         return phase, phase.tasks[edge]
 
+    def has_work(self, edge: str) -> bool:
+        """Whether ``task_for`` would hand the edge a task now; no side effect (async's
+        ``task_for`` creates tasks and supersedes old ones)."""
+        if self.buffered is not None:
+            return self.buffered.has_work(edge)
+        return self.task_for(edge) is not None
+
     def phase_for(self, header: pb.SubmitHeader) -> Phase | None:
         """The phase a result is for: the open one, or (async) the one it names."""
         return self.buffered.phase_for(header) if self.buffered is not None else self.phase

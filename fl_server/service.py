@@ -243,7 +243,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         try:
             while record.session == request.session:
                 stirred.clear()
-                ready = self.front.finished or self.front.next_task(edge) is not None
+                ready = self.front.has_work(edge)
                 event = pb.PresenceEvent(server_time=time.time(), task_ready=ready)
                 self.meter.count_message(DOWN, event, edge=edge)
                 yield event
