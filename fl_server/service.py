@@ -247,10 +247,8 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
                 event = pb.PresenceEvent(server_time=time.time(), task_ready=ready)
                 self.meter.count_message(DOWN, event, edge=edge)
                 yield event
-                try:  # wakes at once when the session ends or the edge's work changes
-                    await asyncio.wait_for(stirred.wait(), PRESENCE_INTERVAL)
-                except asyncio.TimeoutError:
-                    pass
+                # Wakes at once when the session ends or the edge's work may have changed.
+                await stirred.wait(PRESENCE_INTERVAL)
         except asyncio.CancelledError:
             return  # the stream ended (the edge went, or the server is shutting down)
         finally:
@@ -284,10 +282,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
                 # its wakeup, so an idle poll sleeps until then or its deadline: waking
                 # every second, 10,000 idle edges cost the server 10,000 wakeups a second.
                 record.wakeup.clear()
-                try:
-                    await asyncio.wait_for(record.wakeup.wait(), timeout=remaining)
-                except asyncio.TimeoutError:
-                    pass
+                await record.wakeup.wait(remaining)
             phase, task = found
             if not self.front.deliver(phase, task, self.cfg.max_task_deliveries):
                 # A download that broke is asked for again; one asked for without end is a

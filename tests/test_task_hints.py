@@ -9,6 +9,7 @@ race against the ten-second repeat."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -20,6 +21,7 @@ from fedattn_shared.methods import MethodContext, load_method
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fl_server import service
 from fl_server.app import ServerApp
+from fl_server.edges import Signal
 
 POLL_TIMEOUT = 60.0  # a long-poll would wait this long: a no_wait answer must not
 
@@ -66,3 +68,37 @@ def test_an_idle_edge_holding_presence_only_hears_of_its_task_and_of_the_run_end
         finally:
             first.close()
             second.close()
+
+
+def test_signal_wakes_its_waiter_returns_at_once_when_set_and_times_out():
+    async def scenario() -> list:
+        signal = Signal()
+        seen = [await signal.wait(0.01)]  # nothing set: the timeout, False
+        signal.set()
+        seen.append(await signal.wait(3600))  # already set: at once
+        signal.clear()
+        waiting = asyncio.ensure_future(signal.wait(3600))
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        signal.set()  # wakes the waiter
+        seen.append(await asyncio.wait_for(waiting, 30))
+        # A second waiter takes the turn; the first then ends at its own timeout.
+        signal.clear()
+        first = asyncio.ensure_future(signal.wait(0.05))
+        await asyncio.sleep(0)
+        second = asyncio.ensure_future(signal.wait(3600))
+        await asyncio.sleep(0)
+        seen.append(await asyncio.wait_for(first, 30))
+        signal.set()
+        seen.append(await asyncio.wait_for(second, 30))
+        # A cancelled wait leaves nothing behind.
+        signal.clear()
+        cancelled = asyncio.ensure_future(signal.wait(3600))
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        seen.append(signal._waiter is None)
+        return seen
+
+    assert asyncio.run(scenario()) == [False, True, True, False, True, True]
