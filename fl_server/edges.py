@@ -41,15 +41,18 @@ class Signal:
         self._waiter: asyncio.Future | None = None
 
     def set(self) -> None:
+        """Sets it and wakes the waiter, if any."""
         self._set = True
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
     def clear(self) -> None:
+        """Unsets it (a waiter from now on waits)."""
         self._set = False
 
     def is_set(self) -> bool:
+        """Whether it is set."""
         return self._set
 
     async def wait(self, timeout: float) -> bool:

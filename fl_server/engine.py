@@ -84,6 +84,7 @@ class Engine:
         self.instance = secrets.token_hex(4)
         self.phase: Phase | None = None
         self.finished = False
+        self.stopping = False  # the server is shutting down: waiting calls end now
         self.config_json = run_config(server, train, method,
                                       self.secagg.policy if self.secagg is not None else None)
         # --mode async: the run is versions of a buffer, not rounds of a plan (ValueError,

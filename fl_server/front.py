@@ -70,6 +70,11 @@ class EdgeFront:
         return self.engine.finished
 
     @property
+    def stopping(self) -> bool:
+        """True while the server shuts down: presence streams and long polls end."""
+        return self.engine.stopping
+
+    @property
     def round(self) -> int:
         """The last completed round."""
         return self.engine.round

@@ -241,7 +241,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         self.front.present(record)
         edge = request.edge_id
         try:
-            while record.session == request.session:
+            while record.session == request.session and not self.front.stopping:
                 stirred.clear()
                 ready = self.front.has_work(edge)
                 event = pb.PresenceEvent(server_time=time.time(), task_ready=ready)
@@ -265,6 +265,10 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
             edge = request.edge_id
             deadline = time.monotonic() + (0.0 if request.no_wait else self.cfg.poll_timeout)
             while True:
+                if self.front.stopping:  # the server shuts down: ask again later
+                    yield self._meta(edge, pb.TaskMessage(header=pb.TaskHeader(
+                        status=pb.TaskHeader.WAIT)))
+                    return
                 if self.front.finished:
                     record.heard_run_over = True
                     yield self._meta(edge, pb.TaskMessage(header=pb.TaskHeader(
