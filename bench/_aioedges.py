@@ -4,7 +4,9 @@ thread per edge, so a load bench measures the server rather than the simulator.
 Each edge is what the server would see from a real one: its own id, Ed25519 signing key,
 X25519 upload-key share (signed), session, its own gRPC channel (its own TCP connection:
 a local subchannel pool, so channels do not share one), a presence stream held open,
-NextTask long-polls honouring ``cached_common``, and signed, GMAC'd, streamed uploads built
+NextTask calls honouring ``cached_common`` (asked once when the presence stream hints that a
+task waits, as fl-edge does when the server offers hints; long-polls otherwise, or with
+``--long-poll``), and signed, GMAC'd, streamed uploads built
 with the wire helpers of ``fedattn_shared`` (the same as fl-edge's). Only the training is
 trivial: a train task answers the received shared tensors plus small seeded noise, an
 evaluation task plausible confusion counts. Decoded globals are kept once per process
@@ -48,6 +50,7 @@ NUM_CLASSES = 10
 DOWNLINK_CAP = 256 << 20
 NOISE = 1e-3
 RETRY_DELAY = 1.0  # seconds before a failed call is tried again (a real edge backs off too)
+HINT_FALLBACK_POLL = 60.0  # fl-edge's: an idle edge asks anyway after this long without a hint
 
 
 @dataclass
@@ -57,6 +60,7 @@ class Fleet:
     server: str
     seed: int
     join_slots: asyncio.Semaphore
+    long_poll: bool = False  # hold a NextTask long-poll even when the server sends hints
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     globals: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     failed: Counter = field(default_factory=Counter)
@@ -101,6 +105,8 @@ class AioEdge:
         self.common_id = ""  # the global this edge downloaded last (what it may say it caches)
         self.presence: asyncio.Task | None = None
         self.present = asyncio.Event()
+        self.hints = False  # the server's JoinReply.task_hints (and not --long-poll)
+        self.task_ready = asyncio.Event()
 
     async def join(self) -> None:
         """Join with a signed upload-key share, then open the presence stream; retried
@@ -120,6 +126,7 @@ class AioEdge:
                     await asyncio.sleep(RETRY_DELAY)
                     continue
                 self.session, self.chunk_bytes = reply.session, reply.chunk_bytes or self.chunk_bytes
+                self.hints = reply.task_hints and not self.fleet.long_poll
                 self.mac_key = upload_mac_key(exchange(private, reply.upload_key_share),
                                               self.edge_id, reply.session)
                 self.fleet.counts["joins"] += 1
@@ -138,14 +145,17 @@ class AioEdge:
     async def _hold_presence(self, session: str) -> None:
         call = self.stub.Presence(pb.PresenceRequest(edge_id=self.edge_id, session=session))
         try:
-            async for _ in call:
+            async for event in call:
                 self.fleet.counts["presence events"] += 1
                 self.present.set()
+                if event.task_ready:
+                    self.task_ready.set()
         except grpc.RpcError as err:
             if not self.fleet.stop.is_set() and err.code() != grpc.StatusCode.CANCELLED:
                 self.fleet.fail("Presence", err)
         finally:
             call.cancel()
+            self.task_ready.set()  # the run loop's next call finds out what happened
         if session == self.session and not self.fleet.stop.is_set():
             self.fleet.counts["presence ended"] += 1
 
@@ -154,12 +164,20 @@ class AioEdge:
         started = time.monotonic()
         await self.join()
         self.fleet.join_seconds.append(time.monotonic() - started)
+        idle = False
         try:
             while not self.fleet.stop.is_set():
                 if self.presence is not None and self.presence.done():
                     await self.join()  # the session ended: a real edge rejoins
+                if self.hints and idle:  # told to wait: hold no call until the hint
+                    try:
+                        await asyncio.wait_for(self.task_ready.wait(), HINT_FALLBACK_POLL)
+                    except asyncio.TimeoutError:
+                        pass
+                self.task_ready.clear()
                 try:
                     status = await self.poll()
+                    idle = status == pb.TaskHeader.WAIT
                 except grpc.RpcError as err:
                     self.fleet.fail("NextTask", err)
                     if err.code() == grpc.StatusCode.UNAUTHENTICATED:
@@ -178,7 +196,7 @@ class AioEdge:
         """One NextTask long-poll; a task is answered at once. Returns the header status."""
         request = pb.TaskRequest(edge_id=self.edge_id, session=self.session,
                                  cached_common=self.common_id if self.common_id in self.fleet.globals
-                                 else "")
+                                 else "", no_wait=self.hints)
         header, assemblers = None, []
         async for message in self.stub.NextTask(request, timeout=120):
             if message.HasField("header"):
@@ -249,7 +267,8 @@ def write_status(path: Path, fleet: Fleet, edges: list[AioEdge], final: bool = F
 
 
 async def main_async(args) -> int:
-    fleet = Fleet(args.server, args.seed, asyncio.Semaphore(args.join_concurrency))
+    fleet = Fleet(args.server, args.seed, asyncio.Semaphore(args.join_concurrency),
+                  long_poll=args.long_poll)
     edges = [AioEdge(fleet, f"{args.prefix}-{i:05d}", args.first_index + i)
              for i in range(args.edges)]
     runs = [asyncio.create_task(edge.run()) for edge in edges]
@@ -282,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--join-concurrency", type=int, default=32,
                    help="joins in flight at once from this process")
     p.add_argument("--deadline", type=float, default=1800)
+    p.add_argument("--long-poll", action="store_true",
+                   help="hold a NextTask long-poll while idle even when the server sends "
+                        "task hints (two calls per idle edge: the protocol before hints)")
     p.add_argument("--status", type=Path, required=True)
     args = p.parse_args(argv)
     torch.set_num_threads(1)

@@ -229,7 +229,7 @@ def slope_per_1000(points: list[tuple[int, int]]) -> float:
     return 1000 * sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x in xs)
 
 
-def aio_run(edges: int, fraction: float, args, work: Path) -> dict:
+def aio_run(edges: int, fraction: float, args, work: Path, poll: str = "hints") -> dict:
     """One server, ``edges`` aio edges in --procs processes. The server waits for one more
     edge than the fleet (--min-edges N+1), so the fleet's joins and an idle window of
     --idle seconds (all connected, no round: presence streams and long-polls only) are
@@ -253,7 +253,8 @@ def aio_run(edges: int, fraction: float, args, work: Path) -> dict:
         return subprocess.Popen([PY, str(Path(__file__).parent / "_aioedges.py"), "--server",
                                  f"127.0.0.1:{port}", "--edges", str(count), "--prefix", prefix,
                                  "--first-index", str(first), "--seed", str(args.seed),
-                                 "--deadline", str(args.deadline), "--status", str(files[-1])],
+                                 "--deadline", str(args.deadline), "--status", str(files[-1]),
+                                 *(["--long-poll"] if poll == "long-poll" else [])],
                                 env=ENV, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
 
@@ -303,7 +304,8 @@ def aio_run(edges: int, fraction: float, args, work: Path) -> dict:
     evaluated = [r for r in rounds if "evaluation" in r]
     joins = sorted(fleet["join_seconds"])
     return {
-        "edges": edges, "fraction": fraction, "server_rc": code, "rounds": len(rounds),
+        "edges": edges, "fraction": fraction, "poll": poll, "server_rc": code,
+        "rounds": len(rounds),
         "join_s": joined_at if joined_at is not None else float("nan"),
         "join_wall_s": (rounds[0]["started"] - t0) if rounds else float("nan"),
         "edge_join_p50_s": joins[len(joins) // 2] if joins else float("nan"),
@@ -427,17 +429,19 @@ def aio_table(sizes: list[int], args, work: Path, say) -> None:
     results = []
     for edges in sizes:
         for fraction in args.fractions:
-            say(f"\n-- {edges} aio edges in {args.procs} processes, {args.rounds} rounds, "
-                f"fraction {fraction}, idle window {args.idle:g} s")
-            r = aio_run(edges, fraction, args, work / f"aio-{edges}-{fraction}")
-            results.append(r)
-            say(json.dumps(r, sort_keys=True))
-    say("\n| connected edges | selected per round | fleet joined after | train round (median) "
+            for poll in args.polls:
+                say(f"\n-- {edges} aio edges in {args.procs} processes, {args.rounds} rounds, "
+                    f"fraction {fraction}, idle window {args.idle:g} s, idle edges: {poll}")
+                r = aio_run(edges, fraction, args, work / f"aio-{edges}-{fraction}-{poll}", poll)
+                results.append(r)
+                say(json.dumps(r, sort_keys=True))
+    say("\n| connected edges | idle edges | selected per round | fleet joined after "
+        "| train round (median) "
         "| last round (train + eval on all) | server CPU per round | server idle CPU (presence "
         "+ long-polls) | server peak RSS | RSS per 1,000 connected | per idle edge | failed RPCs |")
-    say("|---|---|---|---|---|---|---|---|---|---|---|")
+    say("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        say(f"| {r['edges']} | {r['trained_per_round']:.0f} ({r['fraction']:.0%}) | "
+        say(f"| {r['edges']} | {r['poll']} | {r['trained_per_round']:.0f} ({r['fraction']:.0%}) | "
             f"{r['join_s']:.1f} s | {r['train_round_s']:.2f} s | {r['eval_round_s']:.2f} s "
             f"({r['evaluated']} evaluated) | {r['server_cpu_per_round_s']:.2f} s | "
             f"{r['idle_cpu_per_s']:.2f} s/s ({r['presence_events_per_s']:.0f} presence events/s) | "
@@ -455,6 +459,10 @@ def main(argv: list[str] | None = None) -> int:
                         "training) instead of fl-sim; no soak")
     p.add_argument("--fractions", type=float, nargs="+", default=[0.01, 0.1],
                    help="--aio: the fractions selected per round, one run each")
+    p.add_argument("--polls", nargs="+", choices=["hints", "long-poll"], default=["hints"],
+                   help="--aio: what an idle edge holds, one run each: its presence stream "
+                        "only, waiting for the server's task_ready hint (fl-edge's way), or a "
+                        "NextTask long-poll beside it (the protocol before hints)")
     p.add_argument("--idle", type=float, default=20.0,
                    help="--aio: seconds all edges stay connected and idle before the rounds")
     p.add_argument("--eval-every", type=int, default=None,

@@ -43,6 +43,11 @@ __all__ = ["EdgeDaemon", "EdgeExit", "EdgeOptions", "pick_device"]
 
 log = logging.getLogger("fl_edge")
 
+#: Seconds an idle edge waits for a task_ready hint before it asks anyway: the presence
+#: stream repeats the answer every ten seconds, so this only covers a stream that stalls
+#: without ending (its end wakes the wait at once).
+HINT_FALLBACK_POLL = 60.0
+
 
 def pick_device(name: str) -> torch.device:
     """``--device``: auto takes CUDA when there is one; an absent CUDA is refused at start."""
@@ -82,6 +87,7 @@ class EdgeDaemon:
         self.run_state: EdgeRun | None = None
         self.runner: TaskRunner | None = None
         self.metrics_port: int | None = None
+        self.idle = False  # the server's last answer was WAIT: wait for a hint before asking
         # One generator for the process's life: reconnects continue its pattern.
         self.dropout = (Dropout(options.disconnect, options.offline_seconds,
                                 self.identity.edge_id, options.disconnect_seed)
@@ -169,6 +175,7 @@ class EdgeDaemon:
         """One connection: join, then tasks until the server says the run is over."""
         with self.session.connect():
             self._join()
+            self.idle = False
             try:
                 with self.session.presence():
                     while True:
@@ -228,9 +235,21 @@ class EdgeDaemon:
         self.run_state = run
 
     def _next_task(self) -> Received:
-        """The next task, once the last one's state writes are on disk."""
+        """The next task, once the last one's state writes are on disk. With the server's
+        task hints, an edge that was told to wait holds no call: it waits for its presence
+        stream's ``task_ready`` (or ``HINT_FALLBACK_POLL`` seconds, should a hint be lost),
+        then asks once; otherwise it long-polls."""
         self.writer.flush()
-        return self.session.next_task()
+        if not self.session.task_hints:
+            return self.session.next_task()
+        if self.idle:
+            self.session.task_ready.wait(HINT_FALLBACK_POLL)
+        # Cleared before asking: a hint that arrives from here on is about a state the
+        # question may not have seen, and makes the next wait return at once.
+        self.session.task_ready.clear()
+        received = self.session.next_task(no_wait=True)
+        self.idle = received.header.status == pb.TaskHeader.WAIT
+        return received
 
     def _handle(self, received: Received) -> None:
         """Runs a task and submits its result."""

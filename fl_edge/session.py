@@ -114,6 +114,10 @@ class Session:
         self.downlink_why = BEFORE_SETUP
         self.cached_common: tuple[str, Payload, bytearray] | None = None
         self.buffers = BufferPool(keep=1)
+        # The server sends task_ready hints on the presence stream (JoinReply.task_hints):
+        # the daemon then asks NextTask without waiting and, idle, waits for task_ready.
+        self.task_hints = False
+        self.task_ready = threading.Event()
 
     # ---- byte accounting ------------------------------------------------------------------
     def _count(self, direction: str, message, kind: str = META) -> None:
@@ -213,14 +217,18 @@ class Session:
                               "(fedattn versions differ?)") from None
         self.session = reply.session
         self.chunk_bytes = reply.chunk_bytes or self.chunk_bytes
+        self.task_hints = reply.task_hints
         return reply
 
     @contextmanager
     def presence(self) -> Iterator[None]:
         """Holds the presence stream open (the server selects connected edges only and
-        drops the task of one whose stream closes) while the body runs."""
+        drops the task of one whose stream closes) while the body runs; its events set
+        ``task_ready`` when the server says a task waits, and so does its end (the
+        daemon's next call then finds out what happened to the server)."""
         stop = threading.Event()
         request = pb.PresenceRequest(edge_id=self.identity.edge_id, session=self.session)
+        self.task_ready.clear()
         call = self.stub.Presence(request)
 
         def hold() -> None:
@@ -231,12 +239,16 @@ class Session:
                         self._count_sent(request)
                         sent = True
                     self._count(DOWN, event)
+                    if event.task_ready:
+                        self.task_ready.set()
                     if stop.is_set():
                         break
             except grpc.RpcError as err:
                 if not sent:
                     self._count_sent(request, err)
                 # else: the main loop notices a lost server on its own calls
+            finally:
+                self.task_ready.set()
 
         thread = threading.Thread(target=hold, daemon=True)
         thread.start()
@@ -262,13 +274,13 @@ class Session:
         self._count(DOWN, reply)
 
     # ---- tasks ----------------------------------------------------------------------------
-    def next_task(self) -> Received:
-        """Long-polls for the next task and receives it, streaming. Every declared
-        downlink is held to the cap before a byte of it is allocated; a common downlink
-        the edge already holds is not sent again."""
+    def next_task(self, no_wait: bool = False) -> Received:
+        """Long-polls (``no_wait``: asks once) for the next task and receives it,
+        streaming. Every declared downlink is held to the cap before a byte of it is
+        allocated; a common downlink the edge already holds is not sent again."""
         cached_id = self.cached_common[0] if self.cached_common else ""
         request = pb.TaskRequest(edge_id=self.identity.edge_id, session=self.session,
-                                 cached_common=cached_id)
+                                 cached_common=cached_id, no_wait=no_wait)
         stream = self._call(self.stub.NextTask, request, timeout=120)
         header = None
         assemblers: list[PayloadAssembler] = []

@@ -146,10 +146,14 @@ class ServerApp:
         log.info("exiting without telling every connected edge that the run is over")
 
     async def stop(self) -> None:
-        """Stops the enrolment watch, health, gRPC (2 s grace for calls in flight) and the
-        metrics endpoint."""
+        """Stops the enrolment watch, the held calls, health, gRPC (2 s grace for calls in
+        flight) and the metrics endpoint."""
         if self._watch is not None:
             self._watch.cancel()
+        # Held calls (presence streams, long polls) end on their own within the grace, so
+        # none is cancelled mid-await by the stop (grpc then logs a CancelledError).
+        self.engine.stopping = True
+        self.engine.edges.wake_all()
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
         if self._grpc is not None:

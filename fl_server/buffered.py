@@ -287,7 +287,7 @@ class BufferedSchedule:
             self.current.retire()
         self.current = self.phases[(TRAIN, phase.round)] = phase
         for edge in engine.edges.connected_ids():
-            engine.edges.records[edge].wakeup.set()
+            engine.edges.records[edge].wake()
 
     # ---- tasks ----------------------------------------------------------------------
     def task_for(self, edge: str) -> tuple[Phase, Task] | None:
@@ -308,6 +308,19 @@ class BufferedSchedule:
         if phase is None or phase.closed or not self.may_train(phase, edge):
             return None
         return phase, self.new_task(phase, edge)
+
+    def has_work(self, edge: str) -> bool:
+        """Whether ``task_for`` would hand the edge a task now, without handing it: the
+        presence stream's ``task_ready`` hint asks this for every event, and must neither
+        create a task nor give up the one the edge is training (``superseded``)."""
+        record = self.engine.edges.records.get(edge)
+        if record is None or not record.connected:
+            return False
+        if any(phase.is_pending(edge) and (phase is self.current or phase.driver.evaluates)
+               for phase in self.phases.values() if edge in phase.tasks):
+            return True
+        phase = self.current
+        return phase is not None and not phase.closed and self.may_train(phase, edge)
 
     def may_train(self, phase: Phase, edge: str) -> bool:
         """Whether the edge may have new work now. An edge whose result is in the buffer
@@ -503,7 +516,7 @@ class BufferedSchedule:
         self.phases[(EVALUATE, version)] = phase
         phase.maybe_close()
         for edge in edges:
-            engine.edges.records[edge].wakeup.set()
+            engine.edges.records[edge].wake()
         task = asyncio.create_task(self.evaluation(phase, record))
         self.evaluations.add(task)
         task.add_done_callback(self.evaluations.discard)

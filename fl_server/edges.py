@@ -26,6 +26,56 @@ MAX_INFO_KEY = 64
 MAX_INFO_VALUE = 256
 
 
+class Signal:
+    """An ``asyncio.Event`` for one waiter at a time, with the timeout built in: each
+    connected edge holds two (its long-poll's and its presence stream's), and at 10,000
+    edges an Event's waiter deque (~0.6 KB each, empty) and ``wait_for``'s task around
+    every wait were a few KB of the server's memory per idle edge. A second concurrent
+    waiter (a client opening two streams for one session) takes the turn: the first
+    then wakes at its timeout, as if nothing happened."""
+
+    __slots__ = ("_set", "_waiter")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._waiter: asyncio.Future | None = None
+
+    def set(self) -> None:
+        """Sets it and wakes the waiter, if any."""
+        self._set = True
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def clear(self) -> None:
+        """Unsets it (a waiter from now on waits)."""
+        self._set = False
+
+    def is_set(self) -> bool:
+        """Whether it is set."""
+        return self._set
+
+    async def wait(self, timeout: float) -> bool:
+        """Returns once set (True), or after ``timeout`` seconds (whether set then)."""
+        if self._set:
+            return True
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        timer = loop.call_later(timeout, _release, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            if self._waiter is waiter:
+                self._waiter = None
+        return self._set
+
+
+def _release(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 class AuthError(Exception):
     """Refused identity or session; ``permanent`` distinguishes a bad identity from a
     stale session (which a rejoin fixes)."""
@@ -49,15 +99,16 @@ class EdgeRecord:
     first_seen: float
     session: str = ""
     info: dict[str, str] = field(default_factory=dict)
-    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    wakeup: Signal = field(default_factory=Signal)  # ends a NextTask long-poll's wait
     needs_init: bool = False  # joined without private state: send the initial models once
     heard_run_over: bool = False  # has been told the run is over (the server waits for it)
     signing_key: str = ""  # hex Ed25519 public key, bound to the id at the first join
     upload_mac_key: bytes = b""  # this session's, agreed at join; never written to disk
     cert_serial: str = ""  # under mutual TLS: the certificate the id is bound to (hex)
-    # Set when this session ends (a rejoin, a leave, a revocation): the presence stream of
-    # the session waits on it, so a revoked device's stream closes at once.
-    session_over: asyncio.Event = field(default_factory=asyncio.Event)
+    # The presence stream of this session waits on it. Set when the session ends (a rejoin,
+    # a leave, a revocation: a revoked device's stream closes at once) and by ``wake`` (its
+    # next event tells the edge whether a task waits, so an idle edge need not long-poll).
+    stirred: Signal = field(default_factory=Signal)
     # The book's set of connected ids, shared by all its records: counting the connected
     # edges is then O(1), not a scan of every record, which made each of 10,000 joins
     # (a presence stream opening counts the fleet) pay for the whole fleet.
@@ -80,13 +131,19 @@ class EdgeRecord:
         """A join: the previous session ends (its presence stream closes) first."""
         self.end_session()
         self.session = secrets.token_hex(16)
-        self.session_over = asyncio.Event()
+        self.stirred = Signal()
 
     def end_session(self) -> None:
         """A leave, rejoin or revocation: wakes whatever waits on the old session."""
         self.session = ""
         self.connected = False
-        self.session_over.set()
+        self.stirred.set()
+
+    def wake(self) -> None:
+        """Something this edge may fetch changed (a task for it, the run's end): its
+        long-poll stops waiting and its presence stream sends a ``task_ready`` hint."""
+        self.wakeup.set()
+        self.stirred.set()
 
 
 def info_refusal(info: dict[str, str]) -> str:
@@ -190,7 +247,7 @@ class EdgeBook:
     def wake_all(self) -> None:
         """Ends every task long-poll's wait (a new phase, or the run is over)."""
         for record in self.records.values():
-            record.wakeup.set()
+            record.wake()
 
     def to_json(self) -> dict:
         """The bindings a checkpoint keeps (no session: a resumed server makes edges rejoin)."""

@@ -84,6 +84,7 @@ class Engine:
         self.instance = secrets.token_hex(4)
         self.phase: Phase | None = None
         self.finished = False
+        self.stopping = False  # the server is shutting down: waiting calls end now
         self.config_json = run_config(server, train, method,
                                       self.secagg.policy if self.secagg is not None else None)
         # --mode async: the run is versions of a buffer, not rounds of a plan (ValueError,
@@ -138,6 +139,13 @@ class Engine:
         if phase is None or phase.closed or not phase.is_pending(edge):
             return None
         return phase, phase.tasks[edge]
+
+    def has_work(self, edge: str) -> bool:
+        """Whether ``task_for`` would hand the edge a task now; no side effect (async's
+        ``task_for`` creates tasks and supersedes old ones)."""
+        if self.buffered is not None:
+            return self.buffered.has_work(edge)
+        return self.task_for(edge) is not None
 
     def phase_for(self, header: pb.SubmitHeader) -> Phase | None:
         """The phase a result is for: the open one, or (async) the one it names."""
@@ -281,7 +289,7 @@ class Engine:
         log.info("round %d %s: %d task(s), quorum %d", round_number, name, len(phase.tasks),
                  phase.quorum)
         for edge in edges:
-            self.edges.records[edge].wakeup.set()
+            self.edges.records[edge].wake()
         # While the edges download, the last round's checkpoint finishes (or its failure
         # stops the server here, before anything of this round is aggregated).
         await self.durable()

@@ -70,6 +70,11 @@ class EdgeFront:
         return self.engine.finished
 
     @property
+    def stopping(self) -> bool:
+        """True while the server shuts down: presence streams and long polls end."""
+        return self.engine.stopping
+
+    @property
     def round(self) -> int:
         """The last completed round."""
         return self.engine.round
@@ -131,6 +136,11 @@ class EdgeFront:
     def next_task(self, edge: str) -> tuple[Phase, Task] | None:
         """The edge's pending task, if any (async: new work when it is free)."""
         return self.engine.task_for(edge)
+
+    def has_work(self, edge: str) -> bool:
+        """Whether a task (or the run's end) waits for the edge: its presence hint. Asks,
+        never hands out: a task is handed out only to the edge's own NextTask."""
+        return self.finished or self.engine.has_work(edge)
 
     def deliver(self, phase: Phase, task: Task, limit: int) -> bool:
         """Counts one more download of a task; past ``limit`` the task is dropped (a

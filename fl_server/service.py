@@ -226,24 +226,29 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
                                                                record.session))
         return pb.JoinReply(protocol_version=PROTOCOL_VERSION, session=record.session,
                             config_json=self.front.config_json, fingerprint=fingerprint,
-                            chunk_bytes=self.cfg.chunk_bytes, upload_key_share=server_share)
+                            chunk_bytes=self.cfg.chunk_bytes, upload_key_share=server_share,
+                            task_hints=True)
 
     # ---- Presence ---------------------------------------------------------------------
     async def Presence(self, request: pb.PresenceRequest, context):
         """Streams keep-alive events while the session lives: while open, the edge counts as
-        connected (rounds select it); when it ends, its task is dropped."""
+        connected (rounds select it); when it ends, its task is dropped. Each event says
+        whether a task waits for the edge (``task_ready``), and one is sent at once when
+        that may have changed (``EdgeRecord.wake``): an idle edge then holds this stream
+        only, not a NextTask long-poll beside it (each held call costs the server ~22 KB)."""
         record = await self._auth(request, context)
-        session_over = record.session_over
+        stirred = record.stirred
         self.front.present(record)
+        edge = request.edge_id
         try:
-            while record.session == request.session:
-                event = pb.PresenceEvent(server_time=time.time())
-                self.meter.count_message(DOWN, event, edge=request.edge_id)
+            while record.session == request.session and not self.front.stopping:
+                stirred.clear()
+                ready = self.front.has_work(edge)
+                event = pb.PresenceEvent(server_time=time.time(), task_ready=ready)
+                self.meter.count_message(DOWN, event, edge=edge)
                 yield event
-                try:  # wakes at once when the session ends (rejoin, leave, revocation)
-                    await asyncio.wait_for(session_over.wait(), PRESENCE_INTERVAL)
-                except asyncio.TimeoutError:
-                    pass
+                # Wakes at once when the session ends or the edge's work may have changed.
+                await stirred.wait(PRESENCE_INTERVAL)
         except asyncio.CancelledError:
             return  # the stream ended (the edge went, or the server is shutting down)
         finally:
@@ -253,12 +258,17 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
     async def NextTask(self, request: pb.TaskRequest, context):
         """Long-polls for this edge's task in the open phase and streams it: the header,
         then the common payload (unless the edge's cached copy is current) and its
-        personal one."""
+        personal one. ``no_wait``: answers at once (the edge waits for its presence
+        stream's ``task_ready`` hint instead of holding this call)."""
         record = await self._auth(request, context)
         try:
             edge = request.edge_id
-            deadline = time.monotonic() + self.cfg.poll_timeout
+            deadline = time.monotonic() + (0.0 if request.no_wait else self.cfg.poll_timeout)
             while True:
+                if self.front.stopping:  # the server shuts down: ask again later
+                    yield self._meta(edge, pb.TaskMessage(header=pb.TaskHeader(
+                        status=pb.TaskHeader.WAIT)))
+                    return
                 if self.front.finished:
                     record.heard_run_over = True
                     yield self._meta(edge, pb.TaskMessage(header=pb.TaskHeader(
@@ -276,10 +286,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
                 # its wakeup, so an idle poll sleeps until then or its deadline: waking
                 # every second, 10,000 idle edges cost the server 10,000 wakeups a second.
                 record.wakeup.clear()
-                try:
-                    await asyncio.wait_for(record.wakeup.wait(), timeout=remaining)
-                except asyncio.TimeoutError:
-                    pass
+                await record.wakeup.wait(remaining)
             phase, task = found
             if not self.front.deliver(phase, task, self.cfg.max_task_deliveries):
                 # A download that broke is asked for again; one asked for without end is a

@@ -50,6 +50,9 @@ class RawEdge:
         self.session = ""
         self.upload_mac_key = b""
         self.present = threading.Event()
+        self.task_ready = threading.Event()  # a presence event said a task waits
+        self.presence_events: list[pb.PresenceEvent] = []
+        self.hints = False  # the JoinReply's task_hints
         self._presence_call = None
         self._presence_thread: threading.Thread | None = None
 
@@ -68,13 +71,17 @@ class RawEdge:
     def connect(self, **join_overrides) -> None:
         """Join, then hold a presence stream open until ``close`` (the server only selects
         connected edges); returns once the server has counted this edge as connected."""
-        self.session = self.join(**join_overrides).session
+        reply = self.join(**join_overrides)
+        self.session, self.hints = reply.session, reply.task_hints
         self._presence_call = self.stub.Presence(
             pb.PresenceRequest(edge_id=self.edge_id, session=self.session))
 
         def watch():
             try:
-                for _ in self._presence_call:
+                for event in self._presence_call:
+                    self.presence_events.append(event)
+                    if event.task_ready:
+                        self.task_ready.set()
                     self.present.set()  # the server marks the edge connected before the first event
             except grpc.RpcError:
                 pass
@@ -83,13 +90,15 @@ class RawEdge:
         self._presence_thread.start()
         wait_for(self.present.is_set, 15, f"presence of {self.edge_id}")
 
-    def next_task(self, timeout: float = 30.0) -> Task:
-        """Long-polls until a task arrives; decodes its common payload (never cached)."""
+    def next_task(self, timeout: float = 30.0, no_wait: bool = False) -> Task:
+        """Long-polls (``no_wait``: asks once) until a task arrives; decodes its common
+        payload (never cached)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             header = None
             assemblers: list[PayloadAssembler] = []
-            request = pb.TaskRequest(edge_id=self.edge_id, session=self.session, cached_common="")
+            request = pb.TaskRequest(edge_id=self.edge_id, session=self.session,
+                                     cached_common="", no_wait=no_wait)
             for message in self.stub.NextTask(request, timeout=30):
                 if message.HasField("header"):
                     assert header is None, "a second task header in one stream"
@@ -109,6 +118,8 @@ class RawEdge:
                 common, _personal = (a.finish() for a in assemblers)
                 tensors = common.tensors(Kind.SHARED_TENSORS)
                 return Task(header, {name: t.clone() for name, t in tensors.items()})
+            if no_wait:  # the WAIT answer, for the caller to see
+                return Task(header, {})
         raise AssertionError(f"no task for {self.edge_id} within {timeout}s")
 
     def submit(self, messages: list[pb.SubmitMessage]) -> pb.SubmitReply:

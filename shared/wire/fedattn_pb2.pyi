@@ -107,20 +107,22 @@ class JoinRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., edge_id: _Optional[str] = ..., edge_secret: _Optional[str] = ..., join_token: _Optional[str] = ..., info: _Optional[_Mapping[str, str]] = ..., state_fingerprint: _Optional[str] = ..., signing_key: _Optional[bytes] = ..., upload_key_share: _Optional[bytes] = ..., upload_key_proof: _Optional[bytes] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("protocol_version", "session", "config_json", "fingerprint", "chunk_bytes", "upload_key_share")
+    __slots__ = ("protocol_version", "session", "config_json", "fingerprint", "chunk_bytes", "upload_key_share", "task_hints")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_KEY_SHARE_FIELD_NUMBER: _ClassVar[int]
+    TASK_HINTS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     session: str
     config_json: str
     fingerprint: str
     chunk_bytes: int
     upload_key_share: bytes
-    def __init__(self, protocol_version: _Optional[int] = ..., session: _Optional[str] = ..., config_json: _Optional[str] = ..., fingerprint: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., upload_key_share: _Optional[bytes] = ...) -> None: ...
+    task_hints: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., session: _Optional[str] = ..., config_json: _Optional[str] = ..., fingerprint: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., upload_key_share: _Optional[bytes] = ..., task_hints: _Optional[bool] = ...) -> None: ...
 
 class PresenceRequest(_message.Message):
     __slots__ = ("edge_id", "session")
@@ -131,20 +133,24 @@ class PresenceRequest(_message.Message):
     def __init__(self, edge_id: _Optional[str] = ..., session: _Optional[str] = ...) -> None: ...
 
 class PresenceEvent(_message.Message):
-    __slots__ = ("server_time",)
+    __slots__ = ("server_time", "task_ready")
     SERVER_TIME_FIELD_NUMBER: _ClassVar[int]
+    TASK_READY_FIELD_NUMBER: _ClassVar[int]
     server_time: float
-    def __init__(self, server_time: _Optional[float] = ...) -> None: ...
+    task_ready: bool
+    def __init__(self, server_time: _Optional[float] = ..., task_ready: _Optional[bool] = ...) -> None: ...
 
 class TaskRequest(_message.Message):
-    __slots__ = ("edge_id", "session", "cached_common")
+    __slots__ = ("edge_id", "session", "cached_common", "no_wait")
     EDGE_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     CACHED_COMMON_FIELD_NUMBER: _ClassVar[int]
+    NO_WAIT_FIELD_NUMBER: _ClassVar[int]
     edge_id: str
     session: str
     cached_common: str
-    def __init__(self, edge_id: _Optional[str] = ..., session: _Optional[str] = ..., cached_common: _Optional[str] = ...) -> None: ...
+    no_wait: bool
+    def __init__(self, edge_id: _Optional[str] = ..., session: _Optional[str] = ..., cached_common: _Optional[str] = ..., no_wait: _Optional[bool] = ...) -> None: ...
 
 class TaskHeader(_message.Message):
     __slots__ = ("status", "round", "task_id", "phase", "spec_json", "common_id", "common_cached", "common", "personal", "task_nonce", "common_base_id")
