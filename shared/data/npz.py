@@ -11,6 +11,7 @@ uses is decided in ``readers.py``.
 
 from __future__ import annotations
 
+import threading
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,13 @@ import numpy as np
 import torch
 
 from ..config import TrainConfig
+
+#: numpy parses each array's header with ``ast.literal_eval``, and CPython 3.11 before
+#: 3.11.8 can fail two threads parsing at once with "SystemError: AST constructor recursion
+#: depth mismatch" (https://github.com/python/cpython/issues/106905). fl-sim hosts edges
+#: as threads that load their data at the same moment; one edge thread died of it at
+#: start. Arrays are read one archive at a time instead (a lock, not state).
+NPZ_READ_LOCK = threading.Lock()
 
 
 class DataError(ValueError):
@@ -71,7 +79,7 @@ def _to_images(x: np.ndarray, path: Path, cfg: TrainConfig) -> torch.Tensor:
 
 def read_npz(path: Path, cfg: TrainConfig) -> Split:
     try:
-        with np.load(path, allow_pickle=False) as archive:
+        with NPZ_READ_LOCK, np.load(path, allow_pickle=False) as archive:
             missing = {"x", "y"} - set(archive.files)
             if missing:
                 raise DataError(f"{path}: missing array(s) {sorted(missing)} (has {archive.files})")
