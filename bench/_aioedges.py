@@ -44,13 +44,13 @@ from fedattn_shared.wire.codec import encode
 from fedattn_shared.wire.payload import Kind, Payload, Section
 from fedattn_shared.wire.signing import BodyMac, exchange, new_key_share, sign_submission, upload_mac_key
 from fedattn_shared.wire.transport import MAX_MESSAGE_BYTES, PayloadAssembler, channel_options, payload_chunks
+from fl_edge.daemon import HINT_FALLBACK_POLL  # as fl-edge: ask anyway after this long without a hint
 
 NUM_EXAMPLES = 60
 NUM_CLASSES = 10
 DOWNLINK_CAP = 256 << 20
 NOISE = 1e-3
 RETRY_DELAY = 1.0  # seconds before a failed call is tried again (a real edge backs off too)
-HINT_FALLBACK_POLL = 60.0  # fl-edge's: an idle edge asks anyway after this long without a hint
 
 
 @dataclass
