@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torchvision.ops.misc import Conv2dNormActivation
 
 # (expansion, output channels before the width multiplier, repeats, first stride)
 BLOCKS = ((1, 8, 1, 1), (4, 16, 2, 2), (4, 24, 2, 2), (4, 40, 2, 2), (4, 64, 2, 1))
@@ -27,6 +26,8 @@ class InvertedResidual(nn.Module):
 
     def __init__(self, in_channels: int, out_channels: int, stride: int, expansion: int):
         super().__init__()
+        from torchvision.ops.misc import Conv2dNormActivation  # lazily: see models/secnn.py
+
         hidden = in_channels * expansion
         layers: list[nn.Module] = []
         if expansion != 1:
@@ -51,6 +52,8 @@ class MobileNetV3Compact(nn.Module):
         if image_size < 16:
             raise ValueError(f"mobilenet-v3-compact downsamples 16x: image_size must be >= 16, "
                              f"got {image_size}")
+        from torchvision.ops.misc import Conv2dNormActivation  # lazily: see models/secnn.py
+
         channels = 8
         layers: list[nn.Module] = [Conv2dNormActivation(in_channels, channels, kernel_size=3,
                                                         stride=2, activation_layer=nn.Hardswish)]

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torchvision.ops.misc import SqueezeExcitation
 
 
 def _block(in_channels: int, out_channels: int, squeeze: int) -> list[nn.Module]:
+    # Imported here: torchvision's import pulls in torch._dynamo (~1 s per process), which
+    # every fl-server and fl-edge would pay at start-up for a model most runs never build.
+    from torchvision.ops.misc import SqueezeExcitation
+
     return [nn.Conv2d(in_channels, out_channels, 3, padding=1, bias=False),
             nn.BatchNorm2d(out_channels), nn.ReLU(inplace=True),
             SqueezeExcitation(out_channels, squeeze)]
