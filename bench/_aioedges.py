@@ -79,7 +79,10 @@ class Fleet:
         key = f"{method} {code.name if code else type(err).__name__}"
         self.failed[key] += 1
         if self.failed[key] <= 5:  # the first few of each kind, with when and why, in the log
-            details = err.details() if isinstance(err, grpc.aio.AioRpcError) else str(err)
+            # grpc core's own account too: who ended the call (a RST_STREAM from the peer and
+            # its HTTP/2 code, a local cancel, a transport error) is only in there.
+            details = (f"{err.details()} [{err.debug_error_string()}]"
+                       if isinstance(err, grpc.aio.AioRpcError) else str(err))
             print(f"{time.monotonic() - self.started:8.1f}s {key}: {details}", file=sys.stderr,
                   flush=True)
 
