@@ -1,7 +1,8 @@
 """The one generic local training loop, and evaluation of the personalized model.
 
 Methods never write their own loop: they plug into it through ``EdgeAlgorithm`` hooks.
-Batches come from a DataLoader with no worker processes (gRPC is not fork-safe).
+Batches are gathers of the split's tensors in a seeded order (``ShuffledBatches``), in the
+process (gRPC is not fork-safe).
 
 The loop does not know whether it runs DP-SGD: its batches, backward pass and optimizer
 step come from a ``LoopSteps`` (``PlainSteps``, or ``PrivateTraining`` under DP-SGD), and
@@ -24,7 +25,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 from tqdm import tqdm
 
 from fedattn_shared.augment import InputPipeline
@@ -199,6 +199,37 @@ class LoopSteps(Protocol):
 
 
 
+class ShuffledBatches:
+    """An epoch's shuffled mini-batches, each one indexing of the split's tensors wherever
+    they live (host or device), in the order ``DataLoader(TensorDataset(x, y),
+    shuffle=True, generator=generator)`` gives: the same draws from ``generator``, so a seed
+    gives the same batches as before (tests/test_trainer.py compares them). Why not the
+    DataLoader: it fetches a batch sample by sample and stacks them, one small tensor
+    operation per sample on the device when the data lives there; here a batch is one
+    gather. No worker processes either way (gRPC is not fork-safe)."""
+
+    def __init__(self, data: Split, batch_size: int, generator: torch.Generator,
+                 drop_last: bool):
+        self.data, self.batch_size, self.generator = data, batch_size, generator
+        self.drop_last = drop_last
+
+    def __len__(self) -> int:
+        n = len(self.data)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        n = len(self.data)
+        # DataLoader's draws per epoch: its iterator's base seed, the sampler's permutation,
+        # and one more permutation its sampler draws when the batch sampler exhausts it.
+        torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+        order = torch.randperm(n, generator=self.generator)
+        torch.randperm(n, generator=self.generator)
+        order = order.to(self.data.x.device)
+        for start in range(0, len(self) * self.batch_size, self.batch_size):
+            index = order[start : start + self.batch_size]
+            yield self.data.x[index], self.data.y[index]
+
+
 class PlainSteps:
     """The loop's steps without DP-SGD: shuffled batches, an AMP gradient scaler (fp16 on
     CUDA only), train.clip_grad_norm on what each step applies. One per local training."""
@@ -214,11 +245,10 @@ class PlainSteps:
         """Every option combines with plain steps."""
 
     def loader(self, data: Split, batch_size: int, generator: torch.Generator) -> Iterable:
-        """Shuffled batches from ``generator``, no worker processes (gRPC is not fork-safe)."""
+        """Shuffled batches from ``generator`` (``ShuffledBatches``)."""
         # A last batch of one sample would break BatchNorm's training-mode statistics.
         drop_last = len(data) % batch_size == 1 and len(data) > 1
-        return DataLoader(TensorDataset(data.x, data.y), batch_size=batch_size, shuffle=True,
-                          generator=generator, num_workers=0, drop_last=drop_last)
+        return ShuffledBatches(data, batch_size, generator, drop_last)
 
     def begin(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """The method's optimizers, as ``begin_train`` left them."""

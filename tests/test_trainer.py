@@ -11,7 +11,7 @@ from fedattn_shared.config import ConfigError, TrainConfig
 from fedattn_shared.data.npz import Split
 from fedattn_shared.methods import MethodContext, load_method
 from fedattn_shared.wire.transport import payload_chunks
-from fl_edge.trainer import evaluate, train_local
+from fl_edge.trainer import ShuffledBatches, evaluate, train_local
 
 
 def test_lr_schedules_by_hand():
@@ -35,6 +35,27 @@ def make(method="fedavg", **kwargs):
 def data(n=40):
     g = torch.Generator().manual_seed(0)
     return Split(torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g))
+
+
+@pytest.mark.parametrize("n, batch_size", [(40, 8), (33, 8), (17, 16), (5, 32), (64, 64)])
+def test_shuffled_batches_are_the_dataloaders_batches(n, batch_size):
+    """The loop's batches (one gather each) are, batch for batch and epoch after epoch, what
+    DataLoader(TensorDataset, shuffle=True) gave with the same generator, so a seed trains
+    on the same batches as before; a last batch of one sample is dropped by both."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    split = data(n)
+    drop_last = n % batch_size == 1
+    ours = ShuffledBatches(split, batch_size, torch.Generator().manual_seed(3), drop_last)
+    g = torch.Generator().manual_seed(3)
+    theirs = DataLoader(TensorDataset(split.x, split.y), batch_size=batch_size, shuffle=True,
+                        generator=g, num_workers=0, drop_last=drop_last)
+    for _ in range(3):  # the generator carries on from epoch to epoch in both
+        a, b = list(ours), list(theirs)
+        assert len(a) == len(b) == len(ours) == len(theirs)
+        for (xa, ya), (xb, yb) in zip(a, b, strict=True):
+            assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    assert torch.equal(ours.generator.get_state(), g.get_state())
 
 
 def test_round_learning_rate_and_accumulation_steps():
