@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="micro-batches per optimizer step (default 1)")
     small.add_argument("--amp", action="store_true",
                        help="half-precision forward pass (fp16 on CUDA, bf16 on CPU)")
+    small.add_argument("--data-on-device", action="store_true",
+                       help="keep the data splits in the GPU's memory: batches are gathered "
+                            "there instead of copied from the host every step (the splits "
+                            "must fit; no effect on a CPU)")
     _add_policy(parser)
     _add_simulation(parser)
     parser.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
@@ -255,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         progress={"auto": None, "on": True, "off": False}[args.progress],
         log_every=args.log_every,
         retry_for=args.retry_for, batch_size=args.batch_size, amp=args.amp,
+        data_on_device=args.data_on_device,
         grad_accum=args.grad_accum, tls_dir=args.tls_dir, tls_server_name=args.tls_server_name,
         privacy=privacy, allow_methods=tuple(args.allow_method), throttle=throttle,
         disconnect=disconnect, offline_seconds=offline, disconnect_seed=args.disconnect_seed)

@@ -43,6 +43,9 @@ class EdgeOptions:
     eval_batch_size: int = 256
     batch_size: int | None = None  # overrides the server's train.batch_size on this device
     amp: bool = False
+    # Keep the data splits in the device's memory (CUDA): batches are gathered there, not
+    # copied from the host every step. Nothing changes on a CPU device.
+    data_on_device: bool = False
     grad_accum: int = 1
     tls_dir: Path | None = None   # mutual TLS; its certificate names the edge id
     tls_server_name: str = ""

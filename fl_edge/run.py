@@ -113,6 +113,8 @@ def build_run(config_json: str, fingerprint: str, opts: EdgeOptions, device: tor
         raise EdgeExit(2, f"method {method.name!r} takes {algo.schedule.steps_per_batch} optimizer "
                           "steps per batch and does not combine with --grad-accum")
     data = _load_data_and_state(opts, store, algo, config.train, fingerprint)
+    if opts.data_on_device and device.type != "cpu":
+        data = data.to(device)
     batch_size = opts.batch_size or config.train.batch_size
     privacy = private_training(method, algo, len(data.train), batch_size, ledger, opts, store,
                                writer, metrics)

@@ -61,6 +61,21 @@ def test_fedsap_epoch_on_cuda_matches_the_cpu(stats_mode, exact_float32):
         cpu.training_metrics()["gsr_loss"], rel=1e-3)
 
 
+def test_data_on_the_device_trains_exactly_as_data_copied_per_batch(exact_float32):
+    """fl-edge --data-on-device: the batches gathered on the GPU are the batches copied from
+    the host, so the same seed gives the same weights (to cuDNN's own run-to-run spread:
+    some of its backward kernels add in no fixed order)."""
+    _, host = fedsap_edges()
+    _, device = fedsap_edges()
+    device.models["model"].load_state_dict(host.models["model"].state_dict())
+    split = data(96)
+    train_local(host, split, 2, 16, seed=3, device=CUDA, progress=False)
+    train_local(device, split.to(CUDA), 2, 16, seed=3, device=CUDA, progress=False)
+    for (name, a), (_, b) in zip(host.models["model"].state_dict().items(),
+                                 device.models["model"].state_dict().items(), strict=True):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4), name
+
+
 def test_mixed_precision_on_cuda_trains_with_fp32_weights():
     _, gpu = fedsap_edges()
     split = data(128)

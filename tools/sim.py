@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu",
                    help="where the simulated edges train (all share it)")
+    p.add_argument("--data-on-device", action="store_true",
+                   help="each edge keeps its data in the GPU's memory (fl-edge "
+                        "--data-on-device)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="passed to the fl-server it starts")
     p.add_argument("--allow-seeded-dp-noise", action="store_true",
@@ -292,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.allow_seeded_dp_noise:
             allow.append("--allow-seeded-dp-noise")
         options = ["--server", address, "--device", args.device, *allow, *plan.worker_args()]
+        if args.data_on_device:
+            options.append("--data-on-device")
         if args.ray:
             from fl_tools.sim_ray import RayError, run_actors
 

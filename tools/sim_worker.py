@@ -25,6 +25,7 @@ def worker_parser() -> argparse.ArgumentParser:
     p.add_argument("--server", required=True)
     p.add_argument("--state-root", required=True, type=Path)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--data-on-device", action="store_true", help="fl-edge --data-on-device")
     p.add_argument("--tls-root", type=Path, help="one certificate folder per edge name")
     p.add_argument("--allow-method", action="append", default=[],
                    help="a module:Class method the edges may import (fl-edge --allow-method)")
@@ -72,7 +73,8 @@ def host_edges(args: argparse.Namespace, run_over: threading.Event) -> Hosted:
         name = data_dir.name
         options = EdgeOptions(server=args.server, data_dir=data_dir,
                               state_dir=args.state_root / name, name=name,
-                              device=args.device, progress=False, retry_for=120,
+                              device=args.device, data_on_device=args.data_on_device,
+                              progress=False, retry_for=120,
                               tls_dir=args.tls_root / name if args.tls_root else None,
                               allow_methods=tuple(args.allow_method),
                               privacy=PrivacyPolicy(allow_seeded_noise=args.allow_seeded_dp_noise),

@@ -41,12 +41,20 @@ class Split:
     def __len__(self) -> int:
         return int(self.y.shape[0])
 
+    def to(self, device: torch.device) -> Split:
+        return Split(self.x.to(device), self.y.to(device))
+
 
 @dataclass
 class EdgeData:
     train: Split
     test: Split
     global_test: Split | None
+
+    def to(self, device: torch.device) -> EdgeData:
+        """Every split in ``device``'s memory (fl-edge --data-on-device)."""
+        return EdgeData(self.train.to(device), self.test.to(device),
+                        self.global_test.to(device) if self.global_test else None)
 
 
 def _to_images(x: np.ndarray, path: Path, cfg: TrainConfig) -> torch.Tensor:
