@@ -113,6 +113,17 @@ def clip_gradients(optimizers: list[torch.optim.Optimizer], max_norm: float) -> 
     return torch.nn.utils.clip_grad_norm_(list(seen.values()), max_norm)
 
 
+def set_deterministic_algorithms(mode: bool) -> None:
+    """``torch.use_deterministic_algorithms(mode, warn_only=True)`` without its import of
+    ``torch._inductor`` (to set the compiler's own flag), which pulls in ``torch._dynamo``:
+    1-4 s at every edge's first join, for a compiler fedattn never runs. The compiler's flag
+    is still set when something in the process has imported it."""
+    torch._C._set_deterministic_algorithms(mode, warn_only=True)
+    inductor = sys.modules.get("torch._inductor.config")
+    if inductor is not None:
+        inductor.deterministic = mode
+
+
 def configure_determinism(deterministic: bool, threads: int) -> None:
     """The process-wide settings a bit-identical run needs (``train.deterministic``,
     ``train.threads``), applied by the edge once it has the server's configuration.
@@ -121,7 +132,7 @@ def configure_determinism(deterministic: bool, threads: int) -> None:
     deterministic version and a run should warn, not fail, there. Threads > 0 pin
     intra-op parallelism: a reduction split over another number of threads rounds
     differently."""
-    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    set_deterministic_algorithms(deterministic)
     if deterministic:
         torch.backends.cudnn.benchmark = False  # autotuning may pick another kernel per run
     if threads > 0:

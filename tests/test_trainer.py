@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -56,6 +58,22 @@ def test_shuffled_batches_are_the_dataloaders_batches(n, batch_size):
         for (xa, ya), (xb, yb) in zip(a, b, strict=True):
             assert torch.equal(xa, xb) and torch.equal(ya, yb)
     assert torch.equal(ours.generator.get_state(), g.get_state())
+
+
+def test_determinism_is_switched_without_importing_the_compiler():
+    """configure_determinism sets what torch.use_deterministic_algorithms(warn_only=True)
+    sets, without importing torch._inductor (and torch._dynamo: seconds at every edge's
+    first join). In a fresh interpreter, since this one may have imported it already."""
+    code = ("import sys, torch; from fl_edge.trainer import configure_determinism; "
+            "configure_determinism(True, 0); "
+            "assert torch.are_deterministic_algorithms_enabled(); "
+            "assert torch.is_deterministic_algorithms_warn_only_enabled(); "
+            "assert 'torch._inductor' not in sys.modules and 'torch._dynamo' not in sys.modules; "
+            "configure_determinism(False, 0); "
+            "assert not torch.are_deterministic_algorithms_enabled()")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 def test_round_learning_rate_and_accumulation_steps():
