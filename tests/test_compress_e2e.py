@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -99,14 +100,26 @@ def test_compressed_run_sends_what_the_codec_predicts(tmp_path, up, down):
     assert feedback == [up.endswith("+ef")] * EDGES
 
 
+def federations(root: Path, runs: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], int]]
+                ) -> None:
+    """Several independent federations at once (name -> compress, server flags, edge flags,
+    seed), each in ``root / name``: most of a short run is processes starting, which
+    overlap."""
+    with ThreadPoolExecutor(len(runs)) as pool:
+        done = [pool.submit(federation, root / name, compress, *extra, edge_args=edge_args,
+                            seed=seed)
+                for name, (compress, extra, edge_args, seed) in runs.items()]
+        for future in done:
+            future.result()
+
+
 def test_two_seeded_compressed_runs_are_bit_identical(tmp_path):
-    runs = []
-    for name in ("a", "b"):
-        federation(tmp_path / name, "up=int8,down=int4", seed=3)
-        runs.append(_final_global(tmp_path / name / "server-state"))
-    assert not _identical(*runs)
-    federation(tmp_path / "c", "up=int8,down=int4", seed=4)
-    assert _identical(runs[0], _final_global(tmp_path / "c" / "server-state"))
+    federations(tmp_path, {"a": ("up=int8,down=int4", (), (), 3),
+                           "b": ("up=int8,down=int4", (), (), 3),
+                           "c": ("up=int8,down=int4", (), (), 4)})
+    a, b, c = (_final_global(tmp_path / name / "server-state") for name in "abc")
+    assert not _identical(a, b)
+    assert _identical(a, c)
 
 
 DP = ["--dp", "--dp-fix-model", "--dp-noise-multiplier", "1.0", "--batch-size", "20",
@@ -114,11 +127,11 @@ DP = ["--dp", "--dp-fix-model", "--dp-noise-multiplier", "1.0", "--batch-size", 
 
 
 def test_dp_ledger_is_unchanged_by_compression(tmp_path):
-    ledgers = []
-    for name, compress in (("plain", ""), ("coded", "up=int8,down=fp16")):
-        federation(tmp_path / name, compress, *DP, edge_args=("--allow-seeded-dp-noise",))
-        ledgers.append([json.loads((tmp_path / name / f"state-e{i}" / "privacy-ledger.json")
-                                   .read_text()) for i in range(EDGES)])
+    allow = ("--allow-seeded-dp-noise",)
+    federations(tmp_path, {"plain": ("", tuple(DP), allow, 0),
+                           "coded": ("up=int8,down=fp16", tuple(DP), allow, 0)})
+    ledgers = [[json.loads((tmp_path / name / f"state-e{i}" / "privacy-ledger.json").read_text())
+                for i in range(EDGES)] for name in ("plain", "coded")]
     for plain, coded in zip(*ledgers, strict=True):
         assert plain["rounds"] and plain["rounds"] == coded["rounds"]
         assert {k: v for k, v in plain.items() if k != "updated"} == \
