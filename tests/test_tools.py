@@ -1,4 +1,8 @@
-"""The user's daily tools end to end: fl-demo and fl-sim with real processes."""
+"""The user's daily tools end to end: fl-demo and fl-sim with real processes.
+
+Each tool runs as a user starts it (its own interpreter, a bare PATH). The real runs start
+two at a time in ``runs`` (each is mostly torch starting in its processes, which
+overlap) and the cases read their results."""
 
 from __future__ import annotations
 
@@ -6,7 +10,10 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
+import pytest
 from conftest import REPO
 
 
@@ -18,10 +25,36 @@ def run(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
                               **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"}})
 
 
-def test_fl_demo_trains_on_bundled_mnist(tmp_path):
-    out = tmp_path / "demo"
-    result = run("fl_tools.demo", "--method", "fedprox", "--model", "lenet-bn", "--edges", "2",
-                 "--rounds", "2", "--out", str(out), "--set", "fedprox.mu=0.1")
+def run_args(root: Path) -> dict[str, list[str]]:
+    """The module's real runs: name -> the tool's arguments (outputs under ``root``)."""
+    return {
+        "demo": ["fl_tools.demo", "--method", "fedprox", "--model", "lenet-bn", "--edges", "2",
+                 "--rounds", "2", "--out", str(root / "demo"), "--set", "fedprox.mu=0.1"],
+        "privacy": ["fl_tools.demo", "--method", "fedavg", "--edges", "2", "--rounds", "1",
+                    "--local-epochs", "1", "--limit", "400", "--no-report", "--out",
+                    str(root / "privacy"), "--dp", "--secagg", "--tls-dir", str(root / "ca")],
+        "refused": ["fl_tools.demo", "--method", "fedstar", "--edges", "2", "--rounds", "1",
+                    "--limit", "400", "--no-report", "--out", str(root / "refused"), "--dp"],
+        "sim": ["fl_tools.sim", "--method", "fedavg", "--edges", "6", "--procs", "2",
+                "--fraction", "0.5", "--rounds", "2", "--out", str(root / "sim")],
+        "sim-tls": ["fl_tools.sim", "--method", "fedavg", "--edges", "4", "--procs", "2",
+                    "--fraction", "1", "--rounds", "1", "--out", str(root / "sim-tls"),
+                    "--tls-dir", str(root / "sim-ca")],
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[Path, dict[str, subprocess.CompletedProcess]]:
+    root = tmp_path_factory.mktemp("tools")
+    todo = run_args(root)
+    with ThreadPoolExecutor(2) as pool:
+        done = dict(zip(todo, pool.map(lambda args: run(*args), todo.values()), strict=True))
+    return root, done
+
+
+def test_fl_demo_trains_on_bundled_mnist(runs):
+    root, results = runs
+    out, result = root / "demo", results["demo"]
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     history = json.loads((out / "server" / "history.json").read_text())
     assert history["manifest"]["params"] == {"mu": 0.1}
@@ -35,14 +68,12 @@ def test_fl_demo_trains_on_bundled_mnist(tmp_path):
     assert again.returncode == 2 and "--force" in again.stderr
 
 
-def test_fl_demo_passes_privacy_options_to_the_server(tmp_path):
+def test_fl_demo_passes_privacy_options_to_the_server(runs):
     """--dp alone picks the demo budget (epsilon 8) and says so; --secagg and --tls-dir
     reach the server (a CA made for 127.0.0.1, a certificate per edge); a method that
     cannot run under DP is refused by name, with status 2."""
-    out, ca = tmp_path / "demo", tmp_path / "ca"
-    result = run("fl_tools.demo", "--method", "fedavg", "--edges", "2", "--rounds", "1",
-                 "--local-epochs", "1", "--limit", "400", "--no-report", "--out", str(out),
-                 "--dp", "--secagg", "--tls-dir", str(ca))
+    root, results = runs
+    out, ca, result = root / "privacy", root / "ca", results["privacy"]
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     assert "epsilon=8" in result.stdout and "secure aggregation" in result.stdout
     history = json.loads((out / "server" / "history.json").read_text())
@@ -51,16 +82,14 @@ def test_fl_demo_passes_privacy_options_to_the_server(tmp_path):
     assert manifest["server"]["secagg"] and manifest["server"]["tls_dir"] == str(ca)
     assert "secagg-unmask:train" in history["rounds"][0]
     assert sorted(json.loads((ca / "enrolled.json").read_text())) == ["edge_00", "edge_01"]
-    refused = run("fl_tools.demo", "--method", "fedstar", "--edges", "2", "--rounds", "1",
-                  "--limit", "400", "--no-report", "--out", str(tmp_path / "refused"), "--dp")
+    refused = results["refused"]
     assert refused.returncode == 2 and "fedstar" in refused.stderr, refused.stderr[-2000:]
     assert "--dp" in refused.stderr
 
 
-def test_fl_sim_runs_many_edges_in_few_processes(tmp_path):
-    out = tmp_path / "sim"
-    result = run("fl_tools.sim", "--method", "fedavg", "--edges", "6", "--procs", "2",
-                 "--fraction", "0.5", "--rounds", "2", "--out", str(out))
+def test_fl_sim_runs_many_edges_in_few_processes(runs):
+    root, results = runs
+    out, result = root / "sim", results["sim"]
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     history = json.loads((out / "server" / "history.json").read_text())
     for record in history["rounds"]:
@@ -71,10 +100,9 @@ def test_fl_sim_runs_many_edges_in_few_processes(tmp_path):
     assert len(identities) == 6
 
 
-def test_fl_sim_over_mutual_tls_issues_a_certificate_per_edge(tmp_path):
-    out, ca = tmp_path / "sim", tmp_path / "ca"
-    result = run("fl_tools.sim", "--method", "fedavg", "--edges", "4", "--procs", "2",
-                 "--fraction", "1", "--rounds", "1", "--out", str(out), "--tls-dir", str(ca))
+def test_fl_sim_over_mutual_tls_issues_a_certificate_per_edge(runs, tmp_path):
+    root, results = runs
+    out, ca, result = root / "sim-tls", root / "sim-ca", results["sim-tls"]
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     enrolled = json.loads((ca / "enrolled.json").read_text())
     names = sorted(p.name for p in (out / "state").iterdir())
