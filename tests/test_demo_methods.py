@@ -16,8 +16,11 @@ skipped (``tests/test_tools.py`` covers it). Fed-SAP and pFedKA run their demos 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,29 +37,78 @@ METHODS = available_methods()
 # (fedavg), collect-then-learn (fedmedian), nothing uploaded (local).
 DEMO_RUNS = ["anfr", "fedavg", "fedmedian", "fedstar", "local", "pfedla", "scaffold"]
 WORKERS = 2  # concurrent demos (each mostly starts torch in 3 processes): one per core
+# The first case to ask for ``demos`` waits for all ten demos (about 70 s on 2 idle cores):
+# pytest-timeout's 300 s counts that setup, and a loaded machine may take four times longer.
+pytestmark = pytest.mark.timeout(900)
 
 
-def demo(method: str, out: Path) -> tuple[int, float]:
+# The other real demos of this module, by case: fl-demo's arguments (``--out`` is added).
+EXTRA_RUNS = {
+    "census": ["--method", "plugin_methods:CensusAvg", "--edges", "2", "--rounds", "1",
+               "--limit", "300", "--no-report"],
+    **{f"dp-{m}": ["--method", m, "--dp", "--edges", "2", "--rounds", "1", "--local-epochs", "1",
+                   "--limit", "300", "--no-report"] for m in ("fedsap", "pfedka")},
+}
+
+
+class ThreadOutput(io.TextIOBase):
+    """Standard output while demos run in threads: each thread's prints kept apart."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[int, io.StringIO] = {}
+
+    def write(self, text: str) -> int:
+        return self.buffers.setdefault(threading.get_ident(), io.StringIO()).write(text)
+
+    def begin(self) -> None:
+        """A new capture for this thread (a pool thread runs one demo after another)."""
+        self.buffers[threading.get_ident()] = io.StringIO()
+
+    def text(self) -> str:
+        return self.buffers[threading.get_ident()].getvalue()
+
+
+def demo(argv: list[str], out: Path, output: ThreadOutput) -> tuple[int, float, str]:
     """fl-demo's ``main`` in this process (torch is imported once, here), which starts the
-    real fl-server and fl-edge processes; returns its exit status and the seconds."""
+    real fl-server and fl-edge processes; returns its exit status, the seconds and what it
+    printed."""
+    output.begin()
     start = time.monotonic()
-    code = main(["--method", method, "--edges", "2", "--rounds", "1", "--local-epochs", "1",
-                 "--limit", "300", "--no-report", "--out", str(out)])
-    return code, time.monotonic() - start
+    code = main([*argv, "--out", str(out)])
+    return code, time.monotonic() - start, output.text()
 
 
 @pytest.fixture(scope="module")
 def demos(request, tmp_path_factory):
-    """Runs the demos of the selected cases, ``WORKERS`` at a time; method -> (result,
-    seconds, run folder)."""
-    selected = sorted({item.callspec.params["method"] for item in request.session.items
-                       if item.originalname == "test_fl_demo_runs_every_method"
-                       and hasattr(item, "callspec")})
+    """Runs every real demo of the selected cases, ``WORKERS`` at a time; case -> (status,
+    seconds, printed, run folder). The module:class plug-in's processes find it on
+    PYTHONPATH (this folder)."""
+    wanted = {item.callspec.params["method"] for item in request.session.items
+              if item.originalname == "test_fl_demo_runs_every_method" and hasattr(item, "callspec")}
+    runs = {m: ["--method", m, "--edges", "2", "--rounds", "1", "--local-epochs", "1",
+                "--limit", "300", "--no-report"] for m in sorted(wanted)}
+    names = {item.originalname for item in request.session.items}
+    if "test_fl_demo_runs_a_module_class_method" in names:
+        runs["census"] = EXTRA_RUNS["census"]
+    for item in request.session.items:
+        if item.originalname == "test_fl_demo_dp_noises_the_statistics_a_method_uploads":
+            key = f"dp-{item.callspec.params['method']}"
+            runs[key] = EXTRA_RUNS[key]
     root = tmp_path_factory.mktemp("demos")
-    with ThreadPoolExecutor(WORKERS) as pool:
-        runs = dict(zip(selected, pool.map(lambda m: demo(m, root / m), selected),
-                        strict=True))
-    return {m: (*runs[m], root / m) for m in selected}
+    output = ThreadOutput()
+    tests = str(Path(__file__).resolve().parent)
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(output):
+        mp.setenv("PYTHONPATH", os.pathsep.join(
+            p for p in (tests, os.environ.get("PYTHONPATH", "")) if p))
+        with ThreadPoolExecutor(WORKERS) as pool:
+            done = dict(zip(runs, pool.map(lambda k: demo(runs[k], root / k, output), runs),
+                            strict=True))
+    return {k: (*done[k], root / k) for k in runs}
+
+
+def logs_of(out: Path) -> str:
+    return "".join(f"\n--- {p.name}\n{p.read_text()[-1500:]}"
+                   for p in sorted((out / "logs").glob("*.log"))) if (out / "logs").exists() else ""
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -84,10 +136,8 @@ def test_demo_runs_cover_every_distinct_setting():
 
 @pytest.mark.parametrize("method", DEMO_RUNS)
 def test_fl_demo_runs_every_method(demos, method):
-    code, seconds, out = demos[method]
-    logs = "".join(f"\n--- {p.name}\n{p.read_text()[-1500:]}"
-                   for p in sorted((out / "logs").glob("*.log"))) if (out / "logs").exists() else ""
-    assert code == 0, logs
+    code, seconds, _, out = demos[method]
+    assert code == 0, logs_of(out)
     history = json.loads((out / "server" / "history.json").read_text())
     assert history["manifest"]["method"] == method
     (record,) = history["rounds"]
@@ -96,38 +146,26 @@ def test_fl_demo_runs_every_method(demos, method):
     print(f"{method}: {seconds:.1f}s")
 
 
-def test_fl_demo_runs_a_module_class_method(tmp_path, monkeypatch):
+def test_fl_demo_runs_a_module_class_method(demos):
     """A method named ``module:Class`` instead of installed (the test plug-in): fl-demo's
     edges opt in to it with ``--allow-method``, as fl-sim's do; without that every edge
     refuses a module the server names and the demo cannot run."""
-    tests = str(Path(__file__).resolve().parent)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        p for p in (tests, os.environ.get("PYTHONPATH", "")) if p))
-    out = tmp_path / "census"
-    code = main(["--method", "plugin_methods:CensusAvg", "--edges", "2", "--rounds", "1",
-                 "--limit", "300", "--no-report", "--out", str(out)])
-    logs = "".join(f"\n--- {p.name}\n{p.read_text()[-1500:]}"
-                   for p in sorted((out / "logs").glob("*.log"))) if (out / "logs").exists() else ""
-    assert code == 0, logs
+    code, _, _, out = demos["census"]
+    assert code == 0, logs_of(out)
     (record,) = json.loads((out / "server" / "history.json").read_text())["rounds"]
     assert sorted(record["census"]["received"]) == ["edge_00", "edge_01"]
     assert sorted(record["train"]["received"]) == ["edge_00", "edge_01"]
 
 
 @pytest.mark.parametrize("method", ["fedsap", "pfedka"])
-def test_fl_demo_dp_noises_the_statistics_a_method_uploads(tmp_path, capsys, method):
+def test_fl_demo_dp_noises_the_statistics_a_method_uploads(demos, method):
     """``fl-demo --method M --dp`` for the methods whose uploads carry statistics of the
     data DP-SGD does not cover: the server refuses them without ``--dp-stats-sigma``, so
     the demo passes its default and says so; Fed-SAP also gets the per-sample GSR DP-SGD
     needs. Every edge's result must be accepted (a noised pFedKA cross-entropy below 0
     is clamped, not refused) and the edges must account the statistics' epsilon."""
-    out = tmp_path / method
-    code = main(["--method", method, "--dp", "--edges", "2", "--rounds", "1",
-                 "--local-epochs", "1", "--limit", "300", "--no-report", "--out", str(out)])
-    printed = capsys.readouterr().out
-    logs = "".join(f"\n--- {p.name}\n{p.read_text()[-1500:]}"
-                   for p in sorted((out / "logs").glob("*.log"))) if (out / "logs").exists() else ""
-    assert code == 0, printed + logs
+    code, _, printed, out = demos[f"dp-{method}"]
+    assert code == 0, printed + logs_of(out)
     assert f"clipped and noised with --dp-stats-sigma {DEMO_STATS_SIGMA:g}" in printed
     assert "noised statistics epsilon" in printed
     history = json.loads((out / "server" / "history.json").read_text())

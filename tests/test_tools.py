@@ -25,6 +25,10 @@ def run(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
                               **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"}})
 
 
+# The first case waits for all five runs in ``runs`` (pytest-timeout counts the setup).
+pytestmark = pytest.mark.timeout(900)
+
+
 def run_args(root: Path) -> dict[str, list[str]]:
     """The module's real runs: name -> the tool's arguments (outputs under ``root``)."""
     return {
