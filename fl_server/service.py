@@ -54,6 +54,7 @@ from fedattn_shared.wire.transport import (
 from .edges import AuthError, EdgeRecord
 from .front import EdgeFront
 from .gate import Admission
+from .memory import log_memory
 from .phase import Phase, Refused
 
 log = logging.getLogger("fl_server")
@@ -407,6 +408,8 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
             assembler, body_mac = await self._receive(
                 phase, header, phase.schema, context, header.edge_id,
                 BodyMac(record.upload_mac_key, header.body_mac_iv))
+            log_memory("round %d %s: %s's upload received", phase.round, phase.name,
+                       header.edge_id)
             try:
                 await self.front.submit(admission, header, body_mac, assembler)
             finally:
