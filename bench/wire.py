@@ -206,20 +206,19 @@ def uploaders_round(model: str, uploaders: int, rounds: int, workdir: Path,
 
 def memory_breakdown(lines: list[str], idle_kib: int, model_bytes: int) -> None:
     """The server's "memory at" lines (``fl_server.memory.log_memory``): RSS and peak at
-    each stage, as growth over the idle RSS in models; consecutive lines of one kind
-    ("... upload received") after the first are folded into a count."""
-    previous = None
+    each stage, as growth over the idle RSS in models; a line whose figures moved less
+    than a tenth of a model from the last one printed is left out."""
+    last = None
     for line in lines:
         if "memory at " not in line:
             continue
         stage, _, figures = line.split("memory at ", 1)[1].rpartition(": rss ")
         rss, _, peak = figures.partition(" KiB, peak ")
-        kind = stage.split(": ")[-1].split("'s ")[-1]
-        if kind == previous and "upload" in kind:
-            continue
-        previous = kind
         rss_x = (int(rss) - idle_kib) * 1024 / model_bytes
         peak_x = (int(peak.split()[0]) - idle_kib) * 1024 / model_bytes
+        if last and abs(rss_x - last[0]) < 0.1 and abs(peak_x - last[1]) < 0.1:
+            continue
+        last = (rss_x, peak_x)
         print(f"      {stage:<48} rss {rss_x:+6.2f}x  peak {peak_x:+6.2f}x", flush=True)
 
 

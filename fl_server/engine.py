@@ -38,7 +38,7 @@ from .evaluation import summarize
 from .gate import UploadGate
 from .history import RunHistory, Snapshot, run_config, tensors_digest
 from .initial import initial_payload
-from .memory import log_memory
+from .memory import log_memory, trim_heap
 from .metrics import ServerMetrics, drop_reason_label
 from .phase import (
     Phase,
@@ -316,6 +316,7 @@ class Engine:
             self.metrics.dropped.labels(name, drop_reason_label("phase closed at quorum")).inc()
         # Edges still streaming hold their own reference; the phase no longer needs a copy.
         phase.common_frames = []
+        trim_heap()
         self.metrics.participants.labels(name).set(len(phase.received))
         self.metrics.phase_seconds.labels(name).observe(time.monotonic() - phase.started)
         return phase

@@ -413,8 +413,12 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
             try:
                 await self.front.submit(admission, header, body_mac, assembler)
             finally:
-                # The aggregate holds copies; the buffer serves the next upload.
+                # The aggregate holds copies; the buffer serves the next upload. Once the
+                # phase has its results, the pool goes: its buffers (one model each) would
+                # sit through the close and the next download, where memory peaks.
                 self.buffers.give(assembler.buffer)
+                if phase.done.is_set() or phase.closed:
+                    self.buffers.clear()
         finally:
             self.upload_slots.release()
 
