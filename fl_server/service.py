@@ -54,7 +54,7 @@ from fedattn_shared.wire.transport import (
 from .edges import AuthError, EdgeRecord
 from .front import EdgeFront
 from .gate import Admission
-from .memory import log_memory
+from .memory import log_memory, trim_heap
 from .phase import Phase, Refused
 
 log = logging.getLogger("fl_server")
@@ -300,6 +300,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
             task.delivered = True
             if not phase.growing and all(t.delivered for t in phase.tasks.values()):
                 phase.common_frames = []
+                trim_heap()  # the frames' memory back before the uploads come in
         except asyncio.CancelledError:
             return  # gRPC ends the call (the server stops, or the edge went): no traceback
 
