@@ -150,6 +150,10 @@ class UploadSpill:
         header = json.loads(mapped[8 : 8 + length])
         start = 8 + length
         layout = json.loads(header.pop("__metadata__")[META_KEY])
+        # Reading the header mapped the page-cache folio around it (2 MiB here, a large
+        # folio): per upload, that would stay in RSS through the round. Nothing was
+        # written into the map, so its pages can go; ``learn`` maps what it reads.
+        mapped.madvise(mmap.MADV_DONTNEED, 0, len(mapped))
         sections = []
         for index, (kind, name, names) in enumerate(layout):
             tensors = {}
