@@ -156,11 +156,14 @@ def fedattn_round(model: str, edges: int, rounds: int, workdir: Path, local_epoc
 # ---- server memory against the number of uploaders ---------------------------------------
 def uploaders_round(model: str, uploaders: int, rounds: int, workdir: Path,
                     server_args: tuple[str, ...] = (), server_code: Path | None = None,
-                    per_process: int = 16, server_env: dict[str, str] | None = None) -> dict:
+                    per_process: int = 16, server_env: dict[str, str] | None = None,
+                    server_log: Path | None = None) -> dict:
     """A real fl-server (FedAvg, or --method in ``server_args``) and ``uploaders`` light
     edges (bench/uploaders.py, ``per_process`` per process, all uploading the global they
     received as soon as it arrives): the server's peak RSS growth over its idle RSS.
-    ``server_code``: another checkout to run the server from (the figure before a change)."""
+    ``server_code``: another checkout to run the server from (the figure before a change).
+    ``server_log``: the server's DEBUG log goes there (its "memory at" lines: the RSS at
+    each stage of the round), instead of nowhere."""
     channels, size = MODEL_INPUT[model]
     root = Path(__file__).resolve().parent.parent
     code = server_code or root
@@ -172,9 +175,10 @@ def uploaders_round(model: str, uploaders: int, rounds: int, workdir: Path,
          "--ready-file", str(ready), "--checkpoint-dir", str(workdir / "server"),
          "--model", model, "--in-channels", str(channels), "--image-size", str(size),
          "--rounds", str(rounds), "--min-edges", str(uploaders), "--eval-every", "0",
-         "--round-timeout", "900", "--upload-idle-timeout", "600", "--log-level", "WARNING",
-         *server_args], env=server_env, cwd=code, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL)
+         "--round-timeout", "900", "--upload-idle-timeout", "600", "--log-level",
+         "DEBUG" if server_log else "WARNING", *server_args], env=server_env, cwd=code,
+        stdout=subprocess.DEVNULL,
+        stderr=server_log.open("w") if server_log else subprocess.DEVNULL)
     while not ready.exists():
         if server.poll() is not None:
             raise RuntimeError(f"the server exited ({server.returncode})")
@@ -200,8 +204,26 @@ def uploaders_round(model: str, uploaders: int, rounds: int, workdir: Path,
             "uploaders_ok": statuses.count(0) == len(statuses)}
 
 
+def memory_breakdown(lines: list[str], idle_kib: int, model_bytes: int) -> None:
+    """The server's "memory at" lines (``fl_server.memory.log_memory``): RSS and peak at
+    each stage, as growth over the idle RSS in models; a line whose figures moved less
+    than a tenth of a model from the last one printed is left out."""
+    last = None
+    for line in lines:
+        if "memory at " not in line:
+            continue
+        stage, _, figures = line.split("memory at ", 1)[1].rpartition(": rss ")
+        rss, _, peak = figures.partition(" KiB, peak ")
+        rss_x = (int(rss) - idle_kib) * 1024 / model_bytes
+        peak_x = (int(peak.split()[0]) - idle_kib) * 1024 / model_bytes
+        if last and abs(rss_x - last[0]) < 0.1 and abs(peak_x - last[1]) < 0.1:
+            continue
+        last = (rss_x, peak_x)
+        print(f"      {stage:<48} rss {rss_x:+6.2f}x  peak {peak_x:+6.2f}x", flush=True)
+
+
 def memory_figures(model: str, counts: list[int], rounds: int, before: Path | None,
-                   method: str) -> None:
+                   method: str, breakdown: bool = False, extra: tuple[str, ...] = ()) -> None:
     """Server peak RSS growth, in models, for each number of concurrent uploaders, with
     this checkout's server (and ``before``'s, when given), next to the load average."""
     model_bytes = model_params(model) * 4
@@ -213,13 +235,17 @@ def memory_figures(model: str, counts: list[int], rounds: int, before: Path | No
                 continue
             load = os.getloadavg()[0]
             with tempfile.TemporaryDirectory() as tmp:
-                r = uploaders_round(model, count, rounds, Path(tmp), ("--method", method),
-                                    server_code=code)
+                log_path = Path(tmp) / "server.log" if breakdown else None
+                r = uploaders_round(model, count, rounds, Path(tmp),
+                                    ("--method", method, *extra), server_code=code,
+                                    server_log=log_path)
+                lines = log_path.read_text().splitlines() if log_path else []
             growth = r["peak_rss_growth_kib"] * 1024
             print(f"  {count:3d} uploaders, {label:6s}: peak RSS growth {growth / 1e6:7.1f} MB = "
                   f"{growth / model_bytes:5.2f}x one model (idle {r['idle_kib'] / 1024:.0f} MiB), "
                   f"{r['seconds']:.1f} s for {rounds} rounds, received {r['received']}, "
                   f"uploaders ok {r['uploaders_ok']}, load avg {load:.2f} before", flush=True)
+            memory_breakdown(lines, r["idle_kib"], model_bytes)
 
 
 # ---- bare grpcio --------------------------------------------------------------------------
@@ -377,10 +403,17 @@ def main() -> int:
     parser.add_argument("--before", type=Path, metavar="CHECKOUT",
                         help="with --uploaders: also run the server from this checkout")
     parser.add_argument("--method", default="fedavg", help="with --uploaders: the method")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="with --uploaders: the server's RSS at each stage of its rounds "
+                             "(its DEBUG 'memory at' lines)")
+    parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                        help="with --uploaders: one more fl-server argument (repeatable; "
+                             "--server-arg=--no-spill-uploads)")
     args = parser.parse_args()
     if args.uploaders:
         model = "resnet18-cifar" if "--models" not in sys.argv else args.models[0]
-        memory_figures(model, args.uploaders, min(args.rounds, 3), args.before, args.method)
+        memory_figures(model, args.uploaders, min(args.rounds, 3), args.before, args.method,
+                       args.breakdown, tuple(args.server_arg))
         return 0
     print(f"{args.edges} edges on loopback, {os.cpu_count()} cores; FedAvg, trivial local training")
     for model in args.models:

@@ -257,9 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         server=args.server, data_dir=args.data_dir, state_dir=state_dir, join_token=args.token,
         name=args.name, device=args.device, metrics_port=args.metrics_port,
         progress={"auto": None, "on": True, "off": False}[args.progress],
-        log_every=args.log_every,
-        retry_for=args.retry_for, batch_size=args.batch_size, amp=args.amp,
-        data_on_device=args.data_on_device,
+        log_every=args.log_every, retry_for=args.retry_for, batch_size=args.batch_size,
+        amp=args.amp, data_on_device=args.data_on_device,
         grad_accum=args.grad_accum, tls_dir=args.tls_dir, tls_server_name=args.tls_server_name,
         privacy=privacy, allow_methods=tuple(args.allow_method), throttle=throttle,
         disconnect=disconnect, offline_seconds=offline, disconnect_seed=args.disconnect_seed)

@@ -43,7 +43,7 @@ from .app import ServerApp, UsageError
 log = logging.getLogger("fl_server")
 
 # --x/--no-x flags: None when not given, so False is a choice (a store_true's False is not).
-NEGATABLE = {"spill_uploads"}
+NEGATABLE = {"spill_uploads", "spill_sums"}
 # flag dest -> (config section, key)
 FLAG_TARGETS = {
     "method": ("server", "method"), "rounds": ("server", "rounds"),
@@ -57,7 +57,7 @@ FLAG_TARGETS = {
     "chunk_bytes": ("server", "chunk_bytes"), "poll_timeout": ("server", "poll_timeout"),
     "max_concurrent_uploads": ("server", "max_concurrent_uploads"),
     "max_upload_memory": ("server", "max_upload_memory"),
-    "spill_uploads": ("server", "spill_uploads"),
+    "spill_uploads": ("server", "spill_uploads"), "spill_sums": ("server", "spill_sums"),
     "max_spill_bytes": ("server", "max_spill_bytes"),
     "max_edges": ("server", "max_edges"),
     "upload_idle_timeout": ("server", "upload_idle_timeout"),
@@ -206,6 +206,10 @@ def _network_flags(p: argparse.ArgumentParser) -> None:
     net.add_argument("--spill-uploads", action=argparse.BooleanOptionalAction,
                      help="collect-then-learn methods keep uploads memory-mapped on disk in "
                           "CHECKPOINT_DIR/uploads, not in RAM (default on)")
+    net.add_argument("--spill-sums", action=argparse.BooleanOptionalAction,
+                     help="streaming-mean methods write each upload to CHECKPOINT_DIR/uploads "
+                          "and sum them a slice at a time at the round's close, instead of a "
+                          "float64 sum in RAM (same bits; default on)")
     net.add_argument("--max-spill-bytes", type=int, metavar="BYTES",
                      help="disk the spilled uploads may take (default 0: half the free disk)")
     net.add_argument("--max-edges", type=int,

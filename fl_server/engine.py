@@ -38,6 +38,7 @@ from .evaluation import summarize
 from .gate import UploadGate
 from .history import RunHistory, Snapshot, run_config, tensors_digest
 from .initial import initial_payload
+from .memory import log_memory, trim_heap
 from .metrics import ServerMetrics, drop_reason_label
 from .phase import (
     Phase,
@@ -248,6 +249,7 @@ class Engine:
             state.abort(driver.name, err, self.metrics)
             return
         async with self.agg_lock:
+            log_memory("round %d %s closing", state.number, driver.name)
             closing = time.monotonic()
             figures, failure = await asyncio.to_thread(close_checked, driver.close,
                                                        phase.tainted, self.aggregator,
@@ -256,6 +258,7 @@ class Engine:
                 time.monotonic() - closing)
             if figures.get("aggregated"):
                 self.state_version += 1
+            log_memory("round %d %s closed", state.number, driver.name)
         state.record[driver.name] = phase.summary()
         if failure is not None:
             state.abort(driver.name, failure, self.metrics)
@@ -284,6 +287,7 @@ class Engine:
                                                   self.init_payload),
             f"{self.instance}-v{self.state_version}")
         self.task_counter += len(edges)  # only once the downlinks could be built
+        log_memory("round %d %s open", round_number, driver.name)
         name = phase.name
         self.metrics.selected.labels(name).inc(len(phase.tasks))
         log.info("round %d %s: %d task(s), quorum %d", round_number, name, len(phase.tasks),
@@ -312,6 +316,7 @@ class Engine:
             self.metrics.dropped.labels(name, drop_reason_label("phase closed at quorum")).inc()
         # Edges still streaming hold their own reference; the phase no longer needs a copy.
         phase.common_frames = []
+        trim_heap()
         self.metrics.participants.labels(name).set(len(phase.received))
         self.metrics.phase_seconds.labels(name).observe(time.monotonic() - phase.started)
         return phase

@@ -53,6 +53,7 @@ from fedattn_shared.wire.transport import PayloadAssembler
 from .drivers import PhaseDriver
 from .edges import AuthError, EdgeBook, EdgeRecord
 from .evaluation import split_figures
+from .memory import log_memory
 from .metrics import ServerMetrics
 from .phase import Phase, Refused
 
@@ -361,6 +362,7 @@ class UploadGate:
                       "be applied", phase.round, phase.name, edge, exc_info=True)
             raise Refused(f"{phase.name} upload: the server could not aggregate it "
                           f"({type(err).__name__})", drop=True) from None
+        log_memory("round %d %s: %s's upload aggregated", phase.round, phase.name, edge)
         return norm
 
     def bound_update(self, phase: Phase, edge: str, payload: Payload) -> float | None:

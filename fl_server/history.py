@@ -29,6 +29,7 @@ from fedattn_shared.methods.base import Method
 from fedattn_shared.state import atomic_write, read_json
 
 from .checkpoint import CheckpointStore
+from .memory import log_memory
 from .metrics import ServerMetrics
 
 log = logging.getLogger("fl_server")
@@ -157,6 +158,7 @@ class RunHistory:
         atomic_write(self.path, (history_json + "\n").encode(), mode=0o644)
         self.store.save(round_number, tensors, state)
         log.info("checkpoint round %d written", round_number)
+        log_memory("checkpoint round %d written", round_number)
 
     def record_changed(self) -> None:
         """A round record changed after it was written (``--mode async``: a version's

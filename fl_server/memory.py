@@ -12,18 +12,27 @@ over every edge that may register (``max_edges``): the total cannot exceed the b
 however many edges upload at once.
 
 A collect-then-learn aggregator keeps every upload of a round; ``attach_spill`` puts
-them on disk (``fedattn_shared.methods.spill``) when ``server.spill_uploads`` is on.
+them on disk (``fedattn_shared.methods.spill``) when ``server.spill_uploads`` is on. A
+streaming mean keeps a float64 sum and its compensation (4 float32 models); with
+``server.spill_sums`` its uploads go to disk too, summed a slice at a time at the close.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import platform
 from dataclasses import dataclass
 from pathlib import Path
 
 from fedattn_shared.config import ServerConfig
-from fedattn_shared.methods.aggregators import Aggregator, CollectThenLearn, flatten_sections
+from fedattn_shared.methods.aggregators import (
+    Aggregator,
+    CollectThenLearn,
+    StreamingMean,
+    flatten_sections,
+)
 from fedattn_shared.methods.spill import UploadSpill, default_spill_bytes
 
 log = logging.getLogger("fl_server")
@@ -35,6 +44,8 @@ DEFAULT_SHARE = 4
 MIN_WINDOW = 64 << 10
 MAX_WINDOW = 4 << 20
 SPILL_DIR = "uploads"
+# Whether malloc_trim exists: platform.libc_ver() scans the interpreter's binary, so once.
+GLIBC = platform.libc_ver()[0] == "glibc"
 
 
 def available_memory() -> int:
@@ -91,15 +102,44 @@ def plan_upload_memory(cfg: ServerConfig, upload_bytes: int) -> UploadMemory:
 
 
 def attach_spill(aggregator: Aggregator, cfg: ServerConfig) -> None:
-    """Keeps a collect-then-learn aggregator's uploads on disk under the checkpoint dir
-    (``server.spill_uploads``), at most ``server.max_spill_bytes`` (0: half the free
-    disk)."""
-    if not (cfg.spill_uploads and isinstance(aggregator, CollectThenLearn)):
+    """Keeps a collect-then-learn aggregator's uploads (``server.spill_uploads``) or a
+    streaming mean's (``server.spill_sums``; server optimizers included) on disk under the
+    checkpoint dir, at most ``server.max_spill_bytes`` (0: half the free disk)."""
+    if not ((cfg.spill_uploads and isinstance(aggregator, CollectThenLearn))
+            or (cfg.spill_sums and isinstance(aggregator, StreamingMean))):
         return
     directory = Path(cfg.checkpoint_dir) / SPILL_DIR
     limit = cfg.max_spill_bytes or default_spill_bytes(directory)
     aggregator.spill = UploadSpill(directory, limit)
     log.info("uploads kept on disk in %s (at most %d bytes)", directory, limit)
+
+
+def trim_heap() -> None:
+    """Gives the free pages in the middle of glibc's heaps back to the kernel
+    (``malloc_trim(0)``). The downlink's frames (one model in 1 MiB chunks) and the
+    upload chunks gRPC delivers are freed into the heap between live allocations, where
+    glibc keeps them; trimmed when a phase closes, they stop adding to the next peak (the
+    close and the next download). A few ms of CPU; nothing off glibc."""
+    if GLIBC:
+        ctypes.CDLL(None).malloc_trim(0)
+
+
+def log_memory(stage: str, *args: object) -> None:
+    """At DEBUG, the process's resident and peak memory (VmRSS, VmHWM) at a stage of a
+    round: where a server's memory grows with its uploaders (bench/wire.py --breakdown
+    reads these lines). One read of /proc/self/status, and only when DEBUG is on."""
+    if not log.isEnabledFor(logging.DEBUG):
+        return
+    fields = {}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name in ("VmRSS", "VmHWM"):
+                fields[name] = int(value.split()[0])
+    except (OSError, ValueError, IndexError):
+        return
+    log.debug("memory at %s: rss %d KiB, peak %d KiB", stage % args, fields.get("VmRSS", 0),
+              fields.get("VmHWM", 0))
 
 
 def global_bytes(aggregator: Aggregator) -> int:
@@ -108,4 +148,4 @@ def global_bytes(aggregator: Aggregator) -> int:
 
 
 __all__ = ["UploadMemory", "attach_spill", "available_memory", "global_bytes",
-           "plan_upload_memory"]
+           "log_memory", "plan_upload_memory", "trim_heap"]

@@ -54,6 +54,7 @@ from fedattn_shared.wire.transport import (
 from .edges import AuthError, EdgeRecord
 from .front import EdgeFront
 from .gate import Admission
+from .memory import log_memory, trim_heap
 from .phase import Phase, Refused
 
 log = logging.getLogger("fl_server")
@@ -299,6 +300,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
             task.delivered = True
             if not phase.growing and all(t.delivered for t in phase.tasks.values()):
                 phase.common_frames = []
+                trim_heap()  # the frames' memory back before the uploads come in
         except asyncio.CancelledError:
             return  # gRPC ends the call (the server stops, or the edge went): no traceback
 
@@ -407,11 +409,17 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
             assembler, body_mac = await self._receive(
                 phase, header, phase.schema, context, header.edge_id,
                 BodyMac(record.upload_mac_key, header.body_mac_iv))
+            log_memory("round %d %s: %s's upload received", phase.round, phase.name,
+                       header.edge_id)
             try:
                 await self.front.submit(admission, header, body_mac, assembler)
             finally:
-                # The aggregate holds copies; the buffer serves the next upload.
+                # The aggregate holds copies; the buffer serves the next upload. Once the
+                # phase has its results, the pool goes: its buffers (one model each) would
+                # sit through the close and the next download, where memory peaks.
                 self.buffers.give(assembler.buffer)
+                if phase.done.is_set() or phase.closed:
+                    self.buffers.clear()
         finally:
             self.upload_slots.release()
 

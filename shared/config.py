@@ -161,6 +161,10 @@ class ServerConfig:
     # Collect-then-learn methods (fedmedian, fedproto, fedstar): keep the round's uploads
     # memory-mapped on disk in checkpoint_dir/uploads instead of in RAM.
     spill_uploads: bool = True
+    # Streaming-mean methods (fedavg, fedadam, ...): each upload goes to checkpoint_dir/
+    # uploads as it arrives and the round's close sums them a slice at a time (the same
+    # bits), instead of a float64 sum and compensation in RAM (4 float32 models' worth).
+    spill_sums: bool = True
     max_spill_bytes: int = 0   # disk the spilled uploads may take; 0: half the free disk
     keep_checkpoints: int = 2  # round checkpoints kept on disk (the newest)
     init_weights: str = ""     # safetensors file with pretrained weights for the models

@@ -134,7 +134,10 @@ def test_a_crashed_servers_files_are_removed_at_start(tmp_path):
     assert plain.spill is None
     streaming = aggregator("fedavg")
     attach_spill(streaming, ServerConfig(checkpoint_dir=str(tmp_path / "state")))
-    assert not hasattr(streaming, "spill")
+    assert streaming.spill is not None  # server.spill_sums: on by default
+    in_ram = aggregator("fedavg")
+    attach_spill(in_ram, ServerConfig(checkpoint_dir=str(tmp_path / "state"), spill_sums=False))
+    assert in_ram.spill is None
 
 
 def test_the_budget_gives_slots_and_fixed_windows():
@@ -174,6 +177,9 @@ def test_spilling_is_on_by_default_and_the_flag_turns_it_off():
     assert cli.resolve(cli.build_parser().parse_args(base))[0].spill_uploads is True
     off = cli.resolve(cli.build_parser().parse_args([*base, "--no-spill-uploads"]))[0]
     assert off.spill_uploads is False
+    assert cli.resolve(cli.build_parser().parse_args(base))[0].spill_sums is True
+    off = cli.resolve(cli.build_parser().parse_args([*base, "--no-spill-sums"]))[0]
+    assert off.spill_sums is False and off.spill_uploads is True
 
 
 def test_a_failed_write_refuses_the_upload_by_name(tmp_path):
@@ -279,3 +285,118 @@ def test_an_upload_beyond_the_disk_bound_is_refused_over_the_wire(tmp_path):
         for edge in edges:
             edge.close()
         cluster.close()
+
+
+# ---- a streaming mean's uploads spilled, summed a slice at a time at the close ---------
+def streaming_uploads(agg, count: int, seed: int = 0) -> list[Payload]:
+    """``uploads`` plus, on every other edge, the model's section as separate tensors in
+    another order (no flat vector: what a decoded or locally built upload looks like),
+    and a float64 section whose values span 1e-8..1e3 (where a plain sum rounds)."""
+    generator = torch.Generator().manual_seed(seed + 100)
+    out = []
+    for i, payload in enumerate(uploads(agg, count, seed)):
+        sections = list(payload.sections)
+        if i % 2:
+            shared = sections[0]
+            sections[0] = Section(shared.kind, shared.name,
+                                  {k: v.clone() for k, v in reversed(shared.tensors.items())})
+        wide = torch.randn(37, generator=generator, dtype=torch.float64) \
+            * 10 ** torch.randint(-8, 4, (37,), generator=generator)
+        sections.append(Section(Kind.STAT_VECTORS, "wide", {"v": wide}))
+        out.append(Payload(sections))
+    return out
+
+
+def streaming_round(agg, payloads: list[Payload], weights: list[float]) -> dict:
+    edges = [f"e{i}" for i in range(len(payloads))]
+    agg.begin_round(1, edges, len(edges))
+    for edge, payload, weight in zip(edges, payloads, weights, strict=True):
+        agg.accept(edge, payload, weight)
+    return agg.finish()
+
+
+def assert_same_state(a, b) -> None:
+    left, right = a.state_tensors(), b.state_tensors()
+    assert left.keys() == right.keys()
+    for key, value in left.items():
+        assert value.dtype == right[key].dtype and value.shape == right[key].shape, key
+        assert torch.equal(value, right[key]), key
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedadam"])
+@pytest.mark.parametrize("slice_", [7, 1 << 19])
+def test_a_spilled_streaming_mean_gives_the_in_memory_bits(method, slice_, tmp_path,
+                                                            monkeypatch):
+    """Several edges and weights (up to 1e6), float32, bfloat16, int64, float64 and empty
+    tensors, a section that arrives as separate tensors in another order: the mean summed
+    from disk a slice at a time (7 coordinates: slices cut across tensors) has the bits
+    of the in-memory compensated sum, FedAdam's step over it too; no file is left."""
+    from fedattn_shared.methods import aggregators
+
+    monkeypatch.setattr(aggregators, "SPILL_SLICE", slice_)
+    in_ram, on_disk = aggregator(method), aggregator(method)
+    on_disk.spill = UploadSpill(tmp_path / "uploads", 1 << 30)
+    weights = [1.0, 3.0, 1e6, 17.0, 2.5]
+    for round_seed in (0, 1):  # a second round: the moments and the global moved on
+        payloads = streaming_uploads(in_ram, 5, seed=round_seed)
+        expected = streaming_round(in_ram, payloads, weights)
+        edges = [f"e{i}" for i in range(5)]
+        on_disk.begin_round(1, edges, 5)
+        for i, (edge, payload) in enumerate(zip(edges, payloads, strict=True)):
+            on_disk.accept(edge, payload, weights[i])
+            assert on_disk._sum == {}  # nothing model-sized kept through the round
+        assert len(list((tmp_path / "uploads").iterdir())) == 5
+        assert on_disk.finish() == expected
+        assert list((tmp_path / "uploads").iterdir()) == []
+        assert_same_state(in_ram, on_disk)
+
+
+def test_a_spilled_streaming_round_aborts_and_refuses_by_name(tmp_path):
+    """The disk bound refuses the upload beyond it by name and keeps nothing of it; an
+    aborted round removes its files and leaves the global as it was; the next round
+    gives the in-memory bits."""
+    agg, in_ram = aggregator("fedavg"), aggregator("fedavg")
+    first, second, third = streaming_uploads(agg, 3)
+    size = sum(s.raw_bytes for s in first.sections)
+    agg.spill = UploadSpill(tmp_path / "uploads", 2 * size + size // 2)
+    agg.begin_round(1, ["e0", "e1", "e2"], 3)
+    snapshot = agg.snapshot_round()
+    before = {k: v.clone() for k, v in agg.state_tensors().items()}
+    agg.accept("e0", first, 1.0)
+    agg.accept("e1", second, 2.0)
+    with pytest.raises(ValueError, match=r"edge e2: .* beyond server\.max_spill_bytes="):
+        agg.accept("e2", third, 1.0)
+    assert len(list((tmp_path / "uploads").iterdir())) == 2 and agg._count == 2
+    agg.restore_round(snapshot)  # what the engine does when a phase cannot close
+    assert list((tmp_path / "uploads").iterdir()) == []
+    assert all(torch.equal(v, before[k]) for k, v in agg.state_tensors().items())
+    assert agg.finish() == {"aggregated": 0, "total_weight": 0.0}
+    streaming_round(agg, [first, third], [1.0, 4.0])
+    streaming_round(in_ram, [first, third], [1.0, 4.0])
+    assert_same_state(in_ram, agg)
+
+
+def test_a_spilled_streaming_mean_takes_a_secure_sum_and_refuses_a_bad_size(tmp_path):
+    """Secure aggregation's sum (``accept_sum``) never touches the disk and gives the
+    in-memory bits; an upload whose tensor has another size than the round's first is
+    refused by name before anything is written."""
+    agg, in_ram = aggregator("fedavg"), aggregator("fedavg")
+    agg.spill = UploadSpill(tmp_path / "uploads", 1 << 30)
+    sums = Payload([Section(Kind.SHARED_TENSORS, "",
+                            {k: v * 3 for k, v in agg.state[SHARED].items()})])
+    for target in (agg, in_ram):
+        target.begin_round(1, ["e0", "e1"], 2)
+        target.accept_sum("train", sums, 3.0, 2)
+        target.finish()
+    assert_same_state(in_ram, agg)
+    assert list((tmp_path / "uploads").iterdir()) == []
+    good = streaming_uploads(agg, 1)[0]
+    bad = Payload([Section(Kind.SHARED_TENSORS, "",
+                           {k: v.reshape(-1)[:1].clone() if i == 0 else v
+                            for i, (k, v) in enumerate(good.tensors(*SHARED).items())})])
+    agg.begin_round(2, ["e0", "e1"], 2)
+    agg.accept("e0", good, 1.0)
+    with pytest.raises(ValueError, match=r"edge e1: tensor '.*' of section shared_tensors:'' has 1 "
+                                         r"values, this round's first upload \d+"):
+        agg.accept("e1", bad, 1.0)
+    assert len(list((tmp_path / "uploads").iterdir())) == 1 and agg._count == 1

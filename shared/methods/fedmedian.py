@@ -27,7 +27,11 @@ from .aggregators import CollectThenLearn
 from .base import Method
 
 SHARED = (Kind.SHARED_TENSORS, "")
-STEP_BYTES = 8 << 20  # float32 values of all uploads sorted at once
+# Float32 values of all uploads sorted at once. 1 MiB, not 8: the close runs on a worker
+# thread, whose malloc arena keeps freed 8-16 MB temporaries (stacked, sorted values,
+# int64 indices) as fragmented heap; at 8 MiB a server's close peaked at +3.4 to +5
+# models (bench/wire.py --breakdown), at 1 MiB at the new global's +1.2.
+STEP_BYTES = 1 << 20
 
 
 @dataclass

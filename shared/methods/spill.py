@@ -12,6 +12,12 @@ Files are removed when their round closes or aborts (``begin_round`` clears the 
 and those left by a server that crashed are removed when the next one starts. The disk
 they may take is bounded (``server.max_spill_bytes``): an upload beyond it is refused by
 name, and costs its edge the task, never the server its state.
+
+A streaming mean needs no upload at once, only their sum; spilled (``write_raw``), it
+keeps no model-sized float64 sum through the round either: each upload's sections go to
+a raw file (their bytes, in the round's layout), and the close sums them a slice of
+coordinates at a time, read with ``pread`` into one reused buffer (``read_into``), so
+the page cache holds the uploads, never the heap.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from ..state import save_tensors
 from ..wire.payload import Kind, Payload, Section
 
 SUFFIX = ".safetensors"
+RAW_SUFFIX = ".raw"  # a streaming mean's upload: its sections' bytes, nothing else
 META_KEY = "fedattn.sections"
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
            "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
@@ -56,8 +63,9 @@ class UploadSpill:
         self.files: dict[str, tuple[Path, int]] = {}  # edge id -> (file, bytes)
         self.maps: list[tuple[int, int, mmap.mmap]] = []  # (address, length, map)
         self.directory.mkdir(parents=True, exist_ok=True)
-        for stale in self.directory.glob(f"*{SUFFIX}"):  # a crashed server's round
-            stale.unlink(missing_ok=True)
+        for suffix in (SUFFIX, RAW_SUFFIX):  # a crashed server's round
+            for stale in self.directory.glob(f"*{suffix}"):
+                stale.unlink(missing_ok=True)
 
     @property
     def used(self) -> int:
@@ -70,12 +78,7 @@ class UploadSpill:
         it (nothing is written then). ``edge_id`` is a checked id (letters, digits, . _ -),
         so it is a safe file name."""
         size = sum(s.raw_bytes for s in upload.sections)
-        previous = self.files.get(edge_id, (None, 0))[1]
-        if self.used - previous + size > self.max_bytes:
-            raise ValueError(
-                f"edge {edge_id}: keeping its upload of {size} bytes on disk would take the "
-                f"round's spilled uploads to {self.used - previous + size} bytes, beyond "
-                f"server.max_spill_bytes={self.max_bytes}")
+        self._check_bound(edge_id, edge_id, size)
         tensors, layout = {}, []
         for index, section in enumerate(upload.sections):
             layout.append([int(section.kind), section.name, list(section.tensors)])
@@ -91,6 +94,48 @@ class UploadSpill:
         self.files[edge_id] = (path, size)
         return self.load(path)
 
+    def _check_bound(self, key: str, edge_id: str, size: int) -> None:
+        """Raises ValueError naming ``server.max_spill_bytes`` when a file of ``size``
+        bytes under ``key`` (replacing the one there) would take the round beyond it."""
+        previous = self.files.get(key, (None, 0))[1]
+        if self.used - previous + size > self.max_bytes:
+            raise ValueError(
+                f"edge {edge_id}: keeping its upload of {size} bytes on disk would take the "
+                f"round's spilled uploads to {self.used - previous + size} bytes, beyond "
+                f"server.max_spill_bytes={self.max_bytes}")
+
+    def write_raw(self, round_number: int, key: str, edge_id: str,
+                  views: list[memoryview]) -> Path:
+        """Writes ``views`` back to back into the round's file ``key`` (letters, digits,
+        . _ -) and returns its path; nothing is mapped. Raises ValueError naming
+        ``server.max_spill_bytes`` or ``server.spill_uploads`` (nothing is left then)."""
+        size = sum(view.nbytes for view in views)
+        self._check_bound(key, edge_id, size)
+        path = self.directory / f"r{round_number:06d}-{key}{RAW_SUFFIX}"
+        try:  # not fsync'd, as ``keep``: a crash loses the round anyway
+            with open(path, "wb", buffering=0) as f:
+                for view in views:
+                    done = 0
+                    while done < view.nbytes:
+                        done += f.write(view[done:])
+        except OSError as err:
+            path.unlink(missing_ok=True)
+            raise ValueError(f"edge {edge_id}: its upload could not be kept on disk in "
+                             f"{self.directory} (server.spill_uploads): {err}") from None
+        self.files[key] = (path, size)
+        return path
+
+    @staticmethod
+    def read_into(fd: int, offset: int, buffer: memoryview) -> None:
+        """Fills ``buffer`` from the open file ``fd`` at ``offset`` (a short file is an
+        OSError: the round cannot close, and is undone)."""
+        done = 0
+        while done < buffer.nbytes:
+            got = os.preadv(fd, [buffer[done:]], offset + done)
+            if got == 0:
+                raise OSError(f"a spilled upload ended {buffer.nbytes - done} bytes early")
+            done += got
+
     def load(self, path: Path) -> Payload:
         """The payload of a spilled file, its tensors views of a private memory map (a
         write into one changes the process's copy of that page, never the file)."""
@@ -105,6 +150,10 @@ class UploadSpill:
         header = json.loads(mapped[8 : 8 + length])
         start = 8 + length
         layout = json.loads(header.pop("__metadata__")[META_KEY])
+        # Reading the header mapped the page-cache folio around it (2 MiB here, a large
+        # folio): per upload, that would stay in RSS through the round. Nothing was
+        # written into the map, so its pages can go; ``learn`` maps what it reads.
+        mapped.madvise(mmap.MADV_DONTNEED, 0, len(mapped))
         sections = []
         for index, (kind, name, names) in enumerate(layout):
             tensors = {}

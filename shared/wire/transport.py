@@ -159,6 +159,11 @@ class BufferPool:
         if len(free) < self.keep:
             free.append(buffer)
 
+    def clear(self) -> None:
+        """Lets every kept buffer go (a model-sized bytearray is its own memory map:
+        freed, it leaves the process at once)."""
+        self._free = {}
+
 
 class PayloadAssembler:
     """Receives one payload chunk by chunk, refusing anything off the declared layout."""
