@@ -351,6 +351,33 @@ def test_a_spilled_streaming_mean_gives_the_in_memory_bits(method, slice_, tmp_p
         assert_same_state(in_ram, on_disk)
 
 
+def test_a_spilled_close_opens_one_upload_at_a_time(tmp_path):
+    """A round of more spilled uploads than the process may open files: the close reads
+    them one descriptor at a time (all at once, a server with 1,000 uploaders and the
+    default limit of 1,024 would fail its close)."""
+    import os
+    import resource
+
+    in_ram, on_disk = aggregator("fedavg"), aggregator("fedavg")
+    on_disk.spill = UploadSpill(tmp_path / "uploads", 1 << 30)
+    payloads = uploads(in_ram, 3) * 20  # 60 uploads
+    weights = [float(i + 1) for i in range(len(payloads))]
+    expected = streaming_round(in_ram, payloads, weights)
+    edges = [f"e{i}" for i in range(len(payloads))]
+    on_disk.begin_round(1, edges, len(edges))
+    for edge, payload, weight in zip(edges, payloads, weights, strict=True):
+        on_disk.accept(edge, payload, weight)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    in_use = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (in_use + 20, hard))
+    try:
+        figures = on_disk.finish()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert figures == expected
+    assert_same_state(in_ram, on_disk)
+
+
 def test_a_spilled_streaming_round_aborts_and_refuses_by_name(tmp_path):
     """The disk bound refuses the upload beyond it by name and keeps nothing of it; an
     aborted round removes its files and leaves the global as it was; the next round

@@ -487,23 +487,24 @@ class StreamingMean(Aggregator):
         total, comp = torch.empty(width, dtype=torch.float64), torch.empty(width, dtype=torch.float64)
         raw = torch.empty(width * 8, dtype=torch.uint8)
         buffer = memoryview(raw.numpy())
-        fds = [os.open(path, os.O_RDONLY) for path, _, _ in self._spilled]
-        try:
-            for begin in range(0, size, SPILL_SLICE):
-                end = min(begin + SPILL_SLICE, size)
-                hi, lo = total[: end - begin].zero_(), comp[: end - begin].zero_()
-                for fd, (_, weight, sections) in zip(fds, self._spilled, strict=True):
-                    if key in sections:
+        for begin in range(0, size, SPILL_SLICE):
+            end = min(begin + SPILL_SLICE, size)
+            hi, lo = total[: end - begin].zero_(), comp[: end - begin].zero_()
+            for path, weight, sections in self._spilled:
+                if key in sections:
+                    # Opened per read, not all at once: a round of thousands of uploads
+                    # would otherwise need as many descriptors (beyond a default 1024).
+                    fd = os.open(path, os.O_RDONLY)
+                    try:
                         self._add_slice(fd, *sections[key], sizes, begin, end, weight,
                                         (hi, lo, raw, buffer))
-                finish_sum(hi, lo).div_(self._weight)
-                for start, out in outputs:
-                    a, b = max(begin, start), min(end, start + out.numel())
-                    if a < b:
-                        out[a - start : b - start].copy_(hi[a - begin : b - begin])
-        finally:
-            for fd in fds:
-                os.close(fd)
+                    finally:
+                        os.close(fd)
+            finish_sum(hi, lo).div_(self._weight)
+            for start, out in outputs:
+                a, b = max(begin, start), min(end, start + out.numel())
+                if a < b:
+                    out[a - start : b - start].copy_(hi[a - begin : b - begin])
         return tensors
 
     @staticmethod
