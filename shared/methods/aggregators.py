@@ -606,6 +606,13 @@ class CollectThenLearn(Aggregator):
                             for s in upload.sections])
         self.uploads[edge_id] = (kept, weight)
 
+    def read(self, tensor: torch.Tensor, out: torch.Tensor) -> None:
+        """``out[:] = tensor`` for a view of an upload: from the spilled file with a read
+        when there is one (``UploadSpill.read``: the pages never enter the process's
+        memory), else a copy."""
+        if self.spill is None or not self.spill.read(tensor, out):
+            out.copy_(tensor)
+
     def evict(self, tensors: list[torch.Tensor]) -> None:
         """``learn`` is done reading these views of its uploads (and wrote nothing into
         them): spilled, their pages leave the process's memory (``UploadSpill.evict``)."""

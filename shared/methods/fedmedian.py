@@ -55,8 +55,16 @@ class MedianAggregator(CollectThenLearn):
         for name, x in current.items():
             columns = [p.tensors(*SHARED)[name].reshape(-1) for p in payloads]
             out = torch.empty(x.numel(), dtype=x.dtype)
+            rows = torch.empty((k, min(step, x.numel())), dtype=columns[0].dtype)
             for start in range(0, x.numel(), step):
-                stacked = torch.stack([c[start : start + step].float() for c in columns])
+                end = min(start + step, x.numel())
+                if all(c.dtype == rows.dtype for c in columns):
+                    # Read into one buffer (from disk when spilled, never through the map).
+                    for row, c in zip(rows, columns, strict=True):
+                        self.read(c[start:end], row[: end - start])
+                    stacked = rows[:, : end - start].float()
+                else:
+                    stacked = torch.stack([c[start:end].float() for c in columns])
                 ordered = stacked.sort(dim=0).values
                 if trim > 0:
                     cut = int(trim * k)
@@ -65,8 +73,7 @@ class MedianAggregator(CollectThenLearn):
                     value = ordered[(k - 1) // 2]
                 else:
                     value = (ordered[k // 2 - 1].to(torch.float64) + ordered[k // 2]) / 2
-                out[start : start + step] = value.to(x.dtype)
-                self.evict([c[start : start + step] for c in columns])
+                out[start:end] = value.to(x.dtype)
             current[name] = out.view(x.shape)
         return {}
 

@@ -61,7 +61,8 @@ class UploadSpill:
         self.directory = Path(directory)
         self.max_bytes = max_bytes
         self.files: dict[str, tuple[Path, int]] = {}  # edge id -> (file, bytes)
-        self.maps: list[tuple[int, int, mmap.mmap]] = []  # (address, length, map)
+        # (address, length, map, file) of every file ``load`` mapped this round
+        self.maps: list[tuple[int, int, mmap.mmap, Path]] = []
         self.directory.mkdir(parents=True, exist_ok=True)
         for suffix in (SUFFIX, RAW_SUFFIX):  # a crashed server's round
             for stale in self.directory.glob(f"*{suffix}"):
@@ -145,7 +146,7 @@ class UploadSpill:
         if mapped is None:
             raise ValueError(f"{path}: empty spill file")
         self.maps.append((torch.frombuffer(mapped, dtype=torch.uint8).data_ptr(), len(mapped),
-                          mapped))
+                          mapped, path))
         length = int.from_bytes(mapped[:8], "little")
         header = json.loads(mapped[8 : 8 + length])
         start = 8 + length
@@ -178,13 +179,35 @@ class UploadSpill:
         kernel's to drop) and a later read maps them again. Only for tensors nothing
         wrote into (a written page of a private map would be lost)."""
         address, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
-        for base, length, mapped in self.maps:
+        for base, length, mapped, _ in self.maps:
             if base <= address < base + length:
                 start = (address - base) // mmap.PAGESIZE * mmap.PAGESIZE
                 end = min(length, address - base + size)
                 if end > start:
                     mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
                 return
+
+    def read(self, tensor: torch.Tensor, out: torch.Tensor) -> bool:
+        """Copies ``tensor``, a contiguous view of a mapped spilled file, into ``out`` (as
+        many bytes, contiguous) with a read of the file instead of through the map: a
+        page read through a map counts in the process's RSS, and the kernel maps the
+        whole page-cache folio around it (up to 2 MiB), so a ``learn`` reading a slice of
+        64 uploads at a time held 64 folios; read, the pages stay the page cache's. One
+        descriptor at a time, whatever the number of uploads. False (nothing copied) for
+        a tensor no spilled file holds."""
+        address, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        if not tensor.is_contiguous() or out.numel() * out.element_size() != size:
+            return False
+        for base, length, _, path in self.maps:
+            if base <= address < base + length:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    self.read_into(fd, address - base,
+                                   memoryview(out.view(torch.uint8).numpy()).cast("B"))
+                finally:
+                    os.close(fd)
+                return True
+        return False
 
     def clear(self) -> None:
         """Removes the round's files (its close or abort). Mapped tensors still referenced
