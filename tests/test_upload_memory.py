@@ -93,6 +93,28 @@ def test_spilled_uploads_learn_the_same_bits_and_leave_no_file(tmp_path):
         assert value.dtype == disk[key].dtype and torch.equal(value, disk[key]), key
 
 
+def test_a_spilled_view_is_read_from_its_file_not_its_map(tmp_path):
+    """``UploadSpill.read`` copies a slice of a kept upload (any dtype, any offset) with a
+    read of the file, bytes equal to the mapped view; a tensor no spilled file holds, or
+    an output of another size, is not its to read (False, nothing copied)."""
+    spill = UploadSpill(tmp_path / "uploads", 1 << 30)
+    kept = spill.keep(1, "e0", uploads(aggregator(), 1)[0])
+    for section in kept.sections:
+        for name, tensor in section.tensors.items():
+            flat = tensor.reshape(-1)
+            if not flat.numel():
+                continue  # an empty tensor has no bytes on disk (nor a map)
+            for start, end in ((0, flat.numel()), (1, max(1, flat.numel() - 1))):
+                view = flat[start:end]
+                out = torch.full_like(view, 7)
+                assert spill.read(view, out), name
+                assert torch.equal(out.view(torch.uint8), view.view(torch.uint8)), name
+    assert not spill.read(torch.ones(3), torch.empty(3))
+    some = kept.sections[0].tensors
+    first = next(iter(some.values())).reshape(-1)
+    assert not spill.read(first[:4], torch.empty(3, dtype=first.dtype))
+
+
 def test_an_aborted_round_removes_its_files(tmp_path):
     agg = aggregator()
     agg.spill = UploadSpill(tmp_path / "uploads", 1 << 30)
