@@ -27,6 +27,7 @@ import asyncio
 import json
 import os
 import secrets
+import signal
 import sys
 import time
 from collections import Counter
@@ -276,8 +277,13 @@ async def main_async(args) -> int:
              for i in range(args.edges)]
     runs = [asyncio.create_task(edge.run()) for edge in edges]
     deadline = time.monotonic() + args.deadline
+    # bench/load.py sends SIGTERM once the server has exited: an edge that missed the
+    # run's end would otherwise call a stopped server until the deadline, and those
+    # calls would count as the server's failures.
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, fleet.stop.set)
     try:
-        while not all(r.done() for r in runs) and time.monotonic() < deadline:
+        while (not all(r.done() for r in runs) and not fleet.stop.is_set()
+               and time.monotonic() < deadline):
             write_status(args.status, fleet, edges)
             await asyncio.sleep(1.0)
     finally:

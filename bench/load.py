@@ -291,6 +291,9 @@ def aio_run(edges: int, fraction: float, args, work: Path, poll: str = "hints") 
             break
         time.sleep(0.2)
     code, usage = wait_rusage(server, max(deadline - time.monotonic(), 60))
+    for proc in clients:  # the run is over: edges that missed its end stop calling
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
     for proc in clients:
         try:
             proc.wait(timeout=60)
