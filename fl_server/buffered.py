@@ -38,8 +38,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fedattn_shared.methods.aggregators import AggregatorKind, add_scaled, finish_sum
+from fedattn_shared.methods.aggregators import AggregatorKind
 from fedattn_shared.methods.base import Method, SectionSpec, TensorSpec
+from fedattn_shared.methods.exact_sum import add_scaled, finish_sum
 from fedattn_shared.methods.phases import EVALUATE, TRAIN
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire.codec import encode

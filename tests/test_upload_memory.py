@@ -353,9 +353,9 @@ def test_a_spilled_streaming_mean_gives_the_in_memory_bits(method, slice_, tmp_p
     tensors, a section that arrives as separate tensors in another order: the mean summed
     from disk a slice at a time (7 coordinates: slices cut across tensors) has the bits
     of the in-memory compensated sum, FedAdam's step over it too; no file is left."""
-    from fedattn_shared.methods import aggregators
+    from fedattn_shared.methods import exact_sum
 
-    monkeypatch.setattr(aggregators, "SPILL_SLICE", slice_)
+    monkeypatch.setattr(exact_sum, "SPILL_SLICE", slice_)
     in_ram, on_disk = aggregator(method), aggregator(method)
     on_disk.spill = UploadSpill(tmp_path / "uploads", 1 << 30)
     weights = [1.0, 3.0, 1e6, 17.0, 2.5]
