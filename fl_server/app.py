@@ -73,7 +73,8 @@ class ServerApp:
         Path(cfg.checkpoint_dir).mkdir(parents=True, exist_ok=True)
         attach_spill(engine.aggregator, cfg)
         memory = plan_upload_memory(cfg, global_bytes(engine.aggregator))
-        self._grpc = grpc.aio.server(options=server_options() + memory.grpc_options())
+        self._grpc = grpc.aio.server(
+            options=server_options(max_edges=cfg.max_edges) + memory.grpc_options())
         enrollment = Enrollment(Path(cfg.tls_dir) / ENROLLED) if cfg.tls_dir else None
         service = FederatedLearningService(EdgeFront(engine), self.meter, cfg, enrollment,
                                            upload_slots=memory.slots)

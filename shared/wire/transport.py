@@ -32,14 +32,34 @@ def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[st
     ]
 
 
-def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
-    return channel_options(max_message_bytes) + [
+# The calls one edge may have open at once: its presence stream, a NextTask, a Submit, and
+# one spare (a Join or a health check).
+CALLS_PER_EDGE = 4
+
+
+def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES,
+                   max_edges: int = 0) -> list[tuple[str, int]]:
+    """The server's channel arguments. ``max_edges`` sizes grpc core's backlog of calls the
+    application has not picked up yet. Past 1,000 such calls core drops new ones at random
+    (all of them past 3,000), answering CANCELLED before any handler sees them. The
+    asyncio server picks calls up one at a time, so a phase opening for 10,000 edges at
+    once (every edge told at the same instant) overran that backlog and lost thousands of
+    downloads and uploads per round. Sized to every call the registered edges may have
+    open, no honest call is dropped. The backlog stays bounded: calls past it are still
+    refused."""
+    options = channel_options(max_message_bytes) + [
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ("grpc.http2.max_ping_strikes", 0),
     ]
+    if max_edges > 0:
+        backlog = CALLS_PER_EDGE * max_edges
+        options += [("grpc.server.max_pending_requests", backlog),
+                    ("grpc.server.max_pending_requests_hard_limit", backlog)]
+    return options
 
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "MAX_MESSAGE_BYTES", "channel_options", "server_options"]
+__all__ = ["CALLS_PER_EDGE", "DEFAULT_CHUNK_BYTES", "MAX_MESSAGE_BYTES", "channel_options",
+           "server_options"]
 
 
 # ---- data frames -------------------------------------------------------------------------
