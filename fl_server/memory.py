@@ -8,8 +8,9 @@ HTTP/2 flow-control window is full, and grpc's BDP probe grows that window towar
 link's bandwidth-delay product (megabytes per stream on loopback), so each waiting
 uploader parked megabytes in the server. Here the probe is off and every stream's
 window is a fixed share of what the budget leaves after the receive buffers, spread
-over every edge that may register (``max_edges``): the total cannot exceed the budget
-however many edges upload at once.
+over every call the registered edges may have open (``CALLS_PER_EDGE`` x ``max_edges``,
+which is also grpc core's backlog of calls not yet picked up, where an upload's data
+waits too): the total cannot exceed the budget however many edges upload at once.
 
 A collect-then-learn aggregator keeps every upload of a round; ``attach_spill`` puts
 them on disk (``fedattn_shared.methods.spill``) when ``server.spill_uploads`` is on. A
@@ -34,6 +35,7 @@ from fedattn_shared.methods.aggregators import (
     flatten_sections,
 )
 from fedattn_shared.methods.spill import UploadSpill, default_spill_bytes
+from fedattn_shared.wire.transport import CALLS_PER_EDGE
 
 log = logging.getLogger("fl_server")
 
@@ -92,7 +94,7 @@ def plan_upload_memory(cfg: ServerConfig, upload_bytes: int) -> UploadMemory:
         raise ValueError(f"server.max_upload_memory={budget} bytes cannot hold one upload "
                          f"of this model ({upload_bytes} bytes)")
     slots = min(cfg.max_concurrent_uploads, budget // upload_bytes)
-    window = (budget - slots * upload_bytes) // cfg.max_edges
+    window = (budget - slots * upload_bytes) // (CALLS_PER_EDGE * cfg.max_edges)
     window = max(MIN_WINDOW, min(MAX_WINDOW, window))
     plan = UploadMemory(budget, upload_bytes, slots, window)
     log.info("upload memory: %d bytes (%s): %d upload slot(s) of %d bytes, %d-byte gRPC "

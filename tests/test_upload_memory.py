@@ -173,7 +173,8 @@ def test_the_budget_gives_slots_and_fixed_windows():
     assert ("grpc.http2.lookahead_bytes", MIN_WINDOW) in plan.grpc_options()
     plan = plan_upload_memory(ServerConfig(max_upload_memory=10 * model + 100 * (1 << 20),
                                            max_concurrent_uploads=4, max_edges=100), model)
-    assert plan.slots == 4 and plan.window == (6 * model + 100 * (1 << 20)) // 100
+    # Every call 100 edges may have open (CALLS_PER_EDGE each) gets its window.
+    assert plan.slots == 4 and plan.window == (6 * model + 100 * (1 << 20)) // 400
     assert plan_upload_memory(ServerConfig(), model).budget > model  # sized from the machine
     with pytest.raises(ValueError, match=r"server\.max_upload_memory=65536 bytes cannot hold "
                                          r"one upload of this model \(181320 bytes\)"):
