@@ -252,7 +252,16 @@ class EdgeDaemon:
         return received
 
     def _handle(self, received: Received) -> None:
-        """Runs a task and submits its result."""
-        result = self.runner(received.header, received.common, received.personal)
+        """Runs a task and submits its result. Training that diverges (a non-finite loss)
+        ends the edge: it leaves first, so the server drops the task at once, records why
+        and stops counting the edge, instead of waiting for it until the round times out
+        (or, with every edge required, for ever). Nothing of the failed task was written:
+        a restarted edge resumes from its state before it."""
+        try:
+            result = self.runner(received.header, received.common, received.personal)
+        except FloatingPointError as err:
+            reason = f"training diverged in round {received.header.round}: {err}"
+            self.session.leave(reason)  # the server keeps its first 200 characters
+            raise EdgeExit(1, reason) from None
         self.session.submit(received.header, result.upload, result.num_examples,
                             result.evaluation, result.metrics, result.coded)

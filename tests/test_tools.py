@@ -25,7 +25,7 @@ def run(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
                               **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"}})
 
 
-# The first case waits for all five runs in ``runs`` (pytest-timeout counts the setup).
+# The first case waits for all six runs in ``runs`` (pytest-timeout counts the setup).
 pytestmark = pytest.mark.timeout(900)
 
 
@@ -44,6 +44,10 @@ def run_args(root: Path) -> dict[str, list[str]]:
         "sim-tls": ["fl_tools.sim", "--method", "fedavg", "--edges", "4", "--procs", "2",
                     "--fraction", "1", "--rounds", "1", "--out", str(root / "sim-tls"),
                     "--tls-dir", str(root / "sim-ca")],
+        # A learning rate that makes every edge's loss non-finite at its first step.
+        "diverge": ["fl_tools.sim", "--method", "fedavg", "--edges", "3", "--procs", "2",
+                    "--fraction", "1", "--rounds", "3", "--out", str(root / "diverge"),
+                    "--set", "train.lr=1e30"],
     }
 
 
@@ -119,3 +123,18 @@ def test_fl_sim_over_mutual_tls_issues_a_certificate_per_edge(runs, tmp_path):
                   "--server", "127.0.0.1:1", "--out", str(tmp_path / "other"),
                   "--tls-dir", str(tmp_path / "empty"))
     assert refused.returncode == 2 and "holds no CA" in refused.stderr
+
+
+def test_fl_sim_stops_when_an_edge_fails_instead_of_waiting_for_it(runs):
+    """A diverged edge used to die in its thread while its worker's other edges lived on,
+    and fl-sim's server (which waits for every edge) waited for ever. The edge now leaves,
+    saying why, and fl-sim stops the run and says which edges failed."""
+    root, results = runs
+    out, result = root / "diverge", results["diverge"]
+    assert result.returncode == 1, result.stderr[-3000:] + result.stdout[-3000:]
+    assert "fl-sim: edges failed; stopping the run" in result.stderr
+    assert "training diverged in round 1: training loss became nan at step 1" in result.stderr
+    server_log = (out / "logs" / "server.log").read_text()
+    assert "left ('training diverged in round 1" in server_log  # the server heard why
+    assert "stopping on request" in server_log  # stopped by fl-sim, not by a timeout
+    assert "(deadline)" not in server_log  # no edge was waited for until a deadline

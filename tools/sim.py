@@ -153,15 +153,32 @@ def heterogeneity(args: argparse.Namespace, names: list[str]) -> Heterogeneity:
     return plan
 
 
-def wait_for_workers(workers: list[subprocess.Popen],
-                     server: subprocess.Popen | None) -> list[int]:
+def wait_for_workers(workers: list[subprocess.Popen], server: subprocess.Popen | None,
+                     logs: Path | None = None) -> list[int]:
     """The workers' exit statuses. Once fl-sim's own server has exited (the run over, every
     connected edge told), each worker still running is told so (SIGUSR1) and stops
-    waiting for its flaky edges that are away (``worker``)."""
+    waiting for its flaky edges that are away (``worker``). A worker that fails while the
+    run is on (one of its edges failed: ``worker`` exits at once) ends the run: fl-sim's
+    server waits for every edge (``--min-edges``), so it would wait for ever; the server
+    is stopped (SIGTERM: it saves and exits) and so are the other workers."""
     if server is None:
         return [w.wait() for w in workers]
-    while server.poll() is None and any(w.poll() is None for w in workers):
+    while (server.poll() is None and any(w.poll() is None for w in workers)
+           and not any(w.poll() for w in workers)):
         time.sleep(0.2)
+    if server.poll() is None and any(w.poll() for w in workers):
+        print("fl-sim: edges failed; stopping the run", file=sys.stderr)
+        for i, worker_proc in enumerate(workers):  # what each failed edge said
+            log = logs / f"worker-{i}.log" if logs else None
+            if worker_proc.poll() and log and log.exists():
+                for line in log.read_text(errors="replace").splitlines():
+                    if " ERROR fl_sim " in line:
+                        print(f"  worker-{i}: {line.split(' ERROR fl_sim ', 1)[1]}",
+                              file=sys.stderr)
+        server.terminate()
+        for worker_proc in workers:
+            if worker_proc.poll() is None:
+                worker_proc.terminate()
     for worker_proc in workers:
         if worker_proc.poll() is None:
             worker_proc.send_signal(signal.SIGUSR1)
@@ -315,10 +332,11 @@ def main(argv: list[str] | None = None) -> int:
                               *options, *tls, *map(str, group)], f"worker-{i}.log")
                        for i, group in enumerate(groups) if group]
             print(f"fl-sim: {args.edges} edges in {len(workers)} processes against {address}")
-            codes = wait_for_workers(workers, server)
+            codes = wait_for_workers(workers, server, out / "logs")
         if server is not None:
             server.wait(timeout=60)
-            history = json.loads((out / "server" / "history.json").read_text())
+            saved = out / "server" / "history.json"  # none when stopped before a round
+            history = json.loads(saved.read_text()) if saved.exists() else {"rounds": []}
             for record in history["rounds"]:
                 test = record.get("evaluation", {}).get("summary", {}).get("test", {})
                 print(f"round {record['round']:>4}: {len(record['train']['received'])} trained, "

@@ -211,15 +211,34 @@ def place(actors: list, groups: list[ActorSpec], out: Path) -> list[dict[str, st
     return nodes
 
 
+def _failed(ref) -> bool:
+    """Whether a finished actor's edges failed (or the actor itself did)."""
+    import ray
+
+    try:
+        result = ray.get(ref)
+    except ray.exceptions.RayError:
+        return True
+    return "error" in result or any(result["codes"].values())
+
+
 def wait_for_actors(actors: list, refs: list, server: subprocess.Popen | None) -> list[dict]:
     """The actors' results, as ``wait_for_workers`` waits for worker processes: once
     fl-sim's own server has exited, each actor still running is told (``end``). An actor
-    that died (its node lost) is an ``error``."""
+    that died (its node lost) is an ``error``. An actor whose edges failed while the run is
+    on ends it, as a failed worker does: the server is stopped, the other actors killed."""
     import ray
 
     pending = list(refs)
     while pending and (server is None or server.poll() is None):
         pending = ray.wait(pending, num_returns=len(pending), timeout=0.2)[1]
+        if server is not None and any(_failed(ref) for ref in refs if ref not in pending):
+            print("fl-sim: edges failed; stopping the run", file=sys.stderr)
+            server.terminate()
+            for actor, ref in zip(actors, refs, strict=True):
+                if ref in pending:
+                    ray.kill(actor)
+            break
     for actor, ref in zip(actors, refs, strict=True):
         if ref in pending:
             actor.end.remote()

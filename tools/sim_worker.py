@@ -42,7 +42,8 @@ def worker_parser() -> argparse.ArgumentParser:
 @dataclass
 class Hosted:
     """What became of a worker's edges: each edge's exit status (0: the server ended the
-    run), and the flaky edges still away when the run ended (their threads still live)."""
+    run), and the edges whose threads still live: flaky edges away when the run ended or,
+    once an edge failed, the others."""
 
     codes: dict[str, int]
     away: list[str]
@@ -56,7 +57,8 @@ def host_edges(args: argparse.Namespace, run_over: threading.Event) -> Hosted:
     """Runs one ``EdgeDaemon`` thread per data dir of ``worker_parser``'s ``args`` (one torch
     thread each) until every edge has ended, or ``run_over`` is set (fl-sim's server ended
     the run) and only flaky edges are left: those are away (--disconnect) and would retry
-    a server that is gone, so they are not waited for, and they are no failure."""
+    a server that is gone, so they are not waited for, and they are no failure. An edge
+    that fails (a non-zero exit status, or a crash) ends the wait at once."""
     import torch
 
     from fedattn_shared.logs import setup_logging
@@ -86,6 +88,9 @@ def host_edges(args: argparse.Namespace, run_over: threading.Event) -> Hosted:
         except EdgeExit as err:
             logging.getLogger("fl_sim").error("%s: %s", data_dir.name, err)
             codes[data_dir.name] = err.code
+        except Exception:  # a crash of one edge is that edge's failure, with its traceback
+            logging.getLogger("fl_sim").exception("%s: the edge crashed", data_dir.name)
+            codes[data_dir.name] = 1
 
     threads = [threading.Thread(target=run, args=(d,), name=d.name) for d in args.data_dirs]
     flaky = set(args.flaky)
@@ -93,6 +98,8 @@ def host_edges(args: argparse.Namespace, run_over: threading.Event) -> Hosted:
         t.start()
     while any(t.is_alive() and not (run_over.is_set() and t.name in flaky)
               for t in threads):
+        if any(codes.values()):  # an edge failed: the run cannot complete (``wait_for_workers``)
+            break
         time.sleep(0.2)
     return Hosted(codes=codes, away=sorted(t.name for t in threads if t.is_alive()))
 
@@ -107,11 +114,13 @@ def worker(argv: list[str]) -> int:
     # Ignored from here on: the interpreter's shutdown would restore the default action
     # (the process killed) for a signal that arrives while it exits.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    if hosted.away:
+    if hosted.away and not hosted.failed:
         print(f"fl-sim worker: the run ended with flaky edges away: {', '.join(hosted.away)}",
               file=sys.stderr)
     if hosted.failed:
         print(f"fl-sim worker: edges failed: {hosted.failed}", file=sys.stderr)
     if hosted.away:
-        os._exit(1 if hosted.failed else 0)  # their threads sleep offline or retry the gone server
+        # Their threads sleep offline or retry the gone server, or, once an edge failed,
+        # still run: the process ends them.
+        os._exit(1 if hosted.failed else 0)
     return 1 if hosted.failed else 0
