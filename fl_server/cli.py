@@ -62,6 +62,8 @@ FLAG_TARGETS = {
     "max_edges": ("server", "max_edges"),
     "upload_idle_timeout": ("server", "upload_idle_timeout"),
     "upload_min_rate": ("server", "upload_min_rate"),
+    "download_idle_timeout": ("server", "download_idle_timeout"),
+    "download_min_rate": ("server", "download_min_rate"),
     "max_task_deliveries": ("server", "max_task_deliveries"),
     "init_weights": ("server", "init_weights"), "init_skip_head": ("server", "init_skip_head"),
     "secagg": ("server", "secagg"), "secagg_graph": ("server", "secagg_graph"),
@@ -220,6 +222,12 @@ def _network_flags(p: argparse.ArgumentParser) -> None:
     net.add_argument("--upload-min-rate", type=float,
                      help="bytes/s an upload must average: its deadline is the idle timeout "
                           "+ its size / this rate (32768)")
+    net.add_argument("--download-idle-timeout", type=float,
+                     help="cut a task download the edge takes nothing of for this many "
+                          "seconds (30)")
+    net.add_argument("--download-min-rate", type=float,
+                     help="bytes/s a task download must average: its deadline is the idle "
+                          "timeout + its size / this rate (32768)")
     net.add_argument("--max-task-deliveries", type=int,
                      help="times one task may be downloaded (a broken download retries; 3)")
     net.add_argument("--ready-file", type=Path,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -256,32 +257,33 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
             self.front.absent(record, request.session)
 
     # ---- NextTask ---------------------------------------------------------------------
-    async def NextTask(self, request: pb.TaskRequest, context):
+    async def NextTask(self, request: pb.TaskRequest, context) -> None:
         """Long-polls for this edge's task in the open phase and streams it: the header,
         then the common payload (unless the edge's cached copy is current) and its
         personal one. ``no_wait``: answers at once (the edge waits for its presence
-        stream's ``task_ready`` hint instead of holding this call)."""
+        stream's ``task_ready`` hint instead of holding this call). A download the edge
+        stops taking is cut (``_Download``)."""
         record = await self._auth(request, context)
+        edge = request.edge_id
         try:
-            edge = request.edge_id
             deadline = time.monotonic() + (0.0 if request.no_wait else self.cfg.poll_timeout)
             while True:
                 if self.front.stopping:  # the server shuts down: ask again later
-                    yield self._meta(edge, pb.TaskMessage(header=pb.TaskHeader(
-                        status=pb.TaskHeader.WAIT)))
+                    await context.write(self._meta(edge, pb.TaskMessage(header=pb.TaskHeader(
+                        status=pb.TaskHeader.WAIT))))
                     return
                 if self.front.finished:
                     record.heard_run_over = True
-                    yield self._meta(edge, pb.TaskMessage(header=pb.TaskHeader(
-                        status=pb.TaskHeader.DONE, round=self.front.round)))
+                    await context.write(self._meta(edge, pb.TaskMessage(header=pb.TaskHeader(
+                        status=pb.TaskHeader.DONE, round=self.front.round))))
                     return
                 found = self.front.next_task(edge)
                 if found is not None:
                     break
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    yield self._meta(edge, pb.TaskMessage(header=pb.TaskHeader(
-                        status=pb.TaskHeader.WAIT)))
+                    await context.write(self._meta(edge, pb.TaskMessage(header=pb.TaskHeader(
+                        status=pb.TaskHeader.WAIT))))
                     return
                 # Whatever gives this edge a task (a phase opening, the run ending) sets
                 # its wakeup, so an idle poll sleeps until then or its deadline: waking
@@ -292,11 +294,20 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
             if not self.front.deliver(phase, task, self.cfg.max_task_deliveries):
                 # A download that broke is asked for again; one asked for without end is a
                 # session pulling the model over and over (bytes and CPU the server pays).
-                yield self._meta(edge, pb.TaskMessage(header=pb.TaskHeader(
-                    status=pb.TaskHeader.WAIT)))
+                await context.write(self._meta(edge, pb.TaskMessage(header=pb.TaskHeader(
+                    status=pb.TaskHeader.WAIT))))
                 return
-            for message in self._task_messages(phase, task, edge, request.cached_common):
-                yield message
+            messages = self._task_messages(phase, task, edge, request.cached_common)
+            header = next(messages)
+            download = _Download(context, self.cfg.download_idle_timeout,
+                                 self.cfg.download_idle_timeout
+                                 + _download_bytes(header.header) / self.cfg.download_min_rate)
+            for message in itertools.chain((header,), messages):
+                if not await download.send(message):
+                    log.warning("round %d %s: %s's task download cut: %s", phase.round,
+                                phase.name, edge, download.stalled)
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                        f"task download stalled: {download.stalled}")
             task.delivered = True
             if not phase.growing and all(t.delivered for t in phase.tasks.values()):
                 phase.common_frames = []
@@ -525,6 +536,38 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         reply = pb.LeaveReply()
         self.meter.count_message(DOWN, reply, edge=request.edge_id)
         return reply
+
+
+def _download_bytes(header: pb.TaskHeader) -> int:
+    """The data bytes a task's download carries (what its total deadline is sized from)."""
+    common = 0 if header.common_cached else header.common.total_bytes
+    return common + header.personal.total_bytes
+
+
+class _Download:
+    """Writes a task's messages to its stream, each within ``idle`` seconds and all within
+    ``total``. An edge that stops reading makes gRPC's send wait for flow control for
+    ever, holding the frame it sends and the call (and, with many such streams, a frame
+    each); the first send past a deadline gives up, naming it in ``stalled``."""
+
+    def __init__(self, context, idle: float, total: float):
+        self.context, self.idle = context, idle
+        self.loop = asyncio.get_running_loop()
+        self.ends = self.loop.time() + total
+        self.sent = 0
+        self.stalled = ""
+
+    async def send(self, message: pb.TaskMessage | bytes) -> bool:
+        """Sends one message; False (``stalled`` says why) when it did not go in time."""
+        timeout = min(self.idle, self.ends - self.loop.time())
+        try:
+            await asyncio.wait_for(self.context.write(message), max(timeout, 0))
+        except asyncio.TimeoutError:
+            self.stalled = (f"message {self.sent + 1} not taken within {self.idle:g}s"
+                            if timeout == self.idle else "slower than the download's deadline")
+            return False
+        self.sent += 1
+        return True
 
 
 class _BodyReader:

@@ -175,6 +175,10 @@ class ServerConfig:
     upload_idle_timeout: float = 30.0  # an upload that sends nothing for this long is cut off
     upload_min_rate: float = 32768.0   # bytes/s: an upload's total deadline is
     #                                    idle timeout + its size / this rate
+    download_idle_timeout: float = 30.0  # a task download the edge takes nothing of for
+    #                                      this long is cut off (it holds a frame in gRPC)
+    download_min_rate: float = 32768.0   # bytes/s: a download's total deadline is
+    #                                      idle timeout + its size / this rate
     max_task_deliveries: int = 3      # streams a task may be sent on (a broken download retries)
     # Secure aggregation (SecAgg+): the server learns only the weighted sum.
     secagg: bool = False
@@ -241,6 +245,12 @@ class ServerConfig:
                               f"{self.upload_idle_timeout}")
         if not self.upload_min_rate > 0:
             raise ConfigError(f"server.upload_min_rate must be > 0, got {self.upload_min_rate}")
+        if not self.download_idle_timeout > 0:
+            raise ConfigError(f"server.download_idle_timeout must be > 0, got "
+                              f"{self.download_idle_timeout}")
+        if not self.download_min_rate > 0:
+            raise ConfigError(f"server.download_min_rate must be > 0, got "
+                              f"{self.download_min_rate}")
         if self.max_task_deliveries < 1:
             raise ConfigError(f"server.max_task_deliveries must be >= 1, got "
                               f"{self.max_task_deliveries}")

@@ -219,6 +219,30 @@ def test_a_call_that_gives_up_waiting_for_a_slot_leaves_none_held(tmp_path):
             release.set()
 
 
+def test_a_download_the_edge_stops_reading_is_cut(tmp_path):
+    # A NextTask stream whose client takes the header and then reads nothing: gRPC's send
+    # waits for flow control for ever, holding the call and a frame of the model (one per
+    # such stream). The server cuts it at its idle deadline, naming why; the task is not
+    # lost: the edge may ask for it again (--max-task-deliveries bounds how often).
+    with raw_fleet(tmp_path, ("reader",), "--model", "resnet18-cifar", "--min-edges", "1",
+                   "--download-idle-timeout", "1") as (cluster, (edge,)):
+        server = cluster.procs[0]
+        mark = server.mark()
+        request = pb.TaskRequest(edge_id=edge.edge_id, session=edge.session, cached_common="")
+        call = edge.stub.NextTask(request, timeout=60)
+        header = next(call).header  # then nothing is read: 44.7 MB cannot sit in buffers
+        assert header.status == pb.TaskHeader.TASK and header.common.total_bytes > 40 << 20
+        server.logged(mark, f"{edge.edge_id}'s task download cut: message",
+                      "not taken within 1s", timeout=30)
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in call:  # what the buffers held, then the status
+                pass
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "task download stalled" in err.value.details()
+        task = edge.next_task()  # asked again, read at once: delivered whole
+        assert task.header.task_id == header.task_id and task.globals
+
+
 def test_a_silent_stream_without_a_header_is_cut(fleet):
     attack, honest = fleet.round()
     release = threading.Event()
