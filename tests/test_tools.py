@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -133,7 +134,8 @@ def test_fl_sim_stops_when_an_edge_fails_instead_of_waiting_for_it(runs):
     out, result = root / "diverge", results["diverge"]
     assert result.returncode == 1, result.stderr[-3000:] + result.stdout[-3000:]
     assert "fl-sim: edges failed; stopping the run" in result.stderr
-    assert "training diverged in round 1: training loss became nan at step 1" in result.stderr
+    assert re.search(r"training diverged in round 1: training loss became (nan|inf)",
+                     result.stderr), result.stderr[-3000:]
     server_log = (out / "logs" / "server.log").read_text()
     assert "left ('training diverged in round 1" in server_log  # the server heard why
     assert "stopping on request" in server_log  # stopped by fl-sim, not by a timeout
