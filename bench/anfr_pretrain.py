@@ -147,28 +147,45 @@ def graft(source: Path, model_name: str, out: Path, seed: int = 0) -> list[str]:
     return fresh
 
 
+def weights_file(folder: Path, model_name: str, epochs: int, attention_decay: bool) -> Path:
+    """Where a pretraining run's weights go (bench/anfr.py --pretrained reads the same)."""
+    nowd = "" if attention_decay else "-attn-nowd"
+    return folder / f"{model_name}-e{epochs}{nowd}-s0.safetensors"
+
+
 def main() -> None:
     """``bench/anfr_pretrain.py probe``: the cheap check of which model form's gates move —
     the first ``--steps`` steps of the pretraining run of each ``--models``, printing the
-    gates' class-to-class spread every ``--log-every`` steps; writes nothing."""
+    gates' class-to-class spread every ``--log-every`` steps; writes nothing.
+    ``bench/anfr_pretrain.py pretrain --out DIR``: the whole run, gates logged the same
+    way, weights written where ``bench/anfr.py --pretrained EPOCHS --out`` looks for them
+    (``DIR`` = its ``--out``/pretrained), so the bench reuses them."""
     import argparse
 
     from _harness import SHARED_DATA
 
     p = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
-    p.add_argument("command", choices=["probe"])
+    p.add_argument("command", choices=["probe", "pretrain"])
     p.add_argument("--models", nargs="+", default=["anfr-se-compact", "anfr-se-compact-skipinit"])
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=300, help="probe: steps to run")
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--epochs", type=int, default=3, help="the schedule's length (cosine)")
     p.add_argument("--no-attention-decay", action="store_true",
                    help="no weight decay on the attention modules' tensors")
+    p.add_argument("--out", type=Path, help="pretrain: the folder for the weights")
     p.add_argument("--cifar10", type=Path,
                    default=SHARED_DATA / "cifar-10" / "cifar-10-batches-bin")
     args = p.parse_args()
+    if args.command == "pretrain" and args.out is None:
+        p.error("pretrain needs --out")
+    decay = not args.no_attention_decay
     for name in args.models:
-        pretrain(name, args.cifar10, None, args.epochs, max_steps=args.steps,
-                 log_every=args.log_every, attention_decay=not args.no_attention_decay)
+        out = (weights_file(args.out, name, args.epochs, decay) if args.command == "pretrain"
+               else None)
+        figures = pretrain(name, args.cifar10, out, args.epochs,
+                           max_steps=args.steps if args.command == "probe" else 0,
+                           log_every=args.log_every, attention_decay=decay)
+        print(f"  {name}: {figures} -> {out}", flush=True)
 
 
 if __name__ == "__main__":
