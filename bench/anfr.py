@@ -132,6 +132,7 @@ def recipe_tag(args) -> str:
         (["skipinit"] if args.skipinit else []) + \
         ([f"pre{args.pretrained}"] if args.pretrained else []) + \
         (["attn-nowd"] if args.pretrained and args.pretrain_no_attention_decay else []) + \
+        ([f"ps{args.pretrain_seed}"] if args.pretrained and args.pretrain_seed else []) + \
         (["graft"] if args.pretrained and args.anfr_from_nf else [])
     return "".join(f"-{p}" for p in parts)
 
@@ -144,8 +145,8 @@ GRAFT_SOURCE = {"ANFR": "NF-ResNet", "SE-ResNet": "BN-ResNet"}
 def init_weights(args, arch: str) -> Path | None:
     """The ``--init-weights`` file of ``arch`` under ``--pretrained`` (made on first use,
     then reused from --out): the compact model pretrained for ``args.pretrained`` epochs
-    on CIFAR-10 images 10,000-49,999 (seed 0), each architecture itself, as the paper
-    pretrains ANFR itself on ImageNet; with ``--anfr-from-nf`` ANFR (SE-ResNet) takes
+    on CIFAR-10 images 10,000-49,999 (seed --pretrain-seed, default 0), each architecture
+    itself, as the paper pretrains ANFR itself on ImageNet; with ``--anfr-from-nf`` ANFR (SE-ResNet) takes
     NF-ResNet's (BN-ResNet's) weights plus fresh attention. None without --pretrained."""
     if not args.pretrained:
         return None
@@ -154,9 +155,10 @@ def init_weights(args, arch: str) -> Path | None:
     source = GRAFT_SOURCE.get(arch, arch) if args.anfr_from_nf else arch
     folder = args.out / "pretrained"
     base = weights_file(folder, model_name(args, source), args.pretrained,
-                        not args.pretrain_no_attention_decay)
+                        not args.pretrain_no_attention_decay, args.pretrain_seed)
     if not base.exists():
         figures = pretrain(model_name(args, source), args.cifar10, base, args.pretrained,
+                           seed=args.pretrain_seed,
                            attention_decay=not args.pretrain_no_attention_decay)
         print(f"  pretrained {source}: {figures}", flush=True)
     if source == arch:
@@ -415,6 +417,9 @@ def main() -> int:
     p.add_argument("--pretrain-no-attention-decay", action="store_true",
                    help="with --pretrained: no weight decay on the attention modules' tensors "
                         "while pretraining (decay shrinks the SE weights; the gates need them)")
+    p.add_argument("--pretrain-seed", type=int, default=0,
+                   help="with --pretrained: the pretraining run's seed (one checkpoint per "
+                        "architecture, shared by every federation seed)")
     p.add_argument("--anfr-from-nf", action="store_true",
                    help="with --pretrained: ANFR starts from NF-ResNet's pretrained weights "
                         "plus fresh attention modules (SE-ResNet from BN-ResNet's)")
@@ -463,6 +468,7 @@ def main() -> int:
           f"{args.clip_grad_norm or 'off'}, augmentation {args.augment}, "
           + (f"pretrained {args.pretrained} epochs on CIFAR-10 images 10,000-49,999"
              + (" (no weight decay on attention)" if args.pretrain_no_attention_decay else "")
+             + (f", pretraining seed {args.pretrain_seed}" if args.pretrain_seed else "")
              if args.pretrained else "from scratch")
           + (", ANFR and NF-ResNet in the SkipInit form" if args.skipinit else ""), flush=True)
     if args.skipinit and args.full:

@@ -110,9 +110,10 @@ def pretrain(model_name: str, cifar10: Path, out: Path | None, epochs: int, seed
             seen += len(idx)
             step += 1
             if gates is not None and step % log_every == 0:
-                f = gates.figures()
-                print(f"  {model_name} step {step}: gate_class_std {f.get('gate_class_std', 0):.4f}"
-                      f" gate_mean {f.get('gate_mean', 0):.3f} loss {loss_sum / seen:.3f} "
+                f = gates.figures()  # empty for a model without attention
+                shown = (f"gate_class_std {f['gate_class_std']:.4f} gate_mean "
+                         f"{f['gate_mean']:.3f} " if f else "")
+                print(f"  {model_name} step {step}: {shown}loss {loss_sum / seen:.3f} "
                       f"acc {correct / seen:.3f} ({time.time() - started:.0f} s)", flush=True)
                 gates.reset()
             if max_steps and step >= max_steps:
@@ -147,10 +148,11 @@ def graft(source: Path, model_name: str, out: Path, seed: int = 0) -> list[str]:
     return fresh
 
 
-def weights_file(folder: Path, model_name: str, epochs: int, attention_decay: bool) -> Path:
+def weights_file(folder: Path, model_name: str, epochs: int, attention_decay: bool,
+                 seed: int = 0) -> Path:
     """Where a pretraining run's weights go (bench/anfr.py --pretrained reads the same)."""
     nowd = "" if attention_decay else "-attn-nowd"
-    return folder / f"{model_name}-e{epochs}{nowd}-s0.safetensors"
+    return folder / f"{model_name}-e{epochs}{nowd}-s{seed}.safetensors"
 
 
 def main() -> None:
@@ -173,6 +175,7 @@ def main() -> None:
     p.add_argument("--no-attention-decay", action="store_true",
                    help="no weight decay on the attention modules' tensors")
     p.add_argument("--out", type=Path, help="pretrain: the folder for the weights")
+    p.add_argument("--seed", type=int, default=0, help="the pretraining run's seed")
     p.add_argument("--cifar10", type=Path,
                    default=SHARED_DATA / "cifar-10" / "cifar-10-batches-bin")
     args = p.parse_args()
@@ -180,9 +183,9 @@ def main() -> None:
         p.error("pretrain needs --out")
     decay = not args.no_attention_decay
     for name in args.models:
-        out = (weights_file(args.out, name, args.epochs, decay) if args.command == "pretrain"
-               else None)
-        figures = pretrain(name, args.cifar10, out, args.epochs,
+        out = (weights_file(args.out, name, args.epochs, decay, args.seed)
+               if args.command == "pretrain" else None)
+        figures = pretrain(name, args.cifar10, out, args.epochs, seed=args.seed,
                            max_steps=args.steps if args.command == "probe" else 0,
                            log_every=args.log_every, attention_decay=decay)
         print(f"  {name}: {figures} -> {out}", flush=True)
