@@ -146,8 +146,9 @@ def init_weights(args, arch: str) -> Path | None:
     """The ``--init-weights`` file of ``arch`` under ``--pretrained`` (made on first use,
     then reused from --out): the compact model pretrained for ``args.pretrained`` epochs
     on CIFAR-10 images 10,000-49,999 (seed --pretrain-seed, default 0), each architecture
-    itself, as the paper pretrains ANFR itself on ImageNet; with ``--anfr-from-nf`` ANFR (SE-ResNet) takes
-    NF-ResNet's (BN-ResNet's) weights plus fresh attention. None without --pretrained."""
+    itself, as the paper pretrains ANFR itself on ImageNet; with ``--anfr-from-nf`` ANFR
+    (SE-ResNet) takes NF-ResNet's (BN-ResNet's) weights plus fresh attention. None without
+    --pretrained."""
     if not args.pretrained:
         return None
     from anfr_pretrain import graft, pretrain, weights_file
@@ -266,6 +267,7 @@ def per_seed(results: dict, scheme: str, methods: list[str], seeds: list[int],
              f"{pair[0]} - {pair[1]} in the last column",
              "| method | seed | " + " | ".join(archs) + f" | {pair[0]} - {pair[1]} |",
              "|---" * (len(archs) + 3) + "|"]
+    gaps: dict[str, list[tuple[float, float]]] = {}
     for method in methods:
         for seed in seeds:
             runs = {a: [r for r in results.get((scheme, a, method), []) if r["seed"] == seed]
@@ -278,7 +280,20 @@ def per_seed(results: dict, scheme: str, methods: list[str], seeds: list[int],
             delta = (f"{first['global_test'] - second['global_test']:+.1f}"
                      f" / {first['test'] - second['test']:+.1f}")
             lines.append(f"| {method} | {seed} | " + " | ".join(cells) + f" | {delta} |")
+            gaps.setdefault(method, []).append((first["global_test"] - second["global_test"],
+                                                first["test"] - second["test"]))
+    for method, pairs in gaps.items():
+        lines.append(f"{method}: paired {pair[0]} - {pair[1]} over {len(pairs)} seeds, global_test "
+                     f"{paired(p[0] for p in pairs)}; local test {paired(p[1] for p in pairs)}")
     return "\n".join(lines)
+
+
+def paired(gaps) -> str:
+    """Mean ± sample std of per-seed differences and how many favour the first model."""
+    values = list(gaps)
+    spread = f" ± {statistics.stdev(values):.2f}" if len(values) > 1 else ""
+    return (f"{statistics.mean(values):+.2f}{spread} "
+            f"({sum(v > 0 for v in values)}/{len(values)} positive)")
 
 
 GATES_MOVED = 0.05  # the issue's bar: gates that differ by class at least this much
