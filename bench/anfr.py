@@ -30,7 +30,12 @@ Protocols:
     .venv/bin/python bench/anfr.py attention --data-dir EDGE_DIR RUN_DIR...  # Fig. 3 only
     .venv/bin/python bench/anfr.py --pretrained 3 --clip-grad-norm 1 --augment crop-flip \
         --schemes shards --methods fedavg --archs ANFR NF-ResNet BN-ResNet --eval-every 2
-        # from centrally pretrained weights (see anfr_pretrain.py): the gates are live
+        # from centrally pretrained weights (see anfr_pretrain.py)
+    .venv/bin/python bench/anfr.py --pretrained 30 --pretrain-no-attention-decay --skipinit \
+        --clip-grad-norm 1 --augment crop-flip --schemes shards --methods fedavg \
+        --archs ANFR NF-ResNet --eval-every 2 --seeds 0 1 2 3 4 5 6 7 8 9
+        # ANFR vs NF-ResNet in timm's SkipInit form: the protocol where ANFR's gates move
+        # (docs/methods/anfr.md, "Gates that move")
 
 FedAdam's server learning rate (Reddi et al., https://arxiv.org/abs/2003.00295, tune it
 per task over a grid) is swept: each value of --fedadam-server-lrs (default 1e-3,3e-3,1e-2)
