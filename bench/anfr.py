@@ -30,7 +30,12 @@ Protocols:
     .venv/bin/python bench/anfr.py attention --data-dir EDGE_DIR RUN_DIR...  # Fig. 3 only
     .venv/bin/python bench/anfr.py --pretrained 3 --clip-grad-norm 1 --augment crop-flip \
         --schemes shards --methods fedavg --archs ANFR NF-ResNet BN-ResNet --eval-every 2
-        # from centrally pretrained weights (see anfr_pretrain.py): the gates are live
+        # from centrally pretrained weights (see anfr_pretrain.py)
+    .venv/bin/python bench/anfr.py --pretrained 30 --pretrain-no-attention-decay --skipinit \
+        --clip-grad-norm 1 --augment crop-flip --schemes shards --methods fedavg \
+        --archs ANFR NF-ResNet --eval-every 2 --seeds 0 1 2 3 4 5 6 7 8 9
+        # ANFR vs NF-ResNet in timm's SkipInit form: the protocol where ANFR's gates move
+        # (docs/methods/anfr.md, "Gates that move")
 
 FedAdam's server learning rate (Reddi et al., https://arxiv.org/abs/2003.00295, tune it
 per task over a grid) is swept: each value of --fedadam-server-lrs (default 1e-3,3e-3,1e-2)
@@ -59,6 +64,18 @@ ARCHS = {  # label -> (compact model, -50 model)
     "NF-ResNet": ("nf-resnet-compact", "nf-resnet-50"),
     "ANFR": ("anfr-se-compact", "anfr-se-50"),
 }
+# --skipinit: the NF families in timm's SkipInit form (conv3 gain 1, a scalar branch scale
+# starting at 0), whose attention sees live features from the first step; compact only.
+SKIPINIT = {"ANFR": "anfr-se-compact-skipinit", "NF-ResNet": "nf-resnet-compact-skipinit"}
+
+
+def model_name(args, arch: str) -> str:
+    """The registry model of ``arch`` under this run's flags."""
+    if args.skipinit and arch in SKIPINIT:
+        return SKIPINIT[arch]
+    return ARCHS[arch][1 if args.full else 0]
+
+
 METHODS = ["fedavg", "fedprox", "fedadam", "scaffold", "fedper"]
 GFL = {"fedavg", "fedprox", "fedadam", "scaffold"}
 # Paper, CIFAR-10 split-2, pretrained -50 models at 224x224 (Table 1, GFL accuracy %): only
@@ -117,7 +134,10 @@ def recipe_tag(args) -> str:
     """Run-folder suffix for a non-default recipe, so --out's cache never mixes recipes."""
     parts = ([f"clip{args.clip_grad_norm:g}"] if args.clip_grad_norm else []) + \
         ([args.augment] if args.augment != "none" else []) + \
+        (["skipinit"] if args.skipinit else []) + \
         ([f"pre{args.pretrained}"] if args.pretrained else []) + \
+        (["attn-nowd"] if args.pretrained and args.pretrain_no_attention_decay else []) + \
+        ([f"ps{args.pretrain_seed}"] if args.pretrained and args.pretrain_seed else []) + \
         (["graft"] if args.pretrained and args.anfr_from_nf else [])
     return "".join(f"-{p}" for p in parts)
 
@@ -130,24 +150,28 @@ GRAFT_SOURCE = {"ANFR": "NF-ResNet", "SE-ResNet": "BN-ResNet"}
 def init_weights(args, arch: str) -> Path | None:
     """The ``--init-weights`` file of ``arch`` under ``--pretrained`` (made on first use,
     then reused from --out): the compact model pretrained for ``args.pretrained`` epochs
-    on CIFAR-10 images 10,000-49,999 (seed 0), each architecture itself, as the paper
-    pretrains ANFR itself on ImageNet; with ``--anfr-from-nf`` ANFR (SE-ResNet) takes
-    NF-ResNet's (BN-ResNet's) weights plus fresh attention. None without --pretrained."""
+    on CIFAR-10 images 10,000-49,999 (seed --pretrain-seed, default 0), each architecture
+    itself, as the paper pretrains ANFR itself on ImageNet; with ``--anfr-from-nf`` ANFR
+    (SE-ResNet) takes NF-ResNet's (BN-ResNet's) weights plus fresh attention. None without
+    --pretrained."""
     if not args.pretrained:
         return None
-    from anfr_pretrain import graft, pretrain
+    from anfr_pretrain import graft, pretrain, weights_file
 
     source = GRAFT_SOURCE.get(arch, arch) if args.anfr_from_nf else arch
     folder = args.out / "pretrained"
-    base = folder / f"{ARCHS[source][0]}-e{args.pretrained}-s0.safetensors"
+    base = weights_file(folder, model_name(args, source), args.pretrained,
+                        not args.pretrain_no_attention_decay, args.pretrain_seed)
     if not base.exists():
-        figures = pretrain(ARCHS[source][0], args.cifar10, base, args.pretrained)
+        figures = pretrain(model_name(args, source), args.cifar10, base, args.pretrained,
+                           seed=args.pretrain_seed,
+                           attention_decay=not args.pretrain_no_attention_decay)
         print(f"  pretrained {source}: {figures}", flush=True)
     if source == arch:
         return base
-    grafted = folder / f"{ARCHS[arch][0]}-from-{base.name}"
+    grafted = folder / f"{model_name(args, arch)}-from-{base.name}"
     if not grafted.exists():
-        graft(base, ARCHS[arch][0], grafted)
+        graft(base, model_name(args, arch), grafted)
     return grafted
 
 
@@ -165,7 +189,7 @@ def federate(args, scheme: str, arch: str, method: str, seed: int) -> Path:
     if finished(history, args.rounds):
         return history  # finished earlier: --out doubles as a cache
     data = partition(args, scheme, seed)
-    model = ARCHS[arch][1 if args.full else 0]
+    model = model_name(args, arch)
     label = method
     method, method_sets = base_method(label)
     init = init_weights(args, arch)
@@ -248,6 +272,7 @@ def per_seed(results: dict, scheme: str, methods: list[str], seeds: list[int],
              f"{pair[0]} - {pair[1]} in the last column",
              "| method | seed | " + " | ".join(archs) + f" | {pair[0]} - {pair[1]} |",
              "|---" * (len(archs) + 3) + "|"]
+    gaps: dict[str, list[tuple[float, float]]] = {}
     for method in methods:
         for seed in seeds:
             runs = {a: [r for r in results.get((scheme, a, method), []) if r["seed"] == seed]
@@ -260,7 +285,20 @@ def per_seed(results: dict, scheme: str, methods: list[str], seeds: list[int],
             delta = (f"{first['global_test'] - second['global_test']:+.1f}"
                      f" / {first['test'] - second['test']:+.1f}")
             lines.append(f"| {method} | {seed} | " + " | ".join(cells) + f" | {delta} |")
+            gaps.setdefault(method, []).append((first["global_test"] - second["global_test"],
+                                                first["test"] - second["test"]))
+    for method, pairs in gaps.items():
+        lines.append(f"{method}: paired {pair[0]} - {pair[1]} over {len(pairs)} seeds, global_test "
+                     f"{paired(p[0] for p in pairs)}; local test {paired(p[1] for p in pairs)}")
     return "\n".join(lines)
+
+
+def paired(gaps) -> str:
+    """Mean ± sample std of per-seed differences and how many favour the first model."""
+    values = list(gaps)
+    spread = f" ± {statistics.stdev(values):.2f}" if len(values) > 1 else ""
+    return (f"{statistics.mean(values):+.2f}{spread} "
+            f"({sum(v > 0 for v in values)}/{len(values)} positive)")
 
 
 GATES_MOVED = 0.05  # the issue's bar: gates that differ by class at least this much
@@ -396,9 +434,19 @@ def main() -> int:
                    help="start every run from its family's compact model pretrained centrally "
                         "for EPOCHS epochs on CIFAR-10 images 10,000-49,999 (disjoint from "
                         "the federations' first --limit images); 0: from scratch")
+    p.add_argument("--pretrain-no-attention-decay", action="store_true",
+                   help="with --pretrained: no weight decay on the attention modules' tensors "
+                        "while pretraining (decay shrinks the SE weights; the gates need them)")
+    p.add_argument("--pretrain-seed", type=int, default=0,
+                   help="with --pretrained: the pretraining run's seed (one checkpoint per "
+                        "architecture, shared by every federation seed)")
     p.add_argument("--anfr-from-nf", action="store_true",
                    help="with --pretrained: ANFR starts from NF-ResNet's pretrained weights "
                         "plus fresh attention modules (SE-ResNet from BN-ResNet's)")
+    p.add_argument("--skipinit", action="store_true",
+                   help="ANFR and NF-ResNet in timm's SkipInit form (anfr-se-compact-skipinit, "
+                        "nf-resnet-compact-skipinit): conv3 gain 1, a zero-initialised branch "
+                        "scale, so the attention is live from the first step")
     p.add_argument("--archs", nargs="+", choices=list(ARCHS), default=list(ARCHS),
                    help="architectures to run (default all)")
     p.add_argument("--cifar10", type=Path, default=CIFAR10,
@@ -439,7 +487,13 @@ def main() -> int:
           f"server lr {', '.join(f'{r:g}' for r in args.fedadam_server_lrs)}; gradient clip "
           f"{args.clip_grad_norm or 'off'}, augmentation {args.augment}, "
           + (f"pretrained {args.pretrained} epochs on CIFAR-10 images 10,000-49,999"
-             if args.pretrained else "from scratch"), flush=True)
+             + (" (no weight decay on attention)" if args.pretrain_no_attention_decay else "")
+             + (f", pretraining seed {args.pretrain_seed}" if args.pretrain_seed else "")
+             if args.pretrained else "from scratch")
+          + (", ANFR and NF-ResNet in the SkipInit form" if args.skipinit else ""), flush=True)
+    if args.skipinit and args.full:
+        print("bench/anfr.py: --skipinit has compact models only", file=sys.stderr)
+        return 2
     if args.pretrained and not 0 < args.limit <= 10_000:
         print("bench/anfr.py: --pretrained needs --limit <= 10,000 (the pretraining images "
               "start at 10,000)", file=sys.stderr)

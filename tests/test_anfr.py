@@ -75,7 +75,8 @@ def test_normalisation_and_attention_layout_of_the_50_layer_models():
 
 
 COMPACT = ["bn-resnet-compact", "gn-resnet-compact", "se-resnet-compact", "nf-resnet-compact",
-           "anfr-se-compact", "anfr-eca-compact", "anfr-cbam-compact", "anfr-cbam-compact-gn"]
+           "anfr-se-compact", "anfr-eca-compact", "anfr-cbam-compact", "anfr-cbam-compact-gn",
+           "nf-resnet-compact-skipinit", "anfr-se-compact-skipinit"]
 
 
 def test_compact_family_differs_only_in_normalisation_and_attention():
@@ -97,6 +98,71 @@ def test_compact_family_differs_only_in_normalisation_and_attention():
         assert model_spec(name).head in ("fc", "head.fc")
         assert 0.5e6 < sum(p.numel() for p in model.parameters()) < 0.6e6
     assert {tuple(v) for v in stage_outputs.values()} == {(64, 64, 128, 256, 512)}
+
+
+def se_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int) -> list[float]:
+    """The SE modules' gradient norm at each of ``steps`` SGD steps on one batch."""
+    from timm.layers import SEModule
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    norms = []
+    for _ in range(steps):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        norms.append(sum(float(p.grad.norm()) for m in model.modules() if isinstance(m, SEModule)
+                         for p in m.parameters()))
+        opt.step()
+    return norms
+
+
+def test_skipinit_form_starts_with_live_attention():
+    """timm's default NF block starts conv3's gain at 0, so its SE module pools zeros, every
+    gate is sigmoid(bias) for every image and the SE gradients are exactly 0; the SkipInit
+    form starts conv3's gain at 1 and scales the branch by a scalar starting at 0: the same
+    function at init (the identity branch), but the gates already depend on the image and,
+    once that scalar has taken one step, the SE modules get gradients an order of magnitude
+    larger than the default form's. The pair differs only in the attention."""
+    from timm.layers import SEModule
+
+    from fedattn_shared.methods.anfr import attention_gates
+
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 3, 32, 32), torch.arange(8) % 10
+    models = {}
+    for name in ("anfr-se-compact", "anfr-se-compact-skipinit", "nf-resnet-compact-skipinit"):
+        torch.manual_seed(0)
+        models[name] = build_model(name, 10, 3, 32)
+    default, skip = models["anfr-se-compact"], models["anfr-se-compact-skipinit"]
+    blocks = [b for b in skip.stages.modules() if hasattr(b, "skipinit_gain")]
+    assert len(blocks) == 4
+    for block in blocks:
+        assert torch.all(block.conv3.gain == 1) and block.skipinit_gain.item() == 0.0
+    for block in (b for b in default.stages.modules() if hasattr(b, "conv3")):
+        assert torch.all(block.conv3.gain == 0) and block.skipinit_gain is None
+    with torch.no_grad():  # the same function at init: the branches add nothing yet
+        assert torch.equal(default(x), skip(x))
+    assert ({k for k in skip.state_dict() if "attn" not in k}
+            == set(models["nf-resnet-compact-skipinit"].state_dict()))
+
+    def gates(model):
+        seen = []
+        handles = [g.register_forward_hook(lambda _m, _i, out: seen.append(out.flatten(1)))
+                   for _, g in attention_gates(model)]
+        with torch.no_grad():
+            model(x)
+        for h in handles:
+            h.remove()
+        return seen
+
+    assert all(float(g.std(0).max()) == 0.0 for g in gates(default))  # one gate for all
+    assert all(float(g.std(0).max()) > 1e-3 for g in gates(skip))
+    assert count(skip, SEModule) == 4
+    # At the first step both forms' SE gradients are exactly 0 (default: zero input; skipinit:
+    # zero branch scale). After one step the default form's come only from conv3's gain
+    # having left 0 by one step; the SkipInit form's from O(1) features: ten times larger.
+    default_grads, skip_grads = se_gradients(default, x, y, 2), se_gradients(skip, x, y, 2)
+    assert default_grads[0] == 0.0 and skip_grads[0] == 0.0
+    assert skip_grads[1] > 5 * default_grads[1] > 0
 
 
 # ---- split rules on timm modules ---------------------------------------------------------

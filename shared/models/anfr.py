@@ -110,17 +110,26 @@ def timm_model(name: str, dp_clean: bool = False, gn_groups: int = 0, **kwargs) 
     return build
 
 
-def compact_nf(attention: str | None, dp_clean: bool = False) -> Builder:
+def compact_nf(attention: str | None, dp_clean: bool = False, skipinit: bool = False) -> Builder:
     """The compact NF-ResNet (``attention`` None) or ANFR: timm's NormFreeNet with the
     ``_nfres_cfg`` settings of nf_resnet50 (7x7 stem + max-pool, ReLU, bottle ratio 0.25)
-    at compact depth and width."""
+    at compact depth and width.
+
+    ``skipinit``: timm's ``NfCfg(skipinit=True)`` (SkipInit, De & Smith 2020): conv3's gain
+    starts at 1 and a scalar ``skipinit_gain`` starting at 0 scales the whole residual
+    branch. Why: in the default form conv3's per-channel gain starts at 0, so the attention
+    module pools an all-zero input, gets no gradient, and its gates stay at 0.5 for as long
+    as the gains stay small (docs/methods/anfr.md); under SkipInit it sees O(1)
+    standardised features from the first step, while the block still starts as the
+    identity map."""
 
     def build(num_classes: int, in_channels: int, image_size: int) -> nn.Module:
         from timm.models.nfnet import NfCfg, NormFreeNet
 
         cfg = NfCfg(depths=COMPACT_DEPTHS, channels=COMPACT_CHANNELS, stem_type="7x7_pool",
                     stem_chs=COMPACT_STEM, bottle_ratio=0.25, act_layer="relu",
-                    attn_layer=attention, attn_kwargs=dict(ATTENTION_KWARGS.get(attention, {})))
+                    attn_layer=attention, attn_kwargs=dict(ATTENTION_KWARGS.get(attention, {})),
+                    skipinit=skipinit)
         model = NormFreeNet(cfg, num_classes=num_classes, in_chans=in_channels)
         return batchnorm_to_groupnorm(model) if dp_clean else model
 

@@ -149,6 +149,12 @@ MODELS: dict[str, ModelSpec] = {
         ModelSpec("anfr-cbam-compact-gn", compact_nf("cbam", dp_clean=True), "head.fc",
                   "ANFR(CBAM), compact, CBAM's BatchNorm2d(1) as GroupNorm(1, 1): DP-clean"),
         ModelSpec("nf-resnet-compact", compact_nf(None), "head.fc", "NF-ResNet, compact"),
+        # SkipInit forms (timm NfCfg skipinit=True): conv3 gain 1, a zero branch scale, so
+        # the attention sees live features from the first step; the pair differs only in it.
+        ModelSpec("anfr-se-compact-skipinit", compact_nf("se", skipinit=True), "head.fc",
+                  "ANFR(SE), compact, SkipInit (conv3 gain 1, branch scale skipinit_gain 0)"),
+        ModelSpec("nf-resnet-compact-skipinit", compact_nf(None, skipinit=True), "head.fc",
+                  "NF-ResNet, compact, SkipInit (conv3 gain 1, branch scale skipinit_gain 0)"),
         ModelSpec("bn-resnet-compact", compact_resnet("bn"), "fc", "BN-ResNet, compact"),
         ModelSpec("gn-resnet-compact", compact_resnet("gn"), "fc",
                   f"GN-ResNet, compact, GroupNorm({COMPACT_GROUPS})"),
