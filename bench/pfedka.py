@@ -30,6 +30,8 @@ Protocols:
     .venv/bin/python bench/pfedka.py --what controls     # vs FedAvg-FT and Local-only
     .venv/bin/python bench/pfedka.py --what switches     # teacher_logits, gate_init, lambda_bound
     .venv/bin/python bench/pfedka.py --what controls --finished-only   # tables only
+    .venv/bin/python bench/pfedka.py --what controls --alphas 0.5 --limit 10000 --rounds 40 \
+        --eval-every 10 --global-every 5   # longer: the teacher per round (2026-11-25c)
     .venv/bin/python bench/pfedka.py --full --device cuda
 
 Besides the tables it measures, in the same invocation: wire bytes per round of pFedKA
