@@ -30,6 +30,8 @@ Protocols:
     .venv/bin/python bench/pfedka.py --what controls     # vs FedAvg-FT and Local-only
     .venv/bin/python bench/pfedka.py --what switches     # teacher_logits, gate_init, lambda_bound
     .venv/bin/python bench/pfedka.py --what controls --finished-only   # tables only
+    .venv/bin/python bench/pfedka.py --what controls --alphas 0.5 --limit 10000 --rounds 40 \
+        --eval-every 10 --global-every 5   # longer: the teacher per round (2026-11-25c)
     .venv/bin/python bench/pfedka.py --full --device cuda
 
 Besides the tables it measures, in the same invocation: wire bytes per round of pFedKA
@@ -142,6 +144,8 @@ def federate(args, config: Config, alpha: str, seed: int, rounds: int | None = N
             "train.lr": args.lr, "train.momentum": args.momentum,
             "train.batch_size": args.batch_size, "train.local_epochs": args.epochs,
             "server.eval_every": args.eval_every, "train.lr_schedule": "constant",
+            # --global-every scores the global model of past rounds: keep every checkpoint
+            **({"server.keep_checkpoints": rounds} if args.global_every else {}),
             **{f"{config.method}.{k}": v for k, v in config.params.items()}, **(extra or {})}
     flags = [f"--set={k}={toml_value(v)}" for k, v in sets.items()]
     started = time.time()
@@ -155,14 +159,17 @@ def federate(args, config: Config, alpha: str, seed: int, rounds: int | None = N
     return out
 
 
-def global_accuracy(run_dir: Path, args, through_ca: bool = False) -> float:
+def global_accuracy(run_dir: Path, args, through_ca: bool = False,
+                    round_number: int | None = None) -> float:
     """The final global model (pFedKA: the teacher) on the held-out test images; with
-    ``through_ca`` (pFedKA) its head behind its own averaged cross-attention path."""
+    ``through_ca`` (pFedKA) its head behind its own averaged cross-attention path; with
+    ``round_number`` the global model of that round (its checkpoint must be kept)."""
     import torch
 
     from fedattn_shared.config import TrainConfig
     from fedattn_shared.data.npz import read_npz
     from fedattn_shared.methods import MethodContext, load_method
+    from fedattn_shared.state import load_tensors
     from fl_server.checkpoint import CheckpointStore
 
     manifest = json.loads((run_dir / "server" / "history.json").read_text())["manifest"]
@@ -170,7 +177,11 @@ def global_accuracy(run_dir: Path, args, through_ca: bool = False) -> float:
     cls = load_method(manifest["method"])
     method = cls(MethodContext(train, cls.Params(**manifest["params"])))
     models = method.build_models()
-    _, tensors, _ = CheckpointStore(run_dir / "server").load()
+    if round_number is None:
+        _, tensors, _ = CheckpointStore(run_dir / "server").load()
+    else:
+        tensors, _ = load_tensors(CheckpointStore(run_dir / "server").rounds_dir()
+                                  / f"{round_number:06d}" / "state.safetensors")
     name = method.model_names()[0]
     prefix = f"global:shared_tensors::{name}/"
     backbone = models[name].backbone if manifest["method"] == "pfedka" else models[name]
@@ -211,6 +222,23 @@ def departure(gate: dict) -> float:
     return 0.5 * sum(abs(alpha[e] - fedavg[e]) for e in alpha)
 
 
+def global_curve(run_dir: Path, args, rounds: int, pfedka: bool) -> list[tuple[int, float, float]]:
+    """(round, global model, teacher through CA) every --global-every rounds and at the
+    last: how far the teacher got, and when. Rounds whose checkpoint was pruned (a run
+    made without --global-every) are left out."""
+    wanted = sorted({*range(args.global_every, rounds + 1, args.global_every), rounds})
+    kept = kept_rounds(run_dir)
+    return [(r, global_accuracy(run_dir, args, round_number=r),
+             global_accuracy(run_dir, args, True, r) if pfedka else float("nan"))
+            for r in wanted if r in kept]
+
+
+def kept_rounds(run_dir: Path) -> set[int]:
+    """The rounds whose server checkpoint is on disk."""
+    rounds_dir = run_dir / "server" / "rounds"
+    return {int(p.name) for p in rounds_dir.iterdir() if p.name.isdigit()} if rounds_dir.is_dir() else set()
+
+
 def figures(run_dir: Path, args) -> dict:
     from fl_tools.report import analyze_run, load_history
 
@@ -228,6 +256,9 @@ def figures(run_dir: Path, args) -> dict:
             "global_ca": (global_accuracy(run_dir, args, through_ca=True)
                           if history["manifest"]["method"] == "pfedka" else float("nan")),
             # how far the GRU gate moved from FedAvg's n_k / sum n (pFedKA), per round
+            "global_curve": (global_curve(run_dir, args, len(rounds),
+                                          history["manifest"]["method"] == "pfedka")
+                             if args.global_every else []),
             "alpha_tv": [departure(r["aggregate"]["gate"]) for r in rounds
                          if "gate" in r.get("aggregate", {})],
             "step_s": sum(s for s, _ in steps) / sum(n for _, n in steps),
@@ -277,6 +308,28 @@ def compare(results: dict, labels: list[str], alphas: list[str]) -> str:
                          f"{pm([r['best'] for r in runs])} | {pm([r['f1'] for r in runs])} | "
                          f"{pm([r['global'] for r in runs])} | {pm([r['global_ca'] for r in runs])} | "
                          + " | ".join(by_seed.get(s, "-") for s in seeds) + " |")
+    return "\n".join(lines)
+
+
+def global_curves(results: dict, labels: list[str], alphas: list[str]) -> str:
+    """The global model (pFedKA: the teacher, head on its mean token / through its CA path)
+    on the held-out test images per scored round, mean ± std over seeds, then per seed."""
+    lines = []
+    for alpha in alphas:
+        for label in labels:
+            runs = [r for r in results.get((label, alpha), []) if r["global_curve"]]
+            if not runs:
+                continue
+            lines.append(f"{label}, alpha {alpha} (seeds {[r['seed'] for r in runs]}):")
+            for i, (number, *_) in enumerate(runs[0]["global_curve"]):
+                points = [r["global_curve"][i] for r in runs if len(r["global_curve"]) > i]
+                head = pm([p[1] for p in points])
+                seeds = " / ".join(f"{p[1]:.1f}" for p in points)
+                line = f"  round {number:>3}: global {head} ({seeds})"
+                if not any(p[2] != p[2] for p in points):  # NaN: no CA path
+                    line += (f"; through CA {pm([p[2] for p in points])} ("
+                             + " / ".join(f"{p[2]:.1f}" for p in points) + ")")
+                lines.append(line)
     return "\n".join(lines)
 
 
@@ -407,6 +460,9 @@ def main() -> int:
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--eval-every", type=int, default=4)
+    p.add_argument("--global-every", type=int, default=0,
+                   help="> 0: keep every round's server checkpoint and score the global model "
+                        "(pFedKA: the teacher) on the held-out images every this many rounds")
     p.add_argument("--procs", type=int, default=2)
     p.add_argument("--step-reps", type=int, default=30)
     p.add_argument("--device", default="cpu", help="for the step-time measurement")
@@ -478,6 +534,10 @@ def main() -> int:
               "evaluated round; the final global model (pFedKA: the teacher) on the held-out "
               "test images; mean ± std over seeds, then each seed's final local-test figure")
         print(compare(results, [c.label for c in [PFEDKA, *CONTROLS]], args.alphas))
+        if args.global_every:
+            print("\nthe global model per round (pFedKA: the teacher), held-out test images, "
+                  "mean ± std over seeds (then per seed)")
+            print(global_curves(results, [c.label for c in [PFEDKA, *CONTROLS]], args.alphas))
     if what in ("switches", "all"):
         alpha = args.alphas[0]
         for config in [*SWITCHES, PFEDKA]:  # the default last: --what controls runs it too
@@ -486,6 +546,10 @@ def main() -> int:
               "teacher scored both ways (its head on the mean token; through its CA path)")
         labels = [c.label for c in [PFEDKA, *SWITCHES]]
         print(compare(results, labels, [alpha]))
+        if args.global_every:
+            print("\nthe global model per round (pFedKA: the teacher), held-out test images, "
+                  "mean ± std over seeds (then per seed)")
+            print(global_curves(results, labels, [alpha]))
         print("\ngate departure from FedAvg, total variation 0.5 sum |alpha_k - n_k/n| "
               "(first round, last round, max over rounds; mean over seeds):")
         for label in labels:
