@@ -430,16 +430,34 @@ def test_a_downlink_declared_over_the_cap_is_refused_before_allocating(cluster, 
     have died allocating the terabyte, or taken anything up to 16 GiB)."""
     original = server_service.FederatedLearningService.NextTask
 
-    async def inflated(self, request, context):
-        async for message in original(self, request, context):
+    class HeaderSent(Exception):
+        """Ends the server's task stream after the inflated header."""
+
+    class Inflating:
+        """The call's context, but a task header is inflated on its way out and no data
+        follows it: the edge must refuse on the header alone."""
+
+        def __init__(self, context):
+            self.context = context
+
+        def __getattr__(self, name):
+            return getattr(self.context, name)
+
+        async def write(self, message):
             if isinstance(message, pb.TaskMessage) and message.header.status == pb.TaskHeader.TASK:
                 common = message.header.common
                 common.sections[0].tensors.add(name="model/huge", dtype=pb.FLOAT32,
                                                shape=[1 << 38])
                 common.total_bytes += 4 << 38
-                yield message
-                return  # no data follows: the edge must refuse on the header alone
-            yield message
+                await self.context.write(message)
+                raise HeaderSent
+            await self.context.write(message)
+
+    async def inflated(self, request, context):
+        try:
+            await original(self, request, Inflating(context))
+        except HeaderSent:
+            return
 
     monkeypatch.setattr(server_service.FederatedLearningService, "NextTask", inflated)
     method = fedavg(None, "lenet-bn")
