@@ -57,6 +57,7 @@ from .front import EdgeFront
 from .gate import Admission
 from .memory import log_memory, trim_heap
 from .phase import Phase, Refused
+from .streams import BodyReader, Download, download_bytes
 
 log = logging.getLogger("fl_server")
 
@@ -262,7 +263,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         then the common payload (unless the edge's cached copy is current) and its
         personal one. ``no_wait``: answers at once (the edge waits for its presence
         stream's ``task_ready`` hint instead of holding this call). A download the edge
-        stops taking is cut (``_Download``)."""
+        stops taking is cut (``streams.Download``)."""
         record = await self._auth(request, context)
         edge = request.edge_id
         try:
@@ -299,9 +300,9 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
                 return
             messages = self._task_messages(phase, task, edge, request.cached_common)
             header = next(messages)
-            download = _Download(context, self.cfg.download_idle_timeout,
+            download = Download(context, self.cfg.download_idle_timeout,
                                  self.cfg.download_idle_timeout
-                                 + _download_bytes(header.header) / self.cfg.download_min_rate)
+                                 + download_bytes(header.header) / self.cfg.download_min_rate)
             for message in itertools.chain((header,), messages):
                 if not await download.send(message):
                     log.warning("round %d %s: %s's task download cut: %s", phase.round,
@@ -489,7 +490,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         # in order.
         writing: asyncio.Future | None = None
         closing = asyncio.ensure_future(phase.closing.wait())
-        read = _BodyReader(context, closing, assembler, idle, total, ends).read
+        read = BodyReader(context, closing, assembler, idle, total, ends).read
 
         try:
             while not assembler.complete:
@@ -536,76 +537,6 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         reply = pb.LeaveReply()
         self.meter.count_message(DOWN, reply, edge=request.edge_id)
         return reply
-
-
-def _download_bytes(header: pb.TaskHeader) -> int:
-    """The data bytes a task's download carries (what its total deadline is sized from)."""
-    common = 0 if header.common_cached else header.common.total_bytes
-    return common + header.personal.total_bytes
-
-
-class _Download:
-    """Writes a task's messages to its stream, each within ``idle`` seconds and all within
-    ``total``. An edge that stops reading makes gRPC's send wait for flow control for
-    ever, holding the frame it sends and the call (and, with many such streams, a frame
-    each); the first send past a deadline gives up, naming it in ``stalled``."""
-
-    def __init__(self, context, idle: float, total: float):
-        self.context, self.idle = context, idle
-        self.loop = asyncio.get_running_loop()
-        self.ends = self.loop.time() + total
-        self.sent = 0
-        self.stalled = ""
-
-    async def send(self, message: pb.TaskMessage | bytes) -> bool:
-        """Sends one message; False (``stalled`` says why) when it did not go in time."""
-        timeout = min(self.idle, self.ends - self.loop.time())
-        try:
-            await asyncio.wait_for(self.context.write(message), max(timeout, 0))
-        except asyncio.TimeoutError:
-            self.stalled = (f"message {self.sent + 1} not taken within {self.idle:g}s"
-                            if timeout == self.idle else "slower than the download's deadline")
-            return False
-        self.sent += 1
-        return True
-
-
-class _BodyReader:
-    """Reads an upload's next message, or raises naming why none will come: the stream
-    was cancelled, the phase closed, the upload's deadline passed or it stalled."""
-
-    def __init__(self, context, closing: asyncio.Future, assembler: PayloadAssembler,
-                 idle: float, total: float, ends: float):
-        self.context, self.closing, self.assembler = context, closing, assembler
-        self.idle, self.total, self.ends = idle, total, ends
-        self.loop = asyncio.get_running_loop()
-
-    def _progress(self) -> str:
-        return f"{self.assembler.received} of {len(self.assembler.buffer)} bytes"
-
-    async def read(self):
-        """The next message (a chunk view, a header, Malformed or EOF)."""
-        message = asyncio.ensure_future(self.context.read())
-        timeout = min(self.idle, self.ends - self.loop.time())
-        try:
-            await asyncio.wait({message, self.closing}, timeout=max(timeout, 0),
-                               return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            # gRPC cancels the handler when the stream breaks (the client went, or
-            # sent a message over the transport's cap): the upload ends here, and
-            # refusing it by name costs the edge its task at once.
-            message.cancel()
-            raise WireError(f"upload ended after {self._progress()} (the stream was "
-                            "cancelled)") from None
-        if message.done():
-            return message.result()
-        message.cancel()
-        if self.closing.done():
-            raise Refused("the phase closed before the upload completed")
-        if self.loop.time() >= self.ends:
-            raise WireError(f"upload not complete within its deadline of {self.total:.0f}s "
-                            f"({self._progress()})")
-        raise WireError(f"no data for {self.idle:g}s (stalled after {self._progress()})")
 
 
 def service_handler(service: FederatedLearningService) -> grpc.GenericRpcHandler:
