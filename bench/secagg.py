@@ -152,7 +152,7 @@ def prg_comparison(words: int = 1_528_107, repeats: int = 40) -> list[str]:
     """One mask of the model's size: our AES-256-CTR keystream from a 256-bit seed against
     a general-purpose RNG seeded with 32 bits (numpy's Mersenne Twister, as Flower's
     SecAgg+ derives its masks), best of ``repeats`` each."""
-    from fedattn_shared.privacy.secagg import prg_words
+    from fedattn_shared.privacy.secagg_crypto import prg_words
 
     seed = bytes(range(32))
     candidates = {

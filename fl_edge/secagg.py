@@ -41,11 +41,9 @@ from fedattn_shared.privacy.secagg import (
     SecAggPolicy,
     as_bytes,
     as_tensor,
-    base_vector,
-    flatten_upload,
-    masked_phases,
     protocol_step,
 )
+from fedattn_shared.privacy.secagg_layout import base_vector, flatten_upload, masked_phases
 from fedattn_shared.privacy.secagg_ring import (
     IntegerQuantizer,
     pack_bits,

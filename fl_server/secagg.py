@@ -36,12 +36,9 @@ from fedattn_shared.methods.aggregators import Aggregator
 from fedattn_shared.methods.base import Method, SectionSpec, TensorSpec
 from fedattn_shared.privacy.secagg import (
     ADVERTISE,
-    CIPHERTEXT_BYTES,
     CONFIRM,
     RECEIVE,
     SHARE,
-    SHARE_BYTES,
-    SIGNATURE_BYTES,
     UNMASK,
     Quantizer,
     SecAggError,
@@ -49,9 +46,12 @@ from fedattn_shared.privacy.secagg import (
     ServerRound,
     as_bytes,
     as_tensor,
+    protocol_step,
+)
+from fedattn_shared.privacy.secagg_crypto import CIPHERTEXT_BYTES, SHARE_BYTES, SIGNATURE_BYTES
+from fedattn_shared.privacy.secagg_layout import (
     base_vector,
     masked_phases,
-    protocol_step,
     unflatten_sum,
     vector_length,
 )

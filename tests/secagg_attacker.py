@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from fedattn_shared.privacy.secagg import CIPHERTEXT_BYTES, SHARE, UNMASK, protocol_step  # noqa: E402
+from fedattn_shared.privacy.secagg import SHARE, UNMASK, protocol_step  # noqa: E402
+from fedattn_shared.privacy.secagg_crypto import CIPHERTEXT_BYTES  # noqa: E402
 from fedattn_shared.wire.payload import Kind, Payload, Section  # noqa: E402
 from fl_edge import cli, daemon  # noqa: E402
 from fl_edge.secagg import EdgeSecAgg  # noqa: E402

@@ -17,8 +17,6 @@ from scipy import stats
 from fedattn_shared.config import ConfigError, ServerConfig, TrainConfig
 from fedattn_shared.methods import MethodContext, load_method
 from fedattn_shared.privacy.secagg import (
-    CIPHERTEXT_BYTES,
-    PRIME,
     ClientRound,
     Quantizer,
     SecAggError,
@@ -26,13 +24,17 @@ from fedattn_shared.privacy.secagg import (
     ServerRound,
     auto_degree,
     graph_degree,
-    masked_phases,
     neighbour_graph,
+)
+from fedattn_shared.privacy.secagg_crypto import (
+    CIPHERTEXT_BYTES,
+    PRIME,
     prg_words,
     robust_combine,
     shamir_combine,
     shamir_split,
 )
+from fedattn_shared.privacy.secagg_layout import masked_phases
 from fedattn_shared.wire.payload import Kind, Payload, Section
 from fl_edge.secagg import ROUND_FILE, EdgeSecAgg
 from fl_edge.store import load_or_create_signing_key
@@ -407,7 +409,7 @@ def test_t_minus_one_colluders_learn_nothing_of_a_masked_vector():
 
     from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-    from fedattn_shared.privacy.secagg import agree, pair_info
+    from fedattn_shared.privacy.secagg_crypto import agree, pair_info
 
     residual = y["e0"] - prg_words(seed_from(colluders).to_bytes(32, "big"), length + 1)
     for c in colluders:  # pairwise masks the colluders share with e0

@@ -28,15 +28,8 @@ from test_secagg import public, reveal
 from fedattn_shared.config import ServerConfig, TrainConfig
 from fedattn_shared.methods import MethodContext, load_method
 from fedattn_shared.privacy import secagg_ring
-from fedattn_shared.privacy.secagg import (
-    ClientRound,
-    SecAggError,
-    SecAggPolicy,
-    ServerRound,
-    base_vector,
-    flatten_upload,
-    masked_phases,
-)
+from fedattn_shared.privacy.secagg import ClientRound, SecAggError, SecAggPolicy, ServerRound
+from fedattn_shared.privacy.secagg_layout import base_vector, flatten_upload, masked_phases
 from fedattn_shared.privacy.secagg_ring import (
     IntegerQuantizer,
     levels,
