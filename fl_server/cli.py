@@ -57,6 +57,7 @@ FLAG_TARGETS = {
     "chunk_bytes": ("server", "chunk_bytes"), "poll_timeout": ("server", "poll_timeout"),
     "max_concurrent_uploads": ("server", "max_concurrent_uploads"),
     "max_upload_memory": ("server", "max_upload_memory"),
+    "max_download_memory": ("server", "max_download_memory"),
     "spill_uploads": ("server", "spill_uploads"), "spill_sums": ("server", "spill_sums"),
     "max_spill_bytes": ("server", "max_spill_bytes"),
     "max_edges": ("server", "max_edges"),
@@ -205,6 +206,10 @@ def _network_flags(p: argparse.ArgumentParser) -> None:
     net.add_argument("--max-upload-memory", type=int, metavar="BYTES",
                      help="bytes concurrent uploads may hold in receive buffers and gRPC "
                           "stream windows (default 0: a quarter of the available memory)")
+    net.add_argument("--max-download-memory", type=int, metavar="BYTES",
+                     help="bytes of task messages the downloads under way may hold in gRPC "
+                          "at once; a download waits for room (default 0: an eighth of the "
+                          "available memory)")
     net.add_argument("--spill-uploads", action=argparse.BooleanOptionalAction,
                      help="collect-then-learn methods keep uploads memory-mapped on disk in "
                           "CHECKPOINT_DIR/uploads, not in RAM (default on)")

@@ -1,4 +1,5 @@
-"""What uploads may make the server hold: ``server.max_upload_memory`` and the spill.
+"""What uploads and downloads may make the server hold: ``server.max_upload_memory``,
+``server.max_download_memory`` and the spill.
 
 Two things grow with the number of edges uploading at once. fedattn's own receive
 buffers (one upload's bytes each) are bounded by the upload slots; here the slots come
@@ -11,6 +12,11 @@ window is a fixed share of what the budget leaves after the receive buffers, spr
 over every call the registered edges may have open (``CALLS_PER_EDGE`` x ``max_edges``,
 which is also grpc core's backlog of calls not yet picked up, where an upload's data
 waits too): the total cannot exceed the budget however many edges upload at once.
+
+A task download holds the message it is sending in gRPC until the edge takes it: with
+thousands of edges downloading at once (an evaluation opens for all of them), or edges
+that stop reading, that is a frame of the model each. ``download_memory`` is the bytes
+they may hold together (``streams.DownloadRoom``); the rest wait their turn.
 
 A collect-then-learn aggregator keeps every upload of a round; ``attach_spill`` puts
 them on disk (``fedattn_shared.methods.spill``) when ``server.spill_uploads`` is on. A
@@ -41,6 +47,7 @@ log = logging.getLogger("fl_server")
 
 # The default budget: this share of the memory available when the server starts.
 DEFAULT_SHARE = 4
+DOWNLOAD_SHARE = 8  # downloads: this share (their frames are shared, only in flight copied)
 # A stream's window: grpc's own default lookahead (64 KiB) at least, so a budget spread
 # over many edges never stalls the link; 4 MiB at most (beyond, loopback gains nothing).
 MIN_WINDOW = 64 << 10
@@ -103,6 +110,15 @@ def plan_upload_memory(cfg: ServerConfig, upload_bytes: int) -> UploadMemory:
     return plan
 
 
+def download_memory(cfg: ServerConfig) -> int:
+    """Bytes the task downloads under way may hold in gRPC at once:
+    ``cfg.max_download_memory``, or an eighth of the memory available now."""
+    budget = cfg.max_download_memory or available_memory() // DOWNLOAD_SHARE
+    log.info("download memory: %d bytes (%s)", budget, "server.max_download_memory"
+             if cfg.max_download_memory else f"1/{DOWNLOAD_SHARE} of the memory available")
+    return budget
+
+
 def attach_spill(aggregator: Aggregator, cfg: ServerConfig) -> None:
     """Keeps a collect-then-learn aggregator's uploads (``server.spill_uploads``) or a
     streaming mean's (``server.spill_sums``; server optimizers included) on disk under the
@@ -149,5 +165,5 @@ def global_bytes(aggregator: Aggregator) -> int:
     return sum(t.numel() * t.element_size() for t in flatten_sections(aggregator.state).values())
 
 
-__all__ = ["UploadMemory", "attach_spill", "available_memory", "global_bytes",
+__all__ = ["UploadMemory", "attach_spill", "available_memory", "download_memory", "global_bytes",
            "log_memory", "plan_upload_memory", "trim_heap"]

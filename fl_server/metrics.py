@@ -138,6 +138,18 @@ class ServerMetrics:
                                 "Privacy an edge's DP-SGD has spent so far (its ledger's epsilon)",
                                 ["edge"])
 
+    def watch_downloads(self, room) -> None:
+        """Series read from the download room (``streams.DownloadRoom``) at each scrape:
+        what the task downloads under way hold in gRPC, its bound, and how many sends wait
+        for room (a number that stays up says the bound, or stalled edges, slow downloads)."""
+        gauge = self._gauge
+        gauge("fedattn_download_held_bytes", "Bytes of task messages the downloads under way "
+              "hold in gRPC").set_function(lambda: room.held)
+        gauge("fedattn_download_limit_bytes", "Bound on those bytes "
+              "(--max-download-memory)").set_function(lambda: room.limit)
+        gauge("fedattn_downloads_waiting", "Task messages waiting for room under "
+              "--max-download-memory").set_function(lambda: room.waiting)
+
     def export_dp_budget(self, epsilon: float) -> None:
         """The run's --dp-epsilon, exported only when there is one (a 0 or a missing budget
         must not read as one)."""

@@ -158,6 +158,10 @@ class ServerConfig:
     # slots than max_concurrent_uploads when it holds fewer uploads. 0: a quarter of the
     # memory available when the server starts.
     max_upload_memory: int = 0
+    # Bytes of task messages the downloads under way may hold in gRPC at once (each holds
+    # the message it is sending until the edge takes it); a download waits for room,
+    # first come first served. 0: an eighth of the memory available when the server starts.
+    max_download_memory: int = 0
     # Collect-then-learn methods (fedmedian, fedproto, fedstar): keep the round's uploads
     # memory-mapped on disk in checkpoint_dir/uploads instead of in RAM.
     spill_uploads: bool = True
@@ -231,6 +235,9 @@ class ServerConfig:
         if self.max_upload_memory != 0 and self.max_upload_memory < 64 << 10:
             raise ConfigError(f"server.max_upload_memory must be 0 (a quarter of the available "
                               f"memory) or >= 64 KiB, got {self.max_upload_memory}")
+        if self.max_download_memory != 0 and self.max_download_memory < 64 << 10:
+            raise ConfigError(f"server.max_download_memory must be 0 (an eighth of the "
+                              f"available memory) or >= 64 KiB, got {self.max_download_memory}")
         if self.max_spill_bytes < 0:
             raise ConfigError(f"server.max_spill_bytes must be >= 0 (0: half the free disk), "
                               f"got {self.max_spill_bytes}")

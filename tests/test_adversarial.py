@@ -219,21 +219,44 @@ def test_a_call_that_gives_up_waiting_for_a_slot_leaves_none_held(tmp_path):
             release.set()
 
 
+def gauge(metrics_port: int, name: str) -> float:
+    """The value of an unlabelled series on the server's /metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read()
+    for line in text.decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} is not on /metrics")
+
+
 def test_a_download_the_edge_stops_reading_is_cut(tmp_path):
     # A NextTask stream whose client takes the header and then reads nothing: gRPC's send
     # waits for flow control for ever, holding the call and a frame of the model (one per
     # such stream). The server cuts it at its idle deadline, naming why; the task is not
-    # lost: the edge may ask for it again (--max-task-deliveries bounds how often).
-    with raw_fleet(tmp_path, ("reader",), "--model", "resnet18-cifar", "--min-edges", "1",
-                   "--download-idle-timeout", "3") as (cluster, (edge,)):
+    # lost: the edge may ask for it again (--max-task-deliveries bounds how often). While
+    # it stalls it holds its room under --max-download-memory (here one frame's worth),
+    # so another edge's download waits for that room instead of adding a frame more.
+    with raw_fleet(tmp_path, ("stalled", "reader"), "--model", "resnet18-cifar",
+                   "--min-edges", "2", "--download-idle-timeout", "3",
+                   "--max-download-memory", str(1 << 20)) as (cluster, (edge, reader)):
         server = cluster.procs[0]
+        assert gauge(server.metrics_port, "fedattn_download_limit_bytes") == 1 << 20
         mark = server.mark()
         request = pb.TaskRequest(edge_id=edge.edge_id, session=edge.session, cached_common="")
         call = edge.stub.NextTask(request, timeout=60)
         header = next(call).header  # then nothing is read: 44.7 MB cannot sit in buffers
         assert header.status == pb.TaskHeader.TASK and header.common.total_bytes > 40 << 20
-        server.logged(mark, f"{edge.edge_id}'s task download cut: message",
-                      "not taken within 3s", timeout=30)
+        tasks = []
+        reading = threading.Thread(target=lambda: tasks.append(reader.next_task()))
+        reading.start()
+        try:
+            wait_for(lambda: gauge(server.metrics_port, "fedattn_downloads_waiting") >= 1, 30,
+                     "the reader's download waiting for the stalled one's room")
+            assert gauge(server.metrics_port, "fedattn_download_held_bytes") <= 1 << 20
+            server.logged(mark, f"{edge.edge_id}'s task download cut: message",
+                          "not taken within 3s", timeout=30)
+        finally:
+            reading.join(timeout=60)
+        assert tasks and tasks[0].globals  # the room it was given back let it through
         with pytest.raises(grpc.RpcError) as err:
             for _ in call:  # what the buffers held, then the status
                 pass
@@ -241,6 +264,7 @@ def test_a_download_the_edge_stops_reading_is_cut(tmp_path):
         assert "task download stalled" in err.value.details()
         task = edge.next_task()  # asked again, read at once: delivered whole
         assert task.header.task_id == header.task_id and task.globals
+        assert gauge(server.metrics_port, "fedattn_download_held_bytes") == 0
 
 
 def test_a_silent_stream_without_a_header_is_cut(fleet):

@@ -185,6 +185,7 @@ def test_the_budget_gives_slots_and_fixed_windows():
     (["--max-upload-memory", "-1"], "server.max_upload_memory must be 0"),
     (["--max-upload-memory", "1000"], "server.max_upload_memory must be 0"),
     (["--max-spill-bytes", "-5"], "server.max_spill_bytes must be >= 0"),
+    (["--max-download-memory", "1000"], "server.max_download_memory must be 0"),
     (["--max-upload-memory", "65536"], "server.max_upload_memory=65536 bytes cannot hold"),
 ])
 def test_nonsense_values_exit_2_naming_the_key(flags, message, tmp_path):

@@ -1,0 +1,110 @@
+"""The download room (``fl_server.streams.DownloadRoom``): the bytes of task messages all
+downloads may hold in gRPC at once, granted first come first served. The end-to-end case
+(a stalled edge holding the room while another waits) is in test_adversarial.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from fl_server.streams import DownloadRoom
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_room_within_the_limit_is_taken_at_once_and_given_back():
+    async def main():
+        room = DownloadRoom(100)
+        assert await room.take(60) == 60 and await room.take(40) == 40
+        assert (room.held, room.waiting) == (100, 0)
+        room.give(60)
+        room.give(40)
+        assert room.held == 0
+    run(main())
+
+
+def test_a_send_waits_until_room_is_given_back():
+    async def main():
+        room = DownloadRoom(100)
+        first = await room.take(80)
+        second = asyncio.ensure_future(room.take(30))
+        await settle()
+        assert not second.done() and room.waiting == 1 and room.held == 80
+        room.give(first)
+        assert await second == 30 and room.held == 30 and room.waiting == 0
+    run(main())
+
+
+def test_room_is_granted_in_order_so_a_large_frame_is_not_passed_over():
+    async def main():
+        room = DownloadRoom(100)
+        held = await room.take(50)
+        large = asyncio.ensure_future(room.take(100))
+        await settle()
+        small = asyncio.ensure_future(room.take(10))  # would fit now, but the large one waits
+        await settle()
+        assert not large.done() and not small.done() and room.waiting == 2
+        room.give(held)
+        assert await large == 100
+        await settle()
+        assert not small.done()
+        room.give(100)
+        assert await small == 10
+    run(main())
+
+
+def test_a_message_larger_than_the_limit_waits_for_all_of_it():
+    async def main():
+        room = DownloadRoom(100)
+        assert await room.take(5000) == 100  # capped: it never waits for ever
+        assert room.held == 100
+        blocked = asyncio.ensure_future(room.take(1))
+        await settle()
+        assert not blocked.done()
+        room.give(100)
+        assert await blocked == 1
+    run(main())
+
+
+def test_a_cancelled_wait_takes_nothing_and_lets_the_next_through():
+    async def main():
+        room = DownloadRoom(100)
+        held = await room.take(90)
+        gone = asyncio.ensure_future(room.take(50))   # the edge went while it waited
+        behind = asyncio.ensure_future(room.take(10))
+        await settle()
+        assert room.waiting == 2 and not behind.done()
+        gone.cancel()
+        await settle()
+        assert behind.done() and room.held == 100 and room.waiting == 0
+        room.give(held)
+        room.give(10)
+        assert room.held == 0
+    run(main())
+
+
+def test_a_wait_cancelled_just_as_it_was_granted_gives_its_room_back():
+    async def main():
+        room = DownloadRoom(100)
+        held = await room.take(100)
+        waiter = asyncio.ensure_future(room.take(70))
+        await settle()
+        room.give(held)      # grants the waiter (its future is set) ...
+        waiter.cancel()      # ... and its task is cancelled before it resumes
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert (room.held, room.waiting) == (0, 0)
+    run(main())
+
+
+def test_a_room_of_nothing_is_refused():
+    with pytest.raises(ValueError, match="download room must be >= 1 byte"):
+        DownloadRoom(0)
