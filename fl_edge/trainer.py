@@ -13,6 +13,7 @@ that changes how a step is taken (DP-SGD today) plugs in there instead of as bra
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 import zlib
@@ -113,6 +114,10 @@ def clip_gradients(optimizers: list[torch.optim.Optimizer], max_norm: float) -> 
     return torch.nn.utils.clip_grad_norm_(list(seen.values()), max_norm)
 
 
+# cuBLAS's deterministic workspace setting (the CUDA docs' ":4096:8": 8 buffers of 4 MiB).
+CUBLAS_WORKSPACE = ":4096:8"
+
+
 def set_deterministic_algorithms(mode: bool) -> None:
     """``torch.use_deterministic_algorithms(mode, warn_only=True)`` without its import of
     ``torch._inductor`` (to set the compiler's own flag), which pulls in ``torch._dynamo``:
@@ -129,12 +134,15 @@ def configure_determinism(deterministic: bool, threads: int) -> None:
     ``train.threads``), applied by the edge once it has the server's configuration.
     Deterministic algorithms cost nothing measurable on CPU (its kernels are deterministic
     for a fixed thread count); ``warn_only`` because some CUDA kernels have no
-    deterministic version and a run should warn, not fail, there. Threads > 0 pin
-    intra-op parallelism: a reduction split over another number of threads rounds
-    differently."""
+    deterministic version and a run should warn, not fail, there. On CUDA, cuBLAS picks
+    its reduction order per stream workspace unless ``CUBLAS_WORKSPACE_CONFIG`` fixes the
+    workspace (read when the first cuBLAS handle is made, so set here, before training;
+    an operator's own value is kept). Threads > 0 pin intra-op parallelism: a reduction
+    split over another number of threads rounds differently."""
     set_deterministic_algorithms(deterministic)
     if deterministic:
         torch.backends.cudnn.benchmark = False  # autotuning may pick another kernel per run
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     if threads > 0:
         torch.set_num_threads(threads)
 

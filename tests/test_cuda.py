@@ -113,3 +113,30 @@ def test_edge_exports_gpu_memory_after_training_on_cuda():
     assert registry.get_sample_value("fedattn_edge_gpu_memory_peak_bytes", labels) >= block.numel()
     assert registry.get_sample_value("fedattn_edge_gpu_memory_reserved_bytes", labels) >= block.numel()
     assert registry.get_sample_value("fedattn_edge_samples_per_second") == 10
+
+
+def test_a_deterministic_cuda_run_repeats_bit_for_bit():
+    """train.deterministic on CUDA (``configure_determinism``: deterministic algorithms,
+    no cuDNN autotuning, a fixed cuBLAS workspace): the same seed on the same device gives
+    the same weights to the bit. In a fresh interpreter, so that the cuBLAS workspace
+    setting is in place before the first cuBLAS handle."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from fl_edge.trainer import configure_determinism, train_local\n"
+        "from test_cuda import data, fedsap_edges\n"
+        "configure_determinism(True, 0)\n"
+        "_, first = fedsap_edges()\n"
+        "_, second = fedsap_edges()\n"
+        "second.models['model'].load_state_dict(first.models['model'].state_dict())\n"
+        "for edge in (first, second):\n"
+        "    train_local(edge, data(128), 2, 16, seed=5, device=edge.device, progress=False)\n"
+        "pairs = zip(first.models['model'].state_dict().items(),\n"
+        "            second.models['model'].state_dict().items(), strict=True)\n"
+        "differ = [n for (n, a), (_, b) in pairs if not torch.equal(a, b)]\n"
+        "assert not differ, differ\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=300, cwd=str(__import__("pathlib").Path(__file__).parent))
+    assert result.returncode == 0, result.stderr[-3000:]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 
@@ -69,10 +70,12 @@ def test_determinism_is_switched_without_importing_the_compiler():
             "assert torch.are_deterministic_algorithms_enabled(); "
             "assert torch.is_deterministic_algorithms_warn_only_enabled(); "
             "assert 'torch._inductor' not in sys.modules and 'torch._dynamo' not in sys.modules; "
+            "import os; assert os.environ['CUBLAS_WORKSPACE_CONFIG'] == ':4096:8'; "
             "configure_determinism(False, 0); "
             "assert not torch.are_deterministic_algorithms_enabled()")
+    env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=120)
+                            timeout=120, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
 
 
