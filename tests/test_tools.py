@@ -9,13 +9,18 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import REPO
+
+from fl_server.checkpoint import CheckpointStore
 
 
 def run(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
@@ -140,3 +145,35 @@ def test_fl_sim_stops_when_an_edge_fails_instead_of_waiting_for_it(runs):
     assert "left ('training diverged in round 1" in server_log  # the server heard why
     assert "stopping on request" in server_log  # stopped by fl-sim, not by a timeout
     assert "(deadline)" not in server_log  # no edge was waited for until a deadline
+
+
+def test_fl_sim_resumes_a_killed_run_to_the_same_global(runs, tmp_path):
+    """A federation longer than one command (a GPU lease's 10-minute call): fl-sim and all
+    its processes are killed after round 1's checkpoint, and ``--resume`` finishes the run
+    from there. The edges train slowly (``--throttle``, which changes no upload) so that the
+    kill usually lands inside round 2; wherever it lands, the resumed run must end with the
+    global of the "sim" run, which was never stopped, bit for bit."""
+    root, results = runs
+    assert results["sim"].returncode == 0
+    args = run_args(root)["sim"][1:-2] + ["--out", str(tmp_path / "killed")]
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",
+           **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"}}
+    first = subprocess.Popen([sys.executable, "-m", "fl_tools.sim", *args, "--throttle", "1:4"],
+                             cwd=REPO, env=env, start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    store = CheckpointStore(tmp_path / "killed" / "server")
+    try:
+        deadline = time.monotonic() + 240
+        while store.latest() is None and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert store.latest() is not None, "no checkpoint before the kill"
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)  # fl-sim, its server and its workers at once
+        first.wait(timeout=30)
+    resumed = run("fl_tools.sim", *args, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:] + resumed.stdout[-3000:]
+    assert "resumed from round" in (tmp_path / "killed" / "logs" / "server.log").read_text()
+    done, never_stopped = store.load(), CheckpointStore(root / "sim" / "server").load()
+    assert done[0] == never_stopped[0] == 2
+    assert done[1].keys() == never_stopped[1].keys()
+    assert all(torch.equal(done[1][k], never_stopped[1][k]) for k in done[1])

@@ -43,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "--data-on-device)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="passed to the fl-server it starts")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its server's last checkpoint, after "
+                        "fl-sim was stopped or killed (a GPU lease's time limit): its server "
+                        "resumes, the edges keep their state dirs; give the first run's flags")
     p.add_argument("--allow-seeded-dp-noise", action="store_true",
                    help="the edges accept dp.seeded_noise (bit-identical DP runs; whoever "
                         "knows the seed can remove the noise: reproductions only)")
@@ -227,6 +231,13 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     out = args.out or Path("runs") / f"sim-{args.method}"
     (out / "logs").mkdir(parents=True, exist_ok=True)
+    if args.resume and args.server is None:
+        from fl_server.checkpoint import CheckpointStore
+
+        if CheckpointStore(out / "server").latest() is None:  # stopped before round 1 closed
+            print(f"fl-sim: --resume: {out / 'server'} holds no checkpoint yet; the run starts "
+                  "from round 1")
+            args.resume = False
     if args.data_root:
         if not args.data_root.is_dir():
             print(f"fl-sim: error: --data-root {args.data_root} is not a folder", file=sys.stderr)
@@ -282,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     logs = []
 
     def spawn(cmd: list[str], name: str) -> subprocess.Popen:
-        handle = open(out / "logs" / name, "wb")
+        handle = open(out / "logs" / name, "ab" if args.resume else "wb")
         logs.append(handle)
         proc = subprocess.Popen([sys.executable, *cmd], stdout=handle, stderr=subprocess.STDOUT)
         procs.append(proc)
@@ -299,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
                             "--ready-file", str(ready), "--checkpoint-dir", str(out / "server"),
                             "--method", args.method, "--rounds", str(args.rounds),
                             "--fraction", str(args.fraction), "--min-edges", str(args.edges),
-                            "--seed", str(args.seed), *[f"--set={s}" for s in args.set]],
+                            "--seed", str(args.seed), *(["--resume"] * args.resume),
+                            *[f"--set={s}" for s in args.set]],
                            "server.log")
             while not ready.exists():
                 if server.poll() is not None:
