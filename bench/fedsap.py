@@ -150,7 +150,13 @@ def federate(args, config: Config, alpha: str, seed: int) -> Path:
     history = out / "server" / "history.json"
     if finished(args, config, alpha, seed):
         return history  # finished earlier: --out doubles as a cache
-    shutil.rmtree(out, ignore_errors=True)  # an unfinished run starts over
+    from fl_server.checkpoint import CheckpointStore
+
+    # An unfinished run with a round checkpoint continues from it (fl-sim --resume: a GPU
+    # lease ends each command at 10 minutes); one without starts over.
+    resume = (out / "server").is_dir() and CheckpointStore(out / "server").latest() is not None
+    if not resume:
+        shutil.rmtree(out, ignore_errors=True)
     data = partition(args, alpha, seed)
     sets = {"train.model": args.model, "train.in_channels": channels, "train.image_size": size,
             "train.lr": args.lr, "train.momentum": args.momentum, "train.batch_size": args.batch_size,
@@ -164,9 +170,10 @@ def federate(args, config: Config, alpha: str, seed: int) -> Path:
     run([sys.executable, "-m", "fl_tools.sim", "--method", config.method, "--edges",
          str(args.edges), "--fraction", "1", "--rounds", str(args.rounds), "--procs",
          str(args.procs), "--data-root", str(data), "--out", str(out), "--seed", str(seed),
-         *flags], out / "fl-sim.log")
-    print(f"  {config.label:<14} alpha {alpha:<4} seed {seed}: {time.time() - started:6.0f} s",
-          flush=True)
+         "--device", args.device, *(["--data-on-device"] if args.device == "cuda" else []),
+         *(["--resume"] if resume else []), *flags], out / "fl-sim.log")
+    print(f"  {config.label:<14} alpha {alpha:<4} seed {seed}: {time.time() - started:6.0f} s"
+          + (" (resumed)" if resume else ""), flush=True)
     return history
 
 
