@@ -48,6 +48,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -188,6 +189,13 @@ def federate(args, scheme: str, arch: str, method: str, seed: int) -> Path:
     history = out / "server" / "history.json"
     if finished(history, args.rounds):
         return history  # finished earlier: --out doubles as a cache
+    from fl_server.checkpoint import CheckpointStore
+
+    # An unfinished run continues from its last round checkpoint (fl-sim --resume), or
+    # starts over when it has none.
+    resume = (out / "server").is_dir() and CheckpointStore(out / "server").latest() is not None
+    if not resume:
+        shutil.rmtree(out, ignore_errors=True)
     data = partition(args, scheme, seed)
     model = model_name(args, arch)
     label = method
@@ -211,10 +219,10 @@ def federate(args, scheme: str, arch: str, method: str, seed: int) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     run([sys.executable, "-m", "fl_tools.sim", "--method", method, "--edges", str(args.edges),
          "--fraction", "1", "--rounds", str(args.rounds), "--procs", str(args.procs),
-         "--data-root", str(data), "--out", str(out), "--seed", str(seed), *flags],
-        out / "fl-sim.log")
-    print(f"  {scheme:<9} {arch:<9} {label:<8} seed {seed}: {time.time() - started:5.0f} s",
-          flush=True)
+         "--data-root", str(data), "--out", str(out), "--seed", str(seed),
+         *(["--resume"] if resume else []), *flags], out / "fl-sim.log")
+    print(f"  {scheme:<9} {arch:<9} {label:<8} seed {seed}: {time.time() - started:5.0f} s"
+          + (" (resumed)" if resume else ""), flush=True)
     return history
 
 
