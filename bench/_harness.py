@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -22,6 +23,18 @@ def run(cmd: list[str], log: Path) -> None:
         code = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, cwd=ROOT).returncode
     if code:
         raise SystemExit(f"failed ({code}): {' '.join(cmd)}\n{log.read_text()[-3000:]}")
+
+
+def resumable(run: Path) -> bool:
+    """Whether an unfinished fl-sim run in ``run`` has a round checkpoint to continue from
+    (``fl-sim --resume``: a GPU lease ends each command at 10 minutes); one without is
+    removed, to start over."""
+    from fl_server.checkpoint import CheckpointStore
+
+    if (run / "server").is_dir() and CheckpointStore(run / "server").latest() is not None:
+        return True
+    shutil.rmtree(run, ignore_errors=True)
+    return False
 
 
 def fl_partition(out: Path, log_dir: Path, flags: list[str]) -> bool:

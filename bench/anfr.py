@@ -48,14 +48,13 @@ import argparse
 import json
 import math
 import os
-import shutil
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-from _harness import ROOT, SHARED_DATA, fl_partition, pm, run
+from _harness import ROOT, SHARED_DATA, fl_partition, pm, resumable, run
 
 CIFAR10 = SHARED_DATA / "cifar-10" / "cifar-10-batches-bin"
 ARCHS = {  # label -> (compact model, -50 model)
@@ -189,13 +188,7 @@ def federate(args, scheme: str, arch: str, method: str, seed: int) -> Path:
     history = out / "server" / "history.json"
     if finished(history, args.rounds):
         return history  # finished earlier: --out doubles as a cache
-    from fl_server.checkpoint import CheckpointStore
-
-    # An unfinished run continues from its last round checkpoint (fl-sim --resume), or
-    # starts over when it has none.
-    resume = (out / "server").is_dir() and CheckpointStore(out / "server").latest() is not None
-    if not resume:
-        shutil.rmtree(out, ignore_errors=True)
+    resume = resumable(out)  # an unfinished run continues from its last checkpoint
     data = partition(args, scheme, seed)
     model = model_name(args, arch)
     label = method

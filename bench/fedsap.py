@@ -48,7 +48,6 @@ import contextlib
 import json
 import math
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -56,7 +55,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from _harness import ROOT, SHARED_DATA, fl_partition, pm, run
+from _harness import ROOT, SHARED_DATA, fl_partition, pm, resumable, run
 
 SOURCES = {
     "cifar10": (SHARED_DATA / "cifar-10" / "cifar-10-batches-bin", 3, 32),
@@ -150,13 +149,7 @@ def federate(args, config: Config, alpha: str, seed: int) -> Path:
     history = out / "server" / "history.json"
     if finished(args, config, alpha, seed):
         return history  # finished earlier: --out doubles as a cache
-    from fl_server.checkpoint import CheckpointStore
-
-    # An unfinished run with a round checkpoint continues from it (fl-sim --resume: a GPU
-    # lease ends each command at 10 minutes); one without starts over.
-    resume = (out / "server").is_dir() and CheckpointStore(out / "server").latest() is not None
-    if not resume:
-        shutil.rmtree(out, ignore_errors=True)
+    resume = resumable(out)  # an unfinished run continues from its last checkpoint
     data = partition(args, alpha, seed)
     sets = {"train.model": args.model, "train.in_channels": channels, "train.image_size": size,
             "train.lr": args.lr, "train.momentum": args.momentum, "train.batch_size": args.batch_size,
