@@ -17,7 +17,12 @@ Privacy row shows both.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from .streams import DownloadRoom
 
 # Round and phase times span a loopback test (tenths of a second) to a Jetson federation
 # (tens of minutes).
@@ -138,7 +143,7 @@ class ServerMetrics:
                                 "Privacy an edge's DP-SGD has spent so far (its ledger's epsilon)",
                                 ["edge"])
 
-    def watch_downloads(self, room) -> None:
+    def watch_downloads(self, room: DownloadRoom) -> None:
         """Series read from the download room (``streams.DownloadRoom``) at each scrape:
         what the task downloads under way hold in gRPC, its bound, and how many sends wait
         for room (a number that stays up says the bound, or stalled edges, slow downloads)."""
