@@ -19,6 +19,19 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+@contextmanager
+def bench_script(name: str) -> Iterator:
+    """A bench script (bench/NAME.py) imported as a module, for tests of its pieces; bench/
+    is on sys.path only meanwhile (its scripts import each other as top-level modules)."""
+    import importlib
+
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        yield importlib.import_module(name)
+    finally:
+        sys.path.remove(str(REPO / "bench"))
 #: The real datasets (MNIST, CIFAR-10, USPS, ...) some tests read: $FEDATTN_DATA, else the
 #: team's folder beside the repository. Tests that need one skip, naming the path.
 SHARED_DATA = Path(os.environ.get("FEDATTN_DATA") or REPO.parent / "shared" / "data")

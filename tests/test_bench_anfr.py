@@ -4,22 +4,15 @@ run label, and each label sets exactly its rate on the server; a bad list is ref
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+from conftest import bench_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import anfr
-        yield anfr
-    finally:
-        sys.path.remove(str(BENCH))
+    with bench_script("anfr") as module:
+        yield module
 
 
 def test_fedadam_becomes_one_run_per_server_rate_and_the_others_stay(bench):

@@ -9,29 +9,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from conftest import bench_script
 
 from fedattn_shared.config import TrainConfig
 from fedattn_shared.methods import MethodContext, load_method
 from fl_server.checkpoint import CheckpointStore
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import pfedka
-        yield pfedka
-    finally:
-        sys.path.remove(str(BENCH))
+    with bench_script("pfedka") as module:
+        yield module
 
 
 def answering(train: TrainConfig, label: int) -> tuple[str, torch.nn.Module]:
