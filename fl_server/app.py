@@ -23,7 +23,7 @@ from fedattn_shared.wire.transport import server_options
 
 from .engine import Engine
 from .front import EdgeFront
-from .memory import attach_spill, download_memory, global_bytes, plan_upload_memory
+from .memory import attach_spill, global_bytes, plan_upload_memory
 from .metrics import ServerMetrics
 from .service import FederatedLearningService, service_handler
 
@@ -77,8 +77,7 @@ class ServerApp:
             options=server_options(max_edges=cfg.max_edges) + memory.grpc_options())
         enrollment = Enrollment(Path(cfg.tls_dir) / ENROLLED) if cfg.tls_dir else None
         service = FederatedLearningService(EdgeFront(engine), self.meter, cfg, enrollment,
-                                           upload_slots=memory.slots,
-                                           download_memory=download_memory(cfg))
+                                           upload_slots=memory.slots)
         self.engine.metrics.watch_downloads(service.download_room)
         self._watch = asyncio.create_task(service.watch_enrollment())
         self._grpc.add_generic_rpc_handlers((service_handler(service),))

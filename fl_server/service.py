@@ -55,7 +55,7 @@ from fedattn_shared.wire.transport import (
 from .edges import AuthError, EdgeRecord
 from .front import EdgeFront
 from .gate import Admission
-from .memory import log_memory, trim_heap
+from .memory import download_memory, log_memory, trim_heap
 from .phase import Phase, Refused
 from .streams import BodyReader, Download, DownloadRoom, download_bytes
 
@@ -96,20 +96,17 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
     """The gRPC servicer: bytes, streams, deadlines and certificates. What it may ask of
     the server goes through ``front.EdgeFront``; every upload check is ``gate.UploadGate``."""
     def __init__(self, front: EdgeFront, meter: ByteMeter, cfg: ServerConfig,
-                 enrollment: Enrollment | None = None, upload_slots: int | None = None,
-                 download_memory: int | None = None):
+                 enrollment: Enrollment | None = None, upload_slots: int | None = None):
         """``upload_slots``: uploads received at once (``memory.plan_upload_memory``);
-        default ``cfg.max_concurrent_uploads``. ``download_memory``: bytes the downloads
-        under way may hold in gRPC (``memory.download_memory``); default
-        ``cfg.max_download_memory``, else unbounded."""
+        default ``cfg.max_concurrent_uploads``. What the downloads under way may hold in
+        gRPC is ``memory.download_memory``."""
         self.front = front  # the narrow interface to the engine: edges, tasks, uploads
         self.meter = meter
         self.cfg = cfg
         slots = upload_slots or cfg.max_concurrent_uploads
         self.upload_slots = asyncio.Semaphore(slots)
         self.buffers = BufferPool(keep=slots)
-        self.download_room = DownloadRoom(download_memory or cfg.max_download_memory
-                                          or 1 << 62)
+        self.download_room = DownloadRoom(download_memory(cfg))
         self.enrollment = enrollment  # mutual TLS: the enrolled edges
         self.receiving: set[str] = set()  # edges with an upload stream in flight
 
