@@ -52,6 +52,7 @@ from fedattn_shared.wire.signing import (
 from fedattn_shared.wire.transport import (
     MAX_MESSAGE_BYTES,
     BufferPool,
+    DownloadTerms,
     PayloadAssembler,
     channel_options,
     data_frames,
@@ -72,6 +73,9 @@ JOIN_REFUSED = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICAT
                 grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT)
 
 # The downlink cap before the run's models are known: a bound for any model fedattn ships.
+# A continuation window that broke this way is asked for again from the byte the edge holds.
+RESUMABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+WINDOW_RETRIES = 3
 DOWNLINK_CAP_BEFORE_SETUP = 1 << 30
 BEFORE_SETUP = "the bound before the run's models are known"
 
@@ -118,6 +122,7 @@ class Session:
         # the daemon then asks NextTask without waiting and, idle, waits for task_ready.
         self.task_hints = False
         self.task_ready = threading.Event()
+        self.download_terms = DownloadTerms()
 
     # ---- byte accounting ------------------------------------------------------------------
     def _count(self, direction: str, message, kind: str = META) -> None:
@@ -218,6 +223,7 @@ class Session:
         self.session = reply.session
         self.chunk_bytes = reply.chunk_bytes or self.chunk_bytes
         self.task_hints = reply.task_hints
+        self.download_terms = DownloadTerms.of(reply)
         return reply
 
     @contextmanager
@@ -276,12 +282,45 @@ class Session:
     # ---- tasks ----------------------------------------------------------------------------
     def next_task(self, no_wait: bool = False) -> Received:
         """Long-polls (``no_wait``: asks once) for the next task and receives it,
-        streaming. Every declared downlink is held to the cap before a byte of it is
-        allocated; a common downlink the edge already holds is not sent again."""
+        streaming, in the server's windows: the first call brings the header and the first
+        window, each continuation call the next from the byte the edge holds (a broken
+        window is asked for again from there, up to ``WINDOW_RETRIES`` times). Every call
+        carries the deadline the server's terms allow for it. Every declared downlink is
+        held to the cap before a byte of it is allocated; a common downlink the edge
+        already holds is not sent again."""
         cached_id = self.cached_common[0] if self.cached_common else ""
         request = pb.TaskRequest(edge_id=self.identity.edge_id, session=self.session,
                                  cached_common=cached_id, no_wait=no_wait)
-        stream = self._call(self.stub.NextTask, request, timeout=120)
+        header, assemblers = self._first_window(request)
+        if header.status != pb.TaskHeader.TASK:
+            return Received(header, Payload(), Payload())
+        retries = 0
+        while not all(a.complete for a in assemblers):
+            offset = sum(a.received for a in assemblers)
+            more = pb.TaskRequest(edge_id=self.identity.edge_id, session=self.session,
+                                  cached_common=cached_id, no_wait=True,
+                                  task_id=header.task_id, offset=offset)
+            try:
+                gone = self._window(more, assemblers)
+            except grpc.RpcError as err:
+                if err.code() not in RESUMABLE or retries >= WINDOW_RETRIES:
+                    raise
+                retries += 1
+                log.info("task %d download broke at byte %d (%s): asking again from there",
+                         header.task_id, offset, err.code().name)
+                continue
+            if gone is not None:  # the task is no longer this edge's: ask afresh
+                return Received(gone, Payload(), Payload())
+            if sum(a.received for a in assemblers) == offset:
+                raise WireError(f"the server sent nothing of task {header.task_id} from "
+                                f"byte {offset}")
+        return self._received(header, assemblers)
+
+    def _first_window(self, request: pb.TaskRequest
+                      ) -> tuple[pb.TaskHeader, list[PayloadAssembler]]:
+        """The first call of a download: the header and the first window."""
+        stream = self._call(self.stub.NextTask, request,
+                            timeout=self.download_terms.deadline(request.no_wait))
         header = None
         assemblers: list[PayloadAssembler] = []
         try:
@@ -295,12 +334,9 @@ class Session:
                         break
                     assemblers = self._assemblers(header)
                     continue
-                target = next((a for a in assemblers if not a.complete), None)
-                if header is None or target is None:
-                    raise WireError("data before the task header or past the payload")
-                kind = target.add(message)
-                self.meter.count(DOWN, kind.label, data_message_wire_bytes(len(message)),
-                                 len(message), self.identity.edge_id)
+                if header is None:
+                    raise WireError("data before the task header")
+                self._take(message, assemblers)
         except grpc.RpcError as err:
             if header is None:
                 self._count_sent(request, err)
@@ -309,9 +345,41 @@ class Session:
             raise
         if header is None:
             raise WireError("task stream ended without a header")
-        if header.status != pb.TaskHeader.TASK:
-            return Received(header, Payload(), Payload())
-        return self._received(header, assemblers)
+        return header, assemblers
+
+    def _window(self, request: pb.TaskRequest, assemblers: list[PayloadAssembler]
+                ) -> pb.TaskHeader | None:
+        """A continuation call: its chunks into ``assemblers``; the header the server
+        answers instead when the task is gone (None otherwise)."""
+        stream = self._call(self.stub.NextTask, request,
+                            timeout=self.download_terms.deadline(True))
+        first = True
+        try:
+            for message in stream:
+                if first:
+                    self._count_sent(request)
+                    first = False
+                if not isinstance(message, memoryview):
+                    self._count(DOWN, message)
+                    return message.header
+                self._take(message, assemblers)
+        except grpc.RpcError as err:
+            if first:
+                self._count_sent(request, err)
+            if err.code() == grpc.StatusCode.UNAUTHENTICATED:
+                raise Rejoin() from None
+            raise
+        if first:
+            self._count_sent(request)
+        return None
+
+    def _take(self, chunk: memoryview, assemblers: list[PayloadAssembler]) -> None:
+        target = next((a for a in assemblers if not a.complete), None)
+        if target is None:
+            raise WireError("data past the payload")
+        kind = target.add(chunk)
+        self.meter.count(DOWN, kind.label, data_message_wire_bytes(len(chunk)), len(chunk),
+                         self.identity.edge_id)
 
     def _assemblers(self, header: pb.TaskHeader) -> list[PayloadAssembler]:
         """Receivers for the downlinks a task header declares, each checked against the cap

@@ -310,6 +310,16 @@ class BufferedSchedule:
             return None
         return phase, self.new_task(phase, edge)
 
+    def task_of(self, edge: str, task_id: int) -> tuple[Phase, Task] | None:
+        """The edge's pending task ``task_id`` in the current version or an evaluation
+        (a download's continuation); None once it is gone or its phase retired."""
+        for phase in self.phases.values():
+            task = phase.tasks.get(edge)
+            if (task is not None and task.task_id == task_id and phase.is_pending(edge)
+                    and (phase is self.current or phase.driver.evaluates)):
+                return phase, task
+        return None
+
     def has_work(self, edge: str) -> bool:
         """Whether ``task_for`` would hand the edge a task now, without handing it: the
         presence stream's ``task_ready`` hint asks this for every event, and must neither

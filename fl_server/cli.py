@@ -65,6 +65,7 @@ FLAG_TARGETS = {
     "upload_min_rate": ("server", "upload_min_rate"),
     "download_idle_timeout": ("server", "download_idle_timeout"),
     "download_min_rate": ("server", "download_min_rate"),
+    "download_window": ("server", "download_window"),
     "max_task_deliveries": ("server", "max_task_deliveries"),
     "init_weights": ("server", "init_weights"), "init_skip_head": ("server", "init_skip_head"),
     "secagg": ("server", "secagg"), "secagg_graph": ("server", "secagg_graph"),
@@ -233,8 +234,13 @@ def _network_flags(p: argparse.ArgumentParser) -> None:
     net.add_argument("--download-min-rate", type=float,
                      help="bytes/s a task download must average: its deadline is the idle "
                           "timeout + its size / this rate (32768)")
+    net.add_argument("--download-window", type=int, metavar="BYTES",
+                     help="data bytes one NextTask call carries (whole chunks; 4 MiB): each "
+                          "call's deadline, which the edge sets and the server bounds, is "
+                          "2 x the idle timeout + this / the min rate")
     net.add_argument("--max-task-deliveries", type=int,
-                     help="times one task may be downloaded (a broken download retries; 3)")
+                     help="times a task's bytes may be sent to one edge in one phase, "
+                          "across rejoins (a broken download retries; 3)")
     net.add_argument("--ready-file", type=Path,
                      help="write {port, metrics_port} as JSON here once serving")
 

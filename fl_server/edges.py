@@ -109,6 +109,8 @@ class EdgeRecord:
     # a leave, a revocation: a revoked device's stream closes at once) and by ``wake`` (its
     # next event tells the edge whether a task waits, so an idle edge need not long-poll).
     stirred: Signal = field(default_factory=Signal)
+    # The session's one open presence stream (a marker): a newer stream replaces it.
+    presence: object | None = field(default=None, repr=False, compare=False)
     # The book's set of connected ids, shared by all its records: counting the connected
     # edges is then O(1), not a scan of every record, which made each of 10,000 joins
     # (a presence stream opening counts the fleet) pay for the whole fleet.

@@ -141,6 +141,14 @@ class Engine:
             return None
         return phase, phase.tasks[edge]
 
+    def task_of(self, edge: str, task_id: int) -> tuple[Phase, Task] | None:
+        """The edge's pending task ``task_id``, if it still is (a download's continuation);
+        no side effect."""
+        if self.buffered is not None:
+            return self.buffered.task_of(edge, task_id)
+        found = self.task_for(edge)
+        return found if found is not None and found[1].task_id == task_id else None
+
     def has_work(self, edge: str) -> bool:
         """Whether ``task_for`` would hand the edge a task now; no side effect (async's
         ``task_for`` creates tasks and supersedes old ones)."""

@@ -142,14 +142,24 @@ class EdgeFront:
         never hands out: a task is handed out only to the edge's own NextTask."""
         return self.finished or self.engine.has_work(edge)
 
-    def deliver(self, phase: Phase, task: Task, limit: int) -> bool:
-        """Counts one more download of a task; past ``limit`` the task is dropped (a
-        session pulling the model over and over costs the server bytes and CPU)."""
-        task.deliveries += 1
-        if task.deliveries <= limit:
+    def task_of(self, edge: str, task_id: int) -> tuple[Phase, Task] | None:
+        """The edge's pending task ``task_id`` (a download's continuation), if it still is;
+        never hands out or gives up work."""
+        return self.engine.task_of(edge, task_id)
+
+    def serve(self, phase: Phase, task: Task, start: bool, size: int, whole: int,
+              limit: int) -> bool:
+        """Counts one more message of the edge's task download in ``phase``: a download's
+        ``start`` (its header) or ``size`` data bytes of the ``whole``. Past ``limit``
+        starts, or ``limit`` times the whole's bytes, the task is dropped and False
+        returned. Counted per edge and phase, not per task, so a rejoin or a reconnect
+        (which give the edge a new task under --mode async) does not start it over: a
+        session pulling the model over and over costs the server bytes and CPU."""
+        if phase.serve(task.edge_id, start, size, limit, whole * limit):
             return True
-        self.engine.drop(phase, task.edge_id, f"re-delivery limit: task {task.task_id} was sent "
-                                              f"{limit} times")
+        if phase.is_pending(task.edge_id):
+            self.engine.drop(phase, task.edge_id,
+                             f"re-delivery limit: task {task.task_id} was sent {limit} times")
         return False
 
     # ---- uploads ------------------------------------------------------------------------

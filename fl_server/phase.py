@@ -38,12 +38,11 @@ log = logging.getLogger("fl_server")
 @dataclass
 class Task:
     """One edge's task in the open phase: the id and nonce its upload must echo (a
-    replayed or stale upload names another), and how often its download started."""
+    replayed or stale upload names another), and whether its download was completed."""
 
     task_id: int
     edge_id: str
     delivered: bool = False
-    deliveries: int = 0  # streams that started sending it (bounded: --max-task-deliveries)
     nonce: bytes = field(default_factory=lambda: secrets.token_bytes(16))
 
 
@@ -88,6 +87,26 @@ class Phase:
     # frames stay built); ``closed_why`` is the refusal a closed phase's results get.
     growing: bool = False
     closed_why: str = ""
+    # Task downloads started (headers sent) and data bytes sent to each edge, over all its
+    # tasks in this phase: what --max-task-deliveries bounds, across rejoins and reconnects.
+    starts: dict[str, int] = field(default_factory=dict)
+    served: dict[str, int] = field(default_factory=dict)
+
+    def serve(self, edge: str, start: bool, size: int, max_starts: int, max_bytes: int
+              ) -> bool:
+        """Counts a download's start or ``size`` more data bytes sent to ``edge``; False
+        (nothing counted) when that would pass ``max_starts`` or ``max_bytes``."""
+        if start:
+            starts = self.starts.get(edge, 0) + 1
+            if starts > max_starts:
+                return False
+            self.starts[edge] = starts
+            return True
+        sent = self.served.get(edge, 0) + size
+        if sent > max_bytes:
+            return False
+        self.served[edge] = sent
+        return True
 
     def retire(self) -> None:
         """Takes no new tasks and lets its downlinks go (a model's memory each): results

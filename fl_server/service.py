@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 
 import grpc
+from grpc._cython import cygrpc  # ExecuteBatchError: a send on a call that ended
 
 from fedattn_shared import PROTOCOL_VERSION
 from fedattn_shared.config import ServerConfig
@@ -46,8 +47,9 @@ from fedattn_shared.wire.signing import (
 from fedattn_shared.wire.transport import (
     MAX_MESSAGE_BYTES,
     BufferPool,
+    DownloadTerms,
     PayloadAssembler,
-    data_frames,
+    data_frames_from,
     deserializer,
     serialize,
 )
@@ -67,6 +69,8 @@ ENROLLMENT_POLL = 1.0  # how often a changed enrolment list (a revocation) is lo
 # edge: one bounded series, and no valid edge id can be spelled like it.
 UNREGISTERED = "(unregistered)"
 MAX_LEAVE_REASON = 200
+# A NextTask call's deadline may exceed its bound by this much (the time it took to arrive).
+DEADLINE_SLACK = 2.0
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,9 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         self.download_room = DownloadRoom(download_memory(cfg))
         self.enrollment = enrollment  # mutual TLS: the enrolled edges
         self.receiving: set[str] = set()  # edges with an upload stream in flight
+        self.tasking: dict[str, str] = {}  # edge -> the session whose NextTask call is open
+        self.terms = DownloadTerms(cfg.download_idle_timeout, cfg.download_min_rate,
+                                   cfg.download_window, cfg.poll_timeout)
 
     # ---- identity ---------------------------------------------------------------------
     def _identity_refusal(self, edge_id: str, context, token: str | None = None) -> str:
@@ -232,7 +239,10 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         return pb.JoinReply(protocol_version=PROTOCOL_VERSION, session=record.session,
                             config_json=self.front.config_json, fingerprint=fingerprint,
                             chunk_bytes=self.cfg.chunk_bytes, upload_key_share=server_share,
-                            task_hints=True)
+                            task_hints=True, download_idle_timeout=self.terms.idle_timeout,
+                            download_min_rate=self.terms.min_rate,
+                            download_window=self.terms.window,
+                            poll_timeout=self.terms.poll_timeout)
 
     # ---- Presence ---------------------------------------------------------------------
     async def Presence(self, request: pb.PresenceRequest, context):
@@ -242,11 +252,16 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         that may have changed (``EdgeRecord.wake``): an idle edge then holds this stream
         only, not a NextTask long-poll beside it (each held call costs the server ~22 KB)."""
         record = await self._auth(request, context)
+        # One presence stream per session: a new one replaces the old, which ends now
+        # (each held stream costs the server ~23 KB; a session could open thousands).
+        stream = record.presence = object()
         stirred = record.stirred
+        stirred.set()  # the replaced stream, if any, wakes and sees it is no longer current
         self.front.present(record)
         edge = request.edge_id
         try:
-            while record.session == request.session and not self.front.stopping:
+            while (record.session == request.session and record.presence is stream
+                   and not self.front.stopping):
                 stirred.clear()
                 ready = self.front.has_work(edge)
                 event = pb.PresenceEvent(server_time=time.time(), task_ready=ready)
@@ -257,71 +272,178 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         except asyncio.CancelledError:
             return  # the stream ended (the edge went, or the server is shutting down)
         finally:
-            self.front.absent(record, request.session)
+            if record.presence is stream:
+                record.presence = None
+                self.front.absent(record, request.session)
 
     # ---- NextTask ---------------------------------------------------------------------
     async def NextTask(self, request: pb.TaskRequest, context) -> None:
-        """Long-polls for this edge's task in the open phase and streams it: the header,
-        then the common payload (unless the edge's cached copy is current) and its
-        personal one. ``no_wait``: answers at once (the edge waits for its presence
-        stream's ``task_ready`` hint instead of holding this call). A download the edge
-        stops taking is cut (``streams.Download``)."""
+        """Long-polls for this edge's task and streams it: the header, then the common
+        payload (unless the edge's cached copy is current) and its personal one, at most
+        ``download_window`` data bytes per call; the edge fetches the rest with
+        continuation calls (``task_id``, ``offset``). ``no_wait``: answers at once (the edge
+        waits for its presence stream's ``task_ready`` hint instead of holding this call).
+
+        What one edge can make this hold: one call at a time per session (a newer
+        session's call supersedes an older one's), a deadline the call must carry and that
+        is bounded (``streams.call_seconds``: it ends a stalled call on the wire), one
+        message in gRPC at a time (``DownloadRoom``), and ``max_task_deliveries`` times a
+        task's bytes per phase, across rejoins."""
         record = await self._auth(request, context)
-        edge = request.edge_id
+        edge, session = request.edge_id, request.session
+        if self.tasking.get(edge) == session:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"edge {edge}: a NextTask call of this session is in progress")
+        bound = self._call_bound(request)
+        remaining = context.time_remaining()
+        if remaining is None or remaining > bound + DEADLINE_SLACK:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"a NextTask call must carry a deadline of at most {bound:.1f}s "
+                                f"(it has {'none' if remaining is None else f'{remaining:.1f}s'})")
+        self.tasking[edge] = session
         try:
-            deadline = time.monotonic() + (0.0 if request.no_wait else self.cfg.poll_timeout)
-            while True:
-                if self.front.stopping:  # the server shuts down: ask again later
-                    await context.write(self._meta(edge, pb.TaskMessage(header=pb.TaskHeader(
-                        status=pb.TaskHeader.WAIT))))
-                    return
-                if self.front.finished:
-                    record.heard_run_over = True
-                    await context.write(self._meta(edge, pb.TaskMessage(header=pb.TaskHeader(
-                        status=pb.TaskHeader.DONE, round=self.front.round))))
-                    return
-                found = self.front.next_task(edge)
-                if found is not None:
-                    break
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    await context.write(self._meta(edge, pb.TaskMessage(header=pb.TaskHeader(
-                        status=pb.TaskHeader.WAIT))))
-                    return
-                # Whatever gives this edge a task (a phase opening, the run ending) sets
-                # its wakeup, so an idle poll sleeps until then or its deadline: waking
-                # every second, 10,000 idle edges cost the server 10,000 wakeups a second.
-                record.wakeup.clear()
-                await record.wakeup.wait(remaining)
-            phase, task = found
-            if not self.front.deliver(phase, task, self.cfg.max_task_deliveries):
-                # A download that broke is asked for again; one asked for without end is a
-                # session pulling the model over and over (bytes and CPU the server pays).
-                await context.write(self._meta(edge, pb.TaskMessage(header=pb.TaskHeader(
-                    status=pb.TaskHeader.WAIT))))
+            if request.task_id:
+                await self._continue_download(record, request, context)
+            else:
+                await self._poll_and_download(record, request, context)
+        except asyncio.CancelledError:
+            return  # gRPC ends the call (its deadline, the edge went, the server stops)
+        finally:
+            if self.tasking.get(edge) == session:
+                del self.tasking[edge]
+
+    def _call_bound(self, request: pb.TaskRequest) -> float:
+        return self.terms.deadline(request.no_wait or bool(request.task_id))
+
+    async def _answer(self, edge: str, context, status, round_number: int = 0) -> None:
+        await context.write(self._meta(edge, pb.TaskMessage(header=pb.TaskHeader(
+            status=status, round=round_number))))
+
+    async def _poll_and_download(self, record: EdgeRecord, request: pb.TaskRequest,
+                                 context) -> None:
+        """Waits for the edge's task (or answers WAIT / DONE), then its first window."""
+        edge = request.edge_id
+        deadline = time.monotonic() + (0.0 if request.no_wait else self.cfg.poll_timeout)
+        while True:
+            if self.front.stopping or record.session != request.session:
+                # The server shuts down, or a newer session took over: ask again later.
+                await self._answer(edge, context, pb.TaskHeader.WAIT)
                 return
-            messages = self._task_messages(phase, task, edge, request.cached_common)
-            header = next(messages)
-            download = Download(context, self.download_room, self.cfg.download_idle_timeout,
-                                 self.cfg.download_idle_timeout
-                                 + download_bytes(header.header) / self.cfg.download_min_rate)
-            for message in itertools.chain((header,), messages):
+            if self.front.finished:
+                record.heard_run_over = True
+                await self._answer(edge, context, pb.TaskHeader.DONE, self.front.round)
+                return
+            found = self.front.next_task(edge)
+            if found is not None:
+                break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                await self._answer(edge, context, pb.TaskHeader.WAIT)
+                return
+            # Whatever gives this edge a task (a phase opening, the run ending) sets
+            # its wakeup, so an idle poll sleeps until then or its deadline: waking
+            # every second, 10,000 idle edges cost the server 10,000 wakeups a second.
+            record.wakeup.clear()
+            await record.wakeup.wait(remaining)
+        phase, task = found
+        header, delta = self._task_header(phase, task, edge, request.cached_common)
+        await self._download(phase, task, request, context, header, delta, 0, first=True)
+
+    async def _continue_download(self, record: EdgeRecord, request: pb.TaskRequest,
+                                 context) -> None:
+        """The next window of a download the edge started: its task must still be the
+        edge's (else WAIT: the edge asks afresh); the layout is the first call's."""
+        edge = request.edge_id
+        found = self.front.task_of(edge, request.task_id)
+        if found is None or record.session != request.session:
+            await self._answer(edge, context, pb.TaskHeader.WAIT)
+            return
+        phase, task = found
+        header, delta = self._task_header(phase, task, edge, request.cached_common)
+        if request.offset > download_bytes(header.header):
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE,
+                                f"offset {request.offset} is past the task's "
+                                f"{download_bytes(header.header)} bytes")
+        await self._download(phase, task, request, context, header, delta, request.offset,
+                             first=False)
+
+    async def _download(self, phase: Phase, task, request: pb.TaskRequest, context,
+                        header: pb.TaskMessage, delta: bool, offset: int, first: bool) -> None:
+        """Sends one window of the task's download (the header first on its ``first``
+        call), within the edge's budget of deliveries; a send the edge stops taking cuts it."""
+        edge = request.edge_id
+        total = download_bytes(header.header)
+        limit = self.cfg.max_task_deliveries
+        download = Download(context, self.download_room, self.cfg.download_idle_timeout, edge)
+        messages = self._window(phase, edge, header.header, delta, offset)
+        if first:
+            messages = itertools.chain(((header, None, 0),), messages)
+            if delta:
+                count_coded(self.meter, DOWN, phase.coded_delta, edge)
+        end, went = offset, False
+        try:
+            for message, count, raw in messages:
+                if not self.front.serve(phase, task, count is None, raw, total, limit):
+                    if not went:  # nothing of this call went out: say so
+                        await self._answer(edge, context, pb.TaskHeader.WAIT)
+                    return
+                if count is None:
+                    self._meta(edge, message)
+                else:
+                    self.meter.count(*count)
                 if not await download.send(message):
-                    log.warning("round %d %s: %s's task download cut: %s", phase.round,
-                                phase.name, edge, download.stalled)
-                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                        f"task download stalled: {download.stalled}")
+                    await self._cut(phase, edge, download, context)
+                    return
+                end, went = end + raw, True
+        except cygrpc.ExecuteBatchError as err:  # a send failed: the call is over
+            log.info("round %d %s: %s's task download ended: %s", phase.round, phase.name,
+                     edge, type(err).__name__)
+            return
+        if end >= total:
             task.delivered = True
             if not phase.growing and all(t.delivered for t in phase.tasks.values()):
                 phase.common_frames = []
                 trim_heap()  # the frames' memory back before the uploads come in
-        except asyncio.CancelledError:
-            return  # gRPC ends the call (the server stops, or the edge went): no traceback
 
-    def _task_messages(self, phase: Phase, task, edge: str, cached_common: str):
-        """The task's header, then the frames of its common downlink (none when the edge's
-        copy is current; the delta when the edge holds its base, ``--compress down=``) and
-        of its personal one; each counted as it goes."""
+    def _window(self, phase: Phase, edge: str, header: pb.TaskHeader, delta: bool,
+                offset: int):
+        """(frame, meter entry, data bytes) for the data of one call: whole chunks from ``offset``,
+        at most ``download_window`` bytes (at least one chunk), common part then personal;
+        each counted as it goes (a coded kind's raw bytes once, decoded, at the start)."""
+        parts = [(phase.personal[edge], None, {})]
+        if not header.common_cached:
+            parts.insert(0, (phase.delta, None, phase.coded_delta) if delta
+                         else (phase.common, phase.common_frames, {}))
+        budget = self.cfg.download_window
+        for encoded, built, coded in parts:
+            size = encoded.manifest.total_bytes
+            if offset >= size:
+                offset -= size
+                continue
+            for kind, frame, raw in data_frames_from(encoded, self.cfg.chunk_bytes, offset,
+                                                     built):
+                if budget < raw:
+                    return
+                budget -= raw
+                codec = coded.get(kind.label, (NO_CODEC, 0))[0]
+                yield frame, (DOWN, kind.label, len(frame) + GRPC_FRAME_PREFIX,
+                              0 if kind.label in coded else raw, edge, codec), raw
+            offset = 0
+
+    async def _cut(self, phase: Phase, edge: str, download: Download, context) -> None:
+        """A download the edge stopped taking (or one that found no room): the call ends
+        once gRPC lets its last send go, by the edge's deadline at the latest."""
+        log.warning("round %d %s: %s's task download cut: %s", phase.round, phase.name,
+                    edge, download.stalled)
+        if await download.settle():  # taken after all: the status can go out now
+            await context.abort(grpc.StatusCode.UNAVAILABLE if download.busy
+                                else grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"task download stalled: {download.stalled}")
+
+    def _task_header(self, phase: Phase, task, edge: str, cached_common: str
+                     ) -> tuple[pb.TaskMessage, bool]:
+        """The task's header (counted when sent), and whether its common part goes as
+        the delta to the copy the edge holds (``--compress down=``)."""
         personal = phase.personal[edge]
         cached = bool(cached_common) and cached_common == phase.common_id
         delta = not cached and phase.delta is not None and cached_common == phase.delta_base
@@ -331,25 +453,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
             common=(phase.delta if delta else phase.common).manifest,
             common_base_id=phase.delta_base if delta else "",
             personal=personal.manifest, task_nonce=task.nonce)
-        yield self._meta(edge, pb.TaskMessage(header=header))
-        # Once every task of the phase went out, the shared frames are dropped (one model's
-        # worth of memory through the uploads); a task sent again, to an edge that
-        # restarted, builds its frames from the encoded tensors as it streams.
-        if delta:
-            common = data_frames(phase.delta, self.cfg.chunk_bytes)
-            count_coded(self.meter, DOWN, phase.coded_delta, edge)
-        else:
-            common = [] if cached else (phase.common_frames
-                                        or data_frames(phase.common, self.cfg.chunk_bytes))
-        coded = phase.coded_delta if delta else {}
-        for kind, frame, size in common:
-            codec = coded.get(kind.label, (NO_CODEC, 0))[0]
-            self.meter.count(DOWN, kind.label, len(frame) + GRPC_FRAME_PREFIX,
-                             0 if kind.label in coded else size, edge, codec)
-            yield frame
-        for kind, frame, size in data_frames(personal, self.cfg.chunk_bytes):
-            self.meter.count(DOWN, kind.label, len(frame) + GRPC_FRAME_PREFIX, size, edge)
-            yield frame
+        return pb.TaskMessage(header=header), delta
 
     def _meta(self, edge: str, message):
         self.meter.count_message(DOWN, message, edge=edge)

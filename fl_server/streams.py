@@ -25,42 +25,49 @@ class DownloadRoom:
     """At most ``limit`` bytes of task messages in gRPC at once, over every download.
 
     A message stays in gRPC (a copy of its bytes) from its send until the edge has taken
-    it, so ten thousand downloads at once, or edges that stop reading, hold a frame of
-    the model each. A send takes room for its message first and gives it back once gRPC
-    is done with it. Room is granted first come first served, so a large frame is not
-    passed over for ever by small ones; a message larger than the limit waits for all of
-    it. A stalled edge holds its room until its download's idle deadline cuts it."""
+    it, or until its call ends (a client that stops reading: at the call's deadline), so
+    ten thousand downloads at once, or edges that stop reading, hold a frame of the model
+    each. A send takes room for its message first and gives it back once gRPC is done with
+    it, so ``held`` is what the process holds. Room is granted first come first served, so
+    a large frame is not passed over for ever by small ones; a message larger than the
+    limit waits for all of it. One holder (an edge) holds at most one message at a time:
+    its next waits until the last is given back, and the others behind it in the queue go
+    first, so no identity takes more than one frame of the room, and stalled identities
+    fewer than the room has frames for never make an honest edge wait for them."""
 
     def __init__(self, limit: int):
         if limit < 1:
             raise ValueError(f"download room must be >= 1 byte, got {limit}")
         self.limit = limit
         self.held = 0
-        self._waiting: deque[tuple[int, asyncio.Future]] = deque()
+        self._holders: set[str] = set()
+        self._waiting: deque[tuple[int, str, asyncio.Future]] = deque()
 
-    async def take(self, size: int) -> int:
-        """Waits for room for ``size`` bytes (at most the limit) and takes it; returns what
-        was taken, for ``give``. A cancelled wait leaves nothing taken."""
+    async def take(self, size: int, holder: str = "") -> int:
+        """Waits for room for ``size`` bytes (at most the limit) and takes it for
+        ``holder`` ('' : anonymous, no one-message rule); returns what was taken, for
+        ``give``. A cancelled wait leaves nothing taken."""
         size = min(max(size, 0), self.limit)
-        if not self._waiting and self.held + size <= self.limit:
-            self.held += size
+        if not self._waiting and self._fits(size, holder):
+            self._hold(size, holder)
             return size
-        entry = (size, asyncio.get_running_loop().create_future())
+        entry = (size, holder, asyncio.get_running_loop().create_future())
         self._waiting.append(entry)
         try:
-            await entry[1]
+            await entry[2]
         except asyncio.CancelledError:
-            if entry[1].done() and not entry[1].cancelled():
-                self.give(size)  # granted just as the wait was cancelled
+            if entry[2].done() and not entry[2].cancelled():
+                self.give(size, holder)  # granted just as the wait was cancelled
             elif entry in self._waiting:
                 self._waiting.remove(entry)
                 self._grant()  # those behind it may fit now
             raise
         return size
 
-    def give(self, size: int) -> None:
-        """Gives back what ``take`` returned."""
+    def give(self, size: int, holder: str = "") -> None:
+        """Gives back what ``take`` returned for ``holder``."""
         self.held -= size
+        self._holders.discard(holder)
         self._grant()
 
     @property
@@ -68,51 +75,83 @@ class DownloadRoom:
         """Sends waiting for room."""
         return len(self._waiting)
 
+    def _fits(self, size: int, holder: str) -> bool:
+        return self.held + size <= self.limit and not (holder and holder in self._holders)
+
+    def _hold(self, size: int, holder: str) -> None:
+        self.held += size
+        if holder:
+            self._holders.add(holder)
+
     def _grant(self) -> None:
-        while self._waiting:
-            size, granted = self._waiting[0]
+        for entry in list(self._waiting):
+            size, holder, granted = entry
             if granted.done():  # its wait was cancelled
-                self._waiting.popleft()
+                self._waiting.remove(entry)
                 continue
+            if holder and holder in self._holders:
+                continue  # its own last message is still in gRPC: the others go first
             if self.held + size > self.limit:
-                return
-            self._waiting.popleft()
-            self.held += size
+                return  # in order: a large frame is not passed over by small ones
+            self._waiting.remove(entry)
+            self._hold(size, holder)
             granted.set_result(None)
 
 
 class Download:
-    """Writes a task's messages to its stream, each within ``idle`` seconds and all within
-    ``total``. An edge that stops reading makes gRPC's send wait for flow control for
-    ever, holding the frame it sends and the call (and, with many such streams, a frame
-    each); the first send past a deadline gives up, naming it in ``stalled``. Each send
-    first takes room for its message in ``room``; the time spent waiting there is the
-    server's queue, not the edge's pace, so it moves the total deadline along."""
+    """Writes a task's messages to its stream, each taken by the edge within ``idle``
+    seconds and all before the call's deadline. An edge that stops reading makes gRPC's
+    send wait for flow control for ever, holding the frame it sends; gRPC (aio) has no way
+    to end such a call from the server (an abort waits behind the unsent data), but the
+    call's deadline, which the server requires and bounds (``call_seconds``), ends it on
+    the wire. So the first send past the idle deadline gives up (``stalled`` says why),
+    and ``settle`` waits for gRPC to let that send go: the edge took it after all, or the
+    deadline ended the call. Each send takes room for its message in ``room`` and gives it
+    back only when gRPC is done with it, so the room holds what the process holds. A
+    send that waits for room longer than ``idle`` gives up too (``busy``): that is the
+    server's queue, never counted against the edge."""
 
-    def __init__(self, context, room: DownloadRoom, idle: float, total: float):
-        self.context, self.room, self.idle = context, room, idle
+    def __init__(self, context, room: DownloadRoom, idle: float, holder: str):
+        self.context, self.room, self.idle, self.holder = context, room, idle, holder
         self.loop = asyncio.get_running_loop()
-        self.ends = self.loop.time() + total
         self.sent = 0
         self.stalled = ""
+        self.busy = False
+        self.pending: asyncio.Future | None = None
 
     async def send(self, message: pb.TaskMessage | bytes) -> bool:
         """Sends one message; False (``stalled`` says why) when it did not go in time."""
         size = len(message) if isinstance(message, bytes) else message.ByteSize()
-        asked = self.loop.time()
-        taken = await self.room.take(size)
-        self.ends += self.loop.time() - asked
         try:
-            timeout = min(self.idle, self.ends - self.loop.time())
-            await asyncio.wait_for(self.context.write(message), max(timeout, 0))
+            taken = await asyncio.wait_for(self.room.take(size, self.holder), self.idle)
         except asyncio.TimeoutError:
-            self.stalled = (f"message {self.sent + 1} not taken within {self.idle:g}s"
-                            if timeout == self.idle else "slower than the download's deadline")
+            self.busy = True
+            self.stalled = f"no room in the server's download memory within {self.idle:g}s"
             return False
-        finally:
-            self.room.give(taken)
+        write = asyncio.ensure_future(self.context.write(message))
+        write.add_done_callback(lambda done: self._written(done, taken))
+        finished, _ = await asyncio.wait({write}, timeout=self.idle)
+        if not finished:
+            self.pending = write
+            self.stalled = f"message {self.sent + 1} not taken within {self.idle:g}s"
+            return False
+        write.result()  # a failed send: the call is over (the edge went, or its deadline)
         self.sent += 1
         return True
+
+    def _written(self, write: asyncio.Future, taken: int) -> None:
+        """gRPC is done with a message (sent, or its call ended): its room goes back."""
+        self.room.give(taken, self.holder)
+        if not write.cancelled():
+            write.exception()  # retrieved: a call that ended is not an unhandled error
+
+    async def settle(self) -> bool:
+        """After a stall: waits until gRPC lets the stalled send go. True when the edge
+        took it after all (the call is still open); False when the call ended."""
+        if self.pending is None:
+            return True
+        await asyncio.wait({self.pending})
+        return not self.pending.cancelled() and self.pending.exception() is None
 
 
 class BodyReader:

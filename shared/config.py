@@ -183,7 +183,13 @@ class ServerConfig:
     #                                      this long is cut off (it holds a frame in gRPC)
     download_min_rate: float = 32768.0   # bytes/s: a download's total deadline is
     #                                      idle timeout + its size / this rate
-    max_task_deliveries: int = 3      # streams a task may be sent on (a broken download retries)
+    # A task download goes out in NextTask calls of at most this many data bytes (whole
+    # chunks), each under a deadline the edge must set and the server bounds (2 x
+    # download_idle_timeout + window / download_min_rate): the longest a download the edge
+    # stops taking can hold its frame in gRPC before the call ends on the wire.
+    download_window: int = 4 << 20
+    max_task_deliveries: int = 3      # a task's bytes may be sent this many times over (per edge
+    #                                   and phase, across rejoins; a broken download retries)
     # Secure aggregation (SecAgg+): the server learns only the weighted sum.
     secagg: bool = False
     secagg_graph: Literal["sparse", "full"] = "sparse"  # sparse: k-regular, k = secagg_degree; full: everyone
@@ -258,6 +264,9 @@ class ServerConfig:
         if not self.download_min_rate > 0:
             raise ConfigError(f"server.download_min_rate must be > 0, got "
                               f"{self.download_min_rate}")
+        if self.download_window < self.chunk_bytes:
+            raise ConfigError(f"server.download_window must be at least one chunk "
+                              f"({self.chunk_bytes} bytes), got {self.download_window}")
         if self.max_task_deliveries < 1:
             raise ConfigError(f"server.max_task_deliveries must be >= 1, got "
                               f"{self.max_task_deliveries}")

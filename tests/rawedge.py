@@ -92,7 +92,8 @@ class RawEdge:
 
     def next_task(self, timeout: float = 30.0, no_wait: bool = False) -> Task:
         """Long-polls (``no_wait``: asks once) until a task arrives; decodes its common
-        payload (never cached)."""
+        payload (never cached). A download larger than the server's window comes in
+        continuation calls (task_id, offset), as fl-edge fetches it."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             header = None
@@ -115,6 +116,13 @@ class RawEdge:
             if header.status == pb.TaskHeader.DONE:
                 raise AssertionError(f"the run ended at round {header.round}; raise ROUNDS")
             if header.status == pb.TaskHeader.TASK:
+                while not all(a.complete for a in assemblers):
+                    more = pb.TaskRequest(edge_id=self.edge_id, session=self.session,
+                                          task_id=header.task_id,
+                                          offset=sum(a.received for a in assemblers))
+                    for message in self.stub.NextTask(more, timeout=30):
+                        assert not message.HasField("header"), f"task gone: {message.header}"
+                        next(a for a in assemblers if not a.complete).add(message.data)
                 common, _personal = (a.finish() for a in assemblers)
                 tensors = common.tensors(Kind.SHARED_TENSORS)
                 return Task(header, {name: t.clone() for name, t in tensors.items()})

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66\x65\x64\x61ttn/v1/fedattn.proto\x12\nfedattn.v1\"K\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12 \n\x05\x64type\x18\x02 \x01(\x0e\x32\x11.fedattn.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\"k\n\x0bSectionMeta\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.fedattn.v1.SectionKind\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\'\n\x07tensors\x18\x03 \x03(\x0b\x32\x16.fedattn.v1.TensorMeta\"`\n\x0fPayloadManifest\x12)\n\x08sections\x18\x01 \x03(\x0b\x32\x17.fedattn.v1.SectionMeta\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\r\n\x05\x63rc32\x18\x03 \x01(\r\"\xa3\x02\n\x0bJoinRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0f\n\x07\x65\x64ge_id\x18\x02 \x01(\t\x12\x13\n\x0b\x65\x64ge_secret\x18\x03 \x01(\t\x12\x12\n\njoin_token\x18\x04 \x01(\t\x12/\n\x04info\x18\x05 \x03(\x0b\x32!.fedattn.v1.JoinRequest.InfoEntry\x12\x19\n\x11state_fingerprint\x18\x06 \x01(\t\x12\x13\n\x0bsigning_key\x18\x07 \x01(\x0c\x12\x18\n\x10upload_key_share\x18\x08 \x01(\x0c\x12\x18\n\x10upload_key_proof\x18\t \x01(\x0c\x1a+\n\tInfoEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xa3\x01\n\tJoinReply\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0f\n\x07session\x18\x02 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x03 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x04 \x01(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x05 \x01(\r\x12\x18\n\x10upload_key_share\x18\x06 \x01(\x0c\x12\x12\n\ntask_hints\x18\x07 \x01(\x08\"3\n\x0fPresenceRequest\x12\x0f\n\x07\x65\x64ge_id\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\t\"8\n\rPresenceEvent\x12\x13\n\x0bserver_time\x18\x01 \x01(\x01\x12\x12\n\ntask_ready\x18\x02 \x01(\x08\"W\n\x0bTaskRequest\x12\x0f\n\x07\x65\x64ge_id\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\t\x12\x15\n\rcached_common\x18\x03 \x01(\t\x12\x0f\n\x07no_wait\x18\x04 \x01(\x08\"\xef\x02\n\nTaskHeader\x12-\n\x06status\x18\x01 \x01(\x0e\x32\x1d.fedattn.v1.TaskHeader.Status\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x0f\n\x07task_id\x18\x03 \x01(\x03\x12\r\n\x05phase\x18\x04 \x01(\t\x12\x11\n\tspec_json\x18\x05 \x01(\t\x12\x11\n\tcommon_id\x18\x06 \x01(\t\x12\x15\n\rcommon_cached\x18\x07 \x01(\x08\x12+\n\x06\x63ommon\x18\x08 \x01(\x0b\x32\x1b.fedattn.v1.PayloadManifest\x12-\n\x08personal\x18\t \x01(\x0b\x32\x1b.fedattn.v1.PayloadManifest\x12\x12\n\ntask_nonce\x18\n \x01(\x0c\x12\x16\n\x0e\x63ommon_base_id\x18\x0b \x01(\t\">\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x08\n\x04TASK\x10\x01\x12\x08\n\x04WAIT\x10\x02\x12\x08\n\x04\x44ONE\x10\x03\"O\n\x0bTaskMessage\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.fedattn.v1.TaskHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04\x62ody\"j\n\x0f\x43onfusionCounts\x12\r\n\x05split\x18\x01 \x01(\t\x12\x13\n\x0bnum_classes\x18\x02 \x01(\r\x12\x0e\n\x06\x63ounts\x18\x03 \x03(\x03\x12\x10\n\x08loss_sum\x18\x04 \x01(\x01\x12\x11\n\tbrier_sum\x18\x05 \x01(\x01\"\x92\x03\n\x0cSubmitHeader\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0f\n\x07\x65\x64ge_id\x18\x02 \x01(\t\x12\x0f\n\x07session\x18\x03 \x01(\t\x12\r\n\x05round\x18\x04 \x01(\x03\x12\x0f\n\x07task_id\x18\x05 \x01(\x03\x12\r\n\x05phase\x18\x06 \x01(\t\x12\x14\n\x0cnum_examples\x18\x07 \x01(\x04\x12,\n\x07payload\x18\x08 \x01(\x0b\x32\x1b.fedattn.v1.PayloadManifest\x12/\n\nevaluation\x18\t \x03(\x0b\x32\x1b.fedattn.v1.ConfusionCounts\x12\x36\n\x07metrics\x18\n \x03(\x0b\x32%.fedattn.v1.SubmitHeader.MetricsEntry\x12\x12\n\ntask_nonce\x18\x0b \x01(\x0c\x12\x11\n\tsignature\x18\x0c \x01(\x0c\x12\x13\n\x0b\x62ody_mac_iv\x18\r \x01(\x0c\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"S\n\rSubmitMessage\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x18.fedattn.v1.SubmitHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04\x62ody\"/\n\x0bSubmitReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"@\n\x0cLeaveRequest\x12\x0f\n\x07\x65\x64ge_id\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x0c\n\nLeaveReply*\x8e\x01\n\x0bSectionKind\x12\x1c\n\x18SECTION_KIND_UNSPECIFIED\x10\x00\x12\x12\n\x0eSHARED_TENSORS\x10\x01\x12\x10\n\x0cSTAT_VECTORS\x10\x02\x12\x12\n\x0eSCALAR_SUMMARY\x10\x03\x12\x0e\n\nPROTOTYPES\x10\x04\x12\x0b\n\x07\x43ONTROL\x10\x05\x12\n\n\x06SECAGG\x10\x06*\x88\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\x0b\n\x07\x46LOAT64\x10\x04\x12\t\n\x05INT64\x10\x05\x12\t\n\x05INT32\x10\x06\x12\t\n\x05UINT8\x10\x07\x12\x08\n\x04INT8\x10\x08\x12\x08\n\x04\x42OOL\x10\t2\xcc\x02\n\x11\x46\x65\x64\x65ratedLearning\x12\x36\n\x04Join\x12\x17.fedattn.v1.JoinRequest\x1a\x15.fedattn.v1.JoinReply\x12\x44\n\x08Presence\x12\x1b.fedattn.v1.PresenceRequest\x1a\x19.fedattn.v1.PresenceEvent0\x01\x12>\n\x08NextTask\x12\x17.fedattn.v1.TaskRequest\x1a\x17.fedattn.v1.TaskMessage0\x01\x12>\n\x06Submit\x12\x19.fedattn.v1.SubmitMessage\x1a\x17.fedattn.v1.SubmitReply(\x01\x12\x39\n\x05Leave\x12\x18.fedattn.v1.LeaveRequest\x1a\x16.fedattn.v1.LeaveReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66\x65\x64\x61ttn/v1/fedattn.proto\x12\nfedattn.v1\"K\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12 \n\x05\x64type\x18\x02 \x01(\x0e\x32\x11.fedattn.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\"k\n\x0bSectionMeta\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.fedattn.v1.SectionKind\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\'\n\x07tensors\x18\x03 \x03(\x0b\x32\x16.fedattn.v1.TensorMeta\"`\n\x0fPayloadManifest\x12)\n\x08sections\x18\x01 \x03(\x0b\x32\x17.fedattn.v1.SectionMeta\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\r\n\x05\x63rc32\x18\x03 \x01(\r\"\xa3\x02\n\x0bJoinRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0f\n\x07\x65\x64ge_id\x18\x02 \x01(\t\x12\x13\n\x0b\x65\x64ge_secret\x18\x03 \x01(\t\x12\x12\n\njoin_token\x18\x04 \x01(\t\x12/\n\x04info\x18\x05 \x03(\x0b\x32!.fedattn.v1.JoinRequest.InfoEntry\x12\x19\n\x11state_fingerprint\x18\x06 \x01(\t\x12\x13\n\x0bsigning_key\x18\x07 \x01(\x0c\x12\x18\n\x10upload_key_share\x18\x08 \x01(\x0c\x12\x18\n\x10upload_key_proof\x18\t \x01(\x0c\x1a+\n\tInfoEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x8c\x02\n\tJoinReply\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0f\n\x07session\x18\x02 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x03 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x04 \x01(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x05 \x01(\r\x12\x18\n\x10upload_key_share\x18\x06 \x01(\x0c\x12\x12\n\ntask_hints\x18\x07 \x01(\x08\x12\x1d\n\x15\x64ownload_idle_timeout\x18\x08 \x01(\x01\x12\x19\n\x11\x64ownload_min_rate\x18\t \x01(\x01\x12\x17\n\x0f\x64ownload_window\x18\n \x01(\x04\x12\x14\n\x0cpoll_timeout\x18\x0b \x01(\x01\"3\n\x0fPresenceRequest\x12\x0f\n\x07\x65\x64ge_id\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\t\"8\n\rPresenceEvent\x12\x13\n\x0bserver_time\x18\x01 \x01(\x01\x12\x12\n\ntask_ready\x18\x02 \x01(\x08\"x\n\x0bTaskRequest\x12\x0f\n\x07\x65\x64ge_id\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\t\x12\x15\n\rcached_common\x18\x03 \x01(\t\x12\x0f\n\x07no_wait\x18\x04 \x01(\x08\x12\x0f\n\x07task_id\x18\x05 \x01(\x03\x12\x0e\n\x06offset\x18\x06 \x01(\x04\"\xef\x02\n\nTaskHeader\x12-\n\x06status\x18\x01 \x01(\x0e\x32\x1d.fedattn.v1.TaskHeader.Status\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x0f\n\x07task_id\x18\x03 \x01(\x03\x12\r\n\x05phase\x18\x04 \x01(\t\x12\x11\n\tspec_json\x18\x05 \x01(\t\x12\x11\n\tcommon_id\x18\x06 \x01(\t\x12\x15\n\rcommon_cached\x18\x07 \x01(\x08\x12+\n\x06\x63ommon\x18\x08 \x01(\x0b\x32\x1b.fedattn.v1.PayloadManifest\x12-\n\x08personal\x18\t \x01(\x0b\x32\x1b.fedattn.v1.PayloadManifest\x12\x12\n\ntask_nonce\x18\n \x01(\x0c\x12\x16\n\x0e\x63ommon_base_id\x18\x0b \x01(\t\">\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x08\n\x04TASK\x10\x01\x12\x08\n\x04WAIT\x10\x02\x12\x08\n\x04\x44ONE\x10\x03\"O\n\x0bTaskMessage\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.fedattn.v1.TaskHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04\x62ody\"j\n\x0f\x43onfusionCounts\x12\r\n\x05split\x18\x01 \x01(\t\x12\x13\n\x0bnum_classes\x18\x02 \x01(\r\x12\x0e\n\x06\x63ounts\x18\x03 \x03(\x03\x12\x10\n\x08loss_sum\x18\x04 \x01(\x01\x12\x11\n\tbrier_sum\x18\x05 \x01(\x01\"\x92\x03\n\x0cSubmitHeader\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0f\n\x07\x65\x64ge_id\x18\x02 \x01(\t\x12\x0f\n\x07session\x18\x03 \x01(\t\x12\r\n\x05round\x18\x04 \x01(\x03\x12\x0f\n\x07task_id\x18\x05 \x01(\x03\x12\r\n\x05phase\x18\x06 \x01(\t\x12\x14\n\x0cnum_examples\x18\x07 \x01(\x04\x12,\n\x07payload\x18\x08 \x01(\x0b\x32\x1b.fedattn.v1.PayloadManifest\x12/\n\nevaluation\x18\t \x03(\x0b\x32\x1b.fedattn.v1.ConfusionCounts\x12\x36\n\x07metrics\x18\n \x03(\x0b\x32%.fedattn.v1.SubmitHeader.MetricsEntry\x12\x12\n\ntask_nonce\x18\x0b \x01(\x0c\x12\x11\n\tsignature\x18\x0c \x01(\x0c\x12\x13\n\x0b\x62ody_mac_iv\x18\r \x01(\x0c\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"S\n\rSubmitMessage\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x18.fedattn.v1.SubmitHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04\x62ody\"/\n\x0bSubmitReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"@\n\x0cLeaveRequest\x12\x0f\n\x07\x65\x64ge_id\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x0c\n\nLeaveReply*\x8e\x01\n\x0bSectionKind\x12\x1c\n\x18SECTION_KIND_UNSPECIFIED\x10\x00\x12\x12\n\x0eSHARED_TENSORS\x10\x01\x12\x10\n\x0cSTAT_VECTORS\x10\x02\x12\x12\n\x0eSCALAR_SUMMARY\x10\x03\x12\x0e\n\nPROTOTYPES\x10\x04\x12\x0b\n\x07\x43ONTROL\x10\x05\x12\n\n\x06SECAGG\x10\x06*\x88\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\x0b\n\x07\x46LOAT64\x10\x04\x12\t\n\x05INT64\x10\x05\x12\t\n\x05INT32\x10\x06\x12\t\n\x05UINT8\x10\x07\x12\x08\n\x04INT8\x10\x08\x12\x08\n\x04\x42OOL\x10\t2\xcc\x02\n\x11\x46\x65\x64\x65ratedLearning\x12\x36\n\x04Join\x12\x17.fedattn.v1.JoinRequest\x1a\x15.fedattn.v1.JoinReply\x12\x44\n\x08Presence\x12\x1b.fedattn.v1.PresenceRequest\x1a\x19.fedattn.v1.PresenceEvent0\x01\x12>\n\x08NextTask\x12\x17.fedattn.v1.TaskRequest\x1a\x17.fedattn.v1.TaskMessage0\x01\x12>\n\x06Submit\x12\x19.fedattn.v1.SubmitMessage\x1a\x17.fedattn.v1.SubmitReply(\x01\x12\x39\n\x05Leave\x12\x18.fedattn.v1.LeaveRequest\x1a\x16.fedattn.v1.LeaveReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,10 +35,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOINREQUEST_INFOENTRY']._serialized_options = b'8\001'
   _globals['_SUBMITHEADER_METRICSENTRY']._loaded_options = None
   _globals['_SUBMITHEADER_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_SECTIONKIND']._serialized_start=2163
-  _globals['_SECTIONKIND']._serialized_end=2305
-  _globals['_DTYPE']._serialized_start=2308
-  _globals['_DTYPE']._serialized_end=2444
+  _globals['_SECTIONKIND']._serialized_start=2301
+  _globals['_SECTIONKIND']._serialized_end=2443
+  _globals['_DTYPE']._serialized_start=2446
+  _globals['_DTYPE']._serialized_end=2582
   _globals['_TENSORMETA']._serialized_start=40
   _globals['_TENSORMETA']._serialized_end=115
   _globals['_SECTIONMETA']._serialized_start=117
@@ -50,33 +50,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOINREQUEST_INFOENTRY']._serialized_start=573
   _globals['_JOINREQUEST_INFOENTRY']._serialized_end=616
   _globals['_JOINREPLY']._serialized_start=619
-  _globals['_JOINREPLY']._serialized_end=782
-  _globals['_PRESENCEREQUEST']._serialized_start=784
-  _globals['_PRESENCEREQUEST']._serialized_end=835
-  _globals['_PRESENCEEVENT']._serialized_start=837
-  _globals['_PRESENCEEVENT']._serialized_end=893
-  _globals['_TASKREQUEST']._serialized_start=895
-  _globals['_TASKREQUEST']._serialized_end=982
-  _globals['_TASKHEADER']._serialized_start=985
-  _globals['_TASKHEADER']._serialized_end=1352
-  _globals['_TASKHEADER_STATUS']._serialized_start=1290
-  _globals['_TASKHEADER_STATUS']._serialized_end=1352
-  _globals['_TASKMESSAGE']._serialized_start=1354
-  _globals['_TASKMESSAGE']._serialized_end=1433
-  _globals['_CONFUSIONCOUNTS']._serialized_start=1435
-  _globals['_CONFUSIONCOUNTS']._serialized_end=1541
-  _globals['_SUBMITHEADER']._serialized_start=1544
-  _globals['_SUBMITHEADER']._serialized_end=1946
-  _globals['_SUBMITHEADER_METRICSENTRY']._serialized_start=1900
-  _globals['_SUBMITHEADER_METRICSENTRY']._serialized_end=1946
-  _globals['_SUBMITMESSAGE']._serialized_start=1948
-  _globals['_SUBMITMESSAGE']._serialized_end=2031
-  _globals['_SUBMITREPLY']._serialized_start=2033
-  _globals['_SUBMITREPLY']._serialized_end=2080
-  _globals['_LEAVEREQUEST']._serialized_start=2082
-  _globals['_LEAVEREQUEST']._serialized_end=2146
-  _globals['_LEAVEREPLY']._serialized_start=2148
-  _globals['_LEAVEREPLY']._serialized_end=2160
-  _globals['_FEDERATEDLEARNING']._serialized_start=2447
-  _globals['_FEDERATEDLEARNING']._serialized_end=2779
+  _globals['_JOINREPLY']._serialized_end=887
+  _globals['_PRESENCEREQUEST']._serialized_start=889
+  _globals['_PRESENCEREQUEST']._serialized_end=940
+  _globals['_PRESENCEEVENT']._serialized_start=942
+  _globals['_PRESENCEEVENT']._serialized_end=998
+  _globals['_TASKREQUEST']._serialized_start=1000
+  _globals['_TASKREQUEST']._serialized_end=1120
+  _globals['_TASKHEADER']._serialized_start=1123
+  _globals['_TASKHEADER']._serialized_end=1490
+  _globals['_TASKHEADER_STATUS']._serialized_start=1428
+  _globals['_TASKHEADER_STATUS']._serialized_end=1490
+  _globals['_TASKMESSAGE']._serialized_start=1492
+  _globals['_TASKMESSAGE']._serialized_end=1571
+  _globals['_CONFUSIONCOUNTS']._serialized_start=1573
+  _globals['_CONFUSIONCOUNTS']._serialized_end=1679
+  _globals['_SUBMITHEADER']._serialized_start=1682
+  _globals['_SUBMITHEADER']._serialized_end=2084
+  _globals['_SUBMITHEADER_METRICSENTRY']._serialized_start=2038
+  _globals['_SUBMITHEADER_METRICSENTRY']._serialized_end=2084
+  _globals['_SUBMITMESSAGE']._serialized_start=2086
+  _globals['_SUBMITMESSAGE']._serialized_end=2169
+  _globals['_SUBMITREPLY']._serialized_start=2171
+  _globals['_SUBMITREPLY']._serialized_end=2218
+  _globals['_LEAVEREQUEST']._serialized_start=2220
+  _globals['_LEAVEREQUEST']._serialized_end=2284
+  _globals['_LEAVEREPLY']._serialized_start=2286
+  _globals['_LEAVEREPLY']._serialized_end=2298
+  _globals['_FEDERATEDLEARNING']._serialized_start=2585
+  _globals['_FEDERATEDLEARNING']._serialized_end=2917
 # @@protoc_insertion_point(module_scope)

@@ -107,7 +107,7 @@ class JoinRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., edge_id: _Optional[str] = ..., edge_secret: _Optional[str] = ..., join_token: _Optional[str] = ..., info: _Optional[_Mapping[str, str]] = ..., state_fingerprint: _Optional[str] = ..., signing_key: _Optional[bytes] = ..., upload_key_share: _Optional[bytes] = ..., upload_key_proof: _Optional[bytes] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("protocol_version", "session", "config_json", "fingerprint", "chunk_bytes", "upload_key_share", "task_hints")
+    __slots__ = ("protocol_version", "session", "config_json", "fingerprint", "chunk_bytes", "upload_key_share", "task_hints", "download_idle_timeout", "download_min_rate", "download_window", "poll_timeout")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,10 @@ class JoinReply(_message.Message):
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_KEY_SHARE_FIELD_NUMBER: _ClassVar[int]
     TASK_HINTS_FIELD_NUMBER: _ClassVar[int]
+    DOWNLOAD_IDLE_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    DOWNLOAD_MIN_RATE_FIELD_NUMBER: _ClassVar[int]
+    DOWNLOAD_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    POLL_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     session: str
     config_json: str
@@ -122,7 +126,11 @@ class JoinReply(_message.Message):
     chunk_bytes: int
     upload_key_share: bytes
     task_hints: bool
-    def __init__(self, protocol_version: _Optional[int] = ..., session: _Optional[str] = ..., config_json: _Optional[str] = ..., fingerprint: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., upload_key_share: _Optional[bytes] = ..., task_hints: _Optional[bool] = ...) -> None: ...
+    download_idle_timeout: float
+    download_min_rate: float
+    download_window: int
+    poll_timeout: float
+    def __init__(self, protocol_version: _Optional[int] = ..., session: _Optional[str] = ..., config_json: _Optional[str] = ..., fingerprint: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., upload_key_share: _Optional[bytes] = ..., task_hints: _Optional[bool] = ..., download_idle_timeout: _Optional[float] = ..., download_min_rate: _Optional[float] = ..., download_window: _Optional[int] = ..., poll_timeout: _Optional[float] = ...) -> None: ...
 
 class PresenceRequest(_message.Message):
     __slots__ = ("edge_id", "session")
@@ -141,16 +149,20 @@ class PresenceEvent(_message.Message):
     def __init__(self, server_time: _Optional[float] = ..., task_ready: _Optional[bool] = ...) -> None: ...
 
 class TaskRequest(_message.Message):
-    __slots__ = ("edge_id", "session", "cached_common", "no_wait")
+    __slots__ = ("edge_id", "session", "cached_common", "no_wait", "task_id", "offset")
     EDGE_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     CACHED_COMMON_FIELD_NUMBER: _ClassVar[int]
     NO_WAIT_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
     edge_id: str
     session: str
     cached_common: str
     no_wait: bool
-    def __init__(self, edge_id: _Optional[str] = ..., session: _Optional[str] = ..., cached_common: _Optional[str] = ..., no_wait: _Optional[bool] = ...) -> None: ...
+    task_id: int
+    offset: int
+    def __init__(self, edge_id: _Optional[str] = ..., session: _Optional[str] = ..., cached_common: _Optional[str] = ..., no_wait: _Optional[bool] = ..., task_id: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class TaskHeader(_message.Message):
     __slots__ = ("status", "round", "task_id", "phase", "spec_json", "common_id", "common_cached", "common", "personal", "task_nonce", "common_base_id")

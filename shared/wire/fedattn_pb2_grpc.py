@@ -83,8 +83,9 @@ class FederatedLearningServicer:
         raise NotImplementedError('Method not implemented!')
 
     def NextTask(self, request, context):
-        """Long poll: returns a task (header then data chunks), or a header with status WAIT
-        after the poll timeout, or DONE when the run is over.
+        """Long poll: returns a task (header then data chunks, at most download_window data
+        bytes per call; the rest by continuation calls), or a header with status WAIT after
+        the poll timeout, or DONE when the run is over.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

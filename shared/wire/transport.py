@@ -7,6 +7,7 @@ into one buffer by ``PayloadAssembler``, which refuses anything off the declared
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -58,8 +59,39 @@ def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES,
     return options
 
 
-__all__ = ["CALLS_PER_EDGE", "DEFAULT_CHUNK_BYTES", "MAX_MESSAGE_BYTES", "channel_options",
-           "server_options"]
+__all__ = ["CALLS_PER_EDGE", "DEFAULT_CHUNK_BYTES", "MAX_MESSAGE_BYTES", "DownloadTerms",
+           "call_seconds", "channel_options", "server_options"]
+
+
+# ---- a task download's terms --------------------------------------------------------------
+def call_seconds(no_wait: bool, poll: float, idle: float, window: int, min_rate: float) -> float:
+    """The longest deadline a NextTask call may carry: its long poll (unless ``no_wait``),
+    a wait for room in the server's download memory, then its window of data at the
+    slowest rate the server accepts. gRPC cannot end a stream whose data the client stops
+    taking, but the call's deadline ends it, so the server requires one this long at most
+    and the edge sets exactly this."""
+    return (0.0 if no_wait else poll) + 2 * idle + window / min_rate
+
+
+@dataclass(frozen=True)
+class DownloadTerms:
+    """What the server's JoinReply says of task downloads (protocol 4)."""
+
+    idle_timeout: float = 30.0
+    min_rate: float = 32768.0
+    window: int = 4 << 20
+    poll_timeout: float = 20.0
+
+    @classmethod
+    def of(cls, reply) -> DownloadTerms:
+        """The terms of a ``JoinReply``."""
+        return cls(reply.download_idle_timeout, reply.download_min_rate,
+                   reply.download_window, reply.poll_timeout)
+
+    def deadline(self, no_wait: bool) -> float:
+        """The deadline of a NextTask call (``call_seconds``)."""
+        return call_seconds(no_wait, self.poll_timeout, self.idle_timeout, self.window,
+                            self.min_rate)
 
 
 # ---- data frames -------------------------------------------------------------------------
@@ -92,6 +124,28 @@ def data_frames(encoded: EncodedPayload, chunk_bytes: int = DEFAULT_CHUNK_BYTES
     for kind, views in chunk_views(encoded, chunk_bytes):
         frame = data_frame(*views)
         yield kind, frame, sum(len(v) for v in views)
+
+
+def data_frames_from(encoded: EncodedPayload, chunk_bytes: int, offset: int,
+                     built: list[tuple[Kind, bytes, int]] | None = None
+                     ) -> Iterator[tuple[Kind, bytes, int]]:
+    """``data_frames`` from data byte ``offset`` on (a chunk boundary; ValueError
+    otherwise): the chunks before it are skipped without being built. ``built``: the
+    frames already built for ``encoded`` (reused; empty or None: built as they go)."""
+    position = 0
+    chunks = ((kind, frame, size, None) for kind, frame, size in built) if built else (
+        (kind, None, sum(len(v) for v in views), views)
+        for kind, views in chunk_views(encoded, chunk_bytes))
+    for kind, frame, size, views in chunks:
+        if position >= offset:
+            if position != offset:
+                raise ValueError(f"offset {offset} is not a chunk boundary")
+            yield kind, frame if frame is not None else data_frame(*views), size
+            offset = position = position + size
+            continue
+        position += size
+    if position < offset:
+        raise ValueError(f"offset {offset} is past the payload's {position} bytes")
 
 
 def data_of_frame(raw: bytes) -> memoryview | None:
