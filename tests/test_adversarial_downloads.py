@@ -94,7 +94,8 @@ def test_a_stalled_download_ends_on_the_wire_by_its_deadline_and_frees_its_frame
     # here: more than a client's buffers take) and read nothing. The server cuts each at
     # its idle deadline; gRPC holds the frame being sent until the call's deadline (12 s
     # here) ends it on the wire: the client sees DEADLINE_EXCEEDED, the gauge returns to
-    # 0, the process's memory comes back, and nothing is logged as a traceback. A call without a deadline, or with one past the bound, is refused.
+    # 0, the process's memory comes back, and nothing is logged as a traceback. A call
+    # without a deadline, or with one past the bound, is refused.
     names = tuple(f"stall{i}" for i in range(10))
     cluster, server, edges = fleet(tmp_path, names, "--model", "resnet18-cifar",
                                    "--min-edges", str(len(names)),
