@@ -33,6 +33,7 @@ from fedattn_shared.wire.signing import (
 )
 from fedattn_shared.wire.transport import (
     MAX_MESSAGE_BYTES,
+    DownloadTerms,
     PayloadAssembler,
     channel_options,
     data_frames,
@@ -62,7 +63,7 @@ class Uploader:
             edge_secret=secrets.token_hex(32), info={"hostname": "bench-uploaders"},
             signing_key=self.key.public_key().public_bytes_raw(), upload_key_share=share,
             upload_key_proof=proof), timeout=60)
-        self.session = reply.session
+        self.session, self.terms = reply.session, DownloadTerms.of(reply)
         self.mac_key = upload_mac_key(exchange(private, reply.upload_key_share), self.edge_id,
                                       reply.session)
         call = self.stub.Presence(pb.PresenceRequest(edge_id=self.edge_id, session=self.session))
@@ -78,11 +79,12 @@ class Uploader:
         self.presence = call
 
     def task(self) -> tuple[pb.TaskHeader, Payload] | None:
-        """The next task and its common payload; None when the run is over."""
+        """The next task and its common payload, a window at a time, under the deadlines
+        the server's terms allow; None when the run is over."""
         while True:
             header, assemblers = None, []
             request = pb.TaskRequest(edge_id=self.edge_id, session=self.session)
-            for message in self.stub.NextTask(request, timeout=600):
+            for message in self.stub.NextTask(request, timeout=self.terms.deadline(False)):
                 if message.HasField("header"):
                     header = message.header
                     if header.status == pb.TaskHeader.TASK:
@@ -92,8 +94,15 @@ class Uploader:
                 next(a for a in assemblers if not a.complete).add(message.data)
             if header is None or header.status == pb.TaskHeader.DONE:
                 return None
-            if header.status == pb.TaskHeader.TASK:
-                return header, assemblers[0].finish()
+            if header.status != pb.TaskHeader.TASK:
+                continue
+            while not all(a.complete for a in assemblers):
+                more = pb.TaskRequest(edge_id=self.edge_id, session=self.session,
+                                      task_id=header.task_id,
+                                      offset=sum(a.received for a in assemblers))
+                for message in self.stub.NextTask(more, timeout=self.terms.deadline(True)):
+                    next(a for a in assemblers if not a.complete).add(message.data)
+            return header, assemblers[0].finish()
 
     def upload(self, task: pb.TaskHeader, common: Payload) -> pb.SubmitReply:
         encoded = encode(Payload([Section(Kind.SHARED_TENSORS, "",

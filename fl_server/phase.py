@@ -108,6 +108,14 @@ class Phase:
         self.served[edge] = sent
         return True
 
+    def refund(self, edge: str, start: bool, size: int) -> None:
+        """Takes back what ``serve`` counted for a message that never went out because
+        the server had no room for it: its queue is never counted against the edge."""
+        if start:
+            self.starts[edge] -= 1
+        else:
+            self.served[edge] -= size
+
     def retire(self) -> None:
         """Takes no new tasks and lets its downlinks go (a model's memory each): results
         of tasks already out are still taken until the phase closes."""

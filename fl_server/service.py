@@ -392,6 +392,8 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
                 else:
                     self.meter.count(*count)
                 if not await download.send(message):
+                    if download.busy:
+                        phase.refund(edge, count is None, raw)
                     await self._cut(phase, edge, download, context)
                     return
                 end, went = end + raw, True
@@ -433,8 +435,9 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
     async def _cut(self, phase: Phase, edge: str, download: Download, context) -> None:
         """A download the edge stopped taking (or one that found no room): the call ends
         once gRPC lets its last send go, by the edge's deadline at the latest."""
-        log.warning("round %d %s: %s's task download cut: %s", phase.round, phase.name,
-                    edge, download.stalled)
+        log.log(logging.INFO if download.busy else logging.WARNING,
+                "round %d %s: %s's task download cut: %s", phase.round, phase.name, edge,
+                download.stalled)
         if await download.settle():  # taken after all: the status can go out now
             await context.abort(grpc.StatusCode.UNAVAILABLE if download.busy
                                 else grpc.StatusCode.DEADLINE_EXCEEDED,
