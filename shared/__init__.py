@@ -1,3 +1,4 @@
 """Code both fedattn daemons use (installed as ``fedattn_shared``)."""
 
-PROTOCOL_VERSION = 3  # 3: SecAgg receive (share check) and confirm (consistency check) steps
+PROTOCOL_VERSION = 4  # 3: SecAgg receive (share check) and confirm (consistency check) steps;
+#                       4: evaluation results carry correct/total, per-class counts only when asked
