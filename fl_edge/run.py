@@ -173,6 +173,12 @@ def _read_config(config_json: str, opts: EdgeOptions) -> _Config:
         # leave it under DP, whatever a server asks.
         raise EdgeExit(2, f"refusing the server's configuration: {EVAL_DETAIL_WITH_DP}",
                        tell_server=f"refused the server's configuration: {EVAL_DETAIL_WITH_DP}")
+    if eval_detail and opts.refuse_eval_detail:
+        why = ("eval_detail: the server asks for per-class evaluation counts (--eval-detail), "
+               "which reveal this edge's label histogram")
+        raise EdgeExit(2, f"refusing the server's configuration: {why}; this edge sends "
+                          "none (--refuse-eval-detail)",
+                       tell_server=f"refused the server's configuration: {why}")
     return _Config(config, train, dp, secagg, _compress(config.get("compress", "")),
                    config.get("mode") == "async", eval_detail)
 

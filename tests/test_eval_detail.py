@@ -112,6 +112,25 @@ def test_an_edge_under_dp_refuses_a_server_that_asks_for_per_class_counts(cluste
     assert not (tmp_path / "state-d" / "privacy-ledger.json").exists()
 
 
+def test_an_edge_with_refuse_eval_detail_leaves_a_server_that_asks(cluster, tmp_path):
+    """The edge owns its label histogram: with --refuse-eval-detail it exits 2 before
+    training when the run config asks for per-class counts and tells the server why; an
+    edge without the flag takes part."""
+    refusing_data, data = edge_data(tmp_path / "a"), edge_data(tmp_path / "b")
+    server = cluster.server("--method", "fedavg", "--rounds", "1", "--min-edges", "1",
+                            "--local-epochs", "1", "--eval-detail")
+    refusing = cluster.edge(refusing_data, "r", "--refuse-eval-detail")
+    assert refusing.wait(90) == 2
+    assert ("refusing the server's configuration: eval_detail: the server asks for per-class "
+            "evaluation counts (--eval-detail)") in refusing.log()
+    assert "trained" not in refusing.log()
+    server.logged(0, "edge r left", "refused the server's configuration: eval_detail")
+    taking_part = cluster.edge(data, "t")
+    assert taking_part.wait(90) == 0 and server.wait() == 0
+    (record,) = read_history(tmp_path / "server-state")["rounds"]
+    assert list(record["evaluation"]["per_edge"]) == ["t"]
+
+
 # ---- a raw client against an --eval-detail server --------------------------------------------
 
 
