@@ -172,6 +172,14 @@ def trace_off_correct(result: pb.EvaluationResult) -> None:
     result.counts[1] += 1
 
 
+def wrapping_counts(result: pb.EvaluationResult) -> None:
+    # Two counts of 2**62 add 2**64 to the sum: nothing in int64 arithmetic, 180 in Python's.
+    result.counts[1] += 2 ** 62
+    result.counts[2] += 2 ** 62 - 1
+    result.counts[3] += 2 ** 62
+    result.counts[4] += 2 ** 62 + 1
+
+
 def no_counts(result: pb.EvaluationResult) -> None:
     del result.counts[:]
 
@@ -188,6 +196,7 @@ SPOILED = [
     ("counts-sum-not-total", counts_off_total, "the counts sum to 181 with 90 on the diagonal, "
                                                 "not total 180 and correct 90"),
     ("trace-not-correct", trace_off_correct, "sum to 180 with 89 on the diagonal"),
+    ("counts-wrapping-int64", wrapping_counts, f"the counts sum to {180 + 2 ** 64} with 90"),
     ("sums-only-when-asked", no_counts, "expected 10x10 counts (--eval-detail)"),
     ("99-counts", short_counts, "expected 10x10 counts"),
     ("negative-count", negative_count, "negative counts"),
