@@ -365,8 +365,8 @@ def eval_nan_loss(result: pb.EvaluationResult) -> None:
 
 
 def eval_per_class_counts_not_asked(result: pb.EvaluationResult) -> None:
-    # A hostile or protocol-3 edge sends its confusion matrix, whose row sums are its label
-    # histogram, to a server that runs without --eval-detail.
+    # A hostile edge sends its confusion matrix, whose row sums are its label histogram (what
+    # every protocol-3 edge sent), to a server that runs without --eval-detail.
     result.counts.extend([9 if i // 10 == i % 10 else 1 for i in range(100)])
 
 

@@ -6,8 +6,9 @@ operator asks (``--eval-detail``), never under DP.
 Checked from the server's side of the wire: real fl-edge processes talk to a real
 fl-server through a recording proxy (``wiretap.WireTap``), so the test reads the
 evaluation messages exactly as the server received them, and history.json as the server
-wrote it. A raw client (``rawedge``) sends what a hostile or protocol-3 edge would: per-class
-counts to a server that did not ask, and counts that disagree with the sums to one that did.
+wrote it. A raw client (``rawedge``) sends what a hostile edge would: counts that disagree
+with the sums to a server that asked for them (per-class counts sent to a server that did
+not ask are refused in test_bad_input.py).
 """
 
 from __future__ import annotations
