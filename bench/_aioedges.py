@@ -9,7 +9,7 @@ task waits, as fl-edge does when the server offers hints; long-polls otherwise, 
 ``--long-poll``), and signed, GMAC'd, streamed uploads built
 with the wire helpers of ``fedattn_shared`` (the same as fl-edge's). Only the training is
 trivial: a train task answers the received shared tensors plus small seeded noise, an
-evaluation task plausible confusion counts. Decoded globals are kept once per process
+evaluation task plausible sums (correct, total, loss, Brier). Decoded globals are kept once per process
 (keyed by common id), so memory does not grow with the edges held here.
 
     python bench/_aioedges.py --server 127.0.0.1:PORT --edges 2500 --prefix p0 \
@@ -233,11 +233,10 @@ class AioEdge:
             header = self._header(task, encoded.manifest, NUM_EXAMPLES)
             kind = "trained"
         else:
-            counts = [9 if i // NUM_CLASSES == i % NUM_CLASSES else 1
-                      for i in range(NUM_CLASSES ** 2)]
-            result = pb.ConfusionCounts(split="test", num_classes=NUM_CLASSES, counts=counts,
-                                        loss_sum=0.3 * sum(counts), brier_sum=0.1 * sum(counts))
-            header = self._header(task, encode(Payload()).manifest, sum(counts))
+            correct, total = 9 * NUM_CLASSES, 10 * NUM_CLASSES
+            result = pb.EvaluationResult(split="test", num_classes=NUM_CLASSES, correct=correct,
+                                         total=total, loss_sum=0.3 * total, brier_sum=0.1 * total)
+            header = self._header(task, encode(Payload()).manifest, total)
             header.evaluation.append(result)
             chunks, kind = [], "evaluated"
         header.body_mac_iv = BodyMac.new_iv()

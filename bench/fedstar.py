@@ -136,8 +136,11 @@ def federate(args, config: Config, dataset: str, seed: int) -> Path:
             "train.lr": args.lr, "train.momentum": args.momentum,
             "train.batch_size": args.batch_size, "train.local_epochs": args.epochs,
             "train.lr_schedule": "constant", "server.eval_every": args.eval_every,
+            # Table 1's F1 columns need the per-class counts (public datasets: nothing to hide)
+            "server.eval_detail": True,
             **{f"{config.method}.{k}": v for k, v in config.params.items()}}
-    flags = [f"--set={k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in sets.items()]
+    flags = [f"--set={k}={json.dumps(v) if isinstance(v, (str, bool)) else v}"  # JSON: true
+             for k, v in sets.items()]
     if out.exists():  # an unfinished run: start it again from scratch
         subprocess.run(["rm", "-rf", str(out)], check=True)
     out.mkdir(parents=True)

@@ -144,6 +144,7 @@ def federate(args, config: Config, alpha: str, seed: int, rounds: int | None = N
             "train.lr": args.lr, "train.momentum": args.momentum,
             "train.batch_size": args.batch_size, "train.local_epochs": args.epochs,
             "server.eval_every": args.eval_every, "train.lr_schedule": "constant",
+            "server.eval_detail": True,  # the macro-F1 column needs the per-class counts
             # --global-every scores the global model of past rounds: keep every checkpoint
             **({"server.keep_checkpoints": rounds} if args.global_every else {}),
             **{f"{config.method}.{k}": v for k, v in config.params.items()}, **(extra or {})}

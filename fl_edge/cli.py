@@ -91,6 +91,10 @@ def _add_policy(parser: argparse.ArgumentParser) -> None:
     policy.add_argument("--require-dp", action="store_true",
                         help="refuse a server that runs without DP-SGD (a state dir whose "
                              "privacy ledger exists requires it anyway)")
+    policy.add_argument("--refuse-eval-detail", action="store_true",
+                        help="refuse a server that asks for per-class evaluation counts "
+                             "(fl-server --eval-detail): their row sums are this edge's label "
+                             "histogram. Without it, they are sent when asked, except under DP")
     policy.add_argument("--allow-seeded-dp-noise", action="store_true",
                         help="accept a server's dp.seeded_noise: DP noise drawn from the run "
                              "seed, so that a run can be reproduced bit for bit. Whoever knows "
@@ -260,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         log_every=args.log_every, retry_for=args.retry_for, batch_size=args.batch_size,
         amp=args.amp, data_on_device=args.data_on_device,
         grad_accum=args.grad_accum, tls_dir=args.tls_dir, tls_server_name=args.tls_server_name,
-        privacy=privacy, allow_methods=tuple(args.allow_method), throttle=throttle,
+        privacy=privacy, refuse_eval_detail=args.refuse_eval_detail,
+        allow_methods=tuple(args.allow_method), throttle=throttle,
         disconnect=disconnect, offline_seconds=offline, disconnect_seed=args.disconnect_seed)
     try:
         return EdgeDaemon(options).run()

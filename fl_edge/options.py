@@ -51,6 +51,8 @@ class EdgeOptions:
     tls_server_name: str = ""
     # The edge's privacy limits (--dp-max-epsilon, --require-dp): a weaker server is refused.
     privacy: PrivacyPolicy = field(default_factory=PrivacyPolicy)
+    # Refuse a server that asks for per-class evaluation counts (--refuse-eval-detail).
+    refuse_eval_detail: bool = False
     # module:Class method specs this edge imports when a server names them (--allow-method);
     # any other method must be installed under the fedattn.methods entry points.
     allow_methods: tuple[str, ...] = ()

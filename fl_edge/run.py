@@ -21,7 +21,14 @@ from dataclasses import dataclass, field
 import torch
 
 from fedattn_shared.compress import CompressSpec
-from fedattn_shared.config import CLIP_WITH_DP, ConfigError, DPConfig, TrainConfig, apply_values
+from fedattn_shared.config import (
+    CLIP_WITH_DP,
+    EVAL_DETAIL_WITH_DP,
+    ConfigError,
+    DPConfig,
+    TrainConfig,
+    apply_values,
+)
 from fedattn_shared.data import DataError, EdgeData, load_edge_data
 from fedattn_shared.methods import check_method_allowed, load_method
 from fedattn_shared.methods.base import EdgeAlgorithm, Method, MethodContext
@@ -83,6 +90,9 @@ class EdgeRun:
     compress: CompressSpec = field(default_factory=CompressSpec)  # server.compress
     # server.mode = "async": training uploads carry the model's change, not the model
     asynchronous: bool = False
+    # server.eval_detail: evaluations carry per-class counts (never under DP: refused at
+    # join); otherwise only correct/total/loss/Brier sums leave this edge
+    eval_detail: bool = False
 
 
 @dataclass
@@ -93,6 +103,7 @@ class _Config:
     secagg: SecAggPolicy | None
     compress: CompressSpec
     asynchronous: bool = False
+    eval_detail: bool = False
 
 
 def build_run(config_json: str, fingerprint: str, opts: EdgeOptions, device: torch.device,
@@ -123,7 +134,7 @@ def build_run(config_json: str, fingerprint: str, opts: EdgeOptions, device: tor
              len(data.test), len(data.global_test) if data.global_test else "no")
     return EdgeRun(config_json, fingerprint, method, algo, data, config.train, batch_size,
                    privacy, config.secagg, downlink_cap(models), config.compress,
-                   config.asynchronous)
+                   config.asynchronous, config.eval_detail)
 
 
 def _read_config(config_json: str, opts: EdgeOptions) -> _Config:
@@ -152,10 +163,24 @@ def _read_config(config_json: str, opts: EdgeOptions) -> _Config:
         secagg = SecAggPolicy.from_config(config["secagg"]) if "secagg" in config else None
         if config.get("mode", "sync") not in ("sync", "async"):
             raise ValueError(f"mode {str(config['mode'])[:40]!r} is not sync or async")
+        eval_detail = config.get("eval_detail", False)
+        if not isinstance(eval_detail, bool):
+            raise ValueError(f"eval_detail {str(eval_detail)[:40]!r} is not true or false")
     except (ConfigError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise EdgeExit(2, f"cannot use the server's configuration: {err}") from None
+    if eval_detail and dp is not None and dp.enabled:
+        # The edge decides what it sends: per-class counts (its label histogram) never
+        # leave it under DP, whatever a server asks.
+        raise EdgeExit(2, f"refusing the server's configuration: {EVAL_DETAIL_WITH_DP}",
+                       tell_server=f"refused the server's configuration: {EVAL_DETAIL_WITH_DP}")
+    if eval_detail and opts.refuse_eval_detail:
+        why = ("eval_detail: the server asks for per-class evaluation counts (--eval-detail), "
+               "which reveal this edge's label histogram")
+        raise EdgeExit(2, f"refusing the server's configuration: {why}; this edge sends "
+                          "none (--refuse-eval-detail)",
+                       tell_server=f"refused the server's configuration: {why}")
     return _Config(config, train, dp, secagg, _compress(config.get("compress", "")),
-                   config.get("mode") == "async")
+                   config.get("mode") == "async", eval_detail)
 
 
 def _compress(text: object) -> CompressSpec:

@@ -86,7 +86,7 @@ class Result:
 
     upload: Payload = field(default_factory=Payload)
     num_examples: int = 0
-    evaluation: list[pb.ConfusionCounts] = field(default_factory=list)
+    evaluation: list[pb.EvaluationResult] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
     saves: list[tuple] = field(default_factory=list)
     # Upload sections that travel coded (``fl_edge.compression``): (Kind, name) ->
@@ -163,8 +163,8 @@ class TaskRunner:
         return Result(upload, len(run.data.train), [], metrics, saves)
 
     def evaluate(self, task: Task) -> Result:
-        """Confusion counts on the test splits, of the model the method scores with
-        (fine-tuned first when the method asks)."""
+        """Sums on the test splits (per-class counts only under server.eval_detail), of
+        the model the method scores with (fine-tuned first when the method asks)."""
         scorer, finetune_epochs = self.run.algo.before_evaluate()
         metrics: dict[str, float] = {}
         saves = []
@@ -183,7 +183,7 @@ class TaskRunner:
             evaluation += self._bn_recalibrated(scorer, task)
         return Result(Payload(), len(self.run.data.train), evaluation, metrics, saves)
 
-    def _bn_recalibrated(self, scorer, task: Task) -> list[pb.ConfusionCounts]:
+    def _bn_recalibrated(self, scorer, task: Task) -> list[pb.EvaluationResult]:
         """The splits scored again with BN statistics recomputed on this edge's train split
         (``trainer.recalibrated_bn``; the state is restored after): none without BN."""
         pipeline = InputPipeline(input_size=self.run.train.input_size)
@@ -199,7 +199,7 @@ class TaskRunner:
         return [("test", data.test)] + ([("global_test", data.global_test)]
                                         if data.global_test is not None else [])
 
-    def _score(self, scorer, task: Task, split_name: str, split) -> pb.ConfusionCounts:
+    def _score(self, scorer, task: Task, split_name: str, split) -> pb.EvaluationResult:
         train = self.run.train
         counts = evaluate(scorer, split, split_name, train.num_classes,
                           self.opts.eval_batch_size, self.device,
@@ -208,9 +208,12 @@ class TaskRunner:
         self.metrics.loss.labels(split_name).set(counts.loss_sum / max(counts.total, 1))
         log.info("round %d: %s accuracy %.4f on %d samples", task.round, split_name,
                  counts.accuracy, counts.total)
-        return pb.ConfusionCounts(split=split_name, num_classes=train.num_classes,
-                                  counts=counts.confusion.reshape(-1).tolist(),
-                                  loss_sum=counts.loss_sum, brier_sum=counts.brier_sum)
+        # Per-class counts only when the run asks (server.eval_detail, never under DP: see
+        # run._read_config): their row sums are this edge's label histogram.
+        detail = counts.confusion.reshape(-1).tolist() if self.run.eval_detail else []
+        return pb.EvaluationResult(split=split_name, num_classes=train.num_classes,
+                                   correct=counts.correct, total=counts.total, counts=detail,
+                                   loss_sum=counts.loss_sum, brier_sum=counts.brier_sum)
 
     def method_phase(self, task: Task) -> Result:
         """A phase the method declares besides train and evaluate: its upload as it is."""

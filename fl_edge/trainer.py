@@ -74,9 +74,14 @@ class EvalCounts:
         return int(self.confusion.sum())
 
     @property
+    def correct(self) -> int:
+        """Samples whose top prediction is the label."""
+        return int(np.trace(self.confusion))
+
+    @property
     def accuracy(self) -> float:
         """The fraction scored correctly (0 on an empty split)."""
-        return float(np.trace(self.confusion)) / max(self.total, 1)
+        return self.correct / max(self.total, 1)
 
 
 # Flips the seed of the forked global RNG away from the loader generator's seed: the same

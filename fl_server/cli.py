@@ -20,6 +20,7 @@ from pathlib import Path
 from fedattn_shared.augment import AUGMENTS
 from fedattn_shared.config import (
     CLIP_WITH_DP,
+    EVAL_DETAIL_WITH_DP,
     ConfigError,
     DPConfig,
     ServerConfig,
@@ -49,7 +50,8 @@ FLAG_TARGETS = {
     "method": ("server", "method"), "rounds": ("server", "rounds"),
     "min_edges": ("server", "min_edges"), "quorum": ("server", "quorum"),
     "fraction": ("server", "fraction"), "round_timeout": ("server", "round_timeout"),
-    "eval_every": ("server", "eval_every"), "host": ("server", "host"),
+    "eval_every": ("server", "eval_every"), "eval_detail": ("server", "eval_detail"),
+    "host": ("server", "host"),
     "port": ("server", "port"), "metrics_port": ("server", "metrics_port"),
     "checkpoint_dir": ("server", "checkpoint_dir"), "resume": ("server", "resume"),
     "insecure": ("server", "insecure"), "token": ("server", "join_token"),
@@ -124,6 +126,11 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
     run.add_argument("--fraction", type=float, help="share of edges selected per round")
     run.add_argument("--round-timeout", type=float, help="deadline of each phase, seconds")
     run.add_argument("--eval-every", type=int, help="evaluate every N rounds (0: never)")
+    run.add_argument("--eval-detail", action="store_true",
+                     help="evaluation results carry each edge's per-class confusion counts "
+                          "(per-class figures such as F1 in fl-report), which reveal every "
+                          "edge's label histogram; default: only correct/total/loss/Brier "
+                          "sums. Not with --dp")
     run.add_argument("--checkpoint-dir", help="round checkpoints and history.json")
     run.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     run.add_argument("--init-weights", help="start from pretrained weights (a safetensors file; "
@@ -328,6 +335,8 @@ def resolve(args: argparse.Namespace) -> tuple[ServerConfig, TrainConfig, Method
     dp.validate()
     if dp.enabled and train.clip_grad_norm:
         raise ConfigError(CLIP_WITH_DP)
+    if dp.enabled and server.eval_detail:
+        raise ConfigError(EVAL_DETAIL_WITH_DP)
     if dp.enabled:
         dp.planned_rounds = dp.planned_rounds or server.rounds
         if dp.fix_model and not train.model.endswith(GROUPNORM_SUFFIX):

@@ -18,7 +18,7 @@ one (``personal``), how many answers close it (``quorum``), how long it waits
 
 Flags rather than subclasses tell the engine and the upload gate what differs:
 ``weighted`` (the header's ``num_examples`` is an aggregation weight: capped, and the
-update may be bounded), ``evaluates`` (the header carries confusion counts),
+update may be bounded), ``evaluates`` (the header carries evaluation sums),
 ``protocol_step`` (waits for every participant).
 """
 
@@ -154,7 +154,7 @@ class MethodPhase(PhaseDriver):
 
 class EvaluatePhase(MethodPhase):
     """Evaluation: every connected edge scores the global; nothing is aggregated, the
-    results are the header's confusion counts."""
+    results are the header's evaluation sums (per-class counts too under --eval-detail)."""
 
     evaluates = True
 
@@ -167,7 +167,7 @@ class EvaluatePhase(MethodPhase):
         return participants
 
     def accept(self, edge: str, upload: Payload, weight: float) -> None:
-        """Nothing to add: the result is the header's counts."""
+        """Nothing to add: the result is the header's sums."""
 
     def close(self) -> dict[str, Any]:
         """Nothing to close: evaluation leaves the state as it is."""

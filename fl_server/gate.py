@@ -8,7 +8,7 @@ An upload (``Submit``) passes, in this order:
    (mutual TLS), the body-MAC IV, an open phase, a task of this edge in it, the task's
    round/id/phase, its nonce (a replay), no result yet (a duplicate) and no drop, the
    manifest exactly as the phase's schema, a training weight >= 1, the weight cap,
-   the evaluation counts, the metric names;
+   the evaluation sums (per-class counts only under --eval-detail), the metric names;
 3. (the servicer: one stream per task, an upload slot, the body within its deadlines)
 4. ``verify`` (the body): the signature over header and body MAC, then the driver's
    ``decode`` (a compressed upload back to the method's tensors: a part no honest
@@ -57,6 +57,10 @@ from .evaluation import split_figures
 from .memory import log_memory
 from .metrics import ServerMetrics
 from .phase import Phase, Refused
+
+#: A sample's multi-class Brier score, sum_c (p_c - y_c)^2, is at most 2; the slack covers
+#: float32 rounding summed over a split.
+BRIER_MAX, BRIER_SLACK = 2.0, 1e-5
 
 log = logging.getLogger("fl_server")
 
@@ -232,10 +236,8 @@ class UploadGate:
         return int(declared), "the num_examples the edge declared at join"
 
     def check_evaluation(self, header: pb.SubmitHeader) -> None:
-        """Known splits (the run's ``evaluation_splits``), once each, with a classes x
-        classes matrix of counts >= 0 and finite loss and Brier sums (they become the run's
-        reported figures)."""
-        classes = self.classes
+        """Known splits (the run's ``evaluation_splits``), once each, each with sums that
+        can be true (``check_split``): they become the run's reported figures."""
         if not header.evaluation:
             raise Refused("evaluation result without any split", drop=True)
         splits = [entry.split for entry in header.evaluation]
@@ -245,13 +247,54 @@ class UploadGate:
         for entry in header.evaluation:
             if entry.split not in known:
                 raise Refused(f"evaluation split {entry.split[:40]!r} is unknown", drop=True)
-            if entry.num_classes != classes or len(entry.counts) != classes * classes:
-                raise Refused(f"evaluation {entry.split}: expected {classes}x{classes} counts",
-                              drop=True)
-            if any(c < 0 for c in entry.counts):
-                raise Refused(f"evaluation {entry.split}: negative counts", drop=True)
-            if not (math.isfinite(entry.loss_sum) and math.isfinite(entry.brier_sum)):
-                raise Refused(f"evaluation {entry.split}: non-finite loss or Brier sum", drop=True)
+            self.check_split(entry)
+
+    def check_split(self, entry: pb.EvaluationResult) -> None:
+        """One split's sums: correct <= total <= --max-weight (the bound on any count an
+        edge claims: a made-up total would outweigh every other edge in the pooled
+        accuracy), a loss sum >= 0 and a Brier sum in [0, 2 total] (a sample's multi-class
+        Brier score is at most 2), both finite and 0 without samples. Per-class counts
+        only when the run asked for them (``server.eval_detail``): otherwise they are
+        refused by name, since their row sums are the edge's label histogram; when asked,
+        a classes x classes matrix of counts >= 0 whose sum is ``total`` and whose trace
+        is ``correct``."""
+        name, classes = entry.split, self.classes
+        if entry.num_classes != classes:
+            raise Refused(f"evaluation {name}: {entry.num_classes} classes, the run has "
+                          f"{classes}", drop=True)
+        if entry.total > self.cfg.max_weight:
+            raise Refused(f"evaluation {name}: total {entry.total} samples is over "
+                          f"--max-weight {self.cfg.max_weight}", drop=True)
+        if entry.correct > entry.total:
+            raise Refused(f"evaluation {name}: correct {entry.correct} is over total "
+                          f"{entry.total}", drop=True)
+        loss, brier = entry.loss_sum, entry.brier_sum
+        if not (math.isfinite(loss) and math.isfinite(brier)):
+            raise Refused(f"evaluation {name}: non-finite loss or Brier sum", drop=True)
+        if loss < 0 or (loss > 0 and not entry.total):
+            raise Refused(f"evaluation {name}: loss sum {loss:.6g} is not >= 0 or not 0 "
+                          f"without samples", drop=True)
+        if not 0 <= brier <= BRIER_MAX * entry.total * (1 + BRIER_SLACK):
+            raise Refused(f"evaluation {name}: Brier sum {brier:.6g} is outside [0, "
+                          f"{BRIER_MAX:g} x {entry.total} samples]", drop=True)
+        if not self.cfg.eval_detail:
+            if entry.counts:
+                raise Refused(f"evaluation {name}: per-class counts were not asked for (the "
+                              "server runs without --eval-detail): their row sums are the "
+                              "edge's label histogram", drop=True)
+            return
+        if len(entry.counts) != classes * classes:
+            raise Refused(f"evaluation {name}: expected {classes}x{classes} counts "
+                          "(--eval-detail)", drop=True)
+        if any(c < 0 for c in entry.counts):
+            raise Refused(f"evaluation {name}: negative counts", drop=True)
+        # Python ints: a numpy int64 sum of huge counts would wrap round to any total.
+        summed = sum(entry.counts)
+        diagonal = sum(entry.counts[i * classes + i] for i in range(classes))
+        if summed != entry.total or diagonal != entry.correct:
+            raise Refused(f"evaluation {name}: the counts sum to {summed} with {diagonal} on "
+                          f"the diagonal, not total {entry.total} and correct {entry.correct}",
+                          drop=True)
 
     def check_metrics(self, header: pb.SubmitHeader) -> None:
         """A result's monitoring figures become metric series and history entries, so only
@@ -443,8 +486,9 @@ class UploadGate:
             "num_examples": int(header.num_examples),
             "metrics": figures,
             "evaluation": {
-                e.split: split_figures(np.array(e.counts, dtype=np.int64).reshape(
-                    e.num_classes, e.num_classes), e.loss_sum, e.brier_sum)
+                e.split: split_figures(e.correct, e.total, e.loss_sum, e.brier_sum,
+                                       np.array(e.counts, dtype=np.int64).reshape(
+                                           e.num_classes, e.num_classes) if e.counts else None)
                 for e in header.evaluation
             },
         }

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from fedattn_shared import PROTOCOL_VERSION
-from fedattn_shared.config import ServerConfig, TrainConfig
+from fedattn_shared.config import EVAL_DETAIL_WITH_DP, ServerConfig, TrainConfig
 from fedattn_shared.methods.base import Method
 from fedattn_shared.state import atomic_write, read_json
 
@@ -108,6 +108,10 @@ def run_config(server: ServerConfig, train: TrainConfig, method: Method,
         config["compress"] = compress
     if server.mode == "async":  # edges upload their change, not their model (absent: sync)
         config["mode"] = "async"
+    if server.eval_detail:  # evaluations carry per-class counts (absent: only the sums)
+        if method.dp is not None:  # resolve() refuses it first; a ServerApp built in code too
+            raise ValueError(EVAL_DETAIL_WITH_DP)
+        config["eval_detail"] = True
     return json.dumps(config, sort_keys=True)
 
 

@@ -221,6 +221,11 @@ class ServerConfig:
     max_staleness: int = 20
     staleness_weight: str = "poly:0.5"
     server_lr: float = 1.0
+    # Evaluation results carry each edge's per-class confusion counts, not only its correct /
+    # total / loss / Brier sums: per-class figures (F1) for the operator, at the price of
+    # every edge's label histogram (the counts' row sums). Carried to the edges in the run
+    # config; refused with --dp, and every edge refuses to send it under DP.
+    eval_detail: bool = False
 
     def validate(self) -> None:
         check_choices(self, "server")
@@ -356,6 +361,9 @@ ACCOUNTANTS: tuple[str, ...] = typing.get_args(Accountant)
 CLIP_WITH_DP = ("train.clip_grad_norm does not combine with --dp: DP-SGD clips every "
                 "sample's gradient to dp.max_grad_norm (--dp-max-grad-norm), the only "
                 "clipping under DP; set train.clip_grad_norm = 0")
+EVAL_DETAIL_WITH_DP = ("server.eval_detail (--eval-detail) does not combine with --dp: the "
+                      "per-class counts it asks every edge for reveal its label histogram, "
+                      "which DP-SGD does not cover; nothing per-class is sent under DP")
 # A delta this large lets the mechanism publish a sample outright with that probability;
 # each edge bounds it further, by 1/|D_k| (fedattn_shared.privacy.dp).
 MAX_DELTA = 0.5

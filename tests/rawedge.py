@@ -156,10 +156,14 @@ class RawEdge:
         fields.update(overrides)
         return pb.SubmitHeader(**fields)
 
-    def evaluation(self, task: Task) -> list[pb.SubmitMessage]:
+    def evaluation(self, task: Task, detail: bool = False) -> list[pb.SubmitMessage]:
+        """A plausible evaluation result: 90 of 180 samples right, as sums; ``detail``
+        adds the per-class counts (9 on the diagonal, 1 elsewhere) that only an
+        --eval-detail server asks for."""
         counts = [9 if i // NUM_CLASSES == i % NUM_CLASSES else 1 for i in range(NUM_CLASSES ** 2)]
-        result = pb.ConfusionCounts(split="test", num_classes=NUM_CLASSES, counts=counts,
-                                    loss_sum=42.5, brier_sum=17.25)
+        result = pb.EvaluationResult(split="test", num_classes=NUM_CLASSES, correct=9 * NUM_CLASSES,
+                                     total=sum(counts), loss_sum=42.5, brier_sum=17.25,
+                                     counts=counts if detail else [])
         header = self.header(task, encode(Payload()).manifest, num_examples=sum(counts),
                              evaluation=[result])
         return [pb.SubmitMessage(header=header)]

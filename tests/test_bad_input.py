@@ -360,23 +360,38 @@ def test_message_over_the_transport_cap_is_refused_and_drops_the_task(suite):
     suite.expect_dropped(task, mark, refused_at)
 
 
-def eval_nan_loss(result: pb.ConfusionCounts) -> None:
+def eval_nan_loss(result: pb.EvaluationResult) -> None:
     result.loss_sum = float("nan")
 
 
-def eval_short_counts(result: pb.ConfusionCounts) -> None:
-    del result.counts[-1]
+def eval_per_class_counts_not_asked(result: pb.EvaluationResult) -> None:
+    # A hostile edge sends its confusion matrix, whose row sums are its label histogram (what
+    # every protocol-3 edge sent), to a server that runs without --eval-detail.
+    result.counts.extend([9 if i // 10 == i % 10 else 1 for i in range(100)])
 
 
-def eval_negative_count(result: pb.ConfusionCounts) -> None:
-    result.counts[3] = -1
+def eval_correct_over_total(result: pb.EvaluationResult) -> None:
+    result.correct = result.total + 1
 
 
-def eval_unknown_split(result: pb.ConfusionCounts) -> None:
+def eval_total_over_max_weight(result: pb.EvaluationResult) -> None:
+    # A made-up total would outweigh every other edge in the pooled accuracy.
+    result.total, result.correct = 1_000_001, 1_000_001
+
+
+def eval_brier_over_two_per_sample(result: pb.EvaluationResult) -> None:
+    result.brier_sum = 2.0 * result.total + 1.0
+
+
+def eval_negative_loss(result: pb.EvaluationResult) -> None:
+    result.loss_sum = -1.0
+
+
+def eval_unknown_split(result: pb.EvaluationResult) -> None:
     result.split = "train"
 
 
-def eval_bnrecal_not_asked(result: pb.ConfusionCounts) -> None:
+def eval_bnrecal_not_asked(result: pb.EvaluationResult) -> None:
     # The BN-recalibrated diagnostic's split from a run that did not ask for it
     # (train.bn_recalibrated_eval is off).
     result.split = "test_bnrecal"
@@ -384,8 +399,12 @@ def eval_bnrecal_not_asked(result: pb.ConfusionCounts) -> None:
 
 BAD_EVALUATIONS = [
     ("nan-loss", eval_nan_loss, "non-finite loss"),
-    ("99-counts", eval_short_counts, "expected 10x10 counts"),
-    ("negative-count", eval_negative_count, "negative counts"),
+    ("per-class-counts-not-asked", eval_per_class_counts_not_asked,
+     "per-class counts were not asked for"),
+    ("correct-over-total", eval_correct_over_total, "correct 181 is over total 180"),
+    ("total-over-max-weight", eval_total_over_max_weight, "over --max-weight 1000000"),
+    ("brier-over-2-per-sample", eval_brier_over_two_per_sample, "Brier sum 361 is outside"),
+    ("negative-loss", eval_negative_loss, "loss sum -1 is not >= 0"),
     ("unknown-split", eval_unknown_split, "split 'train'"),
     ("bnrecal-split-not-asked", eval_bnrecal_not_asked, "split 'test_bnrecal'"),
     ("tensors-in-an-evaluation", None, "is not in method fedavg's upload schema"),

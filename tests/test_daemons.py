@@ -35,9 +35,9 @@ def test_fedavg_three_edges_account_every_byte(cluster, tmp_path):
         assert record["train"]["received"] == ["cam0", "cam1", "cam2"]
         per_edge = record["evaluation"]["per_edge"]
         assert sorted(per_edge) == ["cam0", "cam1", "cam2"]
-        for figures in per_edge.values():
-            confusion = torch.tensor(figures["test"]["confusion"])
-            assert confusion.shape == (10, 10) and confusion.sum() == figures["test"]["n"] > 0
+        for figures in per_edge.values():  # sums only: no --eval-detail
+            assert "confusion" not in figures["test"]
+            assert 0 <= figures["test"]["correct"] <= figures["test"]["n"] > 0
         up = record["bytes"]["up"]["shared_tensors"]
         assert up["raw"] > 0 and 1.0 <= up["wire"] / up["raw"] <= 1.01
     # Round 2 must have learned something on these easy generated classes.

@@ -21,10 +21,12 @@ def test_selection_is_seeded_and_sized():
     assert len(select_edges(edges[:2], 0.1, 0, 1)) == 1  # never zero
 
 
-def test_evaluation_figures_from_confusion_counts():
-    a = split_figures(np.array([[3, 1], [0, 4]]), loss_sum=4.0, brier_sum=2.0)
+def test_evaluation_figures_from_the_sums():
+    a = split_figures(7, 8, loss_sum=4.0, brier_sum=2.0)
     assert (a["n"], a["accuracy"], a["loss"], a["brier"]) == (8, 7 / 8, 0.5, 0.25)
-    b = split_figures(np.array([[1, 1], [0, 0]]), loss_sum=1.0, brier_sum=1.0)
+    assert "confusion" not in a  # only under --eval-detail
+    b = split_figures(1, 2, loss_sum=1.0, brier_sum=1.0, confusion=np.array([[1, 1], [0, 0]]))
+    assert b["confusion"] == [[1, 1], [0, 0]]
     summary = summarize({"x": {"test": a}, "y": {"test": b}})["test"]
     assert summary["mean_accuracy"] == (7 / 8 + 1 / 2) / 2
     assert summary["pooled_accuracy"] == 8 / 10  # (3 + 4 + 1) / 10

@@ -397,7 +397,7 @@ def test_only_the_edges_own_class_prototypes_travel_and_the_server_survives_a_re
     classes = [[0, 1, 2], [2, 3], [5, 6, 7, 8]]
     received, engine = run_federation(tmp_path, "fedstar", model=COMPACT, edges=3, rounds=3,
                                       fraction=0.5, classes=classes, sizes=[60, 60, 60],
-                                      params={"predict": "predicted-style"})
+                                      params={"predict": "predicted-style"}, eval_detail=True)
     train_rounds = [r["train"]["received"] for r in engine.history["rounds"]]
     assert all(len(r) == 2 for r in train_rounds)
     assert len(received) == 6
@@ -437,7 +437,7 @@ def test_only_the_edges_own_class_prototypes_travel_and_the_server_survives_a_re
     assert confusion.tolist() == evaluated["confusion"]
 
     cfg = ServerConfig(method="fedstar", rounds=3, checkpoint_dir=str(tmp_path / "server"),
-                       insecure=True, port=0, fraction=0.5, resume=True)
+                       insecure=True, port=0, fraction=0.5, resume=True, eval_detail=True)
     restarted = ServerApp(cfg, engine.train, engine.method).engine
     restarted.resume()
     resumed = restarted.aggregator

@@ -25,16 +25,17 @@ def run_federation(tmp_path, method_name: str, private: list[str] | None = None,
                    edges: int = 2, rounds: int = 2, sizes: list[int] | None = None,
                    lr: float = 0.05, init_weights: str = "", model: str = "lenet-bn",
                    params: dict | None = None, device: str = "cpu", fraction: float = 1.0,
-                   classes: list[list[int]] | None = None, dp=None):
+                   classes: list[list[int]] | None = None, dp=None, eval_detail: bool = False):
     """``classes``: the labels each edge's generated data draws from (all by default);
-    ``dp``: a DPConfig to run under DP-SGD."""
+    ``dp``: a DPConfig to run under DP-SGD; ``eval_detail``: evaluations carry per-class
+    counts (server.eval_detail)."""
     train = TrainConfig(private=private or [], lr=lr, model=model)
     cls = load_method(method_name)
     method = cls(MethodContext(train, cls.Params(**(params or {})), dp=dp))
     server_cfg = ServerConfig(method=method_name, rounds=rounds, min_edges=edges, host="127.0.0.1",
                               port=0, checkpoint_dir=str(tmp_path / "server"), insecure=True,
                               poll_timeout=2.0, round_timeout=60, init_weights=init_weights,
-                              fraction=fraction)
+                              fraction=fraction, eval_detail=eval_detail)
     app = ServerApp(server_cfg, train, method)
     received: list[tuple[str, dict]] = []
     accept = app.engine.aggregator.accept
@@ -149,7 +150,7 @@ def test_export_and_predict_equal_the_edges_own_evaluation(tmp_path, method_name
     from fedattn_shared.data import load_edge_data
     from fl_edge import export as tools
 
-    run_federation(tmp_path, method_name, rounds=2)
+    run_federation(tmp_path, method_name, rounds=2, eval_detail=True)  # the matrix: the full check
     history = json.loads((tmp_path / "server" / "history.json").read_text())
     history_eval = history["rounds"][-1]["evaluation"]["per_edge"]["e1"]["test"]
     out = tmp_path / "e1.safetensors"

@@ -1,5 +1,6 @@
 """fl-report: figures from hand-computed confusion matrices, seed grouping, a synthetic run
-set written like the server writes history.json, and bad input."""
+set written like the server writes history.json (with and without --eval-detail's
+per-class counts, and as protocol 3 wrote it), and bad input."""
 
 from __future__ import annotations
 
@@ -42,6 +43,19 @@ THREE = [[5, 1, 0],
 # class 2: TP 6, support 8, predicted 7 -> P 6/7, R 3/4, F1 = 2*(6/7)(3/4)/(6/7+3/4) = 12/15 = 4/5
 # accuracy 14/20; macro F1 = (10/13 + 1/2 + 4/5)/3 = 0.689744
 # weighted F1 = (6*10/13 + 6*1/2 + 8*4/5)/20 = 0.700769
+
+
+def detailed(matrix, loss_sum: float, brier_sum: float) -> dict:
+    """An edge's split figures as an --eval-detail server records them: the sums and the
+    confusion they come from."""
+    m = np.array(matrix, dtype=np.int64)
+    return split_figures(int(np.trace(m)), int(m.sum()), loss_sum, brier_sum, m)
+
+
+def sums_only(matrix, loss_sum: float, brier_sum: float) -> dict:
+    """The same edge as a default server records it: no per-class counts."""
+    m = np.array(matrix, dtype=np.int64)
+    return split_figures(int(np.trace(m)), int(m.sum()), loss_sum, brier_sum)
 
 
 def test_f1_of_a_three_class_matrix():
@@ -88,9 +102,9 @@ def test_pooled_versus_mean_accuracy_and_brier():
 
 def test_round_figures_ignore_precomputed_accuracy_and_match_the_server_summary():
     per_edge = {
-        "e0": {"test": split_figures(np.array([[3, 1], [0, 0]]), loss_sum=2.0, brier_sum=2.0)},
-        "e1": {"test": split_figures(np.array([[0, 2], [2, 6]]), loss_sum=8.0, brier_sum=2.0)},
-        "e2": {"test": split_figures(np.zeros((2, 2), dtype=np.int64), 0.0, 0.0)},  # no samples
+        "e0": {"test": detailed([[3, 1], [0, 0]], loss_sum=2.0, brier_sum=2.0)},
+        "e1": {"test": sums_only([[0, 2], [2, 6]], loss_sum=8.0, brier_sum=2.0)},
+        "e2": {"test": detailed(np.zeros((2, 2)), 0.0, 0.0)},  # no samples
     }
     server = summarize(per_edge)["test"]
     for figures in per_edge.values():
@@ -102,6 +116,7 @@ def test_round_figures_ignore_precomputed_accuracy_and_match_the_server_summary(
     assert mine["std_accuracy"] == pytest.approx(server["std_accuracy"])
     assert mine["brier"] == pytest.approx(4 / 14) and mine["loss"] == pytest.approx(10 / 14)
     assert mine["n"] == 14
+    assert math.isnan(mine["macro_f1"])  # e1 sent no per-class counts
     assert round_figures(per_edge, "global_test") is None
 
 
@@ -159,9 +174,10 @@ def phase(selected: list[str], received: list[str], dropped: dict[str, str] | No
 
 
 def round_record(number: int, confusions: dict[str, list], brier_sums: dict[str, float],
-                 train: dict) -> dict:
-    per_edge = {e: {"test": split_figures(np.array(c, dtype=np.int64), loss_sum=float(np.sum(c)),
-                                          brier_sum=brier_sums[e])} for e, c in confusions.items()}
+                 train: dict, detail: bool = True) -> dict:
+    figures = detailed if detail else sums_only
+    per_edge = {e: {"test": figures(c, loss_sum=float(np.sum(c)), brier_sum=brier_sums[e])}
+                for e, c in confusions.items()}
     summary = summarize(per_edge)
     for figures in per_edge.values():  # the report must not read the server's own accuracies
         figures["test"]["accuracy"] = 0.0
@@ -196,7 +212,8 @@ SEED_ROUNDS = {
 }
 
 
-def write_run(root: Path, name: str, seed: int, port: int, rounds: list[dict], **kwargs) -> Path:
+def write_run(root: Path, name: str, seed: int, port: int, rounds: list[dict],
+              detail: bool = True, **kwargs) -> Path:
     run_dir = root / name
     run_dir.mkdir(parents=True)
     records = []
@@ -205,7 +222,7 @@ def write_run(root: Path, name: str, seed: int, port: int, rounds: list[dict], *
             train = phase(["e0", "e1", "e2"], ["e0", "e1"], {"e2": "deadline"})
         else:
             train = phase(["e0", "e1"], ["e0", "e1"])
-        records.append(round_record(number, confusions, BRIER, train))
+        records.append(round_record(number, confusions, BRIER, train, detail))
     history = {"manifest": manifest(seed, str(run_dir), port, **kwargs), "rounds": records}
     (run_dir / "history.json").write_text(json.dumps(history, indent=1, sort_keys=True))
     return run_dir
@@ -277,6 +294,38 @@ def test_report_on_two_seeds_by_two_rounds(tmp_path, capsys):
     assert "0.7812 ± 0.0312" in stdout or "0.7813 ± 0.0313" in stdout
 
 
+def test_without_eval_detail_the_same_accuracies_and_no_f1(tmp_path, capsys):
+    """A default server records sums only: every accuracy and Brier figure is the one the
+    per-class counts give, and the per-class figures are n/a (null in summary.json)."""
+    with_detail = write_run(tmp_path, "detail", 0, 40001, SEED_ROUNDS[0])
+    plain = write_run(tmp_path, "plain", 0, 40002, SEED_ROUNDS[0], detail=False)
+    assert "confusion" not in (plain / "history.json").read_text()
+    assert main([str(with_detail), "--out", str(tmp_path / "a")]) == 0
+    assert main([str(plain), "--out", str(tmp_path / "b")]) == 0
+    stdout = capsys.readouterr().out
+    a, b = (json.loads((tmp_path / d / "summary.json").read_text())["runs"][0] for d in "ab")
+    for key in ("mean_accuracy", "std_accuracy", "pooled_accuracy", "brier", "loss", "n"):
+        assert [r[key] for r in b["rounds"]] == pytest.approx([r[key] for r in a["rounds"]]), key
+    assert a["final"]["macro_f1"] == pytest.approx(83 / 119)
+    assert b["final"]["macro_f1"] is None and b["final"]["weighted_f1"] is None
+    assert b["edge_accuracy"] == a["edge_accuracy"]
+    assert "| 0.7500 | n/a | n/a | 0.2500 |" in stdout  # final pooled acc, F1s, Brier
+
+
+def test_a_protocol_3_history_is_still_read(tmp_path):
+    """Histories from before protocol 4 hold each edge's confusion and no correct count."""
+    run_dir = write_run(tmp_path, "old", 0, 40001, SEED_ROUNDS[0])
+    history = json.loads((run_dir / "history.json").read_text())
+    for record in history["rounds"]:
+        for figures in record["evaluation"]["per_edge"].values():
+            del figures["test"]["correct"]
+    (run_dir / "history.json").write_text(json.dumps(history))
+    assert main([str(run_dir), "--out", str(tmp_path / "out")]) == 0
+    run = json.loads((tmp_path / "out" / "summary.json").read_text())["runs"][0]
+    assert [r["pooled_accuracy"] for r in run["rounds"]] == pytest.approx([8 / 12, 9 / 12])
+    assert run["final"]["macro_f1"] == pytest.approx(83 / 119)
+
+
 def test_module_entry_point(tmp_path):
     run0 = write_run(tmp_path, "run", 0, 40001, SEED_ROUNDS[0])
     done = subprocess.run([sys.executable, "-m", "fl_tools.report", str(run0), "--out",
@@ -321,6 +370,13 @@ def test_bad_input_exits_2_naming_the_path(tmp_path, capsys):
     history["rounds"][1]["evaluation"]["per_edge"]["e0"]["test"]["confusion"] = [[1, 2, 3]]
     (malformed / "history.json").write_text(json.dumps(history))
     assert "round 2" in refused([str(malformed)], malformed / "history.json")
+    history = json.loads((good / "history.json").read_text())
+    history["rounds"][0]["evaluation"]["per_edge"]["e1"]["test"]["correct"] = 9  # of 8
+    (malformed / "history.json").write_text(json.dumps(history))
+    assert "round 1" in refused([str(malformed)], malformed / "history.json")
+    history["rounds"][0]["evaluation"]["per_edge"]["e1"]["test"]["correct"] = 5  # trace 6
+    (malformed / "history.json").write_text(json.dumps(history))
+    assert "disagrees" in refused([str(malformed)], malformed / "history.json")
     assert not (tmp_path / "out" / "summary.json").exists()
 
 

@@ -113,6 +113,12 @@ def server_settings(args: argparse.Namespace) -> tuple[list[str], list[str]]:
         dp_flags, dp_notes = dp_method_settings(args, flags, method.name or args.method)
         flags += dp_flags
         notes += dp_notes
+    else:
+        # One machine's generated or public data: no label mix to hide, and the report's F1
+        # needs the per-class counts. Never under DP (fl-server refuses the pair).
+        flags.append("--eval-detail")
+        notes.append("evaluations send per-class counts (--eval-detail, for the report's F1; "
+                     "they reveal each edge's label histogram, so not with --dp)")
     if args.compress:
         flags += ["--compress", args.compress]
         notes.append(f"update compression {args.compress}")

@@ -17,19 +17,24 @@ and a message that names the path.
 
 Conventions (as in the FedSTAR code base's metrics, where they overlap):
 
-- Everything is recomputed from the per-edge confusion counts the edges sent
-  (``rounds[i].evaluation.per_edge[edge][split].confusion``, rows = true class, columns =
-  predicted class); the accuracies and summaries the server precomputed are never read.
-  Edges whose confusion holds no sample are left out of a round, as the server does.
+- Everything is recomputed from the per-edge sums the edges sent
+  (``rounds[i].evaluation.per_edge[edge][split]``: ``correct`` of ``n`` samples, and the
+  ``loss`` and ``brier`` means); the accuracies and summaries the server precomputed are
+  never read. Edges without a sample are left out of a round, as the server does. A
+  history from before protocol 4 holds each edge's ``confusion`` instead: its trace and
+  sum are the same two counts.
 - mean accuracy = mean over edges of each edge's accuracy; the "std over edges" beside it
   is the population std (ddof=0) of those per-edge accuracies.
-- pooled accuracy = trace / total of the pooled confusion (the sum of the edges'
-  confusions), i.e. total correct / total samples over all edges.
-- F1 of class c = 2 TP_c / (support_c + predicted_c) (= 2PR / (P + R), and 0 when TP_c = 0).
-  macro F1 = unweighted mean over the classes that have support or predictions in the
-  pooled confusion; a class with neither is left out (scikit-learn's default when the
-  labels are inferred from the data), a class predicted but absent counts with F1 = 0.
-  weighted F1 = support-weighted mean of the per-class F1 of the pooled confusion.
+- pooled accuracy = total correct / total samples over all edges.
+- Per-class figures need the per-class counts, which edges send only when the server ran
+  with ``--eval-detail`` (``confusion``: rows = true class, columns = predicted class);
+  without them a round's F1 figures are NaN ("n/a"). The pooled confusion is the sum of
+  the edges' confusions. F1 of class c = 2 TP_c / (support_c + predicted_c) (= 2PR /
+  (P + R), and 0 when TP_c = 0). macro F1 = unweighted mean over the classes that have
+  support or predictions in the pooled confusion; a class with neither is left out
+  (scikit-learn's default when the labels are inferred from the data), a class predicted
+  but absent counts with F1 = 0. weighted F1 = support-weighted mean of the per-class F1
+  of the pooled confusion.
 - Brier = (sum over edges of brier_e * n_e) / (sum of n_e): the per-edge ``brier`` in the
   history is brier_sum / n, so this is the mean over all samples of sum_c (p_c - y_c)^2.
   The pooled loss is reconstructed the same way.
@@ -181,33 +186,55 @@ def convergence_round(rounds: Sequence[int], values: Sequence[float],
     return next(int(r) for r, v in zip(rounds, values, strict=True) if v >= target)
 
 
+def entry_counts(entry: dict) -> tuple[int, int, np.ndarray | None]:
+    """(correct, n, confusion or None) of one edge's split entry. A protocol-4 history
+    holds ``correct`` and ``n`` (and ``confusion`` only under --eval-detail, which must
+    agree with them); an older one holds only ``confusion``, whose trace and sum they are."""
+    confusion = as_confusion(entry["confusion"]) if "confusion" in entry else None
+    if "correct" not in entry:
+        if confusion is None:
+            raise ValueError("an evaluation entry holds neither correct/n nor a confusion")
+        return int(np.trace(confusion)), int(confusion.sum()), confusion
+    correct, n = entry["correct"], entry["n"]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (correct, n)) \
+            or not 0 <= correct <= n:
+        raise ValueError(f"correct {correct!r} of n {n!r} are not counts with correct <= n")
+    if confusion is not None and (int(confusion.sum()) != n or int(np.trace(confusion)) != correct):
+        raise ValueError(f"the confusion (sum {int(confusion.sum())}, trace "
+                         f"{int(np.trace(confusion))}) disagrees with n {n}, correct {correct}")
+    return correct, n, confusion
+
+
 def round_figures(per_edge: dict[str, dict[str, dict]], split: str) -> dict | None:
     """Figures of one evaluated round from the per-edge entries of one split, or None when
-    no edge reported a sample for it."""
-    confusions, briers, losses, counts = [], [], [], []
+    no edge reported a sample for it. F1 only when every such edge sent its per-class
+    counts (--eval-detail); NaN otherwise."""
+    rights, counts, confusions, briers, losses = [], [], [], [], []
     for edge in sorted(per_edge):
         entry = per_edge[edge].get(split)
         if entry is None:
             continue
-        matrix = as_confusion(entry["confusion"])
-        n = int(matrix.sum())
+        correct, n, confusion = entry_counts(entry)
         if not n:
             continue
-        confusions.append(matrix)
+        rights.append(correct)
         counts.append(n)
+        confusions.append(confusion)
         briers.append(float(entry["brier"]))
         losses.append(float(entry["loss"]))
-    if not confusions:
+    if not counts:
         return None
-    total = pooled(confusions)
+    accs = [c / n for c, n in zip(rights, counts, strict=True)]
+    detail = all(c is not None for c in confusions)
+    total = pooled(confusions) if detail else None
     return {
-        "edges": len(confusions),
-        "n": int(total.sum()),
-        "mean_accuracy": mean_accuracy(confusions),
-        "std_accuracy": std_accuracy(confusions),
-        "pooled_accuracy": accuracy(total),
-        "macro_f1": macro_f1(total),
-        "weighted_f1": weighted_f1(total),
+        "edges": len(counts),
+        "n": sum(counts),
+        "mean_accuracy": float(np.mean(accs)),
+        "std_accuracy": float(np.std(accs)),
+        "pooled_accuracy": sum(rights) / sum(counts),
+        "macro_f1": macro_f1(total) if detail else math.nan,
+        "weighted_f1": weighted_f1(total) if detail else math.nan,
         "brier": pooled_mean(briers, counts),
         "loss": pooled_mean(losses, counts),
     }
@@ -219,8 +246,11 @@ def edge_accuracies(per_edge: dict[str, dict[str, dict]], split: str) -> dict[st
     out = {}
     for edge in sorted(per_edge, key=_natural):
         entry = per_edge[edge].get(split)
-        if entry is not None and as_confusion(entry["confusion"]).sum():
-            out[edge] = accuracy(entry["confusion"])
+        if entry is None:
+            continue
+        correct, n, _ = entry_counts(entry)
+        if n:
+            out[edge] = correct / n
     return out
 
 
@@ -417,7 +447,9 @@ def _cell(text: Any) -> str:
 
 def markdown(runs: list[dict], groups: list[dict], split: str) -> str:
     lines = [f"# fl-report ({split} split)", "",
-             "Accuracy, F1 and Brier recomputed from the per-edge confusion counts. "
+             "Accuracy and Brier recomputed from the per-edge sums (correct, samples, loss, "
+             "Brier); F1 from the per-class counts, which edges send only under --eval-detail "
+             "(n/a without them). "
              "mean acc = mean over edges (± population std over edges); pooled = all samples; "
              "macro F1 leaves out classes with neither support nor predictions; "
              "std over seeds is the population std (ddof=0).", "",
@@ -720,12 +752,14 @@ def write_report(runs: list[dict], groups: list[dict], split: str, out: Path) ->
         summary = {
             "split": split,
             "conventions": {
-                "source": "per-edge confusion counts (rows true, columns predicted); server "
-                          "accuracies not used",
+                "source": "per-edge correct, n, loss and Brier sums; per-class counts "
+                          "(confusion, rows true, columns predicted) only from runs with "
+                          "--eval-detail; server accuracies not used",
                 "mean_accuracy": "mean over edges with samples; std_accuracy = population std over edges",
-                "pooled_accuracy": "trace / total of the summed confusion",
+                "pooled_accuracy": "total correct / total samples over the edges",
                 "macro_f1": "mean per-class F1 of the pooled confusion over classes with support "
-                            "or predictions",
+                            "or predictions; NaN (null) unless every edge sent its confusion "
+                            "(--eval-detail)",
                 "weighted_f1": "support-weighted per-class F1 of the pooled confusion",
                 "brier": "sum(brier_e * n_e) / sum(n_e)",
                 "best_round": "highest mean accuracy, earliest on ties",
@@ -812,7 +846,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fl-report",
         description="Accuracy, F1, Brier, bytes and participation from fl-server history.json "
-                    "files, recomputed from the per-edge confusion counts; runs that differ "
+                    "files, recomputed from the per-edge sums (F1 from per-class counts, "
+                    "sent only under fl-server --eval-detail); runs that differ "
                     "only in the seed are summarised as mean ± std.")
     parser.add_argument("runs", nargs="*", metavar="RUN_DIR",
                         help="a server --checkpoint-dir holding history.json, or a history.json path")

@@ -208,19 +208,23 @@ class TaskMessage(_message.Message):
     data: bytes
     def __init__(self, header: _Optional[_Union[TaskHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
-class ConfusionCounts(_message.Message):
-    __slots__ = ("split", "num_classes", "counts", "loss_sum", "brier_sum")
+class EvaluationResult(_message.Message):
+    __slots__ = ("split", "num_classes", "counts", "loss_sum", "brier_sum", "correct", "total")
     SPLIT_FIELD_NUMBER: _ClassVar[int]
     NUM_CLASSES_FIELD_NUMBER: _ClassVar[int]
     COUNTS_FIELD_NUMBER: _ClassVar[int]
     LOSS_SUM_FIELD_NUMBER: _ClassVar[int]
     BRIER_SUM_FIELD_NUMBER: _ClassVar[int]
+    CORRECT_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
     split: str
     num_classes: int
     counts: _containers.RepeatedScalarFieldContainer[int]
     loss_sum: float
     brier_sum: float
-    def __init__(self, split: _Optional[str] = ..., num_classes: _Optional[int] = ..., counts: _Optional[_Iterable[int]] = ..., loss_sum: _Optional[float] = ..., brier_sum: _Optional[float] = ...) -> None: ...
+    correct: int
+    total: int
+    def __init__(self, split: _Optional[str] = ..., num_classes: _Optional[int] = ..., counts: _Optional[_Iterable[int]] = ..., loss_sum: _Optional[float] = ..., brier_sum: _Optional[float] = ..., correct: _Optional[int] = ..., total: _Optional[int] = ...) -> None: ...
 
 class SubmitHeader(_message.Message):
     __slots__ = ("protocol_version", "edge_id", "session", "round", "task_id", "phase", "num_examples", "payload", "evaluation", "metrics", "task_nonce", "signature", "body_mac_iv")
@@ -252,12 +256,12 @@ class SubmitHeader(_message.Message):
     phase: str
     num_examples: int
     payload: PayloadManifest
-    evaluation: _containers.RepeatedCompositeFieldContainer[ConfusionCounts]
+    evaluation: _containers.RepeatedCompositeFieldContainer[EvaluationResult]
     metrics: _containers.ScalarMap[str, float]
     task_nonce: bytes
     signature: bytes
     body_mac_iv: bytes
-    def __init__(self, protocol_version: _Optional[int] = ..., edge_id: _Optional[str] = ..., session: _Optional[str] = ..., round: _Optional[int] = ..., task_id: _Optional[int] = ..., phase: _Optional[str] = ..., num_examples: _Optional[int] = ..., payload: _Optional[_Union[PayloadManifest, _Mapping]] = ..., evaluation: _Optional[_Iterable[_Union[ConfusionCounts, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., task_nonce: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., body_mac_iv: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, protocol_version: _Optional[int] = ..., edge_id: _Optional[str] = ..., session: _Optional[str] = ..., round: _Optional[int] = ..., task_id: _Optional[int] = ..., phase: _Optional[str] = ..., num_examples: _Optional[int] = ..., payload: _Optional[_Union[PayloadManifest, _Mapping]] = ..., evaluation: _Optional[_Iterable[_Union[EvaluationResult, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., task_nonce: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., body_mac_iv: _Optional[bytes] = ...) -> None: ...
 
 class SubmitMessage(_message.Message):
     __slots__ = ("header", "data")
