@@ -43,7 +43,13 @@ from fedattn_shared.privacy.secagg import (
     as_tensor,
     protocol_step,
 )
-from fedattn_shared.privacy.secagg_layout import base_vector, flatten_upload, masked_phases
+from fedattn_shared.privacy.secagg_bound import clip_change, saturate
+from fedattn_shared.privacy.secagg_layout import (
+    base_vector,
+    flatten_upload,
+    masked_phases,
+    model_mask,
+)
 from fedattn_shared.privacy.secagg_ring import (
     IntegerQuantizer,
     pack_bits,
@@ -204,14 +210,34 @@ class EdgeSecAgg:
         specs = masked_phases(method, models)[phase]
         values = flatten_upload(specs, upload)
         integer_asked = "scales" in tensors or "bits" in info
-        residual = None
-        if policy.bits:
-            values = values - base_vector(specs, common or Payload())
-            residual = self._residual(phase, values.size) if policy.feedback else None
-            values = values if residual is None else values + residual
-        elif integer_asked:
+        if integer_asked and not policy.bits:
             raise SecAggError("the masking request states an integer fixed point (bits, "
                               "scales); the run config has no integer compression")
+        # The change of the global this edge holds, clipped to the run's bound (the
+        # server refuses a mean beyond it): under integer compression what is masked.
+        held = common or Payload()
+        base, model = base_vector(specs, held), model_mask(specs, held)
+        change = values - base
+        residual = None
+        if policy.bits:
+            residual = self._residual(phase, values.size) if policy.feedback else None
+            change = change if residual is None else change + residual
+        clipped, norm = clip_change(change, model, policy.max_update)
+        was_clipped = clipped is not change
+        change = clipped
+        if was_clipped:
+            log.info("round %d %s: change of the global clipped from L2 norm %.4g to %g "
+                     "(server.secagg_max_update)", round_number, phase, norm,
+                     policy.max_update)
+        if policy.bits:
+            values = change
+        else:  # the model as it was unless clipped, held to the box the server checks
+            values, moved = saturate(base + change if was_clipped else values,
+                                     model, policy.clip)
+            if moved:
+                log.warning("round %d %s: %d model value(s) beyond the clip range %g held to "
+                            "it (server.secagg_clip): the global sits at the range's edge",
+                            round_number, phase, moved, policy.clip)
         if not integer_asked:  # 32 bits: all is sent but the rounding
             y = state.mask(info.get("survivors"), values, weight,
                            Quantizer(policy.clip, policy.max_weight, state.parties))
