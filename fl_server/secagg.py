@@ -410,19 +410,18 @@ class SecAggDriver:
         unmasked weight must be their sum, up to its rounding (SecAggError: nothing is
         aggregated). The weight returned is the stated one."""
         integer = self.integer(phase)
-        if integer is not None:
-            values, masked = integer.dequantize(total, count)
-            quantizer = integer.weight_quantizer()
-        else:
-            quantizer = self.quantizer(phase)
-            values, masked = quantizer.dequantize(total)
-        if not (math.isfinite(masked) and abs(masked - stated) <= count / quantizer.weight_scale
-                + 1e-9 * stated):
+        quantizer = integer.weight_quantizer() if integer is not None else self.quantizer(phase)
+        # The weight word is the last in both layouts; checked first, as the most specific.
+        masked = float(total[-1:].view(np.int32)[0]) / quantizer.weight_scale
+        if abs(masked - stated) > count / quantizer.weight_scale + 1e-9 * stated:
             raise SecAggError(f"the unmasked total weight {masked:.6g} differs from the "
                               f"{stated:.6g} the edges stated in the clear (each capped at its "
                               "join declaration): an edge masked a weight other than the one it "
                               "stated; nothing is aggregated")
-        if integer is None:
+        if integer is not None:
+            values, _ = integer.dequantize(total, count)
+        else:
+            values, _ = quantizer.dequantize(total)
             quantizer.check_sum(values, stated, count)
         return values, stated
 

@@ -18,10 +18,11 @@ is uploaded:
 - ``claim``: adds to its masked weight word what makes its weight 65,536 (whatever it
   stated), and under integer compression adds 0.45 x parties x L to every value word
   (beyond the per-edge level L, within the sum check when honest values are small);
-- ``grow``: adds the global itself to the mean change (the global doubles): at 32 bits
+- ``grow``: adds the global itself to the mean change (the global doubles), shortened to
+  0.8 x the run's bound on one round's change where the run config states one: at 32 bits
   ``parties x weight x global`` in fixed point, under integer compression the levels that
-  give it at the round's public scales, clamped to (parties - 1) x L so the sum check
-  passes.
+  give it at the round's public scales, clamped to L / 2 so the sum check passes even
+  where the honest edges' levels saturate.
 
 Every other round it behaves. Each attack is logged as ``ATTACK round N: ...``.
 """
@@ -120,6 +121,11 @@ class AttackingSecAgg(EdgeSecAgg):
         specs = masked_phases(method, models)[phase]
         values = flatten_upload(specs, upload)
         base = base_vector(specs, common) if common is not None else np.zeros(values.size)
+        # grow: the change it adds is the global, shortened to 0.8 x the run's bound on one
+        # round's change when there is one (staying under every check the server has)
+        limit = 0.8 * float(getattr(self.policy, "max_update", 0.0) or 0.0)
+        norm = float(np.linalg.norm(base))
+        target = base * (limit / norm) if limit and norm > limit else base
         section = masked.sections[0]
         integer = "weight" in section.tensors
         weight_word = 0
@@ -131,7 +137,7 @@ class AttackingSecAgg(EdgeSecAgg):
                 words[:-1] += np.rint(fixed.scale * weight * parties
                                       * (TAKEOVER_MEAN - values)).astype(np.int64)
             elif attack == "grow":
-                words[:-1] += np.rint(fixed.scale * weight * parties * base).astype(np.int64)
+                words[:-1] += np.rint(fixed.scale * weight * parties * target).astype(np.int64)
             words[-1] += weight_word
             y = torch.from_numpy((words % 2**32).astype(np.uint32).view("<i4").copy())
             log.warning("ATTACK round %d: %s on the 32-bit masked words", round_number, attack)
@@ -144,8 +150,8 @@ class AttackingSecAgg(EdgeSecAgg):
         elif attack == "grow":
             scales = np.repeat(np.frombuffer(tensors["scales"], "<f4").astype(np.float64),
                                block)[:values.size]
-            extra = base * top * parties * weight / (float(info["weight_ref"]) * scales)
-            bound = (parties - 1) * top
+            extra = target * top * parties * weight / (float(info["weight_ref"]) * scales)
+            bound = top // 2  # room under the sum check even where honest edges saturate
             words += np.rint(np.clip(extra, -bound, bound)).astype(np.int64)
         packed = pack_bits((words % 2**ring).astype(np.uint32), ring)
         w = section.tensors["weight"].numpy().view(np.uint32).astype(np.int64) + weight_word
