@@ -18,6 +18,8 @@ is uploaded:
 - ``claim``: adds to its masked weight word what makes its weight 65,536 (whatever it
   stated), and under integer compression adds 0.45 x parties x L to every value word
   (beyond the per-edge level L, within the sum check when honest values are small);
+- ``overstate``: masks its upload with weight 65,536 and states the same in its header's
+  num_examples (consistently: the middleware's result is altered too);
 - ``grow``: adds the global itself to the mean change (the global doubles), shortened to
   0.8 x the run's bound on one round's change where the run config states one: at 32 bits
   ``parties x weight x global`` in fixed point, under integer compression the levels that
@@ -30,6 +32,7 @@ Every other round it behaves. Each attack is logged as ``ATTACK round N: ...``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import logging
 import os
@@ -57,11 +60,11 @@ from fedattn_shared.privacy.secagg_ring import (  # noqa: E402
     unpack_bits,
 )
 from fedattn_shared.wire.payload import Kind, Payload, Section  # noqa: E402
-from fl_edge import cli, daemon  # noqa: E402
+from fl_edge import cli, daemon, middleware  # noqa: E402
 from fl_edge.secagg import EdgeSecAgg, _request  # noqa: E402
 
 log = logging.getLogger("fl_edge")
-ATTACKS = ("weight", "garbage", "tamper", "takeover", "claim", "grow")
+ATTACKS = ("weight", "garbage", "tamper", "takeover", "claim", "overstate", "grow")
 TAKEOVER_MEAN = 12.0    # under the default secagg_clip 16
 CLAIMED_WEIGHT = 65536.0
 
@@ -98,6 +101,10 @@ class AttackingSecAgg(EdgeSecAgg):
 
     def mask(self, round_number, phase, personal, upload, weight, method, models,
              **kwargs) -> Payload:
+        if self.plan.get(round_number) == "overstate":
+            log.warning("ATTACK round %d: masking with weight %g (stated too)", round_number,
+                        CLAIMED_WEIGHT)
+            weight = CLAIMED_WEIGHT
         masked = super().mask(round_number, phase, personal, upload, weight, method, models,
                               **kwargs)
         if self.plan.get(round_number) == "weight":
@@ -161,6 +168,19 @@ class AttackingSecAgg(EdgeSecAgg):
             "weight": torch.from_numpy((w % 2**32).astype(np.uint32).view("<i4").copy())})])
 
 
+def overstating(plan: dict[int, str]):
+    """The SecAgg middleware's ``__call__``, stating CLAIMED_WEIGHT as the masked upload's
+    num_examples on the rounds planned ``overstate``."""
+    original = middleware.SecureAggregation.__call__
+
+    def call(self, task, next):
+        result = original(self, task, next)
+        if plan.get(task.round) == "overstate" and result.upload.get(Kind.SECAGG, "masked"):
+            return dataclasses.replace(result, num_examples=int(CLAIMED_WEIGHT))
+        return result
+    return call
+
+
 def parse_plan(text: str) -> dict[int, str]:
     plan = {}
     for item in filter(None, text.split(",")):
@@ -175,7 +195,9 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plan", required=True, help="ROUND:ATTACK,... (" + ", ".join(ATTACKS) + ")")
     args, edge_args = parser.parse_known_args(argv)
-    daemon.EdgeSecAgg = functools.partial(AttackingSecAgg, plan=parse_plan(args.plan))
+    plan = parse_plan(args.plan)
+    daemon.EdgeSecAgg = functools.partial(AttackingSecAgg, plan=plan)
+    middleware.SecureAggregation.__call__ = overstating(plan)
     return cli.main([a for a in edge_args if a != "--"])
 
 

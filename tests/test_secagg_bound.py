@@ -6,6 +6,8 @@ its own process (``tests/secagg_attacker.py``) to add to its masked words:
 - ``takeover`` (32 bits): the unmasked mean ~12 in every coordinate, under the clip 16.
   Before the bound the global became ~12 everywhere, the honest edges' next models
   exceeded the clip, they sat out and every later round aborted: the run was dead.
+- ``overstate`` (32 bits): a weight of 65,536 masked and stated alike (it declared ~64 at
+  join): aggregated with that weight while the header's count was ignored under SecAgg.
 - ``claim`` (int8): a masked weight of 65,536 whatever the edge stated, and levels beyond
   the per-edge L: aggregated before the weight was public.
 - ``grow`` (int8, rounds in a row): the global added to the mean change, so that the
@@ -21,14 +23,24 @@ Every wait is on a process exit; nothing depends on timing.
 from __future__ import annotations
 
 import math
+import re
 import sys
 
+import numpy as np
 import pytest
 import torch
 from conftest import REPO, Proc, read_history, write_edge_dirs
 
-from fedattn_shared.config import TrainConfig
+from fedattn_shared.config import ConfigError, ServerConfig, TrainConfig
 from fedattn_shared.methods import MethodContext, load_method
+from fedattn_shared.privacy.secagg import SecAggPolicy
+from fedattn_shared.privacy.secagg_bound import (
+    bound_scales,
+    check_update,
+    clip_change,
+    saturate,
+)
+from fedattn_shared.privacy.secagg_ring import SecAggError
 from fedattn_shared.state import load_tensors
 
 HONEST = ["h0", "h1"]
@@ -46,7 +58,7 @@ def start(cluster, tmp_path, rounds: int, plan: str, *server_args: str):
                             "--rounds", str(rounds), "--min-edges", "3", "--eval-every", "0",
                             "--round-timeout", "120", "--set", "server.secagg_timeout=120",
                             "--set", f"server.keep_checkpoints={rounds + 1}", *server_args)
-    honest = [cluster.edge(d, name, "--device", "cpu") for d, name in zip(dirs, HONEST)]
+    honest = [cluster.edge(d, name, "--device", "cpu") for d, name in zip(dirs[:2], HONEST, strict=True)]
     bad = Proc([sys.executable, str(REPO / "tests" / "secagg_attacker.py"), "--plan", plan,
                 "--", "--insecure", "--server", f"127.0.0.1:{cluster.port}",
                 "--data-dir", str(dirs[2]), "--state-dir", str(cluster.tmp / f"state-{ATTACKER}"),
@@ -83,8 +95,8 @@ def peak(g: dict[str, torch.Tensor]) -> float:
 @pytest.mark.slow
 def test_a_takeover_of_the_32_bit_mean_is_refused_and_the_honest_edges_go_on(cluster, tmp_path):
     rounds = 4
-    server, bad = start(cluster, tmp_path, rounds, "2:takeover")
-    assert bad.log().count("ATTACK round") == 1
+    server, bad = start(cluster, tmp_path, rounds, "2:takeover,3:overstate")
+    assert bad.log().count("ATTACK round") == 2
     checkpoint = tmp_path / "server-state"
     history = read_history(checkpoint)
     records = {r["round"]: r for r in history["rounds"]}
@@ -97,11 +109,18 @@ def test_a_takeover_of_the_32_bit_mean_is_refused_and_the_honest_edges_go_on(clu
     assert "server.secagg_max_update" in aborted, aborted
     assert distance(g[2], g[1]) == 0.0  # the global was kept
     assert peak(g[rounds]) < 4.0        # never near the ~12 the attacker asked for
-    # the honest edges were never locked out: every later round sums all three
-    for r in (3, 4):
-        unmask = records[r]["aggregate"]["secagg-unmask"]
-        assert unmask["unmasked"] == 3 and records[r]["aggregate"]["aggregated"] == 3, records[r]
-        assert records[r]["secagg-unmask:train"]["received"] == EVERYONE
+    # round 3: it states (and masks) a weight of 65,536, above the ~64 it declared at join:
+    # refused before its body is read and dropped; the honest two are summed without it
+    assert re.search(r"num_examples 65536 exceeds the weight cap \d+ of edge attacker",
+                     records[3]["train"]["dropped"][ATTACKER])
+    third = records[3]["aggregate"]
+    assert third["secagg-unmask"]["unmasked"] == 2 and third["aggregated"] == 2, third
+    assert third["secagg-unmask"]["recovered_dropouts"] == 1
+    # the honest edges were never locked out: round 4 sums all three
+    fourth = records[4]
+    assert fourth["aggregate"]["secagg-unmask"]["unmasked"] == 3, fourth
+    assert fourth["aggregate"]["aggregated"] == 3
+    assert fourth["secagg-unmask:train"]["received"] == EVERYONE
 
 
 @pytest.mark.slow
@@ -132,3 +151,53 @@ def test_int8_a_claimed_weight_is_refused_and_growth_is_held_to_the_bound(cluste
     # the honest edges took part in every round
     for r in range(1, rounds + 1):
         assert records[r]["secagg-advertise:train"]["received"] == EVERYONE
+
+
+# ---- the pieces, in process ----------------------------------------------------------------
+def test_the_mean_of_clipped_changes_passes_the_bound_and_a_cheat_does_not():
+    rng = np.random.default_rng(0)
+    model = np.ones(1000, dtype=bool)
+    model[-10:] = False  # values with no global (statistics): neither clipped nor bounded
+    changes = [rng.normal(0, 1, 1000) * s for s in (0.01, 1.0, 5.0)]
+    clipped = [clip_change(c, model, 2.0)[0] for c in changes]
+    assert clipped[0] is changes[0]  # within the bound: untouched
+    assert all(np.linalg.norm(c[model]) <= 2.0 * (1 + 1e-12) for c in clipped)
+    assert all(np.array_equal(c[~model], d[~model]) for c, d in zip(clipped, changes, strict=True))
+    weights = np.array([3.0, 1.0, 7.0])
+    mean = sum(w * c for w, c in zip(weights, clipped, strict=True)) / weights.sum()
+    assert check_update(mean, model, 2.0, 0.0) <= 2.0
+    cheat = mean + np.where(model, 0.1, 0.0)  # 0.1 on every model value: norm ~3.1
+    with pytest.raises(SecAggError, match="server.secagg_max_update 2"):
+        check_update(cheat, model, 2.0, 0.0)
+    with pytest.raises(SecAggError):
+        check_update(np.full(1000, np.nan), model, 2.0, 0.0)
+
+
+def test_model_values_are_held_to_the_box_and_others_are_not():
+    model = np.array([True, True, True, False])
+    values, moved = saturate(np.array([17.0, -20.0, 3.0, 30.0]), model, 16.0)
+    assert moved == 2 and values.tolist() == [16.0, -16.0, 3.0, 30.0]
+
+
+def test_public_scales_have_a_ceiling_and_a_bounded_growth():
+    scales = np.array([0.5, 10.0, 100.0], dtype=np.float32)
+    assert bound_scales(scales, None, 32.0, 4.0).tolist() == [0.5, 10.0, 32.0]
+    previous = np.array([0.1, 1.0, 1.0], dtype=np.float32)
+    assert bound_scales(scales, previous, 32.0, 4.0) == pytest.approx([0.4, 4.0, 4.0])
+    assert bound_scales(scales, previous[:2], 32.0, 4.0).tolist() == [0.5, 10.0, 32.0]
+
+
+def test_the_update_bound_is_configured_and_reaches_the_edges():
+    cfg = ServerConfig(secagg=True)
+    assert cfg.secagg_update_bound() == cfg.secagg_clip == 16.0
+    assert cfg.secagg_scale_ceiling() == cfg.secagg_margin * 16.0
+    assert ServerConfig(secagg=True, secagg_max_update=3.0).secagg_update_bound() == 3.0
+    for bad in ({"secagg_max_update": -1.0}, {"secagg_max_scale": float("inf")},
+                {"secagg_scale_growth": 0.5}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            ServerConfig(secagg=True, **bad).validate()
+    policy = SecAggPolicy(max_update=16.0)
+    assert SecAggPolicy.from_config(policy.to_config()) == policy
+    assert "max_update" not in SecAggPolicy().to_config()  # 0: as before the bound
+    with pytest.raises(ValueError, match="max_update"):
+        SecAggPolicy.from_config({**policy.to_config(), "max_update": -1})
