@@ -16,8 +16,9 @@ is uploaded:
   coordinate (under ``secagg_clip`` 16: the sum check passes), the honest edges' share of
   the sum estimated from its own upload;
 - ``claim``: adds to its masked weight word what makes its weight 65,536 (whatever it
-  stated), and under integer compression adds 0.45 x parties x L to every value word
-  (beyond the per-edge level L, within the sum check when honest values are small);
+  stated), and under integer compression adds L / 2 to every value word (beyond the
+  per-edge level L wherever its own passes L / 2; within the sum check, which sees only
+  the sum, where the honest levels leave room);
 - ``overstate``: masks its upload with weight 65,536 and states the same in its header's
   num_examples (consistently: the middleware's result is altered too);
 - ``grow``: adds the global itself to the mean change (the global doubles), shortened to
@@ -153,7 +154,7 @@ class AttackingSecAgg(EdgeSecAgg):
         ring, top = ring_bits(bits, parties), levels(bits)
         words = unpack_bits(section.tensors["y"].numpy(), ring, values.size).astype(np.int64)
         if attack == "claim":
-            words += round(0.45 * parties * top)
+            words += top // 2
         elif attack == "grow":
             scales = np.repeat(np.frombuffer(tensors["scales"], "<f4").astype(np.float64),
                                block)[:values.size]
