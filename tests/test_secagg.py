@@ -760,6 +760,7 @@ class DrivenRounds:
         self.values = {e: {name: torch.full(s.shape, 0.1 * (i + 1))
                            for name, s in spec.tensors.items()} for i, e in enumerate(self.ids)}
         self.weights = {e: 10.0 + i for i, e in enumerate(self.ids)}
+        self.common: Payload | None = None  # the global the edges hold (None: not given)
 
     def global_model(self) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self.aggregator.state[(Kind.SHARED_TENSORS, "")].items()}
@@ -777,7 +778,7 @@ class DrivenRounds:
                 if name == "train":
                     upload = self.edges[e].mask(round_number, "train", personal, Payload(
                         [Section(Kind.SHARED_TENSORS, "", self.values[e])]), self.weights[e],
-                        self.method, self.models)
+                        self.method, self.models, common=self.common)
                 else:
                     upload = self.edges[e].step(name, round_number, personal)
                 if attack is not None:

@@ -42,6 +42,7 @@ from fedattn_shared.privacy.secagg_bound import (
 )
 from fedattn_shared.privacy.secagg_ring import SecAggError
 from fedattn_shared.state import load_tensors
+from fedattn_shared.wire.payload import Kind
 
 HONEST = ["h0", "h1"]
 ATTACKER = "attacker"
@@ -201,3 +202,28 @@ def test_the_update_bound_is_configured_and_reaches_the_edges():
     assert "max_update" not in SecAggPolicy().to_config()  # 0: as before the bound
     with pytest.raises(ValueError, match="max_update"):
         SecAggPolicy.from_config({**policy.to_config(), "max_update": -1})
+
+
+def test_a_global_at_the_clip_edge_never_locks_the_honest_edges_out(tmp_path):
+    """A global pushed to the edge of the 32-bit box (within every bound): the edges' next
+    models pass it by their own change. They hold those values to the box and stay in the
+    round (they sat out before: nobody masked, every later round aborted)."""
+    from test_secagg import DrivenRounds  # the driver and real EdgeSecAgg clients, in process
+
+    rounds = DrivenRounds(tmp_path)
+    clip = rounds.driver.policy.clip
+    state = rounds.aggregator.state[(Kind.SHARED_TENSORS, "")]
+    first = next(iter(rounds.values["e0"]))
+    state[first].view(-1)[0] = clip  # the global, at the box's edge
+    rounds.common = rounds.aggregator.broadcast("train")
+    held = {k: v.clone() for k, v in state.items()}
+    for i, e in enumerate(rounds.ids):  # each edge moves the global a little, outward at 0
+        rounds.values[e] = {k: held[k] + 0.001 * (i + 1) for k in rounds.values[e]}
+        rounds.values[e][first].view(-1)[0] = clip + 0.5
+    figures = rounds.run(1)
+    assert "secagg-aborted" not in figures and figures["aggregated"] == 4, figures
+    after = rounds.aggregator.state[(Kind.SHARED_TENSORS, "")]
+    assert float(after[first].view(-1)[0]) == pytest.approx(clip, abs=1e-3)
+    total = sum(rounds.weights.values())
+    step = sum(rounds.weights[e] * 0.001 * (i + 1) for i, e in enumerate(rounds.ids)) / total
+    assert float(after[first].view(-1)[1] - held[first].view(-1)[1]) == pytest.approx(step, abs=1e-3)
