@@ -14,7 +14,10 @@ parameters (``SecAggPolicy``, from the config the server sent at join), not to t
 threshold or fixed point a round's request states. Under integer compression that includes
 the width and block size; the public scales are checked (finite, > 0, one per block) and
 signed with the survivor list. With ``+ef`` what the edge did not send is kept in
-``secagg-residual.safetensors`` (0600, atomic) for the next round.
+``secagg-residual.safetensors`` (0600, atomic) for the next round. Before masking, the edge
+clips its change of the global it holds to the run's ``max_update`` (the server refuses a
+mean that moves the global further) and, at 32 bits, holds its model values to the clip
+box rather than sitting out (``secagg_bound``).
 """
 
 from __future__ import annotations
@@ -195,7 +198,9 @@ class EdgeSecAgg:
         compression (``policy.bits``) the masked quantity is the change against ``common``
         (the global this edge received), and ``seed`` (the task's) drives the stochastic
         rounding; the request's public scales pick the integer path, their absence the
-        32-bit one (a round with no earlier sum to scale by)."""
+        32-bit one (a round with no earlier sum to scale by). The change against ``common``
+        is clipped to ``policy.max_update`` (L2, over the values the global holds) in
+        either path."""
         policy = self._policy()
         state = self._load(round_number, phase)
         info, tensors = _request(personal)

@@ -34,8 +34,10 @@ weighted vector and nothing else about any single one. One masked phase runs six
    secret matches the edge's signed commitment (b) or public key (s_sk) is set aside and
    its holder named; the round aborts only when fewer than t consistent shares remain.
    Before the sum reaches the aggregator, the server checks it against the bounds every
-   honest edge obeys (``Quantizer.check_sum``): an edge can add anything to its masked
-   vector, and the check refuses a sum that no honest edges could have produced.
+   honest edge obeys (``Quantizer.check_sum``), the weights the edges stated in the clear
+   and the bound on one round's change of the global (``secagg_bound``): an edge can add
+   anything to its masked vector, and the checks refuse a sum that no honest edges could
+   have produced.
 
 Masks come from AES-256-CTR keystreams keyed by the full 256-bit seed (never a
 general-purpose RNG). Shamir's scheme is over GF(2^521 - 1); the field holds any 256-bit
