@@ -199,11 +199,13 @@ class ServerConfig:
     # What one round may change under --secagg, whatever an edge adds to its masked words
     # (docs/privacy-security.md states the bound that is left): every edge clips its change
     # of the global to this L2 norm before masking, and the server aborts a round whose
-    # unmasked mean moves the global further (0: secagg_clip). The public int8/int4 scales
-    # never exceed secagg_max_scale (0: secagg_margin x that bound) nor grow by more than
-    # secagg_scale_growth from one round to the next.
+    # unmasked mean moves the global further (0: secagg_clip).
     secagg_max_update: float = 0.0
+    # Under --compress up=int8/int4: the ceiling of a public scale (0: secagg_margin x
+    # secagg_max_update), which otherwise follows the last mean one edge can make large.
     secagg_max_scale: float = 0.0
+    # Under --compress up=int8/int4: a public scale is at most this multiple of the
+    # previous round's.
     secagg_scale_growth: float = 4.0
     # Poisoned or oversized uploads (an edge may lie about its weight or send huge values).
     # Each edge's num_examples is capped at what it declared at join, never above this.
