@@ -98,7 +98,8 @@ class UploadChanges:
 class SecureAggregation:
     """SecAgg+ on the edge: a protocol step is answered here (the method never sees it);
     a method upload the server asked to be masked goes up as weight * upload, masked, with
-    no example count and only the figures that say nothing of the data."""
+    its example count in the clear (the weight the server holds the masked one to) and
+    only the figures that say nothing of the data."""
 
     def __init__(self, secagg: EdgeSecAgg, run: EdgeRun):
         self.secagg = secagg
@@ -118,21 +119,21 @@ class SecureAggregation:
         if not masked:
             return result
         algo = self.run.algo
-        policy = self.secagg.policy
-        # Under integer compression the edge masks its change against the global it holds,
-        # rounded stochastically from the task's seed.
-        extra = ({"common": task.common, "seed": task.seed}
-                 if policy is not None and policy.bits else {})
+        # The edge clips its change against the global it holds (and under integer
+        # compression masks that change, rounded stochastically from the task's seed).
         try:
             upload = self.secagg.mask(task.round, task.phase, task.personal, result.upload,
                                       algo.upload_weight(task.phase, result.num_examples),
-                                      self.run.method, algo.models, **extra)
+                                      self.run.method, algo.models, common=task.common,
+                                      seed=task.seed)
         except (SecAggError, ValueError) as err:
             log.error("round %d %s: not masking this upload: %s", task.round, task.phase, err)
             upload = Payload()
         metrics = {k: v for k, v in result.metrics.items()
                    if k in SECAGG_FIGURES or k.startswith("dp_")}
-        return replace(result, upload=upload, num_examples=0, metrics=metrics)
+        # num_examples stays in the signed header: the server caps it at what this edge
+        # declared at join and holds the masked weight to it.
+        return replace(result, upload=upload, metrics=metrics)
 
 
 class DifferentialPrivacy:

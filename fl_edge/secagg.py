@@ -14,7 +14,10 @@ parameters (``SecAggPolicy``, from the config the server sent at join), not to t
 threshold or fixed point a round's request states. Under integer compression that includes
 the width and block size; the public scales are checked (finite, > 0, one per block) and
 signed with the survivor list. With ``+ef`` what the edge did not send is kept in
-``secagg-residual.safetensors`` (0600, atomic) for the next round.
+``secagg-residual.safetensors`` (0600, atomic) for the next round. Before masking, the edge
+clips its change of the global it holds to the run's ``max_update`` (the server refuses a
+mean that moves the global further) and, at 32 bits, holds its model values to the clip
+box rather than sitting out (``secagg_bound``).
 """
 
 from __future__ import annotations
@@ -43,7 +46,13 @@ from fedattn_shared.privacy.secagg import (
     as_tensor,
     protocol_step,
 )
-from fedattn_shared.privacy.secagg_layout import base_vector, flatten_upload, masked_phases
+from fedattn_shared.privacy.secagg_bound import clip_change, saturate
+from fedattn_shared.privacy.secagg_layout import (
+    base_vector,
+    flatten_upload,
+    masked_phases,
+    model_mask,
+)
 from fedattn_shared.privacy.secagg_ring import (
     IntegerQuantizer,
     pack_bits,
@@ -189,7 +198,9 @@ class EdgeSecAgg:
         compression (``policy.bits``) the masked quantity is the change against ``common``
         (the global this edge received), and ``seed`` (the task's) drives the stochastic
         rounding; the request's public scales pick the integer path, their absence the
-        32-bit one (a round with no earlier sum to scale by)."""
+        32-bit one (a round with no earlier sum to scale by). The change against ``common``
+        is clipped to ``policy.max_update`` (L2, over the values the global holds) in
+        either path."""
         policy = self._policy()
         state = self._load(round_number, phase)
         info, tensors = _request(personal)
@@ -204,14 +215,34 @@ class EdgeSecAgg:
         specs = masked_phases(method, models)[phase]
         values = flatten_upload(specs, upload)
         integer_asked = "scales" in tensors or "bits" in info
-        residual = None
-        if policy.bits:
-            values = values - base_vector(specs, common or Payload())
-            residual = self._residual(phase, values.size) if policy.feedback else None
-            values = values if residual is None else values + residual
-        elif integer_asked:
+        if integer_asked and not policy.bits:
             raise SecAggError("the masking request states an integer fixed point (bits, "
                               "scales); the run config has no integer compression")
+        # The change of the global this edge holds, clipped to the run's bound (the
+        # server refuses a mean beyond it): under integer compression what is masked.
+        held = common or Payload()
+        base, model = base_vector(specs, held), model_mask(specs, held)
+        change = values - base
+        residual = None
+        if policy.bits:
+            residual = self._residual(phase, values.size) if policy.feedback else None
+            change = change if residual is None else change + residual
+        clipped, norm = clip_change(change, model, policy.max_update)
+        was_clipped = clipped is not change
+        change = clipped
+        if was_clipped:
+            log.info("round %d %s: change of the global clipped from L2 norm %.4g to %g "
+                     "(server.secagg_max_update)", round_number, phase, norm,
+                     policy.max_update)
+        if policy.bits:
+            values = change
+        else:  # the model as it was unless clipped, held to the box the server checks
+            values, moved = saturate(base + change if was_clipped else values,
+                                     model, policy.clip)
+            if moved:
+                log.warning("round %d %s: %d model value(s) beyond the clip range %g held to "
+                            "it (server.secagg_clip): the global sits at the range's edge",
+                            round_number, phase, moved, policy.clip)
         if not integer_asked:  # 32 bits: all is sent but the rounding
             y = state.mask(info.get("survivors"), values, weight,
                            Quantizer(policy.clip, policy.max_weight, state.parties))

@@ -141,7 +141,7 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
     run.add_argument("--secagg", action="store_true",
                      help="secure aggregation (SecAgg+): the server sees only the sum; "
                           "tune with --set server.secagg_degree/threshold/clip/max_weight/timeout/"
-                          "margin")
+                          "margin/max_update/max_scale/scale_growth")
     run.add_argument("--compress", metavar="up=CODEC,down=CODEC",
                      help="update compression: up= what edges upload, down= what the server "
                           "broadcasts; codecs fp16, bf16, int8[:BLOCK], int4[:BLOCK], "

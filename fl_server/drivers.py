@@ -187,6 +187,11 @@ class SecAggStep(PhaseDriver):
         self.secagg = secagg
         self.protocol_step = step
         self.opens_round = opens_round  # the plan's first step: starts the round's protocol
+        # The masked upload states its weight in the clear, as the wrapped phase's uploads
+        # do: the gate caps it at the edge's join declaration, the protocol holds the
+        # masked weight to it.
+        self.weighted = base.weighted and not step
+        self.training = base.training and not step
 
     def begin_round(self, round_number: int, edges: EdgeBook) -> None:
         """Fresh protocol state for the round (once, by the plan's first step), over the
@@ -232,7 +237,10 @@ class SecAggStep(PhaseDriver):
         return self.secagg.skip(self.name)
 
     def accept(self, edge: str, upload: Payload, weight: float) -> None:
-        """Hands the protocol message to the protocol (SecAggError refuses it)."""
+        """Hands the protocol message to the protocol (SecAggError refuses it), with the
+        weight the masked upload's header stated (capped by the gate)."""
+        if self.weighted:
+            self.secagg.state_weight(self.name, edge, weight)
         self.secagg.accept(self.name, edge, upload)
 
     def close(self) -> dict[str, Any]:

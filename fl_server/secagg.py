@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -48,10 +49,12 @@ from fedattn_shared.privacy.secagg import (
     as_tensor,
     protocol_step,
 )
+from fedattn_shared.privacy.secagg_bound import bound_scales, check_update, rounding_norm
 from fedattn_shared.privacy.secagg_crypto import CIPHERTEXT_BYTES, SHARE_BYTES, SIGNATURE_BYTES
 from fedattn_shared.privacy.secagg_layout import (
     base_vector,
     masked_phases,
+    model_mask,
     unflatten_sum,
     vector_length,
 )
@@ -105,7 +108,8 @@ def run_policy(cfg: ServerConfig) -> SecAggPolicy:
              if up is not None and bits else {})
     return SecAggPolicy(threshold=cfg.secagg_threshold, graph=cfg.secagg_graph,
                         degree=cfg.secagg_degree, clip=cfg.secagg_clip,
-                        max_weight=cfg.secagg_max_weight, **extra)
+                        max_weight=cfg.secagg_max_weight,
+                        max_update=cfg.secagg_update_bound(), **extra)
 
 
 class SecAggDriver:
@@ -125,6 +129,13 @@ class SecAggDriver:
         # set the next round's public scales; the round's integer fixed point once known.
         self.reference: dict[str, tuple[np.ndarray, float]] = {}
         self.integers: dict[str, IntegerQuantizer | None] = {}
+        # The public scales last sent per masked phase: the next ones grow from them by at
+        # most server.secagg_scale_growth.
+        self.last_scales: dict[str, np.ndarray] = {}
+        # The round's stated weights per masked phase: edge -> the weight its masked
+        # upload's header stated (capped at its join declaration by the gate), which the
+        # unmasked total weight must equal.
+        self.weights: dict[str, dict[str, float]] = {}
 
     # ---- the round's phases ----------------------------------------------------------
     def expand(self, phases: tuple[str, ...]) -> list[str]:
@@ -165,6 +176,7 @@ class SecAggDriver:
                                              self.cfg.secagg_threshold, dict(keys))
         self.quantizers = {}
         self.integers = {}
+        self.weights = {phase: {} for phase in self.masked}
 
     def _round(self, name: str) -> tuple[str, ServerRound]:
         step = protocol_step(name)
@@ -243,15 +255,26 @@ class SecAggDriver:
             integer = None
             if self.policy.bits and reference is not None:
                 mean, weight_ref = reference
+                scales = bound_scales(public_scales(mean, self.policy.block,
+                                                    self.cfg.secagg_margin),
+                                      self.last_scales.get(phase),
+                                      self.cfg.secagg_scale_ceiling(),
+                                      self.cfg.secagg_scale_growth)
                 integer = IntegerQuantizer(
                     self.policy.bits, self.policy.block, self.quantizer(phase).parties,
-                    self.policy.max_weight, public_scales(mean, self.policy.block,
-                                                          self.cfg.secagg_margin), weight_ref)
+                    self.policy.max_weight, scales, weight_ref)
                 self.rounds[phase].fixed_point = integer.digest
+                self.last_scales[phase] = scales
             self.integers[phase] = integer
         return self.integers[phase]
 
     # ---- uploads ----------------------------------------------------------------------
+    def state_weight(self, name: str, edge: str, weight: float) -> None:
+        """The weight ``edge``'s masked upload of phase ``name`` stated in its header (the
+        gate capped it at the edge's join declaration): the one its masked weight must
+        carry, as the aggregator takes it (``Aggregator.public_weight``)."""
+        self.weights[name][edge] = self.aggregator.public_weight(name, edge, weight)
+
     def accept(self, name: str, edge: str, upload: Payload) -> None:
         """Raises ValueError (SecAggError) for a bad protocol message: the engine refuses
         it and drops the edge from the phase."""
@@ -334,13 +357,22 @@ class SecAggDriver:
         the aggregator; any failure aborts the phase's secure aggregation by name (the
         aggregator closes with nothing, the global state stays as it was)."""
         started = time.perf_counter()
+        bounds: dict[str, float] = {}
         try:
-            values, weight = self._sum(phase, state.unmask(), len(state.masked))
+            values, weight = self._sum(phase, state.unmask(), len(state.masked),
+                                       self._stated(phase, state))
+            common = base()
+            specs = self.masked[phase]
+            global_ = base_vector(specs, common)
+            bounds = self._bound(phase, values, weight, len(state.masked), global_,
+                                 model_mask(specs, common))
             if self.policy.bits:  # the edges masked their change against the global
-                self.reference[phase] = (values / weight, weight / len(state.masked))
-                values = values + base_vector(self.masked[phase], base()) * weight
-            aggregator.accept_sum(phase, unflatten_sum(self.masked[phase], values), weight,
+                reference = (values / weight, weight / len(state.masked))
+                values = values + global_ * weight
+            aggregator.accept_sum(phase, unflatten_sum(specs, values), weight,
                                   len(state.masked))
+            if self.policy.bits:  # only a sum the aggregator took sets the next scales
+                self.reference[phase] = reference
         except ValueError as err:  # SecAggError, or the aggregator refusing the sum
             log.warning("round %d %s: secure aggregation aborted: %s", state.round, phase, err)
             figures: dict[str, Any] = {"secagg-aborted": str(err)}
@@ -351,10 +383,11 @@ class SecAggDriver:
                      len(state.survivors - state.masked), seconds)
             figures = {"secagg-unmask": {"unmasked": len(state.masked),
                                          "recovered_dropouts": len(state.survivors - state.masked),
-                                         "unmask_seconds": seconds}}
+                                         "unmask_seconds": seconds, **bounds}}
         integer = self.integer(phase)
         if integer is not None and "secagg-unmask" in figures:
-            figures["secagg-unmask"].update(ring_bits=integer.ring, bits=integer.bits)
+            figures["secagg-unmask"].update(ring_bits=integer.ring, bits=integer.bits,
+                                            scale_max=float(integer.scales.max(initial=0.0)))
         if state.inconsistent:
             log.warning("round %d %s: revealed shares of %s do not fit the others; set aside",
                         state.round, phase, ", ".join(sorted(state.inconsistent)))
@@ -362,13 +395,51 @@ class SecAggDriver:
                 state.inconsistent)
         return figures
 
-    def _sum(self, phase: str, total: np.ndarray, count: int) -> tuple[np.ndarray, float]:
+    def _stated(self, phase: str, state: ServerRound) -> float:
+        """The total weight the masked edges stated (each capped at its join declaration)."""
+        stated = self.weights.get(phase, {})
+        missing = sorted(state.masked - set(stated))
+        if missing:  # the gate hands every masked upload's weight over first
+            raise SecAggError(f"no stated weight for the masked uploads of {missing[:5]}")
+        return math.fsum(stated[e] for e in state.masked)
+
+    def _sum(self, phase: str, total: np.ndarray, count: int,
+             stated: float) -> tuple[np.ndarray, float]:
         """(sum_u w_u x_u, sum_u w_u) of an unmasked ring sum, checked against the bounds
-        of the round's fixed point (SecAggError: nothing is aggregated)."""
+        of the round's fixed point and the weights the edges stated in the clear: the
+        unmasked weight must be their sum, up to its rounding (SecAggError: nothing is
+        aggregated). The weight returned is the stated one."""
         integer = self.integer(phase)
+        quantizer = integer.weight_quantizer() if integer is not None else self.quantizer(phase)
+        # The weight word is the last in both layouts; checked first, as the most specific.
+        masked = float(total[-1:].view(np.int32)[0]) / quantizer.weight_scale
+        if abs(masked - stated) > count / quantizer.weight_scale + 1e-9 * stated:
+            raise SecAggError(f"the unmasked total weight {masked:.6g} differs from the "
+                              f"{stated:.6g} the edges stated in the clear (each capped at its "
+                              "join declaration): an edge masked a weight other than the one it "
+                              "stated; nothing is aggregated")
         if integer is not None:
-            return integer.dequantize(total, count)
-        quantizer = self.quantizer(phase)
-        values, weight = quantizer.dequantize(total)
-        quantizer.check_sum(values, weight, count)
-        return values, weight
+            values, _ = integer.dequantize(total, count)
+        else:
+            values, _ = quantizer.dequantize(total)
+            quantizer.check_sum(values, stated, count)
+        return values, stated
+
+    def _bound(self, phase: str, values: np.ndarray, weight: float, count: int,
+               global_: np.ndarray, model: np.ndarray) -> dict[str, float]:
+        """The unmasked mean's change of the global, checked against
+        server.secagg_max_update plus the fixed point's rounding (``check_update``:
+        SecAggError beyond it). Returns the change's norm and its bound (history)."""
+        mean = values / weight
+        # Under integer compression the edges masked their change (the mean is the change)
+        change = mean if self.policy.bits else mean - global_
+        integer = self.integer(phase)
+        if integer is not None:  # stochastic rounding: under one level per edge
+            per_value = (count * integer.weight_ref / (integer.levels * weight)
+                         * np.repeat(integer.scales.astype(np.float64), integer.block)[:mean.size])
+        else:  # round to nearest: half a step per edge
+            per_value = count / (2 * self.quantizer(phase).scale * weight)
+        bound = self.cfg.secagg_update_bound()
+        rounding = rounding_norm(per_value, model)
+        norm = check_update(change, model, bound, rounding)
+        return {"update_norm": norm, "update_bound": bound + rounding}

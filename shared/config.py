@@ -202,6 +202,17 @@ class ServerConfig:
     # largest |value| of the previous round's unmasked mean update over the block (what an
     # edge's own update may reach before it is clipped; clipped error is the edge's own).
     secagg_margin: float = 2.0
+    # What one round may change under --secagg, whatever an edge adds to its masked words
+    # (docs/privacy-security.md states the bound that is left): every edge clips its change
+    # of the global to this L2 norm before masking, and the server aborts a round whose
+    # unmasked mean moves the global further (0: secagg_clip).
+    secagg_max_update: float = 0.0
+    # Under --compress up=int8/int4: the ceiling of a public scale (0: secagg_margin x
+    # secagg_max_update), which otherwise follows the last mean one edge can make large.
+    secagg_max_scale: float = 0.0
+    # Under --compress up=int8/int4: a public scale is at most this multiple of the
+    # previous round's.
+    secagg_scale_growth: float = 4.0
     # Poisoned or oversized uploads (an edge may lie about its weight or send huge values).
     # Each edge's num_examples is capped at what it declared at join, never above this.
     max_weight: int = 1_000_000
@@ -292,6 +303,13 @@ class ServerConfig:
             if not 0 < getattr(self, name) < math.inf:
                 raise ConfigError(f"server.{name} must be > 0 and finite, got "
                                   f"{getattr(self, name)}")
+        for name in ("secagg_max_update", "secagg_max_scale"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ConfigError(f"server.{name} must be >= 0 and finite (0: derived), got "
+                                  f"{getattr(self, name)}")
+        if not 1 <= self.secagg_scale_growth < math.inf:
+            raise ConfigError(f"server.secagg_scale_growth must be >= 1 and finite, got "
+                              f"{self.secagg_scale_growth}")
         if not 1 <= self.max_weight <= 2**53:  # float64 holds every weight exactly
             raise ConfigError(f"server.max_weight must be in [1, 2**53], got {self.max_weight}")
         if not 0 <= self.clip_update_norm < math.inf:
@@ -306,6 +324,14 @@ class ServerConfig:
             raise ConfigError("server.clip_update_norm needs each upload and secure aggregation "
                               "shows the server only their sum: use one or the other "
                               "(server.secagg_clip bounds each value under --secagg)")
+
+    def secagg_update_bound(self) -> float:
+        """The L2 bound on one round's change of the global under --secagg."""
+        return self.secagg_max_update or self.secagg_clip
+
+    def secagg_scale_ceiling(self) -> float:
+        """The largest public scale of a masked integer upload."""
+        return self.secagg_max_scale or self.secagg_margin * self.secagg_update_bound()
 
     def validate_async(self) -> None:
         """The buffered-mode settings; ConfigError names what does not combine."""

@@ -3,7 +3,8 @@ three honest real ``fl-edge`` daemons, plus one attacker -- the real edge daemon
 the real protocol over real gRPC, its SecAgg client altered in its own process
 (``tests/secagg_attacker.py``) to attack one round each:
 
-round 1  adds 2^31 to its masked weight      -> the round aborts by name, global untouched
+round 1  adds 2^31 to its masked weight      -> the round aborts by name (not the weights the
+                                                edges stated), global untouched
 round 2  sends garbage encrypted shares      -> reported, dropped before masking; the round
                                                 completes with the three honest edges
 round 3  tampers with every share it reveals -> its shares are set aside, named; the round
@@ -70,9 +71,9 @@ def test_one_attacking_edge_never_stops_the_server_nor_spoils_the_global(cluster
     rounds = {r["round"]: r for r in history["rounds"]}
     assert sorted(rounds) == [1, 2, 3, 4]
 
-    # round 1: the unmasked weight is negative -> aborted by name, nothing aggregated
+    # round 1: the unmasked weight is not the stated one -> aborted by name, nothing aggregated
     first = rounds[1]["aggregate"]
-    assert "total weight" in first["secagg-aborted"] and "outside" in first["secagg-aborted"]
+    assert "total weight" in first["secagg-aborted"] and "stated" in first["secagg-aborted"]
     assert first["aggregated"] == 0
     assert "secure aggregation aborted: the unmasked total weight" in server.log()
     saved, _ = load_tensors(checkpoint / "rounds" / "000001" / "state.safetensors")

@@ -760,6 +760,7 @@ class DrivenRounds:
         self.values = {e: {name: torch.full(s.shape, 0.1 * (i + 1))
                            for name, s in spec.tensors.items()} for i, e in enumerate(self.ids)}
         self.weights = {e: 10.0 + i for i, e in enumerate(self.ids)}
+        self.common: Payload | None = None  # the global the edges hold (None: not given)
 
     def global_model(self) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self.aggregator.state[(Kind.SHARED_TENSORS, "")].items()}
@@ -777,12 +778,14 @@ class DrivenRounds:
                 if name == "train":
                     upload = self.edges[e].mask(round_number, "train", personal, Payload(
                         [Section(Kind.SHARED_TENSORS, "", self.values[e])]), self.weights[e],
-                        self.method, self.models)
+                        self.method, self.models, common=self.common)
                 else:
                     upload = self.edges[e].step(name, round_number, personal)
                 if attack is not None:
                     upload = attack(name, e, upload)
                 try:
+                    if name == "train":  # the header's weight, as SecAggStep hands it over
+                        self.driver.state_weight(name, e, self.weights[e])
                     self.driver.accept(name, e, upload)
                 except ValueError:
                     continue  # the engine refuses the upload and drops the edge from the phase
@@ -804,8 +807,9 @@ def add_to_masked_word(edge: str, word: int, amount: int):
 
 
 @pytest.mark.parametrize("word, amount, reason", [
-    (-1, 2**31, "total weight .* is outside"),       # the summed weight wraps negative
-    (-1, 3 * 2**30, "total weight .* is outside"),   # 2^30 subtracted: below zero
+    (-1, 2**31, "total weight .* differs from .* stated"),      # wraps negative
+    (-1, 3 * 2**30, "total weight .* differs from .* stated"),  # 2^30 subtracted: below zero
+    (-1, 2**26, "total weight .* differs from .* stated"),      # +125: within n x max_weight
     (5, 2**30, "beyond the clip range"),             # one value far outside the clip
 ])
 def test_a_tampered_masked_vector_aborts_the_round_by_name_and_the_next_one_runs(

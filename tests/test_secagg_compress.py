@@ -312,6 +312,8 @@ class CompressedRounds:
                 if tamper is not None:
                     upload = tamper(name, e, upload)
                 try:
+                    if name == "train":  # the header's weight, as SecAggStep hands it over
+                        self.driver.state_weight(name, e, self.weights[e])
                     self.driver.accept(name, e, upload)
                 except ValueError as err:  # refused: dropped from the phase
                     self.errors[e] = str(err)

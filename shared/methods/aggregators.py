@@ -155,6 +155,13 @@ class Aggregator(abc.ABC):
         ever seen). Only aggregators that need nothing but that sum implement it."""
         raise ValueError(f"{type(self).__name__} needs individual uploads, not their sum")
 
+    def public_weight(self, phase: str, edge_id: str, weight: float) -> float:
+        """The weight an edge's masked upload of ``phase`` must carry under secure
+        aggregation: ``weight``, the method's weight of the header's num_examples (capped
+        at the edge's join declaration), unless this aggregator sets the weights itself
+        (pFedKA's alpha_k). The edge masks ``EdgeAlgorithm.upload_weight``, its twin."""
+        return weight
+
     # ---- phases beyond train (methods that declare them override these) -----------------
     def accept_phase(self, phase: str, edge_id: str, upload: Payload, weight: float) -> None:
         if phase != TRAIN:

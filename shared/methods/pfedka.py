@@ -449,6 +449,15 @@ class GatedAggregator(StreamingMean):
         else:
             super().accept_phase(phase, edge_id, upload, weight)
 
+    def public_weight(self, phase: str, edge_id: str, weight: float) -> float:
+        """alpha_k of the upload phase (as the float32 the edge got it in), else the
+        header's weight."""
+        if phase == UPLOAD:
+            if edge_id not in self.alpha:
+                raise ValueError(f"edge {edge_id} reported no scalars this round")
+            return float(torch.tensor(self.alpha[edge_id], dtype=torch.float32))
+        return weight
+
     def close_phase(self, phase: str) -> dict[str, Any]:
         if phase == TRAIN:
             return self.gate_round()

@@ -34,8 +34,10 @@ weighted vector and nothing else about any single one. One masked phase runs six
    secret matches the edge's signed commitment (b) or public key (s_sk) is set aside and
    its holder named; the round aborts only when fewer than t consistent shares remain.
    Before the sum reaches the aggregator, the server checks it against the bounds every
-   honest edge obeys (``Quantizer.check_sum``): an edge can add anything to its masked
-   vector, and the check refuses a sum that no honest edges could have produced.
+   honest edge obeys (``Quantizer.check_sum``), the weights the edges stated in the clear
+   and the bound on one round's change of the global (``secagg_bound``): an edge can add
+   anything to its masked vector, and the checks refuse a sum that no honest edges could
+   have produced.
 
 Masks come from AES-256-CTR keystreams keyed by the full 256-bit seed (never a
 general-purpose RNG). Shamir's scheme is over GF(2^521 - 1); the field holds any 256-bit
@@ -171,6 +173,9 @@ class SecAggPolicy:
     bits: int = 0
     block: int = 256
     feedback: bool = False
+    # The L2 norm an edge clips its change of the global to before masking (the server
+    # refuses a mean that moves the global further); 0: a config without it, no clip.
+    max_update: float = 0.0
 
     @classmethod
     def from_config(cls, section: Any) -> SecAggPolicy:
@@ -178,7 +183,7 @@ class SecAggPolicy:
         if not isinstance(section, Mapping):
             raise ValueError("secagg: expected an object")
         extra = set(section) - {"threshold", "graph", "degree", "clip", "max_weight", "bits",
-                                "block", "feedback"}
+                                "block", "feedback", "max_update"}
         if extra:
             raise ValueError(f"secagg: unknown fields {sorted(extra)}")
         policy = cls(**section)
@@ -195,6 +200,10 @@ class SecAggPolicy:
             if not (isinstance(value, float | int) and not isinstance(value, bool)
                     and 0 < value < math.inf):
                 raise ValueError(f"secagg.{name} must be > 0 and finite, got {value!r}")
+        if not (isinstance(policy.max_update, float | int) and not isinstance(policy.max_update, bool)
+                and 0 <= policy.max_update < math.inf):
+            raise ValueError(f"secagg.max_update must be >= 0 and finite, got "
+                             f"{policy.max_update!r}")
         if policy.bits not in (0, *INTEGER_BITS) or type(policy.bits) is not int:
             raise ValueError(f"secagg.bits must be 0 (none) or one of {INTEGER_BITS}, got "
                              f"{policy.bits!r}")
@@ -206,10 +215,12 @@ class SecAggPolicy:
         return policy
 
     def to_config(self) -> dict[str, Any]:
-        """The run config's ``secagg`` object; without integer compression exactly the
-        keys it had before compression existed."""
+        """The run config's ``secagg`` object; without integer compression and an update
+        bound exactly the keys it had before either existed."""
         out = {"threshold": self.threshold, "graph": self.graph, "degree": self.degree,
                "clip": self.clip, "max_weight": self.max_weight}
+        if self.max_update:
+            out["max_update"] = self.max_update
         if self.bits:
             out.update(bits=self.bits, block=self.block, feedback=self.feedback)
         return out

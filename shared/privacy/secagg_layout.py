@@ -88,7 +88,20 @@ def base_vector(specs: list[SectionSpec], common: Payload) -> np.ndarray:
     whose same-named section of ``common`` (the phase's common downlink, as the edge holds
     it) has a floating tensor of that name and shape -- ``compress.section.flatten``'s rule.
     Other values are masked as they are."""
-    parts = []
+    parts = [ref if ref is not None else np.zeros(n) for n, ref in _references(specs, common)]
+    return np.concatenate(parts) if parts else np.zeros(0)
+
+
+def model_mask(specs: list[SectionSpec], common: Payload) -> np.ndarray:
+    """True for the values of a masked vector that ``base_vector`` takes from the global
+    (the model): the values whose change one round may make is bounded."""
+    parts = [np.full(n, ref is not None) for n, ref in _references(specs, common)]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=bool)
+
+
+def _references(specs: list[SectionSpec], common: Payload) -> list[tuple[int, np.ndarray | None]]:
+    """Per tensor of the layout: its size and its global values (float64), or None."""
+    out = []
     for spec in specs:
         held = common.get(spec.kind, spec.name) if spec.kind == Kind.SHARED_TENSORS else None
         for name, tensor_spec in spec.tensors.items():
@@ -96,10 +109,10 @@ def base_vector(specs: list[SectionSpec], common: Payload) -> np.ndarray:
             ref = held.tensors.get(name) if held is not None else None
             if (ref is not None and tensor_spec.dtype.is_floating_point
                     and ref.is_floating_point() and tuple(ref.shape) == tensor_spec.shape):
-                parts.append(ref.detach().reshape(-1).to("cpu", torch.float64).numpy())
+                out.append((n, ref.detach().reshape(-1).to("cpu", torch.float64).numpy()))
             else:
-                parts.append(np.zeros(n))
-    return np.concatenate(parts) if parts else np.zeros(0)
+                out.append((n, None))
+    return out
 
 
 def unflatten_sum(specs: list[SectionSpec], values: np.ndarray) -> Payload:

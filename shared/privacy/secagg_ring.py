@@ -202,8 +202,12 @@ class IntegerQuantizer:
                               f"{self.block} expected")
         return np.repeat(self.scales.astype(np.float64), self.block)[:n]
 
-    def _weight(self) -> Quantizer:
+    def weight_quantizer(self) -> Quantizer:
+        """The fixed point of the weight word (``Quantizer``'s, whose clip it ignores)."""
         return Quantizer(1.0, self.max_weight, self.parties)
+
+    def _weight(self) -> Quantizer:
+        return self.weight_quantizer()
 
     def quantize(self, values: np.ndarray, weight: float, generator: torch.Generator,
                  names: str = "the upload") -> tuple[np.ndarray, np.ndarray]:
