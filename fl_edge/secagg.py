@@ -204,45 +204,13 @@ class EdgeSecAgg:
         policy = self._policy()
         state = self._load(round_number, phase)
         info, tensors = _request(personal)
-        try:
-            stated = (float(info["clip"]), float(info["max_weight"]), int(info["parties"]))
-        except (KeyError, TypeError, ValueError):
-            raise SecAggError("malformed masking request") from None
-        if stated != (policy.clip, policy.max_weight, state.parties):
-            raise SecAggError(f"the masking request's fixed point (clip, max weight, parties) "
-                              f"{stated} differs from the run config's "
-                              f"{(policy.clip, policy.max_weight, state.parties)}")
+        self._check_fixed_point(info, policy, state.parties)
         specs = masked_phases(method, models)[phase]
-        values = flatten_upload(specs, upload)
         integer_asked = "scales" in tensors or "bits" in info
         if integer_asked and not policy.bits:
             raise SecAggError("the masking request states an integer fixed point (bits, "
                               "scales); the run config has no integer compression")
-        # The change of the global this edge holds, clipped to the run's bound (the
-        # server refuses a mean beyond it): under integer compression what is masked.
-        held = common or Payload()
-        base, model = base_vector(specs, held), model_mask(specs, held)
-        change = values - base
-        residual = None
-        if policy.bits:
-            residual = self._residual(phase, values.size) if policy.feedback else None
-            change = change if residual is None else change + residual
-        clipped, norm = clip_change(change, model, policy.max_update)
-        was_clipped = clipped is not change
-        change = clipped
-        if was_clipped:
-            log.info("round %d %s: change of the global clipped from L2 norm %.4g to %g "
-                     "(server.secagg_max_update)", round_number, phase, norm,
-                     policy.max_update)
-        if policy.bits:
-            values = change
-        else:  # the model as it was unless clipped, held to the box the server checks
-            values, moved = saturate(base + change if was_clipped else values,
-                                     model, policy.clip)
-            if moved:
-                log.warning("round %d %s: %d model value(s) beyond the clip range %g held to "
-                            "it (server.secagg_clip): the global sits at the range's edge",
-                            round_number, phase, moved, policy.clip)
+        values, residual = self._values(round_number, phase, specs, upload, common, policy)
         if not integer_asked:  # 32 bits: all is sent but the rounding
             y = state.mask(info.get("survivors"), values, weight,
                            Quantizer(policy.clip, policy.max_weight, state.parties))
@@ -261,6 +229,47 @@ class EdgeSecAgg:
         return Payload([Section(Kind.SECAGG, "masked", {
             "y": torch.from_numpy(pack_bits(y[:-1], integer.ring)),
             "weight": torch.from_numpy(y[-1:].view("<i4").copy())})])
+
+    @staticmethod
+    def _check_fixed_point(info: dict, policy, parties: int) -> None:
+        """The masking request's fixed point must be the run config's."""
+        try:
+            stated = (float(info["clip"]), float(info["max_weight"]), int(info["parties"]))
+        except (KeyError, TypeError, ValueError):
+            raise SecAggError("malformed masking request") from None
+        if stated != (policy.clip, policy.max_weight, parties):
+            raise SecAggError(f"the masking request's fixed point (clip, max weight, parties) "
+                              f"{stated} differs from the run config's "
+                              f"{(policy.clip, policy.max_weight, parties)}")
+
+    def _values(self, round_number: int, phase: str, specs, upload: Payload,
+                common: Payload | None, policy) -> tuple[np.ndarray, np.ndarray | None]:
+        """What is masked, and the error-feedback residual it includes (None without
+        feedback). The change of the global this edge holds is clipped to the run's bound
+        (the server refuses a mean beyond it): under integer compression that change is
+        what is masked; at 32 bits the model, held to the box the server checks."""
+        values = flatten_upload(specs, upload)
+        held = common or Payload()
+        base, model = base_vector(specs, held), model_mask(specs, held)
+        change = values - base
+        residual = None
+        if policy.bits:
+            residual = self._residual(phase, values.size) if policy.feedback else None
+            change = change if residual is None else change + residual
+        clipped, norm = clip_change(change, model, policy.max_update)
+        was_clipped = clipped is not change
+        if was_clipped:
+            log.info("round %d %s: change of the global clipped from L2 norm %.4g to %g "
+                     "(server.secagg_max_update)", round_number, phase, norm,
+                     policy.max_update)
+        if policy.bits:
+            return clipped, residual
+        values, moved = saturate(base + clipped if was_clipped else values, model, policy.clip)
+        if moved:
+            log.warning("round %d %s: %d model value(s) beyond the clip range %g held to "
+                        "it (server.secagg_clip): the global sits at the range's edge",
+                        round_number, phase, moved, policy.clip)
+        return values, residual
 
     def _residual(self, phase: str, n: int) -> np.ndarray:
         """The error-feedback residual of ``phase`` (zeros at first, or when the vector's
