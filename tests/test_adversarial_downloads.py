@@ -16,22 +16,14 @@ from __future__ import annotations
 
 import threading
 import time
-import urllib.request
 
 import grpc
 import pytest
 from conftest import Cluster, wait_for
 from rawedge import RawEdge
+from test_adversarial import gauge
 
 from fedattn_shared.wire import fedattn_pb2 as pb
-
-
-def gauge(metrics_port: int, name: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read()
-    for line in text.decode().splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} is not on /metrics")
 
 
 def rss(pid: int) -> int:

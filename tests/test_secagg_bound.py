@@ -93,16 +93,21 @@ def peak(g: dict[str, torch.Tensor]) -> float:
     return max(float(t.abs().max()) for t in g.values())
 
 
+def attacked_run(cluster, tmp_path, rounds: int, plan: str, *server_args: str, attacks: int):
+    """Runs ``rounds`` with the attacker's ``plan``; returns the round records and the
+    global after each round (0: the start)."""
+    _server, bad = start(cluster, tmp_path, rounds, plan, *server_args)
+    assert bad.log().count("ATTACK round") == attacks
+    checkpoint = tmp_path / "server-state"
+    records = {r["round"]: r for r in read_history(checkpoint)["rounds"]}
+    assert sorted(records) == list(range(1, rounds + 1))
+    return records, globals_by_round(checkpoint, rounds)
+
+
 @pytest.mark.slow
 def test_a_takeover_of_the_32_bit_mean_is_refused_and_the_honest_edges_go_on(cluster, tmp_path):
     rounds = 4
-    server, bad = start(cluster, tmp_path, rounds, "2:takeover,3:overstate")
-    assert bad.log().count("ATTACK round") == 2
-    checkpoint = tmp_path / "server-state"
-    history = read_history(checkpoint)
-    records = {r["round"]: r for r in history["rounds"]}
-    assert sorted(records) == list(range(1, rounds + 1))
-    g = globals_by_round(checkpoint, rounds)
+    records, g = attacked_run(cluster, tmp_path, rounds, "2:takeover,3:overstate", attacks=2)
     for r in range(1, rounds + 1):  # no round moves the global beyond the bound
         assert distance(g[r], g[r - 1]) <= MAX_UPDATE * SLACK, (r, distance(g[r], g[r - 1]))
     # round 2: the takeover's change of the global is beyond the bound: aborted by name
@@ -127,14 +132,8 @@ def test_a_takeover_of_the_32_bit_mean_is_refused_and_the_honest_edges_go_on(clu
 @pytest.mark.slow
 def test_int8_a_claimed_weight_is_refused_and_growth_is_held_to_the_bound(cluster, tmp_path):
     rounds = 5
-    server, bad = start(cluster, tmp_path, rounds, "1:grow,2:grow,3:claim,4:grow,5:grow",
-                        "--compress", "up=int8")
-    assert bad.log().count("ATTACK round") == 5
-    checkpoint = tmp_path / "server-state"
-    history = read_history(checkpoint)
-    records = {r["round"]: r for r in history["rounds"]}
-    assert sorted(records) == list(range(1, rounds + 1))
-    g = globals_by_round(checkpoint, rounds)
+    records, g = attacked_run(cluster, tmp_path, rounds, "1:grow,2:grow,3:claim,4:grow,5:grow",
+                              "--compress", "up=int8", attacks=5)
     moves = [distance(g[r], g[r - 1]) for r in range(1, rounds + 1)]
     # every round stays within the documented bound on one round's change (aborted ones
     # keep the global), so the whole run within rounds x the bound
