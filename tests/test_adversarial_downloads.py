@@ -114,6 +114,8 @@ def test_a_stalled_download_ends_on_the_wire_by_its_deadline_and_frees_its_frame
         wait_for(lambda: server.log()[mark:].count("task download cut") == len(edges), 30,
                  "every stalled download cut")
         held = gauge(server.metrics_port, "fedattn_download_held_bytes")
+        print(f"stalled: held {held:.0f} B, server RSS {before >> 20} -> "
+              f"{rss(server.popen.pid) >> 20} MiB")
         assert 0 < held <= len(edges) * (1 << 20) + len(edges) * 4096
         for call in calls:  # what the client's buffers held, then the call's end
             with pytest.raises(grpc.RpcError) as ended:
@@ -125,6 +127,7 @@ def test_a_stalled_download_ends_on_the_wire_by_its_deadline_and_frees_its_frame
                  "the stalled frames given back")
         wait_for(lambda: rss(server.popen.pid) < before + (16 << 20), 30,
                  "the server's memory back within 16 MiB of before the downloads")
+        print(f"after the deadlines: server RSS {rss(server.popen.pid) >> 20} MiB")
         log = server.log()[mark:]
         assert "Traceback" not in log and "ExecuteBatchError" not in log
         task = first.next_task(no_wait=True)  # asked again, read at once: delivered whole
