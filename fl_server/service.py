@@ -374,7 +374,8 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         edge = request.edge_id
         total = download_bytes(header.header)
         limit = self.cfg.max_task_deliveries
-        download = Download(context, self.download_room, self.cfg.download_idle_timeout, edge)
+        download = Download(context, self.download_room, self.cfg.download_idle_timeout,
+                            self.cfg.download_min_rate, edge)
         messages = self._window(phase, edge, header.header, delta, offset)
         if first:
             messages = itertools.chain(((header, None, 0),), messages)
@@ -599,7 +600,8 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         # in order.
         writing: asyncio.Future | None = None
         closing = asyncio.ensure_future(phase.closing.wait())
-        read = BodyReader(context, closing, assembler, idle, total, ends).read
+        read = BodyReader(context, closing, assembler, idle, total, ends, self.cfg.chunk_bytes,
+                          self.cfg.upload_min_rate).read
 
         try:
             while not assembler.complete:

@@ -100,8 +100,10 @@ class DownloadRoom:
 
 class Download:
     """Writes a task's messages to its stream, each taken by the edge within ``idle``
-    seconds and all before the call's deadline. An edge that stops reading makes gRPC's
-    send wait for flow control for ever, holding the frame it sends; gRPC (aio) has no way
+    seconds plus its size at ``min_rate`` (a 1 MiB frame takes 33 s at 256 kbit/s: the
+    idle deadline alone cut every slow link) and all before the call's deadline. An edge
+    that stops reading makes gRPC's send wait for flow control for ever, holding the frame
+    it sends; gRPC (aio) has no way
     to end such a call from the server (an abort waits behind the unsent data), but the
     call's deadline, which the server requires and bounds (``call_seconds``), ends it on
     the wire. So the first send past the idle deadline gives up (``stalled`` says why),
@@ -111,8 +113,9 @@ class Download:
     send that waits for room longer than ``idle`` gives up too (``busy``): that is the
     server's queue, never counted against the edge."""
 
-    def __init__(self, context, room: DownloadRoom, idle: float, holder: str):
+    def __init__(self, context, room: DownloadRoom, idle: float, min_rate: float, holder: str):
         self.context, self.room, self.idle, self.holder = context, room, idle, holder
+        self.min_rate = min_rate
         self.loop = asyncio.get_running_loop()
         self.sent = 0
         self.stalled = ""
@@ -130,10 +133,11 @@ class Download:
             return False
         write = asyncio.ensure_future(self.context.write(message))
         write.add_done_callback(lambda done: self._written(done, taken))
-        finished, _ = await asyncio.wait({write}, timeout=self.idle)
+        allowed = self.idle + size / self.min_rate
+        finished, _ = await asyncio.wait({write}, timeout=allowed)
         if not finished:
             self.pending = write
-            self.stalled = f"message {self.sent + 1} not taken within {self.idle:g}s"
+            self.stalled = f"message {self.sent + 1} not taken within {allowed:.3g}s"
             return False
         write.result()  # a failed send: the call is over (the edge went, or its deadline)
         self.sent += 1
@@ -156,13 +160,23 @@ class Download:
 
 class BodyReader:
     """Reads an upload's next message, or raises naming why none will come: the stream
-    was cancelled, the phase closed, the upload's deadline passed or it stalled."""
+    was cancelled, the phase closed, the upload's deadline passed or it stalled: no
+    chunk within ``idle`` seconds plus the next chunk's largest size (``chunk_bytes``, or
+    what is left of its section) at ``min_rate``. A chunk arrives only once all of it has:
+    a 1 MiB chunk takes 33 s at 256 kbit/s, and the idle deadline alone cut every slow
+    link's upload."""
 
     def __init__(self, context, closing: asyncio.Future, assembler: PayloadAssembler,
-                 idle: float, total: float, ends: float):
+                 idle: float, total: float, ends: float, chunk_bytes: int, min_rate: float):
         self.context, self.closing, self.assembler = context, closing, assembler
         self.idle, self.total, self.ends = idle, total, ends
+        self.chunk_bytes, self.min_rate = chunk_bytes, min_rate
         self.loop = asyncio.get_running_loop()
+
+    def _allowed(self) -> float:
+        """Seconds the next chunk may take: idle, plus its largest size at the min rate."""
+        left = self.assembler.section_left()
+        return self.idle + min(self.chunk_bytes, left if left else self.chunk_bytes) / self.min_rate
 
     def _progress(self) -> str:
         return f"{self.assembler.received} of {len(self.assembler.buffer)} bytes"
@@ -170,7 +184,8 @@ class BodyReader:
     async def read(self):
         """The next message (a chunk view, a header, Malformed or EOF)."""
         message = asyncio.ensure_future(self.context.read())
-        timeout = min(self.idle, self.ends - self.loop.time())
+        allowed = self._allowed()
+        timeout = min(allowed, self.ends - self.loop.time())
         try:
             await asyncio.wait({message, self.closing}, timeout=max(timeout, 0),
                                return_when=asyncio.FIRST_COMPLETED)
@@ -189,7 +204,7 @@ class BodyReader:
         if self.loop.time() >= self.ends:
             raise WireError(f"upload not complete within its deadline of {self.total:.0f}s "
                             f"({self._progress()})")
-        raise WireError(f"no data for {self.idle:g}s (stalled after {self._progress()})")
+        raise WireError(f"no data for {allowed:.3g}s (stalled after {self._progress()})")
 
 
 __all__ = ["BodyReader", "Download", "DownloadRoom", "download_bytes"]

@@ -21,7 +21,13 @@ from fedattn_shared.wire import fedattn_pb2_grpc as pb_grpc
 from fedattn_shared.wire.codec import encode
 from fedattn_shared.wire.payload import Kind, Payload, Section
 from fedattn_shared.wire.signing import BodyMac, exchange, new_key_share, sign_submission, upload_mac_key
-from fedattn_shared.wire.transport import MAX_MESSAGE_BYTES, PayloadAssembler, channel_options, payload_chunks
+from fedattn_shared.wire.transport import (
+    MAX_MESSAGE_BYTES,
+    DownloadTerms,
+    PayloadAssembler,
+    channel_options,
+    payload_chunks,
+)
 
 UPLOAD_CHUNK = 32 << 10  # several data chunks per upload (the model is ~180 KB)
 NUM_EXAMPLES = 5
@@ -53,6 +59,7 @@ class RawEdge:
         self.task_ready = threading.Event()  # a presence event said a task waits
         self.presence_events: list[pb.PresenceEvent] = []
         self.hints = False  # the JoinReply's task_hints
+        self.terms = DownloadTerms()  # the JoinReply's: the deadline each NextTask carries
         self._presence_call = None
         self._presence_thread: threading.Thread | None = None
 
@@ -73,6 +80,7 @@ class RawEdge:
         connected edges); returns once the server has counted this edge as connected."""
         reply = self.join(**join_overrides)
         self.session, self.hints = reply.session, reply.task_hints
+        self.terms = DownloadTerms.of(reply)
         self._presence_call = self.stub.Presence(
             pb.PresenceRequest(edge_id=self.edge_id, session=self.session))
 
@@ -100,7 +108,7 @@ class RawEdge:
             assemblers: list[PayloadAssembler] = []
             request = pb.TaskRequest(edge_id=self.edge_id, session=self.session,
                                      cached_common="", no_wait=no_wait)
-            for message in self.stub.NextTask(request, timeout=30):
+            for message in self.stub.NextTask(request, timeout=self.terms.deadline(no_wait)):
                 if message.HasField("header"):
                     assert header is None, "a second task header in one stream"
                     header = message.header
@@ -120,7 +128,7 @@ class RawEdge:
                     more = pb.TaskRequest(edge_id=self.edge_id, session=self.session,
                                           task_id=header.task_id,
                                           offset=sum(a.received for a in assemblers))
-                    for message in self.stub.NextTask(more, timeout=30):
+                    for message in self.stub.NextTask(more, timeout=self.terms.deadline(True)):
                         assert not message.HasField("header"), f"task gone: {message.header}"
                         next(a for a in assemblers if not a.complete).add(message.data)
                 common, _personal = (a.finish() for a in assemblers)

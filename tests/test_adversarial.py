@@ -131,7 +131,7 @@ def test_stalled_streams_cannot_hold_the_upload_slots(fleet):
         assert "first" not in replies, "the honest upload waited for the stalled stream's cut"
         first.join(timeout=IDLE + 30)
         assert not replies["first"].accepted
-        assert f"no data for {IDLE:g}s" in replies["first"].reason
+        assert re.search(r"no data for [\d.]+s \(stalled after", replies["first"].reason)
         fleet.logged(mark, f"dropped {fleet.attacker.edge_id} (bad upload", "no data for")
     finally:
         release.set()
@@ -240,13 +240,13 @@ def test_a_download_the_edge_stops_reading_is_cut(tmp_path):
     # often). Stalls from many identities: test_adversarial_downloads.py.
     with raw_fleet(tmp_path, ("stalled", "reader"), "--model", "resnet18-cifar",
                    "--min-edges", "2", "--download-idle-timeout", "3",
-                   "--download-window", str(64 << 20),
+                   "--download-min-rate", str(10**7), "--download-window", str(64 << 20),
                    "--max-download-memory", str(1 << 20)) as (cluster, (edge, reader)):
         server = cluster.procs[0]
         assert gauge(server.metrics_port, "fedattn_download_limit_bytes") == 1 << 20
         mark = server.mark()
         request = pb.TaskRequest(edge_id=edge.edge_id, session=edge.session, cached_common="")
-        call = edge.stub.NextTask(request, timeout=20)
+        call = edge.stub.NextTask(request, timeout=15)
         header = next(call).header  # then nothing is read: 44.7 MB cannot sit in buffers
         assert header.status == pb.TaskHeader.TASK and header.common.total_bytes > 40 << 20
         tasks: list[Task] = []
@@ -266,7 +266,7 @@ def test_a_download_the_edge_stops_reading_is_cut(tmp_path):
                      "the reader's download waiting for the stalled one's room")
             assert gauge(server.metrics_port, "fedattn_download_held_bytes") <= 1 << 20
             server.logged(mark, f"{edge.edge_id}'s task download cut: message",
-                          "not taken within 3s", timeout=30)
+                          "not taken within 3.1s", timeout=30)
             with pytest.raises(grpc.RpcError) as err:
                 for _ in call:  # what the buffers held, then the call's end
                     pass

@@ -92,6 +92,7 @@ def test_a_stalled_download_ends_on_the_wire_by_its_deadline_and_frees_its_frame
     cluster, server, edges = fleet(tmp_path, names, "--model", "resnet18-cifar",
                                    "--min-edges", str(len(names)),
                                    "--download-idle-timeout", "4",
+                                   "--download-min-rate", str(10**7),
                                    "--download-window", str(64 << 20))
     try:
         first = edges[0]

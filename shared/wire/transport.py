@@ -293,6 +293,11 @@ class PayloadAssembler:
         self.write(offset, chunk)
         return kind
 
+    def section_left(self) -> int:
+        """Bytes still to come in the current section (0 once complete): the largest the
+        next chunk can be, since chunks never span two sections."""
+        return self._section_end - self.received if self._section < len(self.sizes) else 0
+
     def reserve(self, chunk: bytes) -> tuple[Kind, int]:
         """Checks one chunk against the declared layout and books its place: returns the
         kind of its section and its offset. Its bytes go in with ``write``."""
