@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # different (multi-GB) build. Override on other platforms, e.g. a Jetson's NVIDIA wheels.
 TORCH ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: setup demo test lint proto docs reference bench bench-fedsap bench-anfr bench-feature-shift bench-fedstar bench-pfedka bench-load bench-secagg bench-dp clean
+.PHONY: setup demo test test-links lint proto docs reference bench bench-fedsap bench-anfr bench-feature-shift bench-fedstar bench-pfedka bench-load bench-secagg bench-dp clean
 
 setup: $(VENV)/.installed
 
@@ -31,7 +31,13 @@ demo: setup
 		--out runs/demo --force
 
 test: setup $(VENV)/.ray
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -m "not links"
+
+# Real daemons over shaped links in network namespaces (tests/test_links.py: minutes per
+# test, so not in make test). Root; installs Debian's iptables (the loss) when missing.
+test-links: setup
+	command -v iptables >/dev/null || (apt-get update -qq && apt-get install -y -qq iptables)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -m links tests/test_links.py
 
 lint: setup
 	$(VENV)/bin/ruff check .
