@@ -127,7 +127,8 @@ class EdgeDaemon:
                 self._session()
                 return 0
             except Rejoin:
-                log.info("server forgot this session; joining again")
+                log.warning("the server no longer knows this edge's session (it restarted, "
+                            "or ended the session); joining again")
                 continue
             except Disconnected as drop:
                 self._reboot(drop)
@@ -202,9 +203,10 @@ class EdgeDaemon:
             try:
                 self._setup(reply.config_json, reply.fingerprint)
             except EdgeExit as err:
-                # The server hears why (its history records it) rather than a silent drop.
-                if err.tell_server:
-                    self.session.leave(err.tell_server[:500])
+                # The server hears why (its history records it) rather than a silent drop;
+                # a reason it should not hear (local paths, data) is left to the edge's log.
+                self.session.leave((err.tell_server or f"the edge stopped with status "
+                                    f"{err.code}; its log says why")[:500])
                 raise
             if run is None:
                 # The training split depends on the server's configuration, known only now:
