@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration per class")
     p.add_argument("--local-epochs", type=int, default=None,
-                   help=f"default {DEMO_LOCAL_EPOCHS} (fl-server's: 1)")
+                   help=f"default {DEMO_LOCAL_EPOCHS} (fl-server's: {TrainConfig.local_epochs})")
     p.add_argument("--limit", type=int, default=None, metavar="N",
                    help="train on the first N images of the bundled subset only (quick "
                         "checks; default: all 4,000)")
