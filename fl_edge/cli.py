@@ -14,6 +14,7 @@ from fedattn_shared.privacy.dp import PrivacyPolicy
 
 from .daemon import EdgeDaemon, EdgeExit, EdgeOptions
 from .heterogeneity import DEFAULT_OFFLINE_SECONDS, check_throttle, parse_disconnect
+from .metrics import METRICS_LINGER, linger_for_metrics
 
 log = logging.getLogger("fl_edge")
 
@@ -40,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--metrics-port", type=int, default=-1,
                         help="Prometheus port (0: any free port; default: off)")
+    parser.add_argument("--metrics-linger", type=float, default=METRICS_LINGER, metavar="SECONDS",
+                        help="keep serving /metrics this long after the run finished, as "
+                             "fl-server does, so a scrape sees the last round (default "
+                             "%(default)g; 0: exit at once; SIGTERM ends it early)")
     parser.add_argument("--insecure", action="store_true",
                         help="plaintext gRPC (required until TLS is configured)")
     parser.add_argument("--tls-dir", type=Path, default=None,
@@ -268,7 +273,11 @@ def main(argv: list[str] | None = None) -> int:
         allow_methods=tuple(args.allow_method), throttle=throttle,
         disconnect=disconnect, offline_seconds=offline, disconnect_seed=args.disconnect_seed)
     try:
-        return EdgeDaemon(options).run()
+        daemon = EdgeDaemon(options)
+        code = daemon.run()
+        if code == 0 and daemon.metrics_port is not None:
+            linger_for_metrics(daemon.metrics_port, args.metrics_linger)
+        return code
     except EdgeExit as err:
         print(f"fl-edge: error: {err}", file=sys.stderr)
         return err.code

@@ -88,6 +88,10 @@ class EdgeDaemon:
         self.runner: TaskRunner | None = None
         self.metrics_port: int | None = None
         self.idle = False  # the server's last answer was WAIT: wait for a hint before asking
+        # When the server stopped answering (the first failed call of an outage; None while
+        # it answers): --retry-for counts from it, and the next join says the server is back.
+        self.unreachable_since: float | None = None
+        self.ever_joined = False
         # One generator for the process's life: reconnects continue its pattern.
         self.dropout = (Dropout(options.disconnect, options.offline_seconds,
                                 self.identity.edge_id, options.disconnect_seed)
@@ -121,13 +125,13 @@ class EdgeDaemon:
             self.metrics_port = server.server_port
             log.info("metrics on :%d", self.metrics_port)
         backoff = 0.5
-        unreachable_since: float | None = None
         while True:
             try:
                 self._session()
                 return 0
             except Rejoin:
-                log.info("server forgot this session; joining again")
+                log.warning("the server no longer knows this edge's session (it restarted, "
+                            "or ended the session); joining again")
                 continue
             except Disconnected as drop:
                 self._reboot(drop)
@@ -136,13 +140,13 @@ class EdgeDaemon:
                 raise EdgeExit(2, f"server {self.opts.server} sent a task this edge refuses: "
                                   f"{err}") from None
             except grpc.RpcError as err:
-                unreachable_since = unreachable_since or time.monotonic()
-                time.sleep(self._retry_delay(err, backoff, unreachable_since))
+                if self.unreachable_since is None:  # a new outage: back off from the start
+                    self.unreachable_since, backoff = time.monotonic(), 0.5
+                time.sleep(self._retry_delay(err, backoff, self.unreachable_since))
                 backoff = min(backoff * 2, self.opts.max_backoff)
                 continue
             finally:
                 self.metrics.connected.set(0)
-            backoff, unreachable_since = 0.5, None
 
     def _reboot(self, drop: Disconnected) -> None:
         """After a simulated disconnect (``--disconnect``): offline for its seconds, then
@@ -202,9 +206,10 @@ class EdgeDaemon:
             try:
                 self._setup(reply.config_json, reply.fingerprint)
             except EdgeExit as err:
-                # The server hears why (its history records it) rather than a silent drop.
-                if err.tell_server:
-                    self.session.leave(err.tell_server[:500])
+                # The server hears why (its history records it) rather than a silent drop;
+                # a reason it should not hear (local paths, data) is left to the edge's log.
+                self.session.leave((err.tell_server or f"the edge stopped with status "
+                                    f"{err.code}; its log says why")[:500])
                 raise
             if run is None:
                 # The training split depends on the server's configuration, known only now:
@@ -213,8 +218,14 @@ class EdgeDaemon:
                 self._join(state_fingerprint)
                 return
         self.metrics.connected.set(1)
-        log.info("joined %s as %s (method %s)", self.opts.server, self.identity.edge_id,
-                 self.run_state.method.name)
+        if self.ever_joined and self.unreachable_since is not None:
+            log.info("joined %s again as %s after %.0fs without it (the server restarted, or "
+                     "the network was down)", self.opts.server, self.identity.edge_id,
+                     time.monotonic() - self.unreachable_since)
+        else:
+            log.info("joined %s as %s (method %s)", self.opts.server, self.identity.edge_id,
+                     self.run_state.method.name)
+        self.ever_joined, self.unreachable_since = True, None
 
     def _setup(self, config_json: str, fingerprint: str) -> None:
         """The run the server's configuration describes (``fl_edge.run``), and the task

@@ -7,11 +7,36 @@ the figures they know without reaching through the daemon.
 
 from __future__ import annotations
 
+import logging
 import math
 import resource
+import signal
+import threading
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge
+
+log = logging.getLogger("fl_edge")
+
+#: Seconds /metrics outlives the run by default (``--metrics-linger``): fl-server's two 5 s
+#: scrape intervals, so a scrape sees the edge's last round as it sees the server's.
+METRICS_LINGER = 10.0
+
+
+def linger_for_metrics(port: int, seconds: float) -> None:
+    """Keeps the process (and its /metrics thread) alive ``seconds`` after the run ended,
+    or until SIGTERM: the daemon exits the moment the server says the run is over, and
+    with it the endpoint a Prometheus scrape would read the last round from. Called from
+    the main thread (it sets a signal handler)."""
+    if seconds <= 0:
+        return
+    ended = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: ended.set())
+    try:
+        log.info("serving /metrics on :%d for %gs more (--metrics-linger)", port, seconds)
+        ended.wait(seconds)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class EdgeMetrics:

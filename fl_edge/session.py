@@ -460,5 +460,9 @@ class Session:
         if reply.accepted:
             self.metrics.last_success_round.set(task.round)
             self.metrics.last_success_time.set_to_current_time()
+        elif reply.reason.endswith("bad or expired session"):  # fl_server.edges' words
+            log.warning("round %d %s result not taken: the server no longer knows this "
+                        "session (it restarted, or ended the session)",
+                        task.round, task.phase)
         else:
             log.warning("round %d %s result refused: %s", task.round, task.phase, reply.reason)

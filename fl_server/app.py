@@ -94,9 +94,11 @@ class ServerApp:
         if cfg.metrics_port >= 0:
             self._http, _ = start_http_server(cfg.metrics_port, registry=self.registry)
             self.metrics_port = self._http.server_port
-        log.info("serving on %s:%d (metrics %s), method %s, model %s, fingerprint %s",
-                 cfg.host, self.port, self.metrics_port or "off", engine.method.name,
-                 engine.train.model, engine.fingerprint)
+        log.info("serving on %s:%d (metrics %s), method %s, model %s, mode %s, compress %s, "
+                 "fingerprint %s", cfg.host, self.port, self.metrics_port or "off",
+                 engine.method.name, engine.train.model,
+                 f"async (buffer {cfg.buffer})" if cfg.mode == "async" else cfg.mode,
+                 cfg.compress or "off", engine.fingerprint)
         if not cfg.tls_dir and not cfg.join_token:
             log.warning("plaintext gRPC without a join token: anyone who reaches this port can "
                         "register edge ids (up to --max-edges %d) and submit results; for a "

@@ -547,5 +547,6 @@ class BufferedSchedule:
             engine.metrics.publish_evaluation(per_edge, record["evaluation"]["summary"])
             engine.metrics.phase_seconds.labels(EVALUATE).observe(
                 time.monotonic() - phase.started)
+            engine.runlog.evaluated(record)
             engine.runlog.record_changed()
             await engine.runlog.write_history()

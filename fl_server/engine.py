@@ -39,7 +39,7 @@ from .gate import UploadGate
 from .history import RunHistory, Snapshot, run_config, tensors_digest
 from .initial import initial_payload
 from .memory import log_memory, trim_heap
-from .metrics import ServerMetrics, drop_reason_label
+from .metrics import ServerMetrics, drop_reason_label, routine
 from .phase import (
     Phase,
     RoundAborted,
@@ -127,7 +127,8 @@ class Engine:
         """Takes an edge's task away (counted and logged by reason)."""
         phase.dropped[edge_id] = reason
         self.metrics.dropped.labels(phase.name, drop_reason_label(reason)).inc()
-        log.warning("round %d %s: dropped %s (%s)", phase.round, phase.name, edge_id, reason)
+        log.log(logging.INFO if routine(reason) else logging.WARNING,
+                "round %d %s: dropped %s (%s)", phase.round, phase.name, edge_id, reason)
         phase.maybe_close()
 
     # ---- what the servicer asks (``front.EdgeFront``) ------------------------------------

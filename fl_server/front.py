@@ -19,6 +19,7 @@ from fedattn_shared.wire.transport import PayloadAssembler
 from .edges import AuthError, EdgeRecord
 from .engine import Engine
 from .gate import Admission
+from .metrics import routine
 from .phase import Phase, Refused, Task
 
 log = logging.getLogger("fl_server")
@@ -84,6 +85,11 @@ class EdgeFront:
              mac_key: Callable[[EdgeRecord], bytes]) -> EdgeRecord:
         """Registers the edge (or checks it against its binding) and starts its session;
         a new session replaces any older one, and its outstanding task is gone with it."""
+        # An edge without the run's configuration joins twice: to read it, then again to
+        # declare its training split's size (num_examples): one "joined" in the log.
+        previous = self.engine.edges.records.get(request.edge_id)
+        declaring = ("num_examples" in request.info and previous is not None
+                     and previous.session and "num_examples" not in previous.info)
         try:
             record = self.engine.edges.join(request.edge_id, request.edge_secret,
                                             dict(request.info), request.signing_key,
@@ -94,8 +100,12 @@ class EdgeFront:
         record.needs_init = not request.state_fingerprint
         self.metrics.joins.inc()
         self.edge_lost(record.edge_id, "rejoined")
-        log.info("edge %s joined (%s)", record.edge_id,
-                 ", ".join(f"{k}={v!r}" for k, v in sorted(record.info.items())))
+        if declaring:
+            log.info("edge %s declared its training split: %s examples", record.edge_id,
+                     record.info["num_examples"])
+        else:
+            log.info("edge %s joined (%s)", record.edge_id,
+                     ", ".join(f"{k}={v!r}" for k, v in sorted(record.info.items())))
         return record
 
     def session(self, edge_id: str, session: str) -> EdgeRecord:
@@ -195,7 +205,8 @@ class EdgeFront:
         # refused: stale or wrong task ..."), so a refusal carries no prefix of its own; a
         # wire error names its kind.
         reason = f"{type(err).__name__}: {err}" if isinstance(err, WireError) else str(err)
-        log.warning("submission from %s refused: %s", edge or "?", reason)
+        log.log(logging.INFO if routine(reason) else logging.WARNING,
+                "submission from %s refused: %s", edge or "?", reason)
         self.metrics.refused.labels(label).inc()
         if drop and phase is None:  # refused at the header: the phase it named
             phase = (err.phase if isinstance(err, Refused) and err.phase is not None

@@ -196,11 +196,23 @@ class RunHistory:
             metrics.round.set(record["round"])
             metrics.rounds_completed.inc()
             metrics.round_seconds.observe(record["seconds"])
-            log.info("round %d done in %.2fs: %d/%d results, mean test accuracy %s",
-                     record["round"], record["seconds"], participants, selected,
-                     f"{test['mean_accuracy']:.4f}" if test else "n/a")
+            if "version" in record:  # --mode async: its scores come later (``evaluated``)
+                log.info("version %d done in %.2fs: %d results", record["round"],
+                         record["seconds"], participants)
+            else:
+                log.info("round %d done in %.2fs: %d/%d results, mean test accuracy %s",
+                         record["round"], record["seconds"], participants, selected,
+                         f"{test['mean_accuracy']:.4f}" if test else "n/a")
 
         self.checkpointing = asyncio.create_task(write())
+
+    @staticmethod
+    def evaluated(record: dict[str, Any]) -> None:
+        """Logs a version's scores once they are in (``--mode async``: after the version's
+        own line, which has none yet)."""
+        test = record.get("evaluation", {}).get("summary", {}).get("test", {})
+        log.info("version %d evaluated: mean test accuracy %s over %d edges", record["round"],
+                 f"{test['mean_accuracy']:.4f}" if test else "n/a", test.get("edges", 0))
 
     async def durable(self) -> None:
         """Waits until the last round's checkpoint is on disk; re-raises its failure."""

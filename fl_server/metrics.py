@@ -46,6 +46,17 @@ DROP_REASONS = {
 }
 
 
+#: Reasons that are a healthy run's normal course (``--mode async``: an edge asked for newer
+#: work, the last version is applied, a result came after its phase closed): logged at INFO.
+#: Every other drop or refusal is a WARNING.
+ROUTINE_REASONS = frozenset({"superseded", "run over", "no phase is open"})
+
+
+def routine(reason: str) -> bool:
+    """Whether a drop or refusal reason is a normal event, not a fault (``ROUTINE_REASONS``)."""
+    return reason.split(":")[0].strip() in ROUTINE_REASONS
+
+
 def drop_reason_label(reason: str) -> str:
     """The label value for a free-text drop reason ("bad upload: <details>" -> bad_upload)."""
     return DROP_REASONS.get(reason.split(":")[0].strip(), "other")

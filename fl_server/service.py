@@ -34,8 +34,8 @@ from fedattn_shared.wire.accounting import (
     NO_CODEC,
     UP,
     ByteMeter,
+    CodedUpload,
     count_coded,
-    data_message_wire_bytes,
 )
 from fedattn_shared.wire.payload import WireError
 from fedattn_shared.wire.signing import (
@@ -599,6 +599,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         # serialize every upload on one core. One chunk at a time per upload keeps the MAC
         # in order.
         writing: asyncio.Future | None = None
+        counted = CodedUpload(self.meter, UP, phase.coded_up, edge)
         closing = asyncio.ensure_future(phase.closing.wait())
         read = BodyReader(context, closing, assembler, idle, total, ends, self.cfg.chunk_bytes,
                           self.cfg.upload_min_rate).read
@@ -613,7 +614,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
                     raise WireError(message.reason if isinstance(message, Malformed)
                                     else "a second header inside one upload")
                 kind, offset = assembler.reserve(message)
-                self._count_chunk(phase, kind.label, len(message), edge)
+                counted.chunk(kind.label, len(message))
                 if writing is not None:
                     await writing
                 writing = loop.run_in_executor(None, ingest, offset, message)
@@ -621,8 +622,9 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
                 await writing
             if await read() is not grpc.aio.EOF:
                 raise WireError("data beyond the declared payload")
-            count_coded(self.meter, UP, phase.coded_up, edge)
+            counted.complete()
         except BaseException:
+            counted.abandon()
             if writing is not None and not writing.done():
                 # Never let the buffer go back to the pool while a worker writes to it.
                 await asyncio.wait([writing])
@@ -631,12 +633,6 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         finally:
             closing.cancel()
         return assembler, body.tag()
-
-    def _count_chunk(self, phase: Phase, kind: str, size: int, edge: str) -> None:
-        """An upload chunk's bytes; a coded kind's raw bytes are counted once, decoded."""
-        codec = phase.coded_up.get(kind)
-        self.meter.count(UP, kind, data_message_wire_bytes(size), 0 if codec else size, edge,
-                         codec[0] if codec else NO_CODEC)
 
     # ---- Leave ------------------------------------------------------------------------
     async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveReply:

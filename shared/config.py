@@ -40,6 +40,11 @@ class ConfigError(ValueError):
 
 @dataclass
 class TrainConfig:
+    """What every edge trains with (the server sends it at join). Its defaults are the one
+    place training defaults live: fl-server, fl-demo and fl-sim all start from them, a
+    method declares what its math needs instead (``Method.train_settings``), and fl-demo
+    prints what it sets on top."""
+
     # A registered model (fl-server --help lists them); a method may declare its own default.
     model: str = "lenet-bn"
     num_classes: int = 10            # classes of the task; every edge maps labels 0..n-1
@@ -50,7 +55,11 @@ class TrainConfig:
     local_epochs: int = 1           # 0: no local steps (measures the transport alone)
     batch_size: int = 32             # local training batch (fl-edge --batch-size overrides it per device)
     optimizer: Literal["sgd", "adam"] = "sgd"  # the edges' local optimizer
-    lr: float = 0.01                 # the local learning rate (the first round's, under a schedule)
+    # The local learning rate (the first round's, under a schedule). A default that learns:
+    # plain SGD at 0.05 takes the README's deployment (4 edges on the bundled MNIST) to
+    # 0.94 mean accuracy in 5 rounds, where 0.01 stopped at 0.81
+    # (tests/test_defaults_learn.py). With --optimizer adam set it too (Adam wants ~0.001).
+    lr: float = 0.05
     lr_schedule: Literal["constant", "cosine", "step"] = "constant"  # over rounds
     lr_min: float = 0.0             # cosine: the last round's learning rate
     lr_step_rounds: int = 10        # step: decay every this many rounds

@@ -336,6 +336,23 @@ def test_versions_complete_without_waiting_for_a_throttled_edge(tmp_path):
         assert "evaluation" not in rounds[0] and "evaluation" not in rounds[2]
         server_log = (tmp_path / "server.log").read_text()
         assert re.search(r"train: dropped slow \((too stale|run over)", server_log), server_log
+        # The log says what the history says: each evaluated version's accuracy once its
+        # scores are in (a version's own line comes before them and claims none), and a
+        # healthy run's normal events (superseded, run over, late) are no WARNING.
+        for record in (rounds[1], rounds[3]):
+            figure = record["evaluation"]["summary"]["test"]["mean_accuracy"]
+            assert f"version {record['round']} evaluated: mean test accuracy {figure:.4f}" \
+                in server_log, server_log
+        assert "n/a" not in server_log
+        routine = [line for line in server_log.splitlines() if " WARNING " in line and any(
+            why in line for why in ("superseded", "run over", "no phase is open"))]
+        assert not routine, routine
+        # Per version, coded upload bytes pair each upload's wire bytes with its own raw
+        # ones: every version's wire / raw is the codec's ratio (one model, one codec).
+        ratios = {r["round"]: r["bytes"]["up"]["shared_tensors"]["wire"]
+                  / r["bytes"]["up"]["shared_tensors"]["raw"] for r in rounds}
+        assert max(ratios.values()) - min(ratios.values()) < 1e-9, ratios
+        assert 0.25 < min(ratios.values()) < 0.3, ratios  # int8: a quarter, plus scales
         assert rounds[3]["evaluate"]["dropped"] == {"slow": "deadline"}
         # fl-report reads the run per version.
         state = tmp_path / "server-state"

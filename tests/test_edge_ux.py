@@ -1,6 +1,8 @@
 """The daemons on a host they share and without a terminal: torch threads
-(``fl-edge --threads``), progress lines at a steady interval (``--log-every``), and the
-byte counters both daemons keep, which an operator compares (docs/operations.md)."""
+(``fl-edge --threads``), progress lines at a steady interval (``--log-every``), the
+byte counters both daemons keep, which an operator compares (docs/operations.md), and the
+lines an operator reads: one "joined" per edge, a "left" for an edge that gives up, the
+run's mode in the start line, and an edge's /metrics outliving the run as the server's."""
 
 from __future__ import annotations
 
@@ -57,6 +59,32 @@ def test_progress_lines_without_a_terminal(cluster, tmp_path):
     assert re.search(r"round 1 train: 0/1 results in, 0 dropped, quorum 1, open \d+s",
                      server.log()), server.log()[-2000:]
     assert read_history(tmp_path / "server-state")["rounds"][0]["train"]["received"] == ["slow"]
+
+
+def test_an_edge_s_metrics_linger_and_the_logs_say_who_joined_and_left(cluster, tmp_path):
+    """One real edge trains a round with --metrics-port; its /metrics still answers after
+    the run ended (--metrics-linger, as fl-server's) until SIGTERM. A second edge whose
+    images do not fit the run stops at its setup: the server logs it "left" (it used to
+    vanish). Each edge is "joined" once, though an edge without the run's configuration
+    joins twice (to read it, then to declare its training split)."""
+    (data,) = write_edge_dirs(tmp_path / "good", 1, per_edge=40)
+    (small,) = write_edge_dirs(tmp_path / "small", 1, per_edge=40, size=16)
+    server = cluster.server("--method", "fedavg", "--rounds", "1", "--min-edges", "1",
+                            "--mode", "sync", "--compress", "up=fp16")
+    server.wait_log("mode sync, compress up=fp16")
+    misfit = cluster.edge(small, "misfit")
+    assert misfit.wait() == 2
+    server.wait_log("edge misfit left ('the edge stopped with status 2; its log says why')")
+    edge = cluster.edge(data, "keeper", "--metrics-port", "0", "--metrics-linger", "120")
+    edge.wait_log("(--metrics-linger)", timeout=120)
+    port = re.search(r"metrics on :(\d+)", edge.log()).group(1)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert "fedattn_edge_last_success_round 1.0" in text
+    edge.popen.send_signal(signal.SIGTERM)
+    assert edge.wait(timeout=30) == 0
+    log = server.log()
+    assert log.count("edge keeper joined") == 1 and log.count("edge misfit joined") == 1, log
+    assert "edge keeper declared its training split: " in log
 
 
 def _series(text: str) -> dict[tuple[str, str, str, str, str], float]:

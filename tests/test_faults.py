@@ -52,6 +52,8 @@ def test_server_killed_mid_round_resumes_from_last_checkpoint(cluster, tmp_path)
     assert [e.wait() for e in edges] == [0, 0]
     assert restarted.wait() == 0
     assert [r["round"] for r in read_history(checkpoint)["rounds"]] == [1, 2, 3, 4]
+    for edge in edges:  # not just "bad or expired session": what happened, and what next
+        assert "restarted, or" in edge.log(), edge.log()[-3000:]
 
 
 def test_slow_edge_is_dropped_at_the_deadline_and_comes_back(cluster, tmp_path):

@@ -24,6 +24,7 @@ from fl_tools.report import (
     main,
     mean_accuracy,
     mean_std,
+    plot_similarity,
     pooled,
     pooled_mean,
     round_figures,
@@ -397,6 +398,18 @@ def test_upload_similarity_is_reported_and_plotted(tmp_path):
     assert main([str(plain), "--out", str(tmp_path / "plain")]) == 0
     assert "similarity" not in json.loads((tmp_path / "plain" / "summary.json").read_text())[
         "runs"][0]["figures"]
+
+
+def test_the_similarity_axis_is_the_cosine_scale_not_the_data_range(tmp_path):
+    """Uploads at 0.9911-0.9918 are alike: an autoscaled axis spanning just that range drew
+    their noise as a trend. The axis spans 0 (or the lowest value, if below) to 1."""
+    run = {"label": "fedsap", "similarity": [
+        {"round": r, "conv": c} for r, c in ((1, 0.9911), (2, 0.9918), (3, 0.9914))]}
+    low, high = plot_similarity(run, tmp_path / "s.png").axes[0].get_ylim()
+    assert low <= 0.0 and 1.0 <= high < 1.1
+    run["similarity"].append({"round": 4, "conv": -0.5})
+    low, _ = plot_similarity(run, tmp_path / "t.png").axes[0].get_ylim()
+    assert low <= -0.5
 
 
 def test_accuracy_per_edge_and_round_is_reported_and_plotted(tmp_path, capsys):

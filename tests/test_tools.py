@@ -79,7 +79,10 @@ def test_fl_demo_trains_on_bundled_mnist(runs):
     lines = [line for line in result.stdout.splitlines() if line.strip().startswith(("1 ", "2 "))]
     assert len(lines) == 2 and "shared_tensors" in lines[0]
     again = run("fl_tools.demo", "--out", str(out))
-    assert again.returncode == 2 and "--force" in again.stderr
+    assert again.returncode == 2 and "--force" in again.stderr and "--out" in again.stderr
+    # What the demo sets over fl-server's defaults, it says (the user's --model is theirs).
+    assert "fl-demo sets, over fl-server's defaults: --momentum 0.9 (default 0.0), " \
+           "--local-epochs 2 (default 1)" in result.stdout, result.stdout
 
 
 def test_fl_demo_passes_privacy_options_to_the_server(runs):
@@ -90,6 +93,7 @@ def test_fl_demo_passes_privacy_options_to_the_server(runs):
     out, ca, result = root / "privacy", root / "ca", results["privacy"]
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     assert "epsilon=8" in result.stdout and "secure aggregation" in result.stdout
+    assert "not DP's utility" in result.stdout  # said before a table near chance
     history = json.loads((out / "server" / "history.json").read_text())
     manifest = history["manifest"]
     assert manifest["dp"]["enabled"] and manifest["dp"]["target_epsilon"] == 8.0
@@ -99,6 +103,36 @@ def test_fl_demo_passes_privacy_options_to_the_server(runs):
     refused = results["refused"]
     assert refused.returncode == 2 and "fedstar" in refused.stderr, refused.stderr[-2000:]
     assert "--dp" in refused.stderr
+
+
+def test_fl_demo_trains_with_the_server_s_defaults_and_says_what_it_adds():
+    """One place for the training defaults (TrainConfig): fl-demo passes no learning rate
+    of its own, and names each setting it adds over fl-server's defaults."""
+    from fedattn_shared.config import TrainConfig
+    from fl_tools.demo import build_parser, server_settings
+
+    flags, notes = server_settings(build_parser().parse_args(["--method", "fedavg"]))
+    assert "--lr" not in flags and TrainConfig().lr == 0.05
+    assert notes[0] == ("fl-demo sets, over fl-server's defaults: --model se-cnn (fl-server's "
+                        "default: lenet-bn), --momentum 0.9 (default 0.0), --local-epochs 2 "
+                        "(default 1)")
+    flags, notes = server_settings(build_parser().parse_args(
+        ["--method", "fedsap", "--momentum", "0.5", "--local-epochs", "1"]))
+    assert flags[flags.index("--momentum") + 1] == "0.5"
+    assert not any(n.startswith("fl-demo sets") for n in notes)  # fedsap declares se-cnn
+
+
+@pytest.mark.parametrize("argv, folder", [
+    ([], "demo-fedsap"), (["--secagg"], "demo-fedsap-secagg"), (["--dp"], "demo-fedsap-dp"),
+    (["--dp-epsilon", "4", "--secagg", "--compress", "up=int8"], "demo-fedsap-dp-secagg-compress"),
+    (["--method", "pfedka", "--tls-dir", "ca"], "demo-pfedka-tls"),
+    (["--method", "plugin_methods:CensusAvg"], "demo-plugin_methods-CensusAvg")])
+def test_fl_demo_runs_that_differ_get_folders_of_their_own(argv, folder):
+    """`fl-demo --secagg` then `fl-demo --dp` wrote the same runs/demo-fedsap, and the
+    second refused to start."""
+    from fl_tools.demo import build_parser, default_out
+
+    assert default_out(build_parser().parse_args(argv)) == Path("runs") / folder
 
 
 def test_fl_sim_runs_many_edges_in_few_processes(runs):

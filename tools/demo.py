@@ -16,13 +16,16 @@ import sys
 import time
 from pathlib import Path
 
+from fedattn_shared.config import TrainConfig
 from fedattn_shared.data.shipped import bundled_mnist
 from fedattn_shared.state import StateError
 
-#: The demo's own training preferences (a few rounds on a small subset learn faster with
-#: momentum); a method's declared ``train_settings`` override them, the user's flags
-#: override both.
-DEMO_TRAIN = {"lr": 0.05, "momentum": 0.9}
+#: The demo's training on top of fl-server's defaults (``TrainConfig``, the one place they
+#: are set): momentum and a second local epoch learn faster in a few rounds on a few
+#: thousand images. A method's declared ``train_settings`` win over them, the user's flags
+#: over both; the demo prints what it sets.
+DEMO_TRAIN = {"momentum": 0.9}
+DEMO_LOCAL_EPOCHS = 2
 #: The model for methods that declare none (3 SE modules: every method that needs no
 #: special architecture runs on it, Fed-SAP included).
 DEMO_MODEL = "se-cnn"
@@ -45,19 +48,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--edges", type=int, default=4)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration per class")
-    p.add_argument("--local-epochs", type=int, default=2)
+    p.add_argument("--local-epochs", type=int, default=None,
+                   help=f"default {DEMO_LOCAL_EPOCHS} (fl-server's: {TrainConfig.local_epochs})")
     p.add_argument("--limit", type=int, default=None, metavar="N",
                    help="train on the first N images of the bundled subset only (quick "
                         "checks; default: all 4,000)")
     p.add_argument("--no-report", action="store_true",
                    help="skip fl-report's plots and summary (the history is still written)")
     p.add_argument("--lr", type=float, default=None,
-                   help=f"default {DEMO_TRAIN['lr']}, or what the method declares")
+                   help="default: fl-server's (train.lr), or what the method declares")
     p.add_argument("--momentum", type=float, default=None,
                    help=f"default {DEMO_TRAIN['momentum']}, or what the method declares "
                         "(SCAFFOLD: 0)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=None, help="run folder (default runs/demo-METHOD)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="run folder (default runs/demo-METHOD, plus -dp, -secagg, -tls, "
+                        "-compress for those options: runs that differ do not share one)")
     p.add_argument("--force", action="store_true", help="replace an existing --out folder")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="passed to fl-server (e.g. --set fedprox.mu=0.1)")
@@ -92,6 +98,7 @@ def server_settings(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 
     method = load_method(args.method)
     declared = dict(method.train_settings)
+    defaults = TrainConfig()
     model = args.model or method.default_model or DEMO_MODEL
     train = {k: v for k, v in DEMO_TRAIN.items() if k not in declared}
     train.update((k, v) for k, v in (("lr", args.lr), ("momentum", args.momentum))
@@ -99,7 +106,19 @@ def server_settings(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     flags = ["--model", model]
     for key, value in train.items():
         flags += [f"--{key.replace('_', '-')}", str(value)]
+    # What the demo itself sets over fl-server's defaults (not what the user asked for).
+    chosen = []
+    if args.model is None and not method.default_model:
+        chosen.append(f"--model {model} (fl-server's default: {defaults.model})")
+    chosen += [f"--{key} {value} (default {getattr(defaults, key)})"
+               for key, value in DEMO_TRAIN.items()
+               if key not in declared and getattr(args, key) is None
+               and value != getattr(defaults, key)]
+    if args.local_epochs is None:
+        chosen.append(f"--local-epochs {DEMO_LOCAL_EPOCHS} (default {defaults.local_epochs})")
     notes = []
+    if chosen:
+        notes.append("fl-demo sets, over fl-server's defaults: " + ", ".join(chosen))
     if declared and (args.lr is None or args.momentum is None):
         notes.append(f"{args.method} declares " + ", ".join(
             f"train.{k}={v}" for k, v in declared.items()))
@@ -110,6 +129,7 @@ def server_settings(args: argparse.Namespace) -> tuple[list[str], list[str]]:
                      + (" (the demo's default; set it with --dp-epsilon)"
                         if args.dp_epsilon is None else "")
                      + "; BatchNorm layers become GroupNorm")
+        notes.append(DP_UTILITY.format(epsilon=epsilon))
         dp_flags, dp_notes = dp_method_settings(args, flags, method.name or args.method)
         flags += dp_flags
         notes += dp_notes
@@ -131,8 +151,9 @@ def server_settings(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 def run_flags(args: argparse.Namespace, settings: list[str], edges: int) -> list[str]:
     """The fl-server flags that say what the demo runs (``settings`` from
     ``server_settings``); the rest (address, TLS, paths) is the process's."""
+    epochs = DEMO_LOCAL_EPOCHS if args.local_epochs is None else args.local_epochs
     return ["--method", args.method, "--rounds", str(args.rounds), "--min-edges", str(edges),
-            *settings, "--local-epochs", str(args.local_epochs), "--seed", str(args.seed),
+            *settings, "--local-epochs", str(epochs), "--seed", str(args.seed),
             "--poll-timeout", "5", *[f"--set={s}" for s in args.set]]
 
 
@@ -178,6 +199,17 @@ def dp_method_settings(args: argparse.Namespace, flags: list[str],
     return out, notes
 
 
+def default_out(args: argparse.Namespace) -> Path:
+    """The run folder when ``--out`` is not given: named after the method and the options
+    that make runs differ, so that ``fl-demo --secagg`` and then ``fl-demo --dp`` keep
+    both runs (``runs/demo-fedsap-secagg``, ``runs/demo-fedsap-dp``)."""
+    dp = args.dp or args.dp_epsilon is not None or args.dp_stats_sigma is not None
+    options = [name for name, on in (("dp", dp), ("secagg", args.secagg),
+                                      ("tls", args.tls_dir is not None),
+                                      ("compress", bool(args.compress))) if on]
+    return Path("runs") / "-".join(["demo", args.method.replace(":", "-"), *options])
+
+
 def kilobytes(n: float) -> str:
     return f"{n / 1e6:.2f}MB" if n >= 1e6 else f"{n / 1e3:.1f}kB"
 
@@ -221,9 +253,33 @@ def privacy_line(history: dict) -> str | None:
     return line
 
 
+#: What a DP-SGD demo can and cannot show, said before its rounds: measured with the demo's
+#: own settings (fl-demo --dp, Fed-SAP and FedAvg: final mean accuracy 0.10 and 0.17).
+DP_UTILITY = ("DP-SGD at this scale: each edge holds a few hundred images, and the noise that "
+              "buys epsilon={epsilon:g} over the whole run is larger than the clipped "
+              "gradient of a batch, so accuracy stays near chance (0.10 for 10 classes). The "
+              "demo shows the machinery (per-sample clipping, noise, each edge's privacy "
+              "ledger), not DP's utility, which needs thousands of images per edge or a "
+              "pretrained model (docs/benchmarks.md, DP-SGD cost)")
+
+
+def chance_line(history: dict) -> str | None:
+    """A plain line when the run ended near chance (under twice guessing), so that a flat
+    table is not read as a bug: None otherwise."""
+    rounds = history.get("rounds") or [{}]
+    test = rounds[-1].get("evaluation", {}).get("summary", {}).get("test", {})
+    classes = history.get("manifest", {}).get("train", {}).get("num_classes", 10)
+    if "mean_accuracy" not in test or test["mean_accuracy"] >= 2 / classes:
+        return None
+    why = (" under DP-SGD's noise (see the note before the rounds)"
+           if (history["manifest"].get("dp") or {}).get("enabled") else "")
+    return (f"the run ended near chance (mean accuracy {test['mean_accuracy']:.2f}, guessing: "
+            f"{1 / classes:.2f}){why}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    out = args.out or Path("runs") / f"demo-{args.method}"
+    out = args.out or default_out(args)
     if args.edges < 1 or args.rounds < 1 or args.alpha <= 0:
         print("fl-demo: error: --edges and --rounds must be >= 1 and --alpha > 0", file=sys.stderr)
         return 2
@@ -234,8 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if out.exists() and any(out.iterdir()):
         if not args.force:
-            print(f"fl-demo: error: {out} is not empty (use --force to replace it)",
-                  file=sys.stderr)
+            print(f"fl-demo: error: {out} is not empty (use --force to replace it, or --out "
+                  "DIR for a run of its own)", file=sys.stderr)
             return 2
         shutil.rmtree(out)
     logs = out / "logs"
@@ -326,9 +382,10 @@ def main(argv: list[str] | None = None) -> int:
                 print("fl-demo: an edge failed; see the logs in " + str(logs), file=sys.stderr)
                 return 1
             time.sleep(0.5)
-        spent = privacy_line(json.loads(history_path.read_text())) if history_path.exists() else None
-        if spent:
-            print(spent)
+        history = json.loads(history_path.read_text()) if history_path.exists() else {}
+        for line in (privacy_line(history), chance_line(history)):
+            if line:
+                print(line)
         codes = [e.wait(timeout=60) for e in edges]
         if server.returncode != 0 or any(codes):
             print(f"fl-demo: server exited {server.returncode}, edges {codes}; see {logs}",

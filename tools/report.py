@@ -68,9 +68,12 @@ import re
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 # *_bnrecal: the BN-recalibrated diagnostic (train.bn_recalibrated_eval)
 SPLITS = ("test", "global_test", "test_bnrecal", "global_test_bnrecal")
@@ -670,9 +673,16 @@ def plot_participation(run: dict, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
-def plot_similarity(run: dict, path: Path) -> None:
+def similarity_limits(values: list[float]) -> tuple[float, float]:
+    """The similarity plot's y-axis: the cosine's own scale, from 0 (or below, where a
+    value is) to 1, never autoscaled to the data: uploads at 0.9911-0.9918 are alike, and
+    an axis spanning only that range draws their noise as a trend."""
+    return min([0.0, *values]) - 0.02, 1.02
+
+
+def plot_similarity(run: dict, path: Path) -> Figure:
     """Mean pairwise cosine similarity of the edges' uploads per layer group (Fed-SAP's
-    Fig. 1: conv vs SE excitation)."""
+    Fig. 1: conv vs SE excitation). Returns the figure it saved."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -686,6 +696,7 @@ def plot_similarity(run: dict, path: Path) -> None:
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3,
                 label=group)
     ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_ylim(*similarity_limits([r[g] for r in records for g in groups if g in r]))
     ax.set_xlabel(run.get("unit", "round"))
     ax.set_ylabel("mean pairwise cosine similarity")
     ax.set_title(f"How alike the edges' uploads are, per layer group: {run['label']}\n"
@@ -695,6 +706,7 @@ def plot_similarity(run: dict, path: Path) -> None:
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+    return fig
 
 
 def plot_edges(run: dict, split: str, path: Path) -> None:

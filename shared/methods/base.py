@@ -196,7 +196,8 @@ class MethodSpec:
     default_model: str | None = None
     #: Training settings (``[train]`` keys) the method's math needs, applied like
     #: ``default_model`` where no source sets them: SCAFFOLD's control variates assume
-    #: plain SGD (``{"momentum": 0.0, "weight_decay": 0.0}``). fl-demo's own preferences
+    #: plain SGD (``{"momentum": 0.0, "weight_decay": 0.0}``); Fed-SAP's default model
+    #: needs momentum to learn in a few rounds. fl-demo's own preferences
     #: (momentum for a short demo) give way to them; an explicit user setting does not
     #: (the method then refuses it by name). Declared as a dict, kept as sorted pairs.
     train_settings: Any = ()

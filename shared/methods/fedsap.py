@@ -311,6 +311,10 @@ class FedSAP(Method):
     name = "fedsap"
     Params = FedSAPParams
     default_model = "se-cnn"  # 3 SE modules, small enough for a CPU demo (the paper: mobilenet-v3-small)
+    # SGD momentum, which that model needs to learn in a few rounds: 5 rounds of 1 epoch over
+    # 5 edges of the bundled MNIST (Dirichlet 0.3) reach a mean accuracy of 0.75 with it,
+    # 0.15 with plain SGD at the same lr (the server's default). A user's value still wins.
+    train_settings = {"momentum": 0.9}
     dp_params = {"gsr_form": "per-sample"}  # batch-mean GSR mixes samples (dp_refusal)
     extra_metrics = ("gsr_loss", "stats_drift")  # FedSAPEdge.training_metrics
 

@@ -11,7 +11,10 @@ would be uncompressed (the decoded section), its wire bytes what traveled, and i
 ``codec`` label the codec's registered name (``int8``, ``topk+ef``; bounded: only
 registered names) instead of ``none``: wire / raw is the compression ratio. The raw bytes
 of a coded payload are counted once per payload (``messages=0``), its chunks carry wire
-bytes only.
+bytes only. An upload's coded chunks are held (``CodedUpload``) and counted with its raw
+bytes when it is complete: a per-round tally taken while an upload is under way (an async
+version applied by another edge's result) would otherwise pair one upload's wire bytes
+with another's raw ones, and its wire / raw would not be a compression ratio.
 """
 
 from __future__ import annotations
@@ -44,6 +47,41 @@ def count_coded(meter: ByteMeter, direction: str, coded: dict[str, tuple[str, in
     (codec label, decoded bytes); its chunks were counted with their wire bytes only."""
     for kind, (codec, raw) in coded.items():
         meter.count(direction, kind, 0, raw, edge, codec, messages=0)
+
+
+class CodedUpload:
+    """One upload's byte counts: chunks of a kind that travels as it is are counted as they
+    arrive; the wire bytes of coded kinds are held and counted together with their raw
+    (decoded) bytes when the upload is complete (``complete``), so that both land in the
+    same round's tally, or alone when it is not (``abandon``: they traveled all the same)."""
+
+    def __init__(self, meter: ByteMeter, direction: str, coded: dict[str, tuple[str, int]],
+                 edge: str = ""):
+        self.meter, self.direction, self.coded, self.edge = meter, direction, coded, edge
+        self.held: dict[str, list[int]] = {}  # kind -> [wire, messages]
+
+    def chunk(self, kind: str, size: int) -> None:
+        """A data chunk of ``size`` bytes of section kind ``kind``."""
+        wire = data_message_wire_bytes(size)
+        if kind not in self.coded:
+            self.meter.count(self.direction, kind, wire, size, self.edge)
+            return
+        held = self.held.setdefault(kind, [0, 0])
+        held[0] += wire
+        held[1] += 1
+
+    def complete(self) -> None:
+        """The whole upload arrived: each coded kind's wire and raw bytes, at once."""
+        for kind, (codec, raw) in self.coded.items():
+            wire, messages = self.held.pop(kind, (0, 0))
+            self.meter.count(self.direction, kind, wire, raw, self.edge, codec, messages=messages)
+
+    def abandon(self) -> None:
+        """The upload ended short: the wire bytes that did travel, without raw ones."""
+        for kind, (wire, messages) in self.held.items():
+            self.meter.count(self.direction, kind, wire, 0, self.edge, self.coded[kind][0],
+                             messages=messages)
+        self.held.clear()
 
 
 def _varint_length(value: int) -> int:
