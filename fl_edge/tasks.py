@@ -26,6 +26,7 @@ from fedattn_shared.methods.phases import EVALUATE, TRAIN
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire.payload import Payload
 
+from .health import EdgeHealth
 from .metrics import EdgeMetrics
 from .options import EdgeExit, EdgeOptions
 from .run import EdgeRun
@@ -104,8 +105,9 @@ class TaskRunner:
 
     def __init__(self, run: EdgeRun, opts: EdgeOptions, device: torch.device, edge_id: str,
                  metrics: EdgeMetrics, store: PrivateStore, writer: StateWriter,
-                 middleware: list[Middleware]):
+                 middleware: list[Middleware], health: EdgeHealth | None = None):
         self.run, self.opts, self.device, self.edge_id = run, opts, device, edge_id
+        self.health = health
         self.metrics, self.store, self.writer = metrics, store, writer
         self.handlers: dict[str, Handler] = {TRAIN: self.train, EVALUATE: self.evaluate}
         chain: Handler = self._dispatch
@@ -132,11 +134,13 @@ class TaskRunner:
         alike: both train on the train split, clipped and augmented)."""
         train = self.run.train
         return train_local(algo, self.run.data.train, epochs, self.run.batch_size, task.seed,
-                           self.device, self.opts.progress, lr=task.lr, amp=self.opts.amp,
-                           grad_accum=self.opts.grad_accum, privacy=privacy,
+                           self.device, self.opts.progress, lr=task.lr, amp=self.run.amp,
+                           grad_accum=self.run.grad_accum, privacy=privacy,
                            clip_grad_norm=train.clip_grad_norm,
                            inputs=InputPipeline(train.augment, train.input_size),
-                           deterministic=train.deterministic, log_every=self.opts.log_every)
+                           deterministic=train.deterministic, log_every=self.opts.log_every,
+                           memory=self.run.memory, channels_last=self.opts.channels_last,
+                           on_step=self.health.progress if self.health else None)
 
     def train(self, task: Task) -> Result:
         """Local training; the upload is the method's ``after_train``. Reports every
