@@ -234,7 +234,7 @@ def _load_data_and_state(opts: EdgeOptions, store: PrivateStore, algo: EdgeAlgor
                          train: TrainConfig, fingerprint: str) -> EdgeData:
     """The edge's data split by the run's settings, and its private state if it has one."""
     try:
-        data = load_edge_data(opts.data_dir, train)
+        data = load_edge_data(opts.data_dir, train, keep_uint8=True)  # decoded per batch
     except DataError as err:
         raise EdgeExit(2, str(err)) from None
     if store.exists():

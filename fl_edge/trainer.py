@@ -29,7 +29,7 @@ from torch import nn
 from tqdm import tqdm
 
 from fedattn_shared.augment import InputPipeline
-from fedattn_shared.data.npz import Split
+from fedattn_shared.data.npz import Split, decode_images
 from fedattn_shared.methods.base import EdgeAlgorithm
 from fedattn_shared.rng import GLOBAL_RNG_LOCK
 
@@ -511,7 +511,9 @@ def _epoch(algo: EdgeAlgorithm, batches: Iterable, steps: LoopSteps, tally: _Tal
     pending = 0
     earlier: list[tuple[torch.Tensor, torch.Tensor]] = []  # the step's earlier micro-batches
     for x, y in batches:
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        # uint8 images travel as uint8 (a quarter of the bytes) and are decoded there
+        x = decode_images(x.to(device, non_blocking=True))
+        y = y.to(device, non_blocking=True)
         empty = y.shape[0] == 0  # Poisson sampling (DP-SGD) may draw no sample
         if not empty and not inputs.identity:
             x = inputs.train_batch(x, augment_rng)
@@ -610,7 +612,7 @@ def _batches(data: Split, batch_size: int, device: torch.device):
         starts.pop()
     for i, start in enumerate(starts):
         end = starts[i + 1] if i + 1 < len(starts) else n
-        yield data.x[start:end].to(device), data.y[start:end].to(device)
+        yield decode_images(data.x[start:end].to(device)), data.y[start:end].to(device)
 
 
 @torch.no_grad()
