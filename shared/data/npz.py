@@ -44,7 +44,7 @@ def decode_images(x: torch.Tensor) -> torch.Tensor:
     the readers' one normalisation); float images as they are."""
     if x.dtype != torch.uint8:
         return x
-    return x.float().div_(255.0).sub_(0.5).div_(0.5)
+    return x.contiguous().float().div_(255.0).sub_(0.5).div_(0.5)
 
 
 @dataclass
@@ -92,7 +92,9 @@ def _to_images(x: np.ndarray, path: Path, cfg: TrainConfig) -> torch.Tensor:
     elif x.ndim != 4:
         raise DataError(f"{path}: x must be (N,H,W), (N,H,W,C) or (N,C,H,W); got shape {x.shape}")
     if x.dtype == np.uint8:
-        images = torch.from_numpy(np.ascontiguousarray(x))
+        # NHWC files stay as read, seen through a permuted (N, C, H, W) view: no copy of
+        # the whole set; each decoded batch is made contiguous (decode_images)
+        images = torch.from_numpy(x if x.flags.writeable else x.copy())
     elif np.issubdtype(x.dtype, np.floating):
         images = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
         if not bool(torch.isfinite(images).all()):
