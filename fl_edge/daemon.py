@@ -39,6 +39,7 @@ from .secagg import EdgeSecAgg
 from .session import RETRYABLE, Received, Rejoin, Session
 from .store import PrivateStore, load_or_create_identity, load_or_create_signing_key
 from .tasks import TaskRunner
+from .telemetry import DeviceTelemetry
 from .writer import StateWriter
 
 __all__ = ["EdgeDaemon", "EdgeExit", "EdgeOptions", "pick_device"]
@@ -84,6 +85,7 @@ class EdgeDaemon:
         self.metrics = EdgeMetrics(self.registry)
         self.metrics.info.labels(self.identity.edge_id, str(self.device)).set(1)
         self.health = EdgeHealth(options.health_stall_seconds)
+        self.telemetry = DeviceTelemetry(self.registry, self.device)
         if self.device.type == "cuda" and options.gpu_memory_fraction is not None:
             # The device's share of its GPU (a Jetson shares its memory with the OS):
             # beyond it the allocator raises out-of-memory, which training backs off from.
@@ -242,7 +244,8 @@ class EdgeDaemon:
         if self.dropout is not None:
             layers.insert(0, self.dropout)
         self.runner = TaskRunner(run, self.opts, self.device, self.identity.edge_id,
-                                 self.metrics, self.store, self.writer, layers, self.health)
+                                 self.metrics, self.store, self.writer, layers, self.health,
+                                 self.telemetry)
         self.run_state = run
 
     def _next_task(self) -> Received:

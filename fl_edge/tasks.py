@@ -31,6 +31,7 @@ from .metrics import EdgeMetrics
 from .options import EdgeExit, EdgeOptions
 from .run import EdgeRun
 from .store import PrivateStore
+from .telemetry import DeviceTelemetry
 from .trainer import evaluate, loader_seed, recalibrated_bn, train_local
 from .writer import StateWriter
 
@@ -38,7 +39,8 @@ log = logging.getLogger("fl_edge")
 
 #: The training figures that describe the work, not the data: what may leave the edge when
 #: the losses must stay home (DP-SGD; SecAgg keeps fewer, see ``fl_edge.middleware``).
-WORK_FIGURES = ("train_seconds", "steps", "samples_per_second", "lr")
+WORK_FIGURES = ("train_seconds", "steps", "samples_per_second", "lr", "energy_joules",
+                "device_power_watts", "gpu_utilization")
 
 
 @dataclass
@@ -105,9 +107,10 @@ class TaskRunner:
 
     def __init__(self, run: EdgeRun, opts: EdgeOptions, device: torch.device, edge_id: str,
                  metrics: EdgeMetrics, store: PrivateStore, writer: StateWriter,
-                 middleware: list[Middleware], health: EdgeHealth | None = None):
+                 middleware: list[Middleware], health: EdgeHealth | None = None,
+                 telemetry: DeviceTelemetry | None = None):
         self.run, self.opts, self.device, self.edge_id = run, opts, device, edge_id
-        self.health = health
+        self.health, self.telemetry = health, telemetry
         self.metrics, self.store, self.writer = metrics, store, writer
         self.handlers: dict[str, Handler] = {TRAIN: self.train, EVALUATE: self.evaluate}
         chain: Handler = self._dispatch
@@ -148,7 +151,10 @@ class TaskRunner:
         run, algo = self.run, self.run.algo
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        if self.telemetry is not None:
+            self.telemetry.begin_task()
         result = self._train(algo, run.train.local_epochs, task, privacy=run.privacy)
+        device_figures = self.telemetry.end_task() if self.telemetry is not None else {}
         upload = algo.after_train(result.steps)
         saves = [(self.store.save, algo, run.fingerprint, task.round, task.phase)]
         private_figures = algo.private_figures()
@@ -157,7 +163,7 @@ class TaskRunner:
         metrics = {"train_seconds": result.seconds, "steps": float(result.steps),
                    "samples_per_second": result.samples_per_second, "lr": task.lr,
                    "train_loss": result.mean_loss, "last_epoch_loss": result.last_epoch_loss,
-                   **algo.training_metrics()}
+                   **device_figures, **algo.training_metrics()}
         if run.train.clip_grad_norm:
             metrics.update({"grad_norm": result.grad_norm_mean,
                             "clipped_fraction": result.clipped_steps / max(result.steps, 1)})
