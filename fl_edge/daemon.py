@@ -51,6 +51,9 @@ log = logging.getLogger("fl_edge")
 #: without ending (its end wakes the wait at once).
 HINT_FALLBACK_POLL = 60.0
 
+#: torch's error for an op without a deterministic kernel under strict determinism.
+NONDETERMINISTIC = "does not have a deterministic implementation"
+
 
 def pick_device(name: str) -> torch.device:
     """``--device``: auto takes CUDA when there is one; an absent CUDA is refused at start."""
@@ -281,10 +284,17 @@ class EdgeDaemon:
             self.health.error(reason)
             self.session.leave(reason)  # the server keeps its first 200 characters
             raise EdgeExit(1, reason) from None
-        except DeviceMemoryError as err:
-            # Status 2: a supervisor must not restart into the same error (the model does
-            # not fit with one sample per pass; fl_edge.memory halved down to it).
-            reason = f"round {received.header.round}: {err}"
+        except (DeviceMemoryError, RuntimeError) as err:
+            # Status 2: a supervisor must not restart into the same error. The model does
+            # not fit with one sample per pass (fl_edge.memory halved down to it), or
+            # train.deterministic on CUDA met an op without a deterministic kernel.
+            if not isinstance(err, DeviceMemoryError) and NONDETERMINISTIC not in str(err):
+                raise
+            reason = f"round {received.header.round}: {str(err)[:300]}"
+            if NONDETERMINISTIC in str(err):
+                reason += (" (train.deterministic on CUDA: the server may set "
+                           "train.deterministic=false, or this edge accept it with "
+                           "--cuda-nondeterministic-ok)")
             self.health.error(reason)
             self.session.leave(reason)
             raise EdgeExit(2, reason) from None
