@@ -21,10 +21,12 @@ PY=${PYTHON:-python}
 mkdir -p "$OUT"
 if [ -n "${GPU_CHECK_SMOKE:-}" ]; then
     MODELS="lenet-bn"; DP_MODELS="lenet-bn+gn"; SIDE=28; IMAGES=32; REPS=1; BATCHES="4"
+    SEED_MODELS="lenet-bn se-cnn"
     DATA_ON="host"; LIMIT=300
 else
     MODELS="mobilenet-v3-small resnet18-cifar"; DP_MODELS="mobilenet-v3-small+gn resnet18-cifar+gn"
     SIDE=32; IMAGES=4096; REPS=3; BATCHES="32 64"; DATA_ON="host device"; LIMIT=150
+    SEED_MODELS="$MODELS se-cnn alexnet-bn"
 fi
 failed=0
 
@@ -73,10 +75,10 @@ step 05-dp-memory 05-dp-memory.json $PY bench/gpu_check_steps.py dp-memory --dev
     --models $DP_MODELS --batch $BATCHES --side "$SIDE" --json "$OUT/05-dp-memory.json.part"
 # shellcheck disable=SC2086
 step 06-same-seed 06-same-seed.json $PY bench/gpu_check_steps.py same-seed --device "$DEVICE" \
-    --models $MODELS se-cnn --side "$SIDE" --json "$OUT/06-same-seed.json.part"
+    --models $SEED_MODELS --side "$SIDE" --json "$OUT/06-same-seed.json.part"
 # shellcheck disable=SC2086
 step 07-same-seed-warn-only 07-same-seed-warn-only.json $PY bench/gpu_check_steps.py same-seed \
-    --device "$DEVICE" --models $MODELS se-cnn --side "$SIDE" --warn-only \
+    --device "$DEVICE" --models $SEED_MODELS --side "$SIDE" --warn-only \
     --json "$OUT/07-same-seed-warn-only.json.part"
 
 if [ "$failed" -ne 0 ]; then

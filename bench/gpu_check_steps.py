@@ -82,11 +82,11 @@ def same_seed(args) -> list[dict]:
     for model in args.models:
         states, error = [], None
         for _ in range(2):
-            _, algo = edge(model, args.device, args.side, 16)
             try:
+                _, algo = edge(model, args.device, args.side, 16)
                 train_local(algo, images(64, args.side, args.device), 2, 16, seed=3,
                             device=args.device, progress=False)
-            except RuntimeError as err:
+            except (RuntimeError, ValueError) as err:
                 error = str(err).split("\n")[0][:300]
                 break
             states.append({k: v.detach().cpu() for k, v in algo.models["model"].state_dict().items()})
