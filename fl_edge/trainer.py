@@ -157,9 +157,13 @@ def configure_determinism(deterministic: bool, threads: int, strict: bool = Fals
 def autocast_dtype(device: torch.device) -> torch.dtype:
     """AMP's half precision on ``device``: bf16 where the GPU has it (sm_80+, Orin) and on
     the CPU, fp16 (with a gradient scaler) on older GPUs."""
-    if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
-        return torch.float16
-    return torch.bfloat16
+    if device.type != "cuda":
+        return torch.bfloat16
+    try:
+        native = torch.cuda.is_bf16_supported(including_emulation=False)
+    except TypeError:  # torch before 2.4 (JetPack's) has no emulation to rule out
+        native = torch.cuda.is_bf16_supported()
+    return torch.bfloat16 if native else torch.float16
 
 
 def train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, seed: int,
