@@ -5,11 +5,15 @@ as Opacus allows instead of refusing the run."""
 
 from __future__ import annotations
 
+import json
 import logging
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
+from conftest import REPO
 from test_dp import dp_config, make_method, split
 
 from fedattn_shared.methods.phases import TRAIN
@@ -49,13 +53,18 @@ def test_allocator_errors_are_recognised_and_others_are_not():
         MemoryBackoff(1).shrink(4, CPU)
 
 
-def plain_edge(seed: int = 0):
+def plain_edge(seed: int = 0, image_size: int = 28):
     """A FedAvg edge on a model whose samples are independent in training (GroupNorm, no
     dropout): splitting a batch changes its gradient's rounding only."""
-    method = make_method("fedavg", dp=None, batch_size=16)
+    method = make_method("fedavg", dp=None, batch_size=16, image_size=image_size)
     method.dp = None
     torch.manual_seed(seed)
     return method.edge(method.build_models(), CPU)
+
+
+def plain_edge_sized(image_size: int):
+    """``plain_edge`` on larger images (the real memory limit's subprocess)."""
+    return plain_edge(0, image_size)
 
 
 class AllocatorLimit:
@@ -156,3 +165,55 @@ def test_dp_sgd_takes_accumulation_as_physical_batches_and_sets_amp_aside(caplog
     opts.max_physical_batch = 5
     assert dp_loop_options(True, opts, 32) == (False, 1, 5)  # the stricter wins
     assert dp_loop_options(False, opts, 32) == (True, 4, 5)  # no DP: as given
+
+
+REAL_LIMIT = """
+import json, resource, sys, torch
+sys.path.insert(0, "tests")
+from test_edge_memory import plain_edge_sized, weights
+from fedattn_shared.data.npz import Split
+from fl_edge.memory import MemoryBackoff
+from fl_edge.trainer import train_local
+
+def vm(key):
+    return int(dict(l.split(":", 1) for l in open("/proc/self/status"))[key].split()[0]) * 1024
+
+CPU = torch.device("cpu")
+g = torch.Generator().manual_seed(0)
+data = Split(torch.randn(256, 1, 96, 96, generator=g), torch.randint(0, 10, (256,), generator=g))
+probe = plain_edge_sized(96)  # warms the libraries up, then measures a 128-sample step
+train_local(probe, Split(data.x[:16], data.y[:16]), 1, 8, seed=1, device=CPU, progress=False)
+before = vm("VmSize")
+train_local(probe, Split(data.x[:128], data.y[:128]), 1, 128, seed=1, device=CPU, progress=False)
+need = vm("VmPeak") - before
+del probe
+resource.setrlimit(resource.RLIMIT_AS, (vm("VmSize") + int(0.7 * need), resource.RLIM_INFINITY))
+algo, memory = plain_edge_sized(96), MemoryBackoff()
+train_local(algo, data, 1, 128, seed=1, device=CPU, progress=False, memory=memory)
+resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+runs = {}
+for name, limit in (("from the start", memory.limit), ("whole", None)):
+    runs[name] = plain_edge_sized(96)
+    train_local(runs[name], data, 1, 128, seed=1, device=CPU, progress=False,
+                memory=MemoryBackoff(limit))
+a, b, c = weights(algo), weights(runs["from the start"]), weights(runs["whole"])
+print(json.dumps({"need": need, "limit": memory.limit, "backoffs": memory.backoffs,
+                  "equal": all(torch.equal(a[k], b[k]) for k in a),
+                  "close": all(torch.allclose(a[k], c[k], rtol=1e-5, atol=1e-6) for k in a)}))
+"""
+
+
+def test_a_real_memory_limit_backs_off_instead_of_crashing():
+    """A real allocator failure: the process's address space is capped (RLIMIT_AS) at what
+    it holds plus 70 % of what a 128-sample step was measured to need, so the CPU
+    allocator refuses the step ("can't allocate memory"). The edge halves its pass until it
+    fits, and the weights are bit for bit those of a run that started at the learned limit,
+    and the unsplit run's to rounding."""
+    result = subprocess.run([sys.executable, "-c", REAL_LIMIT], capture_output=True, text=True,
+                            timeout=600, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["backoffs"] >= 1 and figures["limit"] <= 64, figures
+    assert "can't allocate memory" not in result.stdout
+    assert "out of memory on cpu with 128 samples per pass" in result.stderr
+    assert figures["equal"] and figures["close"], figures
