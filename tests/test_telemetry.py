@@ -108,3 +108,34 @@ def test_absent_hardware_is_absent_not_zero(monkeypatch, tmp_path):
     # A CUDA device without nvidia-ml-py or a driver (as here) is absent too.
     assert open_source(torch.device("cuda"), 1.0) is None
     assert os.environ["PATH"] == str(tmp_path)
+
+
+def found(record, key: str) -> list[float]:
+    """Every value of ``key`` anywhere in a history record."""
+    if isinstance(record, dict):
+        return [v for k, v in record.items() if k == key] + [
+            x for v in record.values() for x in found(v, key)]
+    if isinstance(record, list):
+        return [x for v in record for x in found(v, key)]
+    return []
+
+
+def test_a_real_edge_on_a_jetson_reports_energy_into_the_servers_history(cluster, tmp_path):
+    """fl-edge with tegrastats on its PATH (replaying a recorded AGX Orin line) against a
+    real fl-server: the training result carries the task's energy, mean power and GPU
+    utilisation, and the server keeps them in its history (they are standard metrics)."""
+    from conftest import read_history, write_edge_dirs
+
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    fake_tegrastats(tools, "orin-agx-jp7.log")
+    (data,) = write_edge_dirs(tmp_path, 1, per_edge=120)
+    server = cluster.server("--method", "fedavg", "--rounds", "1", "--min-edges", "1")
+    edge = cluster.edge(data, "orin", "--progress", "off",
+                        env={**os.environ, "PATH": f"{tools}{os.pathsep}{os.environ['PATH']}"})
+    assert edge.wait(300) == 0 and server.wait(120) == 0
+    record = read_history(tmp_path / "server-state")["rounds"][0]["train"]
+    assert found(record, "device_power_watts") == [pytest.approx(13.907)], record
+    assert found(record, "gpu_utilization") == [pytest.approx(0.12)]
+    assert found(record, "energy_joules")[0] > 0
+    assert "reported metrics" not in server.log()  # declared: not ignored as unknown
