@@ -68,14 +68,16 @@ def plain_edge_sized(image_size: int):
 
 
 class AllocatorLimit:
-    """An allocator error injected at the first convolution: a pass over more than
-    ``most`` samples raises torch.OutOfMemoryError as CUDA's caching allocator does, before
-    the layer computes anything."""
+    """An allocator error injected at the first convolution (or, ``late``, at the last
+    linear layer, after every layer before it ran and Opacus captured their activations): a
+    pass over more than ``most`` samples raises torch.OutOfMemoryError as CUDA's caching
+    allocator does, before the layer computes anything."""
 
-    def __init__(self, model: torch.nn.Module, most: int):
+    def __init__(self, model: torch.nn.Module, most: int, late: bool = False):
         self.most, self.failures = most, 0
-        first = next(m for m in model.modules() if isinstance(m, torch.nn.Conv2d))
-        first.register_forward_pre_hook(self)
+        kind = torch.nn.Linear if late else torch.nn.Conv2d
+        layers = [m for m in model.modules() if isinstance(m, kind)]
+        (layers[-1] if late else layers[0]).register_forward_pre_hook(self)
 
     def __call__(self, module, inputs):
         if torch.is_grad_enabled() and inputs[0].shape[0] > self.most:
@@ -120,7 +122,7 @@ def test_one_sample_too_many_ends_with_a_device_memory_error():
         train_local(algo, split(32), 1, 16, seed=0, device=CPU, progress=False)
 
 
-def dp_run(limit_at_start: int, inject: int | None, device_limit: int = 0):
+def dp_run(limit_at_start: int, inject: int | None, device_limit: int = 0, late: bool = False):
     """One DP-SGD round with noise drawn from the seed (so two runs can be compared)."""
     method = make_method("fedavg", dp=dp_config(seeded_noise=True, max_physical_batch=limit_at_start),
                          batch_size=16)
@@ -131,20 +133,21 @@ def dp_run(limit_at_start: int, inject: int | None, device_limit: int = 0):
     privacy = PrivateTraining(algo, method.dp, 64, 16, policy=PrivacyPolicy(allow_seeded_noise=True),
                               max_physical_batch=device_limit)
     privacy.begin_phase(5, "train")
-    hook = AllocatorLimit(algo.models["model"], inject) if inject else None
+    hook = AllocatorLimit(algo.models["model"], inject, late) if inject else None
     memory = MemoryBackoff()
     result = train_local(algo, split(64), 1, 16, seed=5, device=CPU, progress=False,
                          privacy=privacy, memory=memory)
     return weights(algo), result, privacy.end_round(1), memory, hook
 
 
-def test_dp_sgd_backs_off_within_the_logical_batch():
+@pytest.mark.parametrize("late", [False, True])
+def test_dp_sgd_backs_off_within_the_logical_batch(late):
     """Under DP-SGD a physical batch that runs out of memory is split further within its
     logical batch: each part's per-sample gradients are clipped into the sum, the noise and
     the step come once per logical batch. Bit for bit the run of a device that bounded its
     physical batches at the learned size from the start; the unsplit run to rounding."""
     start, whole = dp_run(0, None, device_limit=3), dp_run(0, None)
-    backed = dp_run(0, 3)
+    backed = dp_run(0, 3, late=late)
     assert backed[3].limit < 4 and backed[4].failures >= 1
     assert backed[2]["dp_steps"] == whole[2]["dp_steps"] == start[2]["dp_steps"] == 4
     server = dp_run(3, None)

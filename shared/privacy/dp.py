@@ -460,6 +460,13 @@ class PrivateTraining:
             for module in model.modules():
                 if hasattr(module, "activations"):
                     module.activations = []
+            # A pass cut short leaves Opacus' per-parameter bookkeeping mid-way: forwards
+            # counted without their backward, a per-sample gradient not yet promoted.
+            for param in model.parameters():
+                if hasattr(param, "_forward_counter"):
+                    param._forward_counter = 0
+                if hasattr(param, "_current_grad_sample"):
+                    del param._current_grad_sample
         return False
 
     def _drop_pass(self) -> None:
