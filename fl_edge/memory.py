@@ -9,7 +9,9 @@ micro-batch's mean loss weighted by its share of the batch; DP-SGD: each sample'
 gradient is clipped alone, so the clipped sum is the same however the batch is split). The
 maths is the same, the float summation order is not: a split run matches the unsplit one to
 rounding (and BatchNorm's batch statistics are per micro-batch), and matches bit for bit a
-run that started with the same limit. The limit lives as long as the edge's run: a device
+run that started with the same limit -- for models without BatchNorm running statistics or
+dropout: a pass that fails half-way has already moved the running statistics of the layers
+it got through, and its retry draws new dropout masks. The limit lives as long as the edge's run: a device
 that learned it once does not run out again every round.
 """
 
