@@ -76,6 +76,9 @@ def serve(port: int, registry: CollectorRegistry, health: EdgeHealth,
     a daemon thread. Requests are GETs of two fixed paths; nothing is read from a body."""
 
     class Handler(BaseHTTPRequestHandler):
+        # A client that opens a connection and sends nothing holds its thread 10 s at most.
+        timeout = 10
+
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
