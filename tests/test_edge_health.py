@@ -94,3 +94,39 @@ def test_small_device_flags_train_under_dp_sgd_with_one_warning(cluster, tmp_pat
     assert len(warnings) == 1, warnings
     assert "--grad-accum 2 becomes physical batches of at most 10" in warnings[0]
     assert "--amp is set aside" in warnings[0]
+
+
+def test_the_health_server_answers_only_two_paths_and_drops_silent_clients():
+    """What a stranger on the network can do to --metrics-port: other paths are 404, other
+    methods 501, a garbage request line 400, a body is never read, and a connection that
+    sends nothing is closed by the server (its thread is not held for ever)."""
+    import socket
+    import time
+
+    from prometheus_client import CollectorRegistry
+
+    from fl_edge.health import serve
+
+    server = serve(0, CollectorRegistry(), EdgeHealth(), host="127.0.0.1")
+    port = server.server_port
+    try:
+        assert get(port, "/healthz")[0] == 200 and get(port, "/metrics")[0] == 200
+        assert get(port, "/../etc/passwd")[0] == 404 and get(port, "/healthz/x")[0] == 404
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/healthz", data=b"x" * 10,
+                                         method="POST")
+        try:
+            urllib.request.urlopen(request, timeout=10)
+            raise AssertionError("POST answered")
+        except urllib.error.HTTPError as err:
+            assert err.code == 501
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as raw:
+            raw.sendall(b"\x00\xff garbage\r\n\r\n")
+            answer = b"".join(iter(lambda: raw.recv(4096), b""))
+            assert b"Error code: 400" in answer
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as silent:
+            start = time.monotonic()
+            assert silent.recv(100) == b""  # closed by the server, having sent nothing
+            assert time.monotonic() - start < 25
+    finally:
+        server.shutdown()
+        server.server_close()
