@@ -70,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="keep the data splits in the GPU's memory: batches are gathered "
                             "there instead of copied from the host every step (the splits "
                             "must fit; no effect on a CPU)")
+    _add_device_limits(parser)
     _add_policy(parser)
     _add_simulation(parser)
     parser.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
@@ -79,6 +80,34 @@ def build_parser() -> argparse.ArgumentParser:
                              "samples/s, ETA) every this many seconds (default 10; 0: off)")
     parser.add_argument("--log-level", default="INFO")
     return parser
+
+
+def _add_device_limits(parser: argparse.ArgumentParser) -> None:
+    """What the device decides for itself, whatever the server sends (one help group)."""
+    device = parser.add_argument_group(
+        "device limits",
+        "The device's own memory, speed and supervision settings; where the server sets the "
+        "same thing (dp.max_physical_batch) the stricter value wins.")
+    device.add_argument("--max-physical-batch", type=int, default=None, metavar="N",
+                        help="at most N samples per forward/backward pass: a larger batch is "
+                             "split into parts whose gradients sum to the same mean gradient "
+                             "(DP-SGD: physical batches of the same logical batch). On an "
+                             "out-of-memory error the edge halves it and retries the step "
+                             "(default: whole batches, halved only on out-of-memory)")
+    device.add_argument("--gpu-memory-fraction", type=float, default=None, metavar="F",
+                        help="the share (0 < F <= 1) of the GPU's memory this process may "
+                             "allocate (torch.cuda.set_per_process_memory_fraction; a Jetson "
+                             "shares its memory with the OS); no effect on a CPU")
+    device.add_argument("--cuda-nondeterministic-ok", action="store_true",
+                        help="with train.deterministic on CUDA, an op without a deterministic "
+                             "kernel warns instead of failing the round (the run is then not "
+                             "bit-identical; see docs/architecture.md, determinism)")
+    device.add_argument("--no-channels-last", dest="channels_last", action="store_false",
+                        help="on a GPU, pass images in PyTorch's default NCHW layout instead "
+                             "of channels-last")
+    device.add_argument("--health-stall-seconds", type=float, default=1800.0, metavar="S",
+                        help="GET /healthz on --metrics-port answers 503 once a task has "
+                             "made no progress for S seconds (default 1800)")
 
 
 def _add_policy(parser: argparse.ArgumentParser) -> None:
@@ -235,8 +264,16 @@ def main(argv: list[str] | None = None) -> int:
     if not args.data_dir.is_dir():
         print(f"fl-edge: error: --data-dir {args.data_dir} is not a directory", file=sys.stderr)
         return 2
-    if (args.batch_size is not None and args.batch_size < 1) or args.grad_accum < 1:
-        print("fl-edge: error: --batch-size and --grad-accum must be >= 1", file=sys.stderr)
+    if (args.batch_size is not None and args.batch_size < 1) or args.grad_accum < 1 or (
+            args.max_physical_batch is not None and args.max_physical_batch < 1):
+        print("fl-edge: error: --batch-size, --grad-accum and --max-physical-batch must be >= 1",
+              file=sys.stderr)
+        return 2
+    if args.gpu_memory_fraction is not None and not 0 < args.gpu_memory_fraction <= 1:
+        print("fl-edge: error: --gpu-memory-fraction must be in (0, 1]", file=sys.stderr)
+        return 2
+    if not args.health_stall_seconds > 0:
+        print("fl-edge: error: --health-stall-seconds must be > 0", file=sys.stderr)
         return 2
     threads = cpu_threads(args.threads)
     if threads is None:
@@ -271,7 +308,10 @@ def main(argv: list[str] | None = None) -> int:
         grad_accum=args.grad_accum, tls_dir=args.tls_dir, tls_server_name=args.tls_server_name,
         privacy=privacy, refuse_eval_detail=args.refuse_eval_detail,
         allow_methods=tuple(args.allow_method), throttle=throttle,
-        disconnect=disconnect, offline_seconds=offline, disconnect_seed=args.disconnect_seed)
+        disconnect=disconnect, offline_seconds=offline, disconnect_seed=args.disconnect_seed,
+        max_physical_batch=args.max_physical_batch, gpu_memory_fraction=args.gpu_memory_fraction,
+        cuda_nondeterministic_ok=args.cuda_nondeterministic_ok, channels_last=args.channels_last,
+        health_stall_seconds=args.health_stall_seconds)
     try:
         daemon = EdgeDaemon(options)
         code = daemon.run()

@@ -20,7 +20,7 @@ import time
 
 import grpc
 import torch
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
 from fedattn_shared.state import StateError
 from fedattn_shared.tls import edge_credentials
@@ -28,7 +28,9 @@ from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire.accounting import ByteMeter
 from fedattn_shared.wire.payload import WireError
 
+from .health import EdgeHealth, serve
 from .heterogeneity import Disconnected, Dropout, Throttle
+from .memory import DeviceMemoryError
 from .metrics import EdgeMetrics
 from .middleware import edge_middleware
 from .options import EdgeExit, EdgeOptions
@@ -37,6 +39,7 @@ from .secagg import EdgeSecAgg
 from .session import RETRYABLE, Received, Rejoin, Session
 from .store import PrivateStore, load_or_create_identity, load_or_create_signing_key
 from .tasks import TaskRunner
+from .telemetry import DeviceTelemetry
 from .writer import StateWriter
 
 __all__ = ["EdgeDaemon", "EdgeExit", "EdgeOptions", "pick_device"]
@@ -47,6 +50,9 @@ log = logging.getLogger("fl_edge")
 #: stream repeats the answer every ten seconds, so this only covers a stream that stalls
 #: without ending (its end wakes the wait at once).
 HINT_FALLBACK_POLL = 60.0
+
+#: torch's error for an op without a deterministic kernel under strict determinism.
+NONDETERMINISTIC = "does not have a deterministic implementation"
 
 
 def pick_device(name: str) -> torch.device:
@@ -81,6 +87,12 @@ class EdgeDaemon:
         self.meter = ByteMeter(self.registry)
         self.metrics = EdgeMetrics(self.registry)
         self.metrics.info.labels(self.identity.edge_id, str(self.device)).set(1)
+        self.health = EdgeHealth(options.health_stall_seconds)
+        self.telemetry = DeviceTelemetry(self.registry, self.device)
+        if self.device.type == "cuda" and options.gpu_memory_fraction is not None:
+            # The device's share of its GPU (a Jetson shares its memory with the OS):
+            # beyond it the allocator raises out-of-memory, which training backs off from.
+            torch.cuda.set_per_process_memory_fraction(options.gpu_memory_fraction, self.device)
         self.writer = StateWriter(self.store, options.state_dir, self.metrics)
         self.session = Session(options, self.credentials, self.device, self.identity,
                                self.signing_key, self.meter, self.metrics, self._keep_common)
@@ -121,9 +133,9 @@ class EdgeDaemon:
         """Sessions until the server ends the run; a lost server is retried with jittered
         exponential backoff (for ``retry_for`` seconds at most), a refusal is not."""
         if self.opts.metrics_port >= 0:
-            server, _ = start_http_server(self.opts.metrics_port, registry=self.registry)
+            server = serve(self.opts.metrics_port, self.registry, self.health)
             self.metrics_port = server.server_port
-            log.info("metrics on :%d", self.metrics_port)
+            log.info("metrics on :%d (health on /healthz)", self.metrics_port)
         backoff = 0.5
         while True:
             try:
@@ -140,6 +152,8 @@ class EdgeDaemon:
                 raise EdgeExit(2, f"server {self.opts.server} sent a task this edge refuses: "
                                   f"{err}") from None
             except grpc.RpcError as err:
+                self.health.set("reconnecting")
+                self.health.error(f"server call failed: {err.code() if hasattr(err, 'code') else err}")
                 if self.unreachable_since is None:  # a new outage: back off from the start
                     self.unreachable_since, backoff = time.monotonic(), 0.5
                 time.sleep(self._retry_delay(err, backoff, self.unreachable_since))
@@ -178,6 +192,7 @@ class EdgeDaemon:
     def _session(self) -> None:
         """One connection: join, then tasks until the server says the run is over."""
         with self.session.connect():
+            self.health.set("joining")
             self._join()
             self.idle = False
             try:
@@ -186,6 +201,7 @@ class EdgeDaemon:
                         received = self._next_task()
                         status = received.header.status
                         if status == pb.TaskHeader.DONE:
+                            self.health.set("done")
                             log.info("server says the run is over")
                             self.session.leave("run finished")
                             return
@@ -242,7 +258,8 @@ class EdgeDaemon:
         if self.dropout is not None:
             layers.insert(0, self.dropout)
         self.runner = TaskRunner(run, self.opts, self.device, self.identity.edge_id,
-                                 self.metrics, self.store, self.writer, layers)
+                                 self.metrics, self.store, self.writer, layers, self.health,
+                                 self.telemetry)
         self.run_state = run
 
     def _next_task(self) -> Received:
@@ -251,6 +268,7 @@ class EdgeDaemon:
         stream's ``task_ready`` (or ``HINT_FALLBACK_POLL`` seconds, should a hint be lost),
         then asks once; otherwise it long-polls."""
         self.writer.flush()
+        self.health.set("idle")
         if not self.session.task_hints:
             return self.session.next_task()
         if self.idle:
@@ -268,11 +286,29 @@ class EdgeDaemon:
         and stops counting the edge, instead of waiting for it until the round times out
         (or, with every edge required, for ever). Nothing of the failed task was written:
         a restarted edge resumes from its state before it."""
+        phase = received.header.phase
+        self.health.set({"train": "training", "evaluate": "evaluating"}.get(phase, "working"))
         try:
             result = self.runner(received.header, received.common, received.personal)
         except FloatingPointError as err:
             reason = f"training diverged in round {received.header.round}: {err}"
+            self.health.error(reason)
             self.session.leave(reason)  # the server keeps its first 200 characters
             raise EdgeExit(1, reason) from None
+        except (DeviceMemoryError, RuntimeError) as err:
+            # Status 2: a supervisor must not restart into the same error. The model does
+            # not fit with one sample per pass (fl_edge.memory halved down to it), or
+            # train.deterministic on CUDA met an op without a deterministic kernel.
+            if not isinstance(err, DeviceMemoryError) and NONDETERMINISTIC not in str(err):
+                raise
+            reason = f"round {received.header.round}: {str(err)[:300]}"
+            if NONDETERMINISTIC in str(err):
+                reason += (" (train.deterministic on CUDA: the server may set "
+                           "train.deterministic=false, or this edge accept it with "
+                           "--cuda-nondeterministic-ok)")
+            self.health.error(reason)
+            self.session.leave(reason)
+            raise EdgeExit(2, reason) from None
+        self.health.set("uploading")
         self.session.submit(received.header, result.upload, result.num_examples,
                             result.evaluation, result.metrics, result.coded)

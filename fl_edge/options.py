@@ -62,3 +62,20 @@ class EdgeOptions:
     disconnect: float = 0.0  # probability per task of losing the connection
     offline_seconds: float = 10.0
     disconnect_seed: int = 0
+    # The device's own limits and speed (fl-edge's "device limits" options, one block):
+    # samples per forward/backward pass (DP-SGD: the physical batch; the stricter of this
+    # and the server's wins), the share of the GPU's memory this process may take, CUDA
+    # determinism that warns instead of failing, channels-last inputs on a GPU, and the
+    # seconds without progress after which /healthz answers 503 while a task runs.
+    max_physical_batch: int | None = None
+    gpu_memory_fraction: float | None = None
+    cuda_nondeterministic_ok: bool = False
+    channels_last: bool = True
+    health_stall_seconds: float = 1800.0
+
+    @property
+    def device_is_cuda(self) -> bool:
+        """Whether this edge trains on CUDA (``--device`` cuda, or auto with a GPU)."""
+        import torch
+
+        return self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())

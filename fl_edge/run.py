@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +37,7 @@ from fedattn_shared.privacy.dp import PinnedPolicy, PolicyRefusal, PrivateTraini
 from fedattn_shared.privacy.secagg import SecAggPolicy
 from fedattn_shared.state import StateError
 
+from .memory import MemoryBackoff
 from .metrics import EdgeMetrics
 from .options import EdgeExit, EdgeOptions
 from .store import PrivateStore, private_digest
@@ -93,6 +95,11 @@ class EdgeRun:
     # server.eval_detail: evaluations carry per-class counts (never under DP: refused at
     # join); otherwise only correct/total/loss/Brier sums leave this edge
     eval_detail: bool = False
+    # --amp and --grad-accum as this run uses them (DP-SGD sets them aside: dp_loop_options)
+    amp: bool = False
+    grad_accum: int = 1
+    # the device's samples per pass, halved on out-of-memory errors for the rest of the run
+    memory: MemoryBackoff = field(default_factory=MemoryBackoff)
 
 
 @dataclass
@@ -127,14 +134,40 @@ def build_run(config_json: str, fingerprint: str, opts: EdgeOptions, device: tor
     if opts.data_on_device and device.type != "cpu":
         data = data.to(device)
     batch_size = opts.batch_size or config.train.batch_size
+    amp, grad_accum, physical = dp_loop_options(method.dp is not None, opts, batch_size)
     privacy = private_training(method, algo, len(data.train), batch_size, ledger, opts, store,
-                               writer, metrics)
+                               writer, metrics, physical)
     writer.write(store.save_run_config, config_json, fingerprint)
     log.info("data: %d train, %d test, %s global-test samples", len(data.train),
              len(data.test), len(data.global_test) if data.global_test else "no")
+    # DP-SGD bounds its passes with physical batches; the loop's limit then only backs off
+    memory = MemoryBackoff(None if privacy is not None else opts.max_physical_batch or None)
     return EdgeRun(config_json, fingerprint, method, algo, data, config.train, batch_size,
                    privacy, config.secagg, downlink_cap(models), config.compress,
-                   config.asynchronous, config.eval_detail)
+                   config.asynchronous, config.eval_detail, amp, grad_accum, memory)
+
+
+def dp_loop_options(dp: bool, opts: EdgeOptions, batch_size: int) -> tuple[bool, int, int]:
+    """(amp, grad_accum, device's physical batch) for the run. Without DP-SGD: the edge's
+    options as given. Under DP-SGD, what Opacus allows: accumulation becomes physical
+    batches of at most ceil(batch / grad_accum) samples (the memory the flag was for; the
+    logical Poisson batch, and so the privacy accounting, stays the server's); AMP is set
+    aside (Opacus' DPOptimizer does not unscale per-sample gradients). One warning names
+    both, and the run goes on: a device's memory flags never refuse a server's DP-SGD."""
+    physical = opts.max_physical_batch or 0
+    if not dp:
+        return opts.amp, opts.grad_accum, physical
+    changes = []
+    if opts.grad_accum > 1:
+        accum_bound = math.ceil(batch_size / opts.grad_accum)
+        physical = min(physical, accum_bound) if physical else accum_bound
+        changes.append(f"--grad-accum {opts.grad_accum} becomes physical batches of at most "
+                       f"{physical} samples (same logical batch)")
+    if opts.amp:
+        changes.append("--amp is set aside (Opacus' per-sample gradients are float32)")
+    if changes:
+        log.warning("the server runs DP-SGD: %s", "; ".join(changes))
+    return False, 1, physical
 
 
 def _read_config(config_json: str, opts: EdgeOptions) -> _Config:
@@ -152,7 +185,8 @@ def _read_config(config_json: str, opts: EdgeOptions) -> _Config:
         train = TrainConfig()
         apply_values(train, "train", config["train"], "server config")
         train.validate()
-        configure_determinism(train.deterministic, train.threads)
+        configure_determinism(train.deterministic, train.threads,
+                              strict=opts.device_is_cuda and not opts.cuda_nondeterministic_ok)
         dp = None
         if config.get("dp") is not None:
             dp = DPConfig()
@@ -225,7 +259,7 @@ def _load_data_and_state(opts: EdgeOptions, store: PrivateStore, algo: EdgeAlgor
                          train: TrainConfig, fingerprint: str) -> EdgeData:
     """The edge's data split by the run's settings, and its private state if it has one."""
     try:
-        data = load_edge_data(opts.data_dir, train)
+        data = load_edge_data(opts.data_dir, train, keep_uint8=True)  # decoded per batch
     except DataError as err:
         raise EdgeExit(2, str(err)) from None
     if store.exists():
@@ -240,20 +274,19 @@ def _load_data_and_state(opts: EdgeOptions, store: PrivateStore, algo: EdgeAlgor
 
 def private_training(method: Method, algo: EdgeAlgorithm, num_examples: int, batch_size: int,
                      ledger: dict | None, opts: EdgeOptions, store: PrivateStore,
-                     writer: StateWriter, metrics: EdgeMetrics) -> PrivateTraining | None:
+                     writer: StateWriter, metrics: EdgeMetrics,
+                     physical_batch: int = 0) -> PrivateTraining | None:
     """DP-SGD for the run (once: the models are wrapped for good), calibrated to this
     edge's data, continuing the ledger on disk, within the edge's policy and the
     ledger's pin. The ledger is written at once, so the first run's pin holds from
-    before its first step."""
+    before its first step. ``physical_batch``: the device's bound on a physical batch
+    (``dp_loop_options``; 0: none)."""
     if method.dp is None:
         return None
-    if opts.amp or opts.grad_accum > 1:
-        raise EdgeExit(2, "the server runs DP-SGD: --amp and --grad-accum do not combine "
-                          "with it (dp.max_physical_batch bounds memory instead)")
     try:
         check_dp(method)
         privacy = PrivateTraining(algo, method.dp, num_examples, batch_size, ledger,
-                                  policy=opts.privacy)
+                                  policy=opts.privacy, max_physical_batch=physical_batch)
     except PolicyRefusal as err:
         raise policy_exit(err, store.ledger_path) from None
     except (ValueError, StateError) as err:

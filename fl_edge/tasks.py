@@ -26,10 +26,12 @@ from fedattn_shared.methods.phases import EVALUATE, TRAIN
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire.payload import Payload
 
+from .health import EdgeHealth
 from .metrics import EdgeMetrics
 from .options import EdgeExit, EdgeOptions
 from .run import EdgeRun
 from .store import PrivateStore
+from .telemetry import DeviceTelemetry
 from .trainer import evaluate, loader_seed, recalibrated_bn, train_local
 from .writer import StateWriter
 
@@ -37,7 +39,8 @@ log = logging.getLogger("fl_edge")
 
 #: The training figures that describe the work, not the data: what may leave the edge when
 #: the losses must stay home (DP-SGD; SecAgg keeps fewer, see ``fl_edge.middleware``).
-WORK_FIGURES = ("train_seconds", "steps", "samples_per_second", "lr")
+WORK_FIGURES = ("train_seconds", "steps", "samples_per_second", "lr", "energy_joules",
+                "device_power_watts", "gpu_utilization")
 
 
 @dataclass
@@ -104,8 +107,10 @@ class TaskRunner:
 
     def __init__(self, run: EdgeRun, opts: EdgeOptions, device: torch.device, edge_id: str,
                  metrics: EdgeMetrics, store: PrivateStore, writer: StateWriter,
-                 middleware: list[Middleware]):
+                 middleware: list[Middleware], health: EdgeHealth | None = None,
+                 telemetry: DeviceTelemetry | None = None):
         self.run, self.opts, self.device, self.edge_id = run, opts, device, edge_id
+        self.health, self.telemetry = health, telemetry
         self.metrics, self.store, self.writer = metrics, store, writer
         self.handlers: dict[str, Handler] = {TRAIN: self.train, EVALUATE: self.evaluate}
         chain: Handler = self._dispatch
@@ -132,11 +137,13 @@ class TaskRunner:
         alike: both train on the train split, clipped and augmented)."""
         train = self.run.train
         return train_local(algo, self.run.data.train, epochs, self.run.batch_size, task.seed,
-                           self.device, self.opts.progress, lr=task.lr, amp=self.opts.amp,
-                           grad_accum=self.opts.grad_accum, privacy=privacy,
+                           self.device, self.opts.progress, lr=task.lr, amp=self.run.amp,
+                           grad_accum=self.run.grad_accum, privacy=privacy,
                            clip_grad_norm=train.clip_grad_norm,
                            inputs=InputPipeline(train.augment, train.input_size),
-                           deterministic=train.deterministic, log_every=self.opts.log_every)
+                           deterministic=train.deterministic, log_every=self.opts.log_every,
+                           memory=self.run.memory, channels_last=self.opts.channels_last,
+                           on_step=self.health.progress if self.health else None)
 
     def train(self, task: Task) -> Result:
         """Local training; the upload is the method's ``after_train``. Reports every
@@ -144,7 +151,10 @@ class TaskRunner:
         run, algo = self.run, self.run.algo
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        if self.telemetry is not None:
+            self.telemetry.begin_task()
         result = self._train(algo, run.train.local_epochs, task, privacy=run.privacy)
+        device_figures = self.telemetry.end_task() if self.telemetry is not None else {}
         upload = algo.after_train(result.steps)
         saves = [(self.store.save, algo, run.fingerprint, task.round, task.phase)]
         private_figures = algo.private_figures()
@@ -153,7 +163,7 @@ class TaskRunner:
         metrics = {"train_seconds": result.seconds, "steps": float(result.steps),
                    "samples_per_second": result.samples_per_second, "lr": task.lr,
                    "train_loss": result.mean_loss, "last_epoch_loss": result.last_epoch_loss,
-                   **algo.training_metrics()}
+                   **device_figures, **algo.training_metrics()}
         if run.train.clip_grad_norm:
             metrics.update({"grad_norm": result.grad_norm_mean,
                             "clipped_fraction": result.clipped_steps / max(result.steps, 1)})

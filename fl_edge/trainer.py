@@ -29,9 +29,11 @@ from torch import nn
 from tqdm import tqdm
 
 from fedattn_shared.augment import InputPipeline
-from fedattn_shared.data.npz import Split
+from fedattn_shared.data.npz import Split, decode_images
 from fedattn_shared.methods.base import EdgeAlgorithm
 from fedattn_shared.rng import GLOBAL_RNG_LOCK
+
+from .memory import MemoryBackoff, micro_batches, out_of_memory
 
 if TYPE_CHECKING:
     from fedattn_shared.privacy.dp import PrivateTraining
@@ -123,33 +125,50 @@ def clip_gradients(optimizers: list[torch.optim.Optimizer], max_norm: float) -> 
 CUBLAS_WORKSPACE = ":4096:8"
 
 
-def set_deterministic_algorithms(mode: bool) -> None:
-    """``torch.use_deterministic_algorithms(mode, warn_only=True)`` without its import of
-    ``torch._inductor`` (to set the compiler's own flag), which pulls in ``torch._dynamo``:
-    1-4 s at every edge's first join, for a compiler fedattn never runs. The compiler's flag
-    is still set when something in the process has imported it."""
-    torch._C._set_deterministic_algorithms(mode, warn_only=True)
+def set_deterministic_algorithms(mode: bool, warn_only: bool = True) -> None:
+    """``torch.use_deterministic_algorithms(mode, warn_only=warn_only)`` without its import
+    of ``torch._inductor`` (to set the compiler's own flag), which pulls in
+    ``torch._dynamo``: 1-4 s at every edge's first join, for a compiler fedattn never runs.
+    The compiler's flag is still set when something in the process has imported it."""
+    torch._C._set_deterministic_algorithms(mode, warn_only=warn_only)
     inductor = sys.modules.get("torch._inductor.config")
     if inductor is not None:
         inductor.deterministic = mode
 
 
-def configure_determinism(deterministic: bool, threads: int) -> None:
+def configure_determinism(deterministic: bool, threads: int, strict: bool = False) -> None:
     """The process-wide settings a bit-identical run needs (``train.deterministic``,
     ``train.threads``), applied by the edge once it has the server's configuration.
     Deterministic algorithms cost nothing measurable on CPU (its kernels are deterministic
-    for a fixed thread count); ``warn_only`` because some CUDA kernels have no
-    deterministic version and a run should warn, not fail, there. On CUDA, cuBLAS picks
-    its reduction order per stream workspace unless ``CUBLAS_WORKSPACE_CONFIG`` fixes the
-    workspace (read when the first cuBLAS handle is made, so set here, before training;
-    an operator's own value is kept). Threads > 0 pin intra-op parallelism: a reduction
-    split over another number of threads rounds differently."""
-    set_deterministic_algorithms(deterministic)
+    for a fixed thread count). ``strict`` (the edge on CUDA, unless its operator passed
+    ``--cuda-nondeterministic-ok``): an op without a deterministic CUDA kernel raises
+    instead of warning, so a run claimed bit-identical is; without it such an op only
+    warns (and ``warn_only`` also switches off the deterministic kernels some ops have,
+    such as the memory-efficient attention backward). On CUDA, cuBLAS picks its reduction
+    order per stream workspace unless ``CUBLAS_WORKSPACE_CONFIG`` fixes the workspace
+    (read when the first cuBLAS handle is made, so set here, before training; an
+    operator's own value is kept). Without determinism cuDNN autotunes its kernels (the
+    fastest per shape, possibly another per run). Threads > 0 pin intra-op parallelism: a
+    reduction split over another number of threads rounds differently."""
+    set_deterministic_algorithms(deterministic, warn_only=not strict)
+    # autotuning may pick another kernel per run: only when determinism is not asked for
+    torch.backends.cudnn.benchmark = not deterministic
     if deterministic:
-        torch.backends.cudnn.benchmark = False  # autotuning may pick another kernel per run
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     if threads > 0:
         torch.set_num_threads(threads)
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype:
+    """AMP's half precision on ``device``: bf16 where the GPU has it (sm_80+, Orin) and on
+    the CPU, fp16 (with a gradient scaler) on older GPUs."""
+    if device.type != "cuda":
+        return torch.bfloat16
+    try:
+        native = torch.cuda.is_bf16_supported(including_emulation=False)
+    except TypeError:  # torch before 2.4 (JetPack's) has no emulation to rule out
+        native = torch.cuda.is_bf16_supported()
+    return torch.bfloat16 if native else torch.float16
 
 
 def train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, seed: int,
@@ -158,7 +177,9 @@ def train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, 
                 privacy: PrivateTraining | None = None, clip_grad_norm: float = 0.0,
                 inputs: InputPipeline | None = None,
                 augment_rng: torch.Generator | None = None,
-                deterministic: bool = True, log_every: float = 0.0) -> TrainResult:
+                deterministic: bool = True, log_every: float = 0.0,
+                memory: MemoryBackoff | None = None, channels_last: bool = False,
+                on_step: Callable[[], None] | None = None) -> TrainResult:
     """E local epochs over shuffled batches (the algorithm may add epochs: FedRep's head
     epochs). ``grad_accum`` micro-batches make one optimizer step (for small devices);
     ``amp`` runs the forward pass in half precision (fp16 with a gradient scaler on CUDA,
@@ -178,6 +199,12 @@ def train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, 
     bars, ``log_every`` > 0 logs steps, samples/s and the ETA every that many seconds (a
     daemon's log is otherwise silent for a whole epoch).
 
+    ``memory`` (``fl_edge.memory``): the device's limit on samples per pass and its
+    back-off on out-of-memory errors (by default none, and an out-of-memory error still
+    halves a whole batch and retries). ``channels_last``: on a GPU, 4-D inputs are passed
+    channels-last (cuDNN's faster layout for convolutions). ``on_step`` is called after
+    every batch (the edge's health: progress is being made).
+
     ``seed`` (``loader_seed``: per edge and round) drives everything random in the round:
     the data order (``generator``) and, through a forked global torch RNG seeded with it,
     dropout and any method's draws, so a round is a pure function of the seed and the
@@ -190,8 +217,10 @@ def train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, 
     with turn, torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed ^ GLOBAL_STREAM)  # not the data order's stream
         steps = privacy if privacy is not None else PlainSteps(device, amp, clip_grad_norm)
-        return _train_local(algo, data, epochs, batch_size, seed, device, progress, lr, amp,
-                            grad_accum, steps, clip_grad_norm, inputs, augment_rng, log_every)
+        loop = _Loop(device, amp, grad_accum, memory or MemoryBackoff(),
+                     channels_last and device.type == "cuda", on_step)
+        return _train_local(algo, data, epochs, batch_size, seed, loop, progress, lr, steps,
+                            clip_grad_norm, inputs, augment_rng, log_every)
 
 
 class LoopSteps(Protocol):
@@ -209,8 +238,16 @@ class LoopSteps(Protocol):
     def begin(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """Told the method's optimizers before the first batch."""
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """The backward pass of one (micro-)batch's loss."""
+    def backward(self, loss: torch.Tensor, share: float = 1.0) -> None:
+        """The backward pass of one (micro-)batch's loss; ``share`` < 1: the loss is of a
+        part of the batch holding that fraction of its samples (out-of-memory splits)."""
+
+    def partial(self) -> None:
+        """After a part of a split batch that is not its last (nothing to step yet)."""
+
+    def discard(self) -> bool:
+        """Drops what a pass that ran out of memory left behind; True when the step's
+        gradients went with it (its earlier micro-batches must be run again)."""
 
     def empty_batch(self) -> None:
         """Stands in for the backward pass of a batch with no sample."""
@@ -233,9 +270,12 @@ class ShuffledBatches:
     gather. No worker processes either way (gRPC is not fork-safe)."""
 
     def __init__(self, data: Split, batch_size: int, generator: torch.Generator,
-                 drop_last: bool):
+                 drop_last: bool, pin: bool = False):
         self.data, self.batch_size, self.generator = data, batch_size, generator
         self.drop_last = drop_last
+        # Gather host batches into pinned memory (for a GPU): the copy to the device is then
+        # asynchronous; PyTorch's host allocator caches the pinned blocks.
+        self.pin = pin and data.x.device.type == "cpu"
 
     def __len__(self) -> int:
         n = len(self.data)
@@ -251,7 +291,16 @@ class ShuffledBatches:
         order = order.to(self.data.x.device)
         for start in range(0, len(self) * self.batch_size, self.batch_size):
             index = order[start : start + self.batch_size]
-            yield self.data.x[index], self.data.y[index]
+            if self.pin:
+                yield _pinned(self.data.x, index), _pinned(self.data.y, index)
+            else:
+                yield self.data.x[index], self.data.y[index]
+
+
+def _pinned(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``source[index]`` gathered into page-locked host memory."""
+    out = torch.empty((len(index), *source.shape[1:]), dtype=source.dtype, pin_memory=True)
+    return torch.index_select(source, 0, index, out=out)
 
 
 class PlainSteps:
@@ -259,7 +308,9 @@ class PlainSteps:
     CUDA only), train.clip_grad_norm on what each step applies. One per local training."""
 
     def __init__(self, device: torch.device, amp: bool, clip_grad_norm: float):
-        self.scaler = torch.amp.GradScaler("cuda", enabled=amp and device.type == "cuda")
+        fp16 = device.type == "cuda" and autocast_dtype(device) == torch.float16
+        self.scaler = torch.amp.GradScaler("cuda", enabled=amp and fp16)
+        self.pin = device.type == "cuda"
         self.clip_grad_norm = clip_grad_norm
         self.optimizers: list[torch.optim.Optimizer] = []
         self.norm_sum = 0.0
@@ -272,15 +323,26 @@ class PlainSteps:
         """Shuffled batches from ``generator`` (``ShuffledBatches``)."""
         # A last batch of one sample would break BatchNorm's training-mode statistics.
         drop_last = len(data) % batch_size == 1 and len(data) > 1
-        return ShuffledBatches(data, batch_size, generator, drop_last)
+        return ShuffledBatches(data, batch_size, generator, drop_last, pin=self.pin)
 
     def begin(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """The method's optimizers, as ``begin_train`` left them."""
         self.optimizers = optimizers
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Scaled under fp16 AMP (the scaler is a no-op otherwise)."""
-        self.scaler.scale(loss).backward()
+    def backward(self, loss: torch.Tensor, share: float = 1.0) -> None:
+        """Scaled under fp16 AMP (the scaler is a no-op otherwise); a part of a split batch
+        weighs its share, so the parts' gradients sum to the batch's mean gradient."""
+        self.scaler.scale(loss * share if share != 1.0 else loss).backward()
+
+    def partial(self) -> None:
+        """Nothing: the parts' gradients accumulate in ``.grad``."""
+
+    def discard(self) -> bool:
+        """The step's gradients are dropped (a failed backward may have added part of its
+        own): its micro-batches are run again."""
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        return True
 
     def empty_batch(self) -> None:
         """Never called: a plain loader yields no empty batch."""
@@ -325,12 +387,69 @@ class _Tally:
     examples: int = 0
 
 
+@dataclass
+class _Loop:
+    """How this device runs the loop: where, in what precision, within what memory."""
+    device: torch.device
+    amp: bool
+    grad_accum: int
+    memory: MemoryBackoff
+    channels_last: bool = False
+    on_step: Callable[[], None] | None = None
+
+    def __post_init__(self) -> None:
+        self.dtype = autocast_dtype(self.device)
+
+
+class LossBook:
+    """The epoch's summed batch losses and the finiteness check. On the CPU each loss is
+    read as it comes (reading a CPU tensor costs nothing; the figures are the ones the
+    edge always reported). On a GPU a read waits for the GPU to finish (a host sync per
+    step idles it between steps): the sum (float64, as Python's) and a non-finite flag
+    stay on the device and are read every ``CHECK_EVERY`` batches and at the epoch's end."""
+
+    CHECK_EVERY = 64
+
+    def __init__(self, device: torch.device):
+        self.on_device = device.type != "cpu"
+        self.total = torch.zeros((), dtype=torch.float64, device=device) if self.on_device else 0.0
+        self.bad = torch.zeros((), dtype=torch.bool, device=device) if self.on_device else None
+        self.batches = 0
+
+    def check(self, loss: torch.Tensor, step: int) -> None:
+        """Raise FloatingPointError on a non-finite loss (on a GPU: flag it, read later)."""
+        if not self.on_device:
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"training loss became {loss.item()} at step {step}")
+        else:
+            torch.logical_or(self.bad, ~torch.isfinite(loss.detach()), out=self.bad)
+
+    def add(self, loss: torch.Tensor, step: int) -> None:
+        """Books one batch's loss."""
+        self.batches += 1
+        if not self.on_device:
+            self.total += float(loss.detach())
+            return
+        self.total += loss.detach().double()
+        if self.batches % self.CHECK_EVERY == 0:
+            self.read(step)
+
+    def read(self, step: int) -> float:
+        """The mean batch loss so far (one host read on a GPU), after the finiteness check."""
+        if self.on_device:
+            if bool(self.bad):
+                raise FloatingPointError(f"training loss became {float(self.total)} by step "
+                                         f"{step} (non-finite)")
+            return float(self.total) / max(self.batches, 1)
+        return self.total / max(self.batches, 1)
+
+
 def _train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int, seed: int,
-                 device: torch.device, progress: bool | None, lr: float | None, amp: bool,
-                 grad_accum: int, steps: LoopSteps, clip_grad_norm: float,
-                 inputs: InputPipeline | None, augment_rng: torch.Generator | None,
-                 log_every: float = 0.0) -> TrainResult:
-    _check_options(algo, steps, amp, grad_accum, clip_grad_norm)
+                 loop: _Loop, progress: bool | None, lr: float | None, steps: LoopSteps,
+                 clip_grad_norm: float, inputs: InputPipeline | None,
+                 augment_rng: torch.Generator | None, log_every: float = 0.0) -> TrainResult:
+    device = loop.device
+    _check_options(algo, steps, loop.amp, loop.grad_accum, clip_grad_norm)
     inputs = inputs or InputPipeline()
     augment_rng = augment_rng if augment_rng is not None else augment_generator(seed)
     epochs = algo.schedule.epochs(epochs)
@@ -356,8 +475,7 @@ def _train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int,
         batches = tqdm(loader, desc=f"epoch {epoch + 1}/{epochs}", leave=False, disable=not show)
         if not show and log_every > 0:
             batches = _logged(batches, tally, epoch, epochs, start, log_every)
-        epoch_loss = _epoch(algo, batches, steps, tally, device, amp, grad_accum, inputs,
-                            augment_rng)
+        epoch_loss = _epoch(algo, batches, steps, tally, loop, inputs, augment_rng)
         total_loss += epoch_loss
         if not show:
             log.info("epoch %d/%d loss=%.4f", epoch + 1, epochs, epoch_loss)
@@ -394,41 +512,104 @@ def _logged(batches: Iterable, tally: _Tally, epoch: int, epochs: int, start: fl
 
 
 def _epoch(algo: EdgeAlgorithm, batches: Iterable, steps: LoopSteps, tally: _Tally,
-           device: torch.device, amp: bool, grad_accum: int, inputs: InputPipeline,
-           augment_rng: torch.Generator) -> float:
+           loop: _Loop, inputs: InputPipeline, augment_rng: torch.Generator) -> float:
     """One pass over the loader; returns the epoch's mean batch loss."""
     repeats = algo.schedule.steps_per_batch
-    autocast_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
-    epoch_loss, epoch_batches = 0.0, 0
+    device, grad_accum = loop.device, loop.grad_accum
+    book = LossBook(device)
     pending = 0
+    earlier: list[tuple[torch.Tensor, torch.Tensor]] = []  # the step's earlier micro-batches
     for x, y in batches:
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        # uint8 images travel as uint8 (a quarter of the bytes) and are decoded there
+        x = decode_images(x.to(device, non_blocking=True))
+        y = y.to(device, non_blocking=True)
         empty = y.shape[0] == 0  # Poisson sampling (DP-SGD) may draw no sample
         if not empty and not inputs.identity:
             x = inputs.train_batch(x, augment_rng)
+        if loop.channels_last and x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
         for _ in range(repeats):
             if empty:
                 steps.empty_batch()
             else:
-                with torch.autocast(device.type, dtype=autocast_dtype, enabled=amp):
-                    loss = algo.training_step((x, y))
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"training loss became {loss.item()} at step "
-                                             f"{tally.steps}")
-                steps.backward(loss / grad_accum)
+                loss = _fitted(algo, steps, x, y, loop, book, tally.steps, earlier)
+                if grad_accum > 1:
+                    earlier.append((x, y))
             pending += 1
             if pending == grad_accum:
                 tally.steps += steps.step(algo.post_backward)
                 pending = 0
+                earlier.clear()
         algo.schedule.after_batch()
+        if loop.on_step is not None:
+            loop.on_step()
         if empty:
             continue
-        epoch_loss += float(loss.detach())
+        book.add(loss, tally.steps)
         tally.examples += int(y.shape[0])
-        epoch_batches += 1
     if pending:
         tally.steps += steps.step(algo.post_backward)
-    return epoch_loss / max(epoch_batches, 1)
+    return book.read(tally.steps)
+
+
+class _Progress:
+    """How far a batch's pass got: samples whose gradients are in, and their summed loss."""
+
+    def __init__(self) -> None:
+        self.done = 0
+        self.loss: torch.Tensor | None = None
+
+
+def _fitted(algo: EdgeAlgorithm, steps: LoopSteps, x: torch.Tensor, y: torch.Tensor,
+            loop: _Loop, book: LossBook, step: int,
+            earlier: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """The forward and backward pass of one batch within the device's memory
+    (``fl_edge.memory``): in parts of at most ``loop.memory.limit`` samples; on an
+    out-of-memory error the limit is halved and the pass retried from what is safely in
+    (DP-SGD: the parts already clipped into the sum; plain steps: nothing, the step's
+    earlier micro-batches are run again). Returns the batch's mean loss."""
+    progress = _Progress()
+    replay: list[tuple[torch.Tensor, torch.Tensor]] = []
+    while True:
+        try:
+            for rx, ry in replay:
+                _pass(algo, steps, rx, ry, loop, book, step, _Progress())
+            return _pass(algo, steps, x, y, loop, book, step, progress)
+        except (RuntimeError, MemoryError) as err:
+            if not out_of_memory(err):
+                raise
+        # Out of the except block: the error's frames (holding the failed pass's tensors)
+        # are gone before the retry allocates.
+        loop.memory.shrink(int(y.shape[0]) - progress.done, loop.device)
+        if steps.discard():
+            progress = _Progress()
+            replay = list(earlier)
+
+
+def _pass(algo: EdgeAlgorithm, steps: LoopSteps, x: torch.Tensor, y: torch.Tensor, loop: _Loop,
+          book: LossBook, step: int, progress: _Progress) -> torch.Tensor:
+    """Forward and backward of samples ``progress.done`` onward, in parts (one part, the
+    batch itself, unless the device's limit splits it)."""
+    n = int(y.shape[0])
+    parts = micro_batches(n, loop.memory.limit, progress.done)
+    if len(parts) == 1 and progress.done == 0:
+        with torch.autocast(loop.device.type, dtype=loop.dtype, enabled=loop.amp):
+            loss = algo.training_step((x, y))
+        book.check(loss, step)
+        steps.backward(loss / loop.grad_accum)
+        return loss
+    for i, part in enumerate(parts):
+        with torch.autocast(loop.device.type, dtype=loop.dtype, enabled=loop.amp):
+            loss = algo.training_step((x[part], y[part]))
+        book.check(loss, step)
+        share = (part.stop - part.start) / n
+        steps.backward(loss / loop.grad_accum, share)
+        if i < len(parts) - 1:
+            steps.partial()
+        weighted = loss.detach().float() * share
+        progress.loss = weighted if progress.loss is None else progress.loss + weighted
+        progress.done = part.stop
+    return progress.loss
 
 
 def _batches(data: Split, batch_size: int, device: torch.device):
@@ -440,7 +621,7 @@ def _batches(data: Split, batch_size: int, device: torch.device):
         starts.pop()
     for i, start in enumerate(starts):
         end = starts[i + 1] if i + 1 < len(starts) else n
-        yield data.x[start:end].to(device), data.y[start:end].to(device)
+        yield decode_images(data.x[start:end].to(device)), data.y[start:end].to(device)
 
 
 @torch.no_grad()

@@ -116,10 +116,11 @@ def test_edge_exports_gpu_memory_after_training_on_cuda():
 
 
 def test_a_deterministic_cuda_run_repeats_bit_for_bit():
-    """train.deterministic on CUDA (``configure_determinism``: deterministic algorithms,
-    no cuDNN autotuning, a fixed cuBLAS workspace): the same seed on the same device gives
-    the same weights to the bit. In a fresh interpreter, so that the cuBLAS workspace
-    setting is in place before the first cuBLAS handle."""
+    """train.deterministic on CUDA as the edge applies it (``configure_determinism`` strict:
+    deterministic algorithms without warn_only, no cuDNN autotuning, a fixed cuBLAS
+    workspace): the same seed on the same device gives the same weights to the bit (se-cnn's
+    pooling is global, a mean: no op refuses). In a fresh interpreter, so that the cuBLAS
+    workspace setting is in place before the first cuBLAS handle."""
     import subprocess
     import sys
 
@@ -127,7 +128,8 @@ def test_a_deterministic_cuda_run_repeats_bit_for_bit():
         "import torch\n"
         "from fl_edge.trainer import configure_determinism, train_local\n"
         "from test_cuda import data, fedsap_edges\n"
-        "configure_determinism(True, 0)\n"
+        "configure_determinism(True, 0, strict=True)\n"
+        "assert not torch.is_deterministic_algorithms_warn_only_enabled()\n"
         "_, first = fedsap_edges()\n"
         "_, second = fedsap_edges()\n"
         "second.models['model'].load_state_dict(first.models['model'].state_dict())\n"
@@ -139,4 +141,27 @@ def test_a_deterministic_cuda_run_repeats_bit_for_bit():
         "assert not differ, differ\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=300, cwd=str(__import__("pathlib").Path(__file__).parent))
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_strict_determinism_refuses_an_op_without_a_deterministic_kernel():
+    """AlexNet-BN's 6x6 adaptive average pool has no deterministic CUDA backward: in strict
+    mode torch raises naming it (the edge then exits 2 with the way out), where warn-only
+    would have trained on without repeating."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from fl_edge.trainer import configure_determinism\n"
+        "configure_determinism(True, 0, strict=True)\n"
+        "x = torch.randn(2, 3, 13, 13, device='cuda', requires_grad=True)\n"
+        "try:\n"
+        "    torch.nn.AdaptiveAvgPool2d((6, 6))(x).sum().backward()\n"
+        "except RuntimeError as err:\n"
+        "    assert 'does not have a deterministic implementation' in str(err), err\n"
+        "else:\n"
+        "    raise SystemExit('no error')\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -34,15 +34,17 @@ def test_refusals_name_what_is_wrong(tmp_path, capsys):
 def test_live_preview_draws_every_panel_of_a_real_federation(tmp_path, capsys,
                                                              prometheus_tools):  # noqa: F811
     """A short real federation scraped by Prometheus: every panel outside the Privacy row
-    (which needs --dp and --secagg) draws series, and the picture has the dashboard's
-    layout (24 columns wide, a row heading per row)."""
+    (which needs --dp and --secagg) and the device row (which needs a GPU or a Jetson: on
+    these CPU edges only its source panel, saying "absent", has a series) draws series, and
+    the picture has the dashboard's layout (24 columns wide, a row heading per row)."""
     out = tmp_path / "preview.png"
     assert main(["--live", "--seconds", "25", "--out", str(out), "--edges", "2"]) == 0
     printed = capsys.readouterr().out
     board = load_dashboard(DASHBOARD, {})
-    privacy = [p.title for p in board.panels if p.row == "Privacy"]
-    assert f"{len(board.panels)} panels, {len(board.panels) - len(privacy)} with data" in printed
-    assert f"(no data: {', '.join(privacy)})" in printed
+    empty = [p.title for p in board.panels if p.row == "Privacy" or (
+        p.row == "Device (GPU / Jetson)" and p.title != "Telemetry source per edge")]
+    assert f"{len(board.panels)} panels, {len(board.panels) - len(empty)} with data" in printed
+    assert f"(no data: {', '.join(empty)})" in printed
     with Image.open(out) as image:
         assert image.format == "PNG" and image.size[0] > 1500 and image.size[1] > 2000
     assert {p.row for p in board.panels} == {t for t, _ in board.rows}

@@ -498,3 +498,45 @@ def test_real_fashion_mnist_labels_without_images_name_the_missing_file(tmp_path
     (tmp_path / labels.name).symlink_to(labels)
     with pytest.raises(DataError, match=match(tmp_path / labels.name) + ": no images file beside it"):
         load_edge_data(tmp_path, TrainConfig())
+
+
+# ---- uint8 kept, decoded per batch (fl-edge) ------------------------------------------------
+
+
+@pytest.mark.parametrize("channels,in_channels", [(3, 3), (1, 3)])
+def test_uint8_kept_and_decoded_per_batch_trains_bit_for_bit_as_the_float_data(
+        tmp_path, channels, in_channels):
+    """fl-edge keeps uint8 images as read (a quarter of float32's memory) and decodes each
+    batch: the same elementwise maths as decoding all of them up front, so training, the
+    statistics pass and evaluation give the same bits (here an image folder of RGB or grey
+    PNGs and an npz holding NHWC uint8)."""
+    from conftest import make_images
+
+    from fedattn_shared.methods import MethodContext, load_method
+    from fl_edge.trainer import evaluate, train_local
+
+    x, y = make_images(48, size=16, channels=channels, seed=3)
+    np.savez(tmp_path / "data.npz", x=x, y=y)
+    for i, (image, label) in enumerate(zip(x[:20], y[:20], strict=True)):
+        write_image(tmp_path / "global_test" / str(label) / f"{i}.png", image)
+    config = cfg(in_channels=in_channels, model="lenet-bn", image_size=16)
+    kept = load_edge_data(tmp_path, config, keep_uint8=True)
+    floats = load_edge_data(tmp_path, config)
+    for name in ("train", "test", "global_test"):
+        a, b = getattr(kept, name), getattr(floats, name)
+        assert a.x.dtype == torch.uint8 and b.x.dtype == torch.float32
+        assert a.x.shape == b.x.shape == (len(b), in_channels, 16, 16)
+        assert torch.equal(a.decoded().x, b.x) and torch.equal(a.y, b.y)
+    results = []
+    for data in (kept, floats):
+        cls = load_method("fedavg")
+        method = cls(MethodContext(config, cls.Params()))
+        torch.manual_seed(0)
+        algo = method.edge(method.build_models(), torch.device("cpu"))
+        train_local(algo, data.train, 2, 8, seed=1, device=torch.device("cpu"), progress=False)
+        counts = evaluate(algo, data.global_test, "global_test", 10, 16, torch.device("cpu"))
+        results.append((algo.models["model"].state_dict(), counts))
+    (wa, ca), (wb, cb) = results
+    for key in wa:
+        assert torch.equal(wa[key], wb[key]), key
+    assert np.array_equal(ca.confusion, cb.confusion) and ca.loss_sum == cb.loss_sum

@@ -82,6 +82,9 @@ def test_alert_rules_and_config_pass_promtool(prometheus_tools):
 
 # Rows whose panels only have series when the server runs with these flags.
 ROWS_WITH_FLAGS = {"Privacy"}
+# Rows whose series exist only on GPU boxes and Jetsons: on the CPU edges of these tests only
+# the telemetry source panel has one, saying "absent" (tested by name below).
+ROWS_ON_HARDWARE = {"Device (GPU / Jetson)"}
 
 
 def dashboard_queries(rows: set[str] | None = None) -> list[tuple[str, list[str]]]:
@@ -91,8 +94,8 @@ def dashboard_queries(rows: set[str] | None = None) -> list[tuple[str, list[str]
     variables = {v["name"] for v in dashboard["templating"]["list"]}
     assert variables == set(TEST_VARIABLES), "a dashboard variable the test does not fill in"
     all_rows = {p["title"] for p in dashboard["panels"] if p["type"] == "row"}
-    assert ROWS_WITH_FLAGS <= all_rows
-    rows = all_rows - ROWS_WITH_FLAGS if rows is None else rows
+    assert ROWS_WITH_FLAGS | ROWS_ON_HARDWARE <= all_rows
+    rows = all_rows - ROWS_WITH_FLAGS - ROWS_ON_HARDWARE if rows is None else rows
     panels, row = [], None
     for panel in dashboard["panels"]:
         if panel["type"] == "row":
@@ -219,6 +222,12 @@ def test_every_dashboard_panel_returns_series_from_a_live_federation(cluster, tm
     assert not panels_without_series(api)
     # Without --dp nothing claims an epsilon (a 0 would read as perfect privacy).
     assert not api.query('{__name__=~"fedattn_(edge_)?dp_.*"}')
+    # CPU edges have no GPU: the device row says so and shows no zeros.
+    assert panels_without_series(api, ROWS_ON_HARDWARE) == [
+        title for title, _ in dashboard_queries(ROWS_ON_HARDWARE) if title != "Telemetry source per edge"]
+    assert len(api.query('fedattn_edge_device_telemetry{job="fl-edge",source="absent"}')) == 2
+    assert not api.query('{__name__=~"fedattn_edge_(gpu_utilization|device_power|device_memory|'
+                         'device_temperature|task_energy|gpu_throttled).*"}')
 
     # The figures mean what they say.
     def value(expr: str) -> float:

@@ -47,13 +47,13 @@ def _detect_npz(root: Path) -> bool:
 
 def _read_npz_parts(root: Path, cfg: TrainConfig) -> dict[str, Split]:
     if (root / "train.npz").exists():
-        parts = {"train": read_npz(root / "train.npz", cfg)}
+        parts = {"train": read_npz(root / "train.npz", cfg, keep_uint8=True)}
         if (root / "test.npz").exists():
-            parts["test"] = read_npz(root / "test.npz", cfg)
+            parts["test"] = read_npz(root / "test.npz", cfg, keep_uint8=True)
         return parts
     if (root / "data.npz").exists():
-        return {"all": read_npz(root / "data.npz", cfg)}
-    return {"test": read_npz(root / "test.npz", cfg)}
+        return {"all": read_npz(root / "data.npz", cfg, keep_uint8=True)}
+    return {"test": read_npz(root / "test.npz", cfg, keep_uint8=True)}
 
 
 def _folder_hint(folder: Path) -> str:
@@ -100,6 +100,8 @@ def detect_format(folder: Path) -> Format:
 def _concat(splits: list[Split]) -> Split:
     if len(splits) == 1:
         return splits[0]
+    if len({s.x.dtype for s in splits}) > 1:  # kept uint8 beside float: all as floats
+        splits = [s.decoded() for s in splits]
     return Split(torch.cat([s.x for s in splits]), torch.cat([s.y for s in splits]))
 
 
@@ -108,7 +110,7 @@ def _load_global_test(root: Path, cfg: TrainConfig) -> Split | None:
     if as_file.exists() and as_folder.is_dir():
         raise DataError(f"data dir {root}: both global_test.npz and global_test/ exist; keep one")
     if as_file.exists():
-        return read_npz(as_file, cfg)
+        return read_npz(as_file, cfg, keep_uint8=True)
     if not as_folder.is_dir():
         return None
     fmt = detect_format(as_folder)
@@ -118,7 +120,9 @@ def _load_global_test(root: Path, cfg: TrainConfig) -> Split | None:
     return _concat(list(parts.values()))
 
 
-def load_edge_data(data_dir: str | Path, cfg: TrainConfig) -> EdgeData:
+def load_edge_data(data_dir: str | Path, cfg: TrainConfig, keep_uint8: bool = False) -> EdgeData:
+    """The edge's splits. Every reader keeps uint8 images as uint8; they are decoded to
+    float32 here, unless ``keep_uint8`` (fl-edge: decoded per batch, 4x less memory)."""
     root = Path(data_dir)
     if not root.is_dir():
         raise DataError(f"data dir {root} does not exist or is not a directory")
@@ -139,4 +143,5 @@ def load_edge_data(data_dir: str | Path, cfg: TrainConfig) -> EdgeData:
         raise DataError(f"data dir {root}: the test split is empty (too few samples per class)")
     global_test = _load_global_test(root, cfg)
     log.info("data dir %s: %s format", root, fmt.name)
-    return EdgeData(train, test, global_test)
+    data = EdgeData(train, test, global_test)
+    return data if keep_uint8 else data.decoded()

@@ -70,6 +70,9 @@ STANDARD_METRICS = frozenset({
     "grad_norm", "clipped_fraction",  # train.clip_grad_norm: mean norm before the clip, share clipped
     "compress_seconds",  # --compress: the edge's CPU seconds decoding the downlink and coding the upload
     "throttle_seconds",  # fl-edge --throttle (simulations only): the seconds the edge slept
+    # device telemetry (fl_edge.telemetry), only from edges that have it: the training
+    # task's energy (J), mean power (W) and mean GPU utilisation (0..1)
+    "energy_joules", "device_power_watts", "gpu_utilization",
 })
 
 

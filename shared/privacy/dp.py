@@ -306,11 +306,15 @@ class PrivateTraining:
     ``_module.`` prefix; Opacus' hooks sit on their layers."""
 
     def __init__(self, algo: EdgeAlgorithm, dp: DPConfig, num_examples: int, batch_size: int,
-                 ledger: dict | None = None, policy: PrivacyPolicy | None = None):
+                 ledger: dict | None = None, policy: PrivacyPolicy | None = None,
+                 max_physical_batch: int = 0):
         """``ledger``: the state dir's privacy ledger (None: its first DP-SGD run, which
         pins this run's epsilon, delta, noise and accountant as the dir's limits);
         ``policy``: the edge's own limits. A server ``[dp]`` weaker than either raises
-        PolicyRefusal before the models are touched."""
+        PolicyRefusal before the models are touched. ``max_physical_batch``: the device's
+        own bound (``fl-edge --max-physical-batch``; 0: none), which wins over
+        ``dp.max_physical_batch`` where it is stricter; the logical batch, and so the
+        privacy accounting, is the same either way."""
         if num_examples < 1:
             raise ValueError("--dp: the edge has no training samples")
         policy = policy or PrivacyPolicy()
@@ -322,7 +326,9 @@ class PrivateTraining:
         self.delta = dp.delta or 0.1 / num_examples
         policy.check_calibrated(self.delta, num_examples, None, pinned)
         self.repeats = algo.schedule.steps_per_batch
-        if self.repeats > 1 and dp.max_physical_batch:
+        limits = [b for b in (dp.max_physical_batch, max_physical_batch) if b > 0]
+        self.physical_batch = min(limits) if limits else 0
+        if self.repeats > 1 and self.physical_batch:
             raise ValueError(f"--dp: method {algo.method.name!r} takes {self.repeats} steps on "
                              "each batch; that does not combine with dp.max_physical_batch")
         epochs = algo.schedule.epochs(algo.method.train.local_epochs)
@@ -403,34 +409,70 @@ class PrivateTraining:
     # The loop (``fl_edge.trainer``) calls these on whatever supplies its steps: this class
     # under DP-SGD, its plain counterpart otherwise; it has no branch of its own for DP.
     def check_options(self, amp: bool, grad_accum: int, clip_grad_norm: float) -> None:
-        """What DP-SGD does not combine with, refused before the first batch."""
+        """What DP-SGD does not combine with, refused before the first batch (the edge sets
+        them aside before, ``fl_edge.run.dp_loop_options``): AMP, since Opacus' optimizer
+        does not unscale per-sample gradients and its grad samplers expect float32;
+        accumulation over micro-batches, since DP-SGD's logical batch is the Poisson draw
+        itself (a device bounds its memory with physical batches instead)."""
         if amp or grad_accum > 1:
             raise ValueError("DP-SGD does not combine with amp or grad_accum > 1 (bound memory "
-                             "with dp.max_physical_batch instead)")
+                             "with dp.max_physical_batch or fl-edge --max-physical-batch)")
         if clip_grad_norm:
             raise ValueError("train.clip_grad_norm does not combine with DP-SGD: its per-sample "
                              "clipping (dp.max_grad_norm) already bounds every step")
 
     def loader(self, data: Split, batch_size: int, generator: torch.Generator) -> Iterable:
         """Poisson-sampled batches (int(1/q) per epoch, sizes vary, possibly empty), split
-        into physical batches of at most ``max_physical_batch`` when set. ``batch_size``
+        into physical batches of at most ``physical_batch`` when set (the stricter of the
+        server's dp.max_physical_batch and the device's). ``batch_size``
         is the expected size the sample rate was calibrated for, not used again."""
         from opacus.data_loader import DPDataLoader
         from opacus.utils.batch_memory_manager import wrap_data_loader
 
         loader = DPDataLoader(TensorDataset(data.x, data.y), sample_rate=self.sample_rate,
                               generator=generator)
-        if self.dp.max_physical_batch:
-            loader = wrap_data_loader(data_loader=loader, max_batch_size=self.dp.max_physical_batch,
+        if self.physical_batch:
+            loader = wrap_data_loader(data_loader=loader, max_batch_size=self.physical_batch,
                                       optimizer=self.optimizer)
         return loader
 
     def begin(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """Nothing: the method's one optimizer was wrapped once, at construction."""
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Per-sample gradients come from Opacus' hooks on an ordinary backward pass."""
+    def backward(self, loss: torch.Tensor, share: float = 1.0) -> None:
+        """Per-sample gradients come from Opacus' hooks on an ordinary backward pass. A part
+        of a split batch is not weighed by its ``share``: with ``loss_reduction="mean"``
+        Opacus rescales each part's per-sample gradients by the part's own size."""
         loss.backward()
+
+    def partial(self) -> None:
+        """A part of a physical batch split for memory (``fl_edge.memory``): its per-sample
+        gradients are clipped into the logical batch's sum now, as Opacus does for each
+        physical batch but the last, and freed."""
+        self.optimizer.clip_and_accumulate()
+        self._drop_pass()
+
+    def discard(self) -> bool:
+        """After an out-of-memory error: the failed pass's per-sample gradients and
+        captured activations are dropped; what earlier parts clipped into the sum stays."""
+        self._drop_pass()
+        for model in self.wrapped:
+            for module in model.modules():
+                if hasattr(module, "activations"):
+                    module.activations = []
+            # A pass cut short leaves Opacus' per-parameter bookkeeping mid-way: forwards
+            # counted without their backward, a per-sample gradient not yet promoted.
+            for param in model.parameters():
+                if hasattr(param, "_forward_counter"):
+                    param._forward_counter = 0
+                if hasattr(param, "_current_grad_sample"):
+                    del param._current_grad_sample
+        return False
+
+    def _drop_pass(self) -> None:
+        for p in self.optimizer.params:
+            p.grad_sample = None
+            p.grad = None
 
     def empty_batch(self) -> None:
         """Poisson sampling drew no sample: the step still releases the noise alone."""
