@@ -120,9 +120,11 @@ class TegrastatsSource:
             self.ready.set()
 
     def sample(self) -> DeviceSample | None:
+        """The last line tegrastats printed, parsed (None before its first)."""
         return self.latest
 
     def close(self) -> None:
+        """Stops tegrastats."""
         if self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(timeout=10)
@@ -154,6 +156,7 @@ class NvmlSource:
             return None
 
     def sample(self) -> DeviceSample:
+        """One reading of the GPU; a figure the GPU does not report stays None."""
         nvml = self.nvml
         sample = DeviceSample()
         rates = self._try(nvml.nvmlDeviceGetUtilizationRates)
@@ -179,6 +182,7 @@ class NvmlSource:
         return sample
 
     def close(self) -> None:
+        """Releases NVML."""
         self.nvml.nvmlShutdown()
 
 
@@ -239,6 +243,7 @@ class DeviceTelemetry:
 
     @property
     def present(self) -> bool:
+        """Whether the device reports anything (absent hardware is absent, not 0)."""
         return self.source is not None
 
     def _run(self) -> None:
@@ -303,6 +308,7 @@ class DeviceTelemetry:
         return figures
 
     def close(self) -> None:
+        """Stops sampling and closes the source."""
         self.stop.set()
         if self.source is not None:
             self.source.close()

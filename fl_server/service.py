@@ -580,11 +580,6 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         sizes = [specs[(s.kind, s.name)].nbytes_of(t.name for t in s.tensors)
                  for s in header.payload.sections]
         loop = asyncio.get_running_loop()
-        # Deadlines: no chunk for upload_idle_timeout, or the whole upload slower than
-        # upload_min_rate, and the stream is cut (its slot is what honest edges wait for).
-        idle = self.cfg.upload_idle_timeout
-        total = idle + sum(sizes) / self.cfg.upload_min_rate
-        ends = loop.time() + total
 
         def ingest(offset: int, chunk: memoryview) -> None:
             assembler.write(offset, chunk)
@@ -601,8 +596,10 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
         writing: asyncio.Future | None = None
         counted = CodedUpload(self.meter, UP, phase.coded_up, edge)
         closing = asyncio.ensure_future(phase.closing.wait())
-        read = BodyReader(context, closing, assembler, idle, total, ends, self.cfg.chunk_bytes,
-                          self.cfg.upload_min_rate).read
+        # Deadlines: no chunk for the idle timeout (plus a chunk at the min rate), or the
+        # whole upload slower than upload_min_rate, and the stream is cut (its slot is what
+        # honest edges wait for).
+        read = BodyReader(context, closing, assembler, self.cfg).read
 
         try:
             while not assembler.complete:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
+from fedattn_shared.config import ServerConfig
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire.payload import WireError
 from fedattn_shared.wire.transport import PayloadAssembler
@@ -167,11 +168,13 @@ class BodyReader:
     link's upload."""
 
     def __init__(self, context, closing: asyncio.Future, assembler: PayloadAssembler,
-                 idle: float, total: float, ends: float, chunk_bytes: int, min_rate: float):
+                 cfg: ServerConfig):
         self.context, self.closing, self.assembler = context, closing, assembler
-        self.idle, self.total, self.ends = idle, total, ends
-        self.chunk_bytes, self.min_rate = chunk_bytes, min_rate
+        self.idle, self.min_rate = cfg.upload_idle_timeout, cfg.upload_min_rate
+        self.chunk_bytes = cfg.chunk_bytes
+        self.total = self.idle + len(assembler.buffer) / self.min_rate
         self.loop = asyncio.get_running_loop()
+        self.ends = self.loop.time() + self.total
 
     def _allowed(self) -> float:
         """Seconds the next chunk may take: idle, plus its largest size at the min rate."""
