@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # different (multi-GB) build. Override on other platforms, e.g. a Jetson's NVIDIA wheels.
 TORCH ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: setup demo test lint proto docs reference bench bench-fedsap bench-anfr bench-feature-shift bench-fedstar bench-pfedka bench-load bench-secagg bench-dp clean
+.PHONY: setup demo test test-py310 lint proto docs reference bench bench-fedsap bench-anfr bench-feature-shift bench-fedstar bench-pfedka bench-load bench-secagg bench-dp clean
 
 setup: $(VENV)/.installed
 
@@ -32,6 +32,23 @@ demo: setup
 
 test: setup $(VENV)/.ray
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider
+
+# The unit tier on Python 3.10 (JetPack 6's) with the oldest stack pyproject.toml claims
+# (deploy/constraints/oldest.txt: torch 2.3.1, torchvision 0.18.1, opacus 1.5.4, NumPy 1.x),
+# in a second venv. Not part of `make test` or CI: it downloads ~3 GB (PyPI's torch 2.3.1
+# is a CUDA build) and takes tens of minutes on 2 cores. Run it when a floor moves.
+# the first python3.10 that runs: on PATH, else pyenv's (whose shim exists but may be inactive)
+PYTHON310 ?= $(shell for p in python3.10 $(HOME)/.pyenv/versions/3.10*/bin/python3.10; do \
+	"$$p" -c '' 2>/dev/null && { echo "$$p"; break; }; done)
+VENV310 ?= .venv-py310
+$(VENV310)/.installed: pyproject.toml deploy/constraints/oldest.txt
+	$(PYTHON310) -m venv $(VENV310)
+	$(VENV310)/bin/python -m pip install -q --no-cache-dir -c deploy/constraints/oldest.txt torch torchvision
+	$(VENV310)/bin/python -m pip install -q --no-cache-dir -c deploy/constraints/oldest.txt -e '.[test]'
+	touch $@
+
+test-py310: $(VENV310)/.installed
+	OMP_NUM_THREADS=1 $(VENV310)/bin/python -m pytest -q -p no:cacheprovider -m 'not slow and not ray'
 
 lint: setup
 	$(VENV)/bin/ruff check .
