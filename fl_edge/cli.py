@@ -13,7 +13,10 @@ from fedattn_shared.methods.registry import MODULE_SPEC
 from fedattn_shared.privacy.dp import PrivacyPolicy
 
 from .daemon import EdgeDaemon, EdgeExit, EdgeOptions
+from .device_check import startup_device
 from .heterogeneity import DEFAULT_OFFLINE_SECONDS, check_throttle, parse_disconnect
+from .sdnotify import Watchdog, edge_health, notify, watchdog_interval
+from .supervision import Stopped, StopSignals
 
 log = logging.getLogger("fl_edge")
 
@@ -263,12 +266,40 @@ def main(argv: list[str] | None = None) -> int:
         privacy=privacy, allow_methods=tuple(args.allow_method), throttle=throttle,
         disconnect=disconnect, offline_seconds=offline, disconnect_seed=args.disconnect_seed)
     try:
-        return EdgeDaemon(options).run()
+        options.device = startup_device(options.device)
+        return run_supervised(options)
     except EdgeExit as err:
         print(f"fl-edge: error: {err}", file=sys.stderr)
         return err.code
-    except KeyboardInterrupt:
-        return 130
+
+
+def run_supervised(options: EdgeOptions) -> int:
+    """The daemon under a supervisor: SIGTERM/SIGINT leave the run cleanly (state writes
+    finished, Leave sent; exit 0, also as a container's PID 1), systemd hears READY=1 and
+    the watchdog's pings while /healthz answers 200 (fl_edge.supervision, fl_edge.sdnotify)."""
+    signals = StopSignals().install()
+    watchdog = None
+    try:
+        daemon = EdgeDaemon(options)
+        daemon.writer.critical = signals.deferred
+        notify("READY=1")
+        interval = watchdog_interval()
+        if interval is not None:
+            watchdog = Watchdog(interval, edge_health(lambda: daemon.metrics_port)).start()
+        try:
+            return daemon.run()
+        except Stopped as stop:
+            daemon.writer.flush()  # a stop outside a session: its writes are still finished
+            log.info("fl-edge stopped (%s)", stop)
+            return 0
+    except Stopped as stop:  # before the daemon existed: nothing to save or tell
+        log.info("fl-edge stopped (%s)", stop)
+        return 0
+    finally:
+        notify("STOPPING=1")
+        if watchdog is not None:
+            watchdog.stop()
+        signals.restore()
 
 
 if __name__ == "__main__":
