@@ -34,7 +34,7 @@ test: setup $(VENV)/.ray
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider
 
 # The unit tier on Python 3.10 (JetPack 6's) with the oldest stack pyproject.toml claims
-# (deploy/constraints/oldest.txt: torch 2.3.1, torchvision 0.18.1, opacus 1.5.4, NumPy 1.x),
+# (deploy/constraints/oldest.txt: torch 2.4.1, torchvision 0.19.1, opacus 1.5.4, NumPy 1.x),
 # in a second venv. Not part of `make test` or CI: it downloads ~3 GB (PyPI's torch 2.3.1
 # is a CUDA build) and takes tens of minutes on 2 cores. Run it when a floor moves.
 # the first python3.10 that runs: on PATH, else pyenv's (whose shim exists but may be inactive)
