@@ -2,9 +2,14 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# torch is installed first and pinned by constraints.txt, so no other package can pull a
-# different (multi-GB) build. Override on other platforms, e.g. a Jetson's NVIDIA wheels.
-TORCH ?= torch==2.14.1 torchvision==0.29.1
+# torch is installed first and pinned by the constraints file, so no other package can pull
+# a different (multi-GB) build. Other platforms (docs/operations.md, Edge devices):
+#   x86 with a CUDA 12 driver: make setup CONSTRAINTS=deploy/constraints/cuda12.txt
+#   Jetson (JetPack 6), beside NVIDIA's torch installed system-wide:
+#     make setup CONSTRAINTS=deploy/constraints/jetpack6.txt TORCH= VENV_FLAGS=--system-site-packages
+CONSTRAINTS ?= constraints.txt
+TORCH ?= torch torchvision
+VENV_FLAGS ?=
 
 .PHONY: setup demo test test-py310 lint proto docs reference bench bench-fedsap bench-anfr bench-feature-shift bench-fedstar bench-pfedka bench-load bench-secagg bench-dp clean
 
@@ -12,17 +17,17 @@ setup: $(VENV)/.installed
 
 # --no-cache-dir: the venv alone is ~6 GB on x86 (torch's CUDA libraries), and a CI disk
 # has run out of space during this install; pip keeps no second copy of its downloads.
-$(VENV)/.installed: pyproject.toml constraints.txt
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --no-cache-dir $(TORCH)
-	$(PY) -m pip install -q --no-cache-dir -c constraints.txt -e '.[test]'
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
+	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
+	$(if $(strip $(TORCH)),$(PY) -m pip install -q --no-cache-dir -c $(CONSTRAINTS) $(TORCH))
+	$(PY) -m pip install -q --no-cache-dir -c $(CONSTRAINTS) -e '.[test]'
 	touch $@
 
 # The ray extra (fl-sim --ray; ~80 MB download, ~240 MB installed, ~10 s) for
 # tests/test_ray_sim.py, which starts a two-node Ray cluster on loopback. make test installs
 # it; make setup, run on every machine of a deployment, does not.
 $(VENV)/.ray: $(VENV)/.installed
-	$(PY) -m pip install -q --no-cache-dir -c constraints.txt -e '.[test,ray]'
+	$(PY) -m pip install -q --no-cache-dir -c $(CONSTRAINTS) -e '.[test,ray]'
 	touch $@
 
 # A real fl-server and 4 fl-edge processes on loopback, on the bundled MNIST subset.
