@@ -45,6 +45,10 @@ class StopSignals:
         self._previous: dict[int, object] = {}
 
     def install(self) -> StopSignals:
+        """Installs the handlers; from a thread other than the main one (an fl-edge run
+        inside a test or a tool) there is nothing to install: signals go to the main thread."""
+        if threading.current_thread() is not threading.main_thread():
+            return self
         for signum in STOP_SIGNALS:
             self._previous[signum] = signal.signal(signum, self._handle)
         return self
