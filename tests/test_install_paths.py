@@ -147,6 +147,7 @@ def test_installing_the_package_keeps_the_devices_torch(path, index_reachable, p
     assert not {name for name in install if DEVICE_STACK.match(name)}, install
     if constraints == "jetpack6.txt":
         assert install["opacus"].startswith("1.5."), install  # 1.6 requires torch>=2.6
+        assert install["numpy"].startswith("1."), install  # the Jetson torch's NumPy ABI
 
 
 def test_a_dependency_that_wants_another_torch_fails_the_jetson_install(index_reachable, project,

@@ -26,6 +26,7 @@ from fl_edge.writer import StateWriter
 
 # ---- stop signals and state writes ---------------------------------------------------------
 def test_a_stop_signal_outside_a_write_raises_at_once():
+    before = signal.getsignal(signal.SIGTERM)
     signals = StopSignals().install()
     try:
         with pytest.raises(Stopped, match="SIGTERM"):
@@ -34,7 +35,7 @@ def test_a_stop_signal_outside_a_write_raises_at_once():
         assert signals.received == signal.SIGTERM
     finally:
         signals.restore()
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    assert signal.getsignal(signal.SIGTERM) == before  # restored
 
 
 def test_a_stop_signal_during_a_state_write_waits_for_the_write(tmp_path):
