@@ -32,8 +32,13 @@ def notify(message: str, env: Mapping[str, str] | None = None) -> bool:
         address = "\0" + address[1:]
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
-            sock.sendto(message.encode(), address)
+            # Never blocks: a listener that stops reading (its queue holds a few datagrams)
+            # must not stall the edge's shutdown or its watchdog thread.
+            sock.sendto(message.encode(), socket.MSG_DONTWAIT, address)
         return True
+    except BlockingIOError:
+        log.debug("systemd notification %r dropped: the listener's queue is full", message)
+        return False
     except OSError as err:
         log.warning("systemd notification %r not sent: %s", message, err)
         return False

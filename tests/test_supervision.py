@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -99,6 +100,15 @@ def test_notify_speaks_the_datagram_protocol(notify_socket):
         abstract.close()
 
 
+def test_notify_never_blocks_on_a_listener_that_stopped_reading(notify_socket):
+    """A unix datagram queue holds a few messages (net.unix.max_dgram_qlen); past them a
+    blocking send would stall the edge's watchdog thread and its shutdown."""
+    sock, path = notify_socket
+    sent = [notify("WATCHDOG=1", {"NOTIFY_SOCKET": path}) for _ in range(1000)]
+    assert sent[0] and not all(sent)  # the queue filled, and the sends after it returned
+    assert sock.recv(64) == b"WATCHDOG=1"
+
+
 def test_watchdog_pings_only_while_healthy(notify_socket):
     sock, path = notify_socket
     env = {"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "200000", "WATCHDOG_PID": str(os.getpid())}
@@ -140,6 +150,22 @@ def _child(pid: int) -> int | None:
     return int(children[0]) if children else None
 
 
+def collect(sock: socket.socket) -> list[bytes]:
+    """Every datagram the socket receives from now on, read by a thread as systemd would
+    (a listener that stops reading makes the sender drop its notifications)."""
+    received: list[bytes] = []
+
+    def read() -> None:
+        try:
+            while True:
+                received.append(sock.recv(64))
+        except OSError:  # closed by the fixture, or a timeout after the run
+            pass
+
+    threading.Thread(target=read, daemon=True).start()
+    return received
+
+
 @pytest.mark.slow
 def test_sigterm_to_fl_edge_as_pid_1_leaves_and_keeps_its_state(cluster, tmp_path, notify_socket):
     """fl-edge is PID 1 of its own PID namespace (as in a container); SIGTERM from outside
@@ -164,8 +190,9 @@ def test_sigterm_to_fl_edge_as_pid_1_leaves_and_keeps_its_state(cluster, tmp_pat
     nspid = next(line for line in Path(f"/proc/{pid1}/status").read_text().splitlines()
                  if line.startswith("NSpid:")).split()[1:]
     assert nspid == [str(pid1), "1"]  # PID 1 inside its namespace
-    assert sock.recv(64) == b"READY=1"
-    assert sock.recv(64) == b"WATCHDOG=1"  # /healthz answers 200 (or the port is not up yet)
+    messages = collect(sock)
+    wait_for(lambda: b"WATCHDOG=1" in messages, 60, "a watchdog ping")
+    assert messages[0] == b"READY=1"  # then pings: /healthz answers 200 (or the port is not up yet)
 
     edge.wait_log("round 1: trained", timeout=120)
     mark = server.mark()
@@ -173,10 +200,7 @@ def test_sigterm_to_fl_edge_as_pid_1_leaves_and_keeps_its_state(cluster, tmp_pat
     assert edge.wait(timeout=60) == 0, edge.log()[-3000:]
     assert "left the run (stopped by SIGTERM)" in edge.log()
     server.logged(mark, "edge cam0 left", "stopped by SIGTERM")
-    messages = []
-    sock.settimeout(5)
-    while b"STOPPING=1" not in messages:
-        messages.append(sock.recv(64))
+    wait_for(lambda: messages and messages[-1] == b"STOPPING=1", 10, "STOPPING=1, last")
 
     # The state dir is whole: no half-written file, the private state loads.
     leftovers = [p.name for p in state.iterdir() if p.name.startswith(".") or p.suffix == ".tmp"]
