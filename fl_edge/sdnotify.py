@@ -79,10 +79,12 @@ class Watchdog:
         self.thread = threading.Thread(target=self._run, name="sd-watchdog", daemon=True)
 
     def start(self) -> Watchdog:
+        """Starts pinging (the first ping at once: systemd counts from READY=1)."""
         self.thread.start()
         return self
 
     def stop(self) -> None:
+        """Stops pinging, waiting for a health check in progress to return."""
         self.stopped.set()
         self.thread.join(timeout=self.interval + 10)
 

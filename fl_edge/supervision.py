@@ -54,6 +54,7 @@ class StopSignals:
         return self
 
     def restore(self) -> None:
+        """Puts the handlers back as they were (a caller in the same process, a test)."""
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
