@@ -2,27 +2,32 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# torch is installed first and pinned by constraints.txt, so no other package can pull a
-# different (multi-GB) build. Override on other platforms, e.g. a Jetson's NVIDIA wheels.
-TORCH ?= torch==2.14.1 torchvision==0.29.1
+# torch is installed first and pinned by the constraints file, so no other package can pull
+# a different (multi-GB) build. Other platforms (docs/operations.md, Edge devices):
+#   x86 with a CUDA 12 driver: make setup CONSTRAINTS=deploy/constraints/cuda12.txt
+#   Jetson (JetPack 6), beside NVIDIA's torch installed system-wide:
+#     make setup CONSTRAINTS=deploy/constraints/jetpack6.txt TORCH= VENV_FLAGS=--system-site-packages
+CONSTRAINTS ?= constraints.txt
+TORCH ?= torch torchvision
+VENV_FLAGS ?=
 
-.PHONY: setup demo test test-links lint proto docs reference bench bench-fedsap bench-anfr bench-feature-shift bench-fedstar bench-pfedka bench-load bench-secagg bench-dp clean
+.PHONY: setup demo test test-links test-py310 lint proto docs reference bench bench-fedsap bench-anfr bench-feature-shift bench-fedstar bench-pfedka bench-load bench-secagg bench-dp clean
 
 setup: $(VENV)/.installed
 
 # --no-cache-dir: the venv alone is ~6 GB on x86 (torch's CUDA libraries), and a CI disk
 # has run out of space during this install; pip keeps no second copy of its downloads.
-$(VENV)/.installed: pyproject.toml constraints.txt
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --no-cache-dir $(TORCH)
-	$(PY) -m pip install -q --no-cache-dir -c constraints.txt -e '.[test]'
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
+	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
+	$(if $(strip $(TORCH)),$(PY) -m pip install -q --no-cache-dir -c $(CONSTRAINTS) $(TORCH))
+	$(PY) -m pip install -q --no-cache-dir -c $(CONSTRAINTS) -e '.[test]'
 	touch $@
 
 # The ray extra (fl-sim --ray; ~80 MB download, ~240 MB installed, ~10 s) for
 # tests/test_ray_sim.py, which starts a two-node Ray cluster on loopback. make test installs
 # it; make setup, run on every machine of a deployment, does not.
 $(VENV)/.ray: $(VENV)/.installed
-	$(PY) -m pip install -q --no-cache-dir -c constraints.txt -e '.[test,ray]'
+	$(PY) -m pip install -q --no-cache-dir -c $(CONSTRAINTS) -e '.[test,ray]'
 	touch $@
 
 # A real fl-server and 4 fl-edge processes on loopback, on the bundled MNIST subset.
@@ -38,6 +43,23 @@ test: setup $(VENV)/.ray
 test-links: setup
 	command -v iptables >/dev/null || (apt-get update -qq && apt-get install -y -qq iptables)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -m links tests/test_links.py
+
+# The unit tier on Python 3.10 (JetPack 6's) with the oldest stack pyproject.toml claims
+# (deploy/constraints/oldest.txt: torch 2.4.1, torchvision 0.19.1, opacus 1.5.4, NumPy 1.x),
+# in a second venv. Not part of `make test` or CI: it downloads ~3 GB (PyPI's torch 2.3.1
+# is a CUDA build) and takes tens of minutes on 2 cores. Run it when a floor moves.
+# the first python3.10 that runs: on PATH, else pyenv's (whose shim exists but may be inactive)
+PYTHON310 ?= $(shell for p in python3.10 $(HOME)/.pyenv/versions/3.10*/bin/python3.10; do \
+	"$$p" -c '' 2>/dev/null && { echo "$$p"; break; }; done)
+VENV310 ?= .venv-py310
+$(VENV310)/.installed: pyproject.toml deploy/constraints/oldest.txt
+	$(PYTHON310) -m venv $(VENV310)
+	$(VENV310)/bin/python -m pip install -q --no-cache-dir -c deploy/constraints/oldest.txt torch torchvision
+	$(VENV310)/bin/python -m pip install -q --no-cache-dir -c deploy/constraints/oldest.txt -e '.[test]'
+	touch $@
+
+test-py310: $(VENV310)/.installed
+	OMP_NUM_THREADS=1 $(VENV310)/bin/python -m pytest -q -p no:cacheprovider -m 'not slow and not ray'
 
 lint: setup
 	$(VENV)/bin/ruff check .

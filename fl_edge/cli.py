@@ -13,8 +13,11 @@ from fedattn_shared.methods.registry import MODULE_SPEC
 from fedattn_shared.privacy.dp import PrivacyPolicy
 
 from .daemon import EdgeDaemon, EdgeExit, EdgeOptions
+from .device_check import startup_device
 from .heterogeneity import DEFAULT_OFFLINE_SECONDS, check_throttle, parse_disconnect
 from .metrics import METRICS_LINGER, linger_for_metrics
+from .sdnotify import Watchdog, edge_health, notify, watchdog_interval
+from .supervision import Stopped, StopSignals
 
 log = logging.getLogger("fl_edge")
 
@@ -59,6 +62,21 @@ def build_parser() -> argparse.ArgumentParser:
                              "else 1, so that several edges on one host do not oversubscribe "
                              "its cores; an edge alone on a multi-core device may raise it to "
                              "its core count)")
+    _add_small_devices(parser)
+    _add_device_limits(parser)
+    _add_policy(parser)
+    _add_simulation(parser)
+    parser.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
+                        help="progress bars (auto: when a terminal is attached)")
+    parser.add_argument("--log-every", type=float, default=10.0, metavar="SECONDS",
+                        help="without progress bars, log training progress (steps, "
+                             "samples/s, ETA) every this many seconds (default 10; 0: off)")
+    parser.add_argument("--log-level", default="INFO")
+    return parser
+
+
+def _add_small_devices(parser: argparse.ArgumentParser) -> None:
+    """How this device trains: its batch, accumulation, precision, where the data sits."""
     small = parser.add_argument_group("small devices")
     small.add_argument("--batch-size", type=int, default=None,
                        help="local batch size on this device (default: the server's)")
@@ -70,16 +88,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="keep the data splits in the GPU's memory: batches are gathered "
                             "there instead of copied from the host every step (the splits "
                             "must fit; no effect on a CPU)")
-    _add_device_limits(parser)
-    _add_policy(parser)
-    _add_simulation(parser)
-    parser.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
-                        help="progress bars (auto: when a terminal is attached)")
-    parser.add_argument("--log-every", type=float, default=10.0, metavar="SECONDS",
-                        help="without progress bars, log training progress (steps, "
-                             "samples/s, ETA) every this many seconds (default 10; 0: off)")
-    parser.add_argument("--log-level", default="INFO")
-    return parser
 
 
 def _add_device_limits(parser: argparse.ArgumentParser) -> None:
@@ -247,59 +255,42 @@ def cpu_threads(requested: int | None) -> int | None:
     return requested
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The ``fl-edge`` entry point: checks the options a daemon cannot (status 2, one
-    line), then runs the daemon; its ``EdgeExit`` becomes the exit status."""
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("export", "predict"):
-        return run_tool(argv)
-    if argv and argv[0] == "run":
-        argv = argv[1:]
-    args = build_parser().parse_args(argv)
-    setup_logging(args.log_level)
+def _refusal(args: argparse.Namespace) -> str:
+    """Why the options cannot run ('' when they can): what argparse does not check."""
     if args.insecure == bool(args.tls_dir):
-        print("fl-edge: error: pass --tls-dir DIR (the folder `fl-server certs issue` wrote) "
-              "for mutual TLS or --insecure for plaintext gRPC, not both", file=sys.stderr)
-        return 2
+        return ("pass --tls-dir DIR (the folder `fl-server certs issue` wrote) for mutual "
+                "TLS or --insecure for plaintext gRPC, not both")
     if not args.data_dir.is_dir():
-        print(f"fl-edge: error: --data-dir {args.data_dir} is not a directory", file=sys.stderr)
-        return 2
+        return f"--data-dir {args.data_dir} is not a directory"
     if (args.batch_size is not None and args.batch_size < 1) or args.grad_accum < 1 or (
             args.max_physical_batch is not None and args.max_physical_batch < 1):
-        print("fl-edge: error: --batch-size, --grad-accum and --max-physical-batch must be >= 1",
-              file=sys.stderr)
-        return 2
+        return "--batch-size, --grad-accum and --max-physical-batch must be >= 1"
     if args.gpu_memory_fraction is not None and not 0 < args.gpu_memory_fraction <= 1:
-        print("fl-edge: error: --gpu-memory-fraction must be in (0, 1]", file=sys.stderr)
-        return 2
+        return "--gpu-memory-fraction must be in (0, 1]"
     if not args.health_stall_seconds > 0:
-        print("fl-edge: error: --health-stall-seconds must be > 0", file=sys.stderr)
-        return 2
-    threads = cpu_threads(args.threads)
-    if threads is None:
-        print("fl-edge: error: --threads must be >= 1", file=sys.stderr)
-        return 2
+        return "--health-stall-seconds must be > 0"
+    if cpu_threads(args.threads) is None:
+        return "--threads must be >= 1"
     bad_specs = [spec for spec in args.allow_method if not MODULE_SPEC.fullmatch(spec)]
     if bad_specs:
-        print(f"fl-edge: error: --allow-method {bad_specs[0]!r}: expected package.module:Class",
-              file=sys.stderr)
-        return 2
-    try:
-        throttle = check_throttle(args.throttle)
-        disconnect, offline = (parse_disconnect(args.disconnect) if args.disconnect
-                               else (0.0, DEFAULT_OFFLINE_SECONDS))
-    except ValueError as err:
-        print(f"fl-edge: error: {err}", file=sys.stderr)
-        return 2
-    try:
-        privacy = PrivacyPolicy(max_epsilon=args.dp_max_epsilon, require_dp=args.require_dp,
-                                allow_seeded_noise=args.allow_seeded_dp_noise)
-    except ValueError as err:
-        print(f"fl-edge: error: {err}", file=sys.stderr)
-        return 2
+        return f"--allow-method {bad_specs[0]!r}: expected package.module:Class"
+    return ""
+
+
+def edge_options(args: argparse.Namespace) -> EdgeOptions:
+    """The daemon's options from the command line; ValueError (one line) when they cannot
+    run."""
+    refusal = _refusal(args)
+    if refusal:
+        raise ValueError(refusal)
+    throttle = check_throttle(args.throttle)
+    disconnect, offline = (parse_disconnect(args.disconnect) if args.disconnect
+                           else (0.0, DEFAULT_OFFLINE_SECONDS))
+    privacy = PrivacyPolicy(max_epsilon=args.dp_max_epsilon, require_dp=args.require_dp,
+                            allow_seeded_noise=args.allow_seeded_dp_noise)
     state_dir = args.state_dir or args.data_dir.resolve().parent / (
         f"{args.data_dir.resolve().name}.fedattn-state")
-    options = EdgeOptions(
+    return EdgeOptions(
         server=args.server, data_dir=args.data_dir, state_dir=state_dir, join_token=args.token,
         name=args.name, device=args.device, metrics_port=args.metrics_port,
         progress={"auto": None, "on": True, "off": False}[args.progress],
@@ -312,17 +303,62 @@ def main(argv: list[str] | None = None) -> int:
         max_physical_batch=args.max_physical_batch, gpu_memory_fraction=args.gpu_memory_fraction,
         cuda_nondeterministic_ok=args.cuda_nondeterministic_ok, channels_last=args.channels_last,
         health_stall_seconds=args.health_stall_seconds)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``fl-edge`` entry point: checks the options a daemon cannot (status 2, one
+    line), then runs the daemon; its ``EdgeExit`` becomes the exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("export", "predict"):
+        return run_tool(argv)
+    if argv and argv[0] == "run":
+        argv = argv[1:]
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
     try:
-        daemon = EdgeDaemon(options)
-        code = daemon.run()
-        if code == 0 and daemon.metrics_port is not None:
-            linger_for_metrics(daemon.metrics_port, args.metrics_linger)
-        return code
+        options = edge_options(args)
+    except ValueError as err:
+        print(f"fl-edge: error: {err}", file=sys.stderr)
+        return 2
+    try:
+        options.device = startup_device(options.device)
+        return run_supervised(options, args.metrics_linger)
     except EdgeExit as err:
         print(f"fl-edge: error: {err}", file=sys.stderr)
         return err.code
-    except KeyboardInterrupt:
-        return 130
+
+
+def run_supervised(options: EdgeOptions, linger: float = 0.0) -> int:
+    """The daemon under a supervisor: SIGTERM/SIGINT leave the run cleanly (state writes
+    finished, Leave sent; exit 0, also as a container's PID 1), systemd hears READY=1 and
+    the watchdog's pings while /healthz answers 200 (fl_edge.supervision, fl_edge.sdnotify).
+    A run that ended keeps serving /metrics ``linger`` seconds more (or until SIGTERM)."""
+    signals = StopSignals().install()
+    watchdog = None
+    try:
+        daemon = EdgeDaemon(options)
+        daemon.writer.critical = signals.deferred
+        notify("READY=1")
+        interval = watchdog_interval()
+        if interval is not None:
+            watchdog = Watchdog(interval, edge_health(lambda: daemon.metrics_port)).start()
+        try:
+            code = daemon.run()
+        except Stopped as stop:
+            daemon.writer.flush()  # a stop outside a session: its writes are still finished
+            log.info("fl-edge stopped (%s)", stop)
+            return 0
+    except Stopped as stop:  # before the daemon existed: nothing to save or tell
+        log.info("fl-edge stopped (%s)", stop)
+        return 0
+    finally:
+        notify("STOPPING=1")
+        if watchdog is not None:
+            watchdog.stop()
+        signals.restore()
+    if code == 0 and daemon.metrics_port is not None:
+        linger_for_metrics(daemon.metrics_port, linger)
+    return code
 
 
 if __name__ == "__main__":

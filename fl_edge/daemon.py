@@ -38,6 +38,7 @@ from .run import RUN_CAP_WHY, EdgeRun, build_run
 from .secagg import EdgeSecAgg
 from .session import RETRYABLE, Received, Rejoin, Session
 from .store import PrivateStore, load_or_create_identity, load_or_create_signing_key
+from .supervision import Stopped
 from .tasks import TaskRunner
 from .telemetry import DeviceTelemetry
 from .writer import StateWriter
@@ -207,6 +208,13 @@ class EdgeDaemon:
                             return
                         if status == pb.TaskHeader.TASK:
                             self._handle(received)
+            except Stopped as stop:
+                # A supervisor's SIGTERM: the state writes finish (an accepted upload's
+                # private state included), then the server hears that the edge is gone.
+                self.writer.flush()
+                self.session.leave(str(stop))
+                log.info("left the run (%s)", stop)
+                raise
             finally:
                 self.writer.flush()
 

@@ -129,10 +129,11 @@ def set_deterministic_algorithms(mode: bool, warn_only: bool = True) -> None:
     """``torch.use_deterministic_algorithms(mode, warn_only=warn_only)`` without its import
     of ``torch._inductor`` (to set the compiler's own flag), which pulls in
     ``torch._dynamo``: 1-4 s at every edge's first join, for a compiler fedattn never runs.
-    The compiler's flag is still set when something in the process has imported it."""
+    The compiler's flag is still set when something in the process has imported it, and has
+    the flag (torch 2.4's compiler has none, and refuses to set an unknown one)."""
     torch._C._set_deterministic_algorithms(mode, warn_only=warn_only)
     inductor = sys.modules.get("torch._inductor.config")
-    if inductor is not None:
+    if inductor is not None and hasattr(inductor, "deterministic"):
         inductor.deterministic = mode
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 from fedattn_shared.state import StateError
@@ -30,12 +31,16 @@ class StateWriter:
         self.metrics = metrics
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-writer")
         self.pending: list[Future] = []
+        #: Wraps each write and flush: fl-edge sets it to its stop signals' ``deferred``
+        #: (fl_edge.supervision), so that SIGTERM waits for a write instead of cutting it.
+        self.critical: Callable[[], AbstractContextManager] = nullcontext
 
     def write(self, save: Callable, *args) -> None:
         """State writes are atomic: on a read-only or full disk the old files stay intact
         and the edge stops with the path named rather than training on without a record."""
         try:
-            save(*args)
+            with self.critical():
+                save(*args)
         except (OSError, StateError) as err:
             raise EdgeExit(2, f"cannot write state under {self.state_dir}: {err} "
                               "(the previous state files are intact)") from None
@@ -49,6 +54,7 @@ class StateWriter:
 
     def flush(self) -> None:
         """Waits for the writes behind; re-raises the first one's ``EdgeExit``."""
-        writes, self.pending = self.pending, []
-        for write in writes:
-            write.result()
+        with self.critical():
+            writes, self.pending = self.pending, []
+            for write in writes:
+                write.result()

@@ -54,6 +54,39 @@ def test_images_run_as_non_root_with_the_state_dir_as_a_volume(path):
     assert "/var/lib/fedattn/" in cmd  # the daemon's state is inside the volume
 
 
+@pytest.mark.parametrize("name", ["edge-cuda.Dockerfile", "edge-jetson.Dockerfile"])
+def test_edge_images_keep_their_torch_and_check_progress(name):
+    """The edge images install with a platform's constraints and fail the build if the
+    torch they end with is not the one installed before; their health check is the edge's
+    progress check (/healthz), on the port the command gives the edge."""
+    instructions = dockerfile_instructions(DEPLOY / "docker" / name)
+    runs = " ".join(arg for op, arg in instructions if op == "RUN")
+    constraints = re.findall(r"install [^&]*-c \"?([^\s\"]+)\"? \.", runs)
+    args = dict(arg.split("=", 1) for op, arg in instructions if op == "ARG" and "=" in arg)
+    assert constraints, runs
+    for path in constraints:  # a literal path, or an ARG whose default is one
+        path = args.get(path.strip("${}"), path)
+        assert (REPO / path).is_file(), path
+    assert "torch.__version__ == kept" in runs
+    health = next(arg for op, arg in instructions if op == "HEALTHCHECK")
+    cmd = next(arg for op, arg in reversed(instructions) if op == "CMD")
+    port = re.search(r'"--metrics-port", "(\d+)"', cmd)[1]
+    assert f"http://127.0.0.1:{port}/healthz" in health
+
+
+def test_the_edge_unit_is_supervised_by_progress():
+    """systemd restarts a stuck edge (watchdog pinged while /healthz is 200) and never a
+    refused setting (status 2), which would fail the same way every RestartSec."""
+    unit = (DEPLOY / "systemd" / "fl-edge@.service").read_text()
+    for line in ("Type=notify", "NotifyAccess=main", "RestartPreventExitStatus=2",
+                 "WatchdogSignal=SIGTERM", "KillSignal=SIGTERM"):
+        assert re.search(rf"^{line}$", unit, re.M), line
+    watchdog = int(re.search(r"^WatchdogSec=(\d+)$", unit, re.M)[1])
+    stop = int(re.search(r"^TimeoutStopSec=(\d+)$", unit, re.M)[1])
+    assert watchdog >= 60 and stop >= 20  # a Leave takes up to 10 s, a state write a few
+    assert "exec /opt/fedattn/bin/fl-edge" in unit  # fl-edge is the main PID that notifies
+
+
 @pytest.mark.slow
 def test_the_sources_the_images_copy_build_the_package(tmp_path):
     """pip install . inside the image sees only what the Dockerfile COPYs: build a wheel
@@ -132,6 +165,8 @@ def test_kubernetes_wiring():
     assert edge["args"][edge["args"].index("--state-dir") + 1].startswith(state_mount + "/")
     assert edge["args"][edge["args"].index("--server") + 1] == "fl-server:50051"
     assert edge["resources"]["limits"]["nvidia.com/gpu"] == 1
+    for probe in ("livenessProbe", "readinessProbe"):  # the edge's progress check
+        assert edge[probe]["httpGet"] == {"path": "/healthz", "port": "metrics"}, probe
     for env in (container["env"], edge["env"]):
         token = next(e for e in env if e["name"] == "FEDATTN_TOKEN")
         assert ("Secret", token["valueFrom"]["secretKeyRef"]["name"]) in resources

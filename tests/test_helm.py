@@ -158,6 +158,12 @@ def test_server_and_edges_are_wired_together(helm, tmp_path):
     assert env_of(edges)["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert env_of(edges)["FEDATTN_TOKEN"] == env_of(server)["FEDATTN_TOKEN"]
     assert edge["resources"]["limits"]["nvidia.com/gpu"] == 1
+    # Liveness and readiness ask the edge's progress check on its metrics port, not /metrics
+    # (which answers while training hangs).
+    port = {p["name"]: p["containerPort"] for p in edge["ports"]}["metrics"]
+    assert port == edge_args.metrics_port
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert edge[probe]["httpGet"] == {"path": "/healthz", "port": "metrics"}, probe
 
 
 def test_values_never_reach_a_shell(helm, tmp_path):
