@@ -173,9 +173,9 @@ def report(args, rows: list[Row], results: dict[tuple[str, int], list[float]]) -
              f"{args.weight_decay} (SCAFFOLD: plain SGD), FedProx mu {args.mu}, augment "
              f"{args.augment}, Dirichlet alpha {args.alpha} with NIID-Bench's cap; global model "
              f"on {10 * args.test_per_class} official test images; model niid-cnn",
-             "accuracy (%): best round (the published figure) / final round; "
+             "accuracy (%): best round (the published figure) and the last round recorded; "
              "published: mean ± std over its seeds",
-             "| row | seed | rounds done | best (round) | final | published | best - published |",
+             "| row | seed | rounds done | best (round) | last round | published | best - published |",
              "|---|---|---|---|---|---|---|"]
     for row in rows:
         bests = []
