@@ -116,6 +116,29 @@ def test_dirichlet_alpha_extremes(tmp_path):
     assert (top_share >= 0.95).sum() >= 8, top_share
 
 
+def test_dirichlet_cap_deals_no_class_to_an_edge_already_at_its_share(tmp_path):
+    """--dirichlet-cap (NIID-Bench's rule): classes are dealt in label order, and once an
+    edge holds 1/N of the samples it gets nothing of the classes after; without the cap a
+    skewed draw leaves edges far above their share."""
+    src = npz_source(tmp_path / "src", n=4000)
+    common = ["--edges", 8, "--scheme", "dirichlet", "--alpha", 0.1, "--global-test-per-class", 0,
+              "--test-fraction", 0, "--min-per-edge", 0]
+    capped = partition(src, tmp_path / "cap", *common, "--dirichlet-cap")
+    share = 4000 / 8
+    over_after = 0
+    for row in capped["histogram"]:
+        held = np.cumsum(row["train_per_class"])
+        full = np.flatnonzero(held >= share)
+        if len(full):  # full after class full[0]: no later class reaches it
+            assert sum(row["train_per_class"][full[0] + 1:]) == 0, row
+            over_after += 1
+    assert over_after >= 1  # alpha 0.1 fills some edge before the last class
+    assert capped["dirichlet_cap"] is True and sum(r["n_train"] for r in capped["histogram"]) == 4000
+    plain = partition(src, tmp_path / "plain", *common)
+    spread = [max(r["n_train"] for r in m["histogram"]) for m in (capped, plain)]
+    assert spread[0] < spread[1], spread
+
+
 def test_dirichlet_min_per_edge_gives_up_with_a_clear_error(tmp_path, capsys):
     src = npz_source(tmp_path / "src", n=300)
     argv = ["--source", str(src), "--out", str(tmp_path / "out"), "--edges", 20, "--scheme", "dirichlet",

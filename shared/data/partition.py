@@ -30,7 +30,12 @@ Schemes (``--scheme``), all driven by ``--seed``:
 * ``dirichlet``: per class (Hsu et al. 2019): for each class c a draw
   p_c ~ Dir(alpha * 1_N) and the class's shuffled samples are cut at the rounded
   cumulative proportions. The whole partition is redrawn (same RNG stream) until every
-  edge has at least ``--min-per-edge`` samples, at most 100 times;
+  edge has at least ``--min-per-edge`` samples, at most 100 times. ``--dirichlet-cap``
+  adds NIID-Bench's size cap (Li et al. 2022, https://github.com/Xtra-Computing/NIID-Bench,
+  ``partition_data`` 'noniid-labeldir'): an edge that already holds at least
+  (samples to partition) / N gets no share of the classes still to deal (its p_c entry is
+  set to 0 and p_c renormalised), which keeps edge sizes near equal; the published tables
+  that bench/calibrate.py compares against were cut this way;
 * ``shards``: label shards after McMahan et al. 2017: samples are sorted by label and
   cut into N*K shards (K = ``--shards-per-edge``), each edge is dealt K shards. Shards are
   cut inside classes (N*K must be a multiple of the number of classes), and dealt so
@@ -98,6 +103,7 @@ class PartitionConfig:
     global_test_per_class: int = 100
     limit: int | None = None
     min_per_edge: int = 10
+    dirichlet_cap: bool = False  # NIID-Bench's rule: a full edge gets no more classes
     class_names: str | None = None
     force: bool = False
     domains: list[str] = field(default_factory=lambda: list(DIGIT_DOMAINS))  # digits only
@@ -243,6 +249,10 @@ def _dirichlet(pool: np.ndarray, labels: np.ndarray, cfg: PartitionConfig,
         for c in classes:
             idx = rng.permutation(pool[labels[pool] == c])
             p = rng.dirichlet(np.full(n, cfg.alpha))
+            if cfg.dirichlet_cap:
+                held = np.array([sum(len(chunk) for chunk in part) for part in parts])
+                p = p * (held < len(pool) / n)
+                p = p / p.sum()  # some edge is below the mean until every sample is dealt
             cuts = np.round(np.cumsum(p)[:-1] * len(idx)).astype(np.int64)
             for e, chunk in enumerate(np.split(idx, cuts)):
                 parts[e].append(chunk)
@@ -422,6 +432,7 @@ def build(cfg: PartitionConfig) -> tuple[list[EdgeShare], GlobalTest, dict]:
         "scheme": cfg.scheme,
         "alpha": cfg.alpha if cfg.scheme == "dirichlet" else None,
         "min_per_edge": cfg.min_per_edge if cfg.scheme == "dirichlet" else None,
+        "dirichlet_cap": cfg.dirichlet_cap if cfg.scheme == "dirichlet" else None,
         "dirichlet_tries": tries if cfg.scheme == "dirichlet" else None,
         "shards_per_edge": cfg.shards_per_edge if cfg.scheme == "shards" else None,
         "domains": list(DOMAINS) if cfg.scheme == "domains" else None,
@@ -556,6 +567,9 @@ output: OUT/edge_00, edge_01, ... each with train.npz, test.npz, global_test.npz
     parser.add_argument("--min-per-edge", type=int, default=10, metavar="N",
                         help="dirichlet: redraw until every edge has at least N samples, at most "
                              f"{MAX_TRIES} tries (default 10)")
+    parser.add_argument("--dirichlet-cap", action="store_true",
+                        help="dirichlet: NIID-Bench's size cap, an edge already holding at least "
+                             "1/N of the samples gets none of the classes still to deal")
     parser.add_argument("--shards-per-edge", type=int, default=2, metavar="K",
                         help="shards: classes (one shard each) per edge; edges*K must be a multiple of "
                              "the number of classes (default 2)")
@@ -593,7 +607,8 @@ def main(argv: list[str] | None = None) -> int:
         source=args.source, out=args.out, edges=args.edges, seed=args.seed, scheme=args.scheme,
         alpha=args.alpha, shards_per_edge=args.shards_per_edge, format=args.format,
         test_fraction=args.test_fraction, global_test_per_class=args.global_test_per_class,
-        limit=args.limit, min_per_edge=args.min_per_edge, class_names=args.class_names, force=args.force,
+        limit=args.limit, min_per_edge=args.min_per_edge,
+        dirichlet_cap=args.dirichlet_cap, class_names=args.class_names, force=args.force,
         domains=[d.strip() for d in args.domains.split(",") if d.strip()], domain_test=args.domain_test)
     try:
         shares, gt, manifest = build(cfg)

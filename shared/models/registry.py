@@ -25,6 +25,7 @@ from .anfr import (
 )
 from .lenet import LeNetBN, lenet_attention_sites
 from .mobilenet_compact import MobileNetV3Compact
+from .niid_cnn import NiidBenchCNN
 from .resnet import cifar_resnet18, compact_cifar_resnet, resnet_tokens
 from .secnn import SECNN, se_cnn_tail
 
@@ -98,6 +99,9 @@ MODELS: dict[str, ModelSpec] = {
         ModelSpec("lenet-bn", LeNetBN, "classifier.6",
                   "pFedLA's LeNet with BatchNorm, padding 0",
                   lenet_attention_sites, se_reduction=4),
+        ModelSpec("niid-cnn", NiidBenchCNN, "fc3",
+                  "NIID-Bench's simple CNN (Li et al., ICDE'22): conv 6 and 16 ch 5x5, "
+                  "FC 120-84-classes, no BatchNorm; bench/calibrate.py's model"),
         ModelSpec("alexnet-bn", AlexNetBN, "classifier.6",
                   "FedBN's AlexNet with BatchNorm (pFedLA Table 8), for 224x224 images",
                   alexnet_attention_sites, se_reduction=16),

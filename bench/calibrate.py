@@ -1,0 +1,269 @@
+"""Calibration against a published table: NIID-Bench's CIFAR-10 rows, reproduced with
+fl-sim (a real fl-server and real fl-edge daemons over gRPC on loopback), row by row.
+
+Why: every other bench here runs a shortened CPU protocol, so none of them shows that the
+system's training reaches a published level. This one runs a published protocol whole and
+prints each seed beside the published figure (issue #44, item 1).
+
+The table: Flower's reproduction of NIID-Bench (Li, Diao, Chen and He, "Federated Learning
+on Non-IID Data Silos: An Experimental Study", ICDE 2022, https://arxiv.org/abs/2102.02079),
+https://github.com/adap/flower/tree/main/baselines/niid_bench, README "Expected Results":
+CIFAR-10, best accuracy over the rounds of the global model on the test set, mean ± std over
+seeds: Dirichlet(0.5) FedAvg 62.47 ± 0.43, FedProx 65.63 ± 0.08, SCAFFOLD 68.08 ± 0.96;
+IID 71.32 ± 0.33, 71.26 ± 1.18, 71.66 ± 1.13.
+
+The protocol (the reproduction's conf/*_base.yaml and dataset_preparation.py):
+  * the simple CNN (registry model ``niid-cnn``, 62,006 parameters);
+  * all 50,000 CIFAR-10 training images over 10 clients, every client in every round;
+    Dirichlet(0.5) per class with NIID-Bench's size cap (``fl-partition --dirichlet-cap``)
+    and at least 10 samples per client, or IID (a shuffled split into equal parts);
+  * 50 rounds x 10 local epochs, batch 64, SGD lr 0.01 momentum 0.9 weight decay 1e-5,
+    FedProx mu 0.01; crop (4 px padding) + horizontal flip on training batches;
+  * the global model scored on the CIFAR-10 test set after every round; the figure is the
+    best round (the README's "best accuracies across all rounds"), the final round beside it.
+
+Where this differs from the reproduction, each named so a gap can be traced:
+  * test set: 860 images (the first 86 of each class of the official test set; the copy in
+    ../shared/data holds only its first 1,000 records, 86..112 per class), not 10,000: a
+    figure near 65 % has a binomial standard error of about 1.6 points;
+  * SCAFFOLD runs plain SGD (momentum 0, weight decay 0): the system's SCAFFOLD refuses
+    momentum, because its control-variate update c_i+ = c_i - c + (x - y)/(K lr) is the
+    displacement of plain SGD steps; the reproduction steps SGD with momentum 0.9. Its
+    server also averages uniformly over the round's clients (the paper), the reproduction
+    weights by sample count;
+  * images normalised to [-1, 1] (the system's input pipeline), not [0, 1]; the crop pads
+    with zeros (the normalised grey), not by reflection;
+  * the local optimiser's state (momentum buffers) carries over between rounds in this
+    system's trainer today; the reproduction builds a fresh SGD every round (issue #44,
+    item 2, changes that default);
+  * every client also holds the 860 test images as its local test split, so that no
+    training image is held out for one (the edges need a test split); both splits score
+    the same global model.
+
+    .venv/bin/python bench/calibrate.py --results bench/results/calibrate-niid-bench-cifar10-cpu.txt
+    .venv/bin/python bench/calibrate.py --rows fedavg-dir --seeds 0 --out /work/calib
+    .venv/bin/python bench/calibrate.py --report-only --out /work/calib
+    .venv/bin/python bench/calibrate.py --rounds 1 --epochs 1 --limit 600 --edges 2   # smoke
+
+A row is a few hours of one CPU core; every run resumes from its last round checkpoint
+(``fl-sim --resume``) when the command is repeated with the same flags, so it can be run in
+10-minute commands or across sessions; finished runs are read back from --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from _harness import ROOT, SHARED_DATA, fl_partition, pm, resumable, run
+
+CIFAR10 = SHARED_DATA / "cifar-10" / "cifar-10-batches-bin"
+TEST_PER_CLASS = 86  # every class of the 1,000 official test records here has >= 86
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of the published table: a method on a partition, with its published figure
+    (mean, std over the reproduction's seeds; best round, %)."""
+
+    name: str
+    method: str
+    scheme: str  # "dirichlet" (alpha --alpha, capped) or "iid"
+    published: tuple[float, float]
+
+
+ROWS = {row.name: row for row in (
+    Row("fedavg-dir", "fedavg", "dirichlet", (62.47, 0.43)),
+    Row("fedprox-dir", "fedprox", "dirichlet", (65.63, 0.08)),
+    Row("scaffold-dir", "scaffold", "dirichlet", (68.08, 0.96)),
+    Row("fedavg-iid", "fedavg", "iid", (71.32, 0.33)),
+    Row("fedprox-iid", "fedprox", "iid", (71.26, 1.18)),
+    Row("scaffold-iid", "scaffold", "iid", (71.66, 1.13)),
+)}
+SOURCE = ("Flower baselines/niid_bench README (Li et al., ICDE'22 protocol), "
+          "https://github.com/adap/flower/tree/main/baselines/niid_bench")
+
+
+def partition(args, scheme: str, seed: int) -> Path:
+    """The row's partition for ``seed`` (shared by the rows on it), with the test images as
+    every edge's local test split too (see the module docstring)."""
+    tag = f"dir{args.alpha:g}" if scheme == "dirichlet" else "iid"
+    out = args.out / "data" / f"{tag}-e{args.edges}-s{seed}-n{args.limit or 'all'}"
+    options = (["--scheme", "dirichlet", "--alpha", str(args.alpha), "--dirichlet-cap",
+                "--min-per-edge", "10"] if scheme == "dirichlet" else ["--scheme", "iid"])
+    limit = ["--limit", str(args.limit)] if args.limit else []
+    fl_partition(out, args.out, ["--source", str(args.cifar10), "--edges", str(args.edges),
+                                 "--seed", str(seed), "--test-fraction", "0",
+                                 "--global-test-per-class", str(args.test_per_class),
+                                 *options, *limit])
+    for edge in sorted(out.glob("edge_*")):
+        if not (edge / "test.npz").exists():
+            shutil.copyfile(edge / "global_test.npz", edge / "test.npz")
+    return out
+
+
+def run_dir(args, row: Row, seed: int) -> Path:
+    suffix = "" if (args.rounds, args.epochs, args.limit) == (50, 10, 0) else \
+        f"-r{args.rounds}e{args.epochs}n{args.limit or 'all'}"
+    return args.out / "runs" / f"{row.name}{suffix}-s{seed}"
+
+
+def train_sets(args, method: str) -> dict:
+    """The fl-server settings of the protocol for ``method``."""
+    plain_sgd = method == "scaffold"  # the system's SCAFFOLD refuses momentum and decay
+    sets = {"train.model": "niid-cnn", "train.in_channels": 3, "train.image_size": 32,
+            "train.lr": args.lr, "train.batch_size": args.batch_size,
+            "train.momentum": 0.0 if plain_sgd else args.momentum,
+            "train.weight_decay": 0.0 if plain_sgd else args.weight_decay,
+            "train.local_epochs": args.epochs, "train.lr_schedule": "constant",
+            "train.augment": args.augment, "server.eval_every": 1,
+            "server.round_timeout": args.round_timeout}
+    if method == "fedprox":
+        sets["fedprox.mu"] = args.mu
+    return sets
+
+
+def finished(history: Path, rounds: int) -> bool:
+    return history.exists() and len(json.loads(history.read_text())["rounds"]) == rounds
+
+
+def federate(args, row: Row, seed: int) -> Path:
+    """Runs (or resumes) one row's seed; returns its history file."""
+    out = run_dir(args, row, seed)
+    history = out / "server" / "history.json"
+    if finished(history, args.rounds):
+        return history  # finished earlier: --out doubles as a cache
+    resume = resumable(out)
+    data = partition(args, row.scheme, seed)
+    flags = [f"--set={k}={json.dumps(v) if isinstance(v, str) else v}"
+             for k, v in train_sets(args, row.method).items()]
+    started = time.time()
+    out.mkdir(parents=True, exist_ok=True)
+    run([sys.executable, "-m", "fl_tools.sim", "--method", row.method, "--edges", str(args.edges),
+         "--fraction", "1", "--rounds", str(args.rounds), "--procs", str(args.procs),
+         "--data-root", str(data), "--out", str(out), "--seed", str(seed),
+         *(["--resume"] if resume else []), *flags], out / f"fl-sim-{int(started)}.log")
+    print(f"  {row.name} seed {seed}: {time.time() - started:.0f} s"
+          + (" (resumed)" if resume else ""), flush=True)
+    return history
+
+
+def accuracies(history_file: Path) -> list[float]:
+    """The global model's test accuracy (%) after each evaluated round, in round order
+    (every edge scores the same global model on the same images: their mean is it)."""
+    from fl_tools.report import analyze_run, load_history
+
+    analysis = analyze_run(history_file, load_history(history_file), "global_test")
+    return [100 * r["mean_accuracy"] for r in analysis["rounds"]]
+
+
+def report(args, rows: list[Row], results: dict[tuple[str, int], list[float]]) -> str:
+    lines = [f"CIFAR-10 calibration against NIID-Bench ({SOURCE})",
+             f"protocol: {args.edges} clients all participating, {args.limit or 'all 50,000'} "
+             f"training images, {args.rounds} rounds x {args.epochs} local epochs, batch "
+             f"{args.batch_size}, SGD lr {args.lr} momentum {args.momentum} weight decay "
+             f"{args.weight_decay} (SCAFFOLD: plain SGD), FedProx mu {args.mu}, augment "
+             f"{args.augment}, Dirichlet alpha {args.alpha} with NIID-Bench's cap; global model "
+             f"on {10 * args.test_per_class} official test images; model niid-cnn",
+             "accuracy (%): best round (the published figure) and the last round recorded; "
+             "published: mean ± std over its seeds",
+             "| row | seed | rounds done | best (round) | last round | published | best - published |",
+             "|---|---|---|---|---|---|---|"]
+    for row in rows:
+        bests = []
+        for seed in args.seeds:
+            accs = results.get((row.name, seed))
+            if not accs:
+                lines.append(f"| {row.name} | {seed} | 0 | pending | - | "
+                             f"{row.published[0]:.2f} ± {row.published[1]:.2f} | - |")
+                continue
+            best = max(accs)
+            done = len(accs) == args.rounds
+            if done:
+                bests.append(best)
+            lines.append(f"| {row.name} | {seed} | {len(accs)}/{args.rounds} | {best:.2f} "
+                         f"({accs.index(best) + 1}) | {accs[-1]:.2f} | {row.published[0]:.2f} ± "
+                         f"{row.published[1]:.2f} | "
+                         + (f"{best - row.published[0]:+.2f}" if done else "(unfinished)") + " |")
+        if len(bests) > 1:
+            gap = statistics.mean(bests) - row.published[0]
+            lines.append(f"| {row.name} | mean | {len(bests)} seeds | {pm(bests, 2)} | | "
+                         f"{row.published[0]:.2f} ± {row.published[1]:.2f} | {gap:+.2f} |")
+    lines.append("\nper-round accuracy (%), global model on the test images")
+    for (name, seed), accs in sorted(results.items()):
+        lines.append(f"{name} seed {seed}: " + " ".join(f"{a:.1f}" for a in accs))
+    return "\n".join(lines)
+
+
+def partial(history_file: Path) -> list[float]:
+    """The per-round accuracies a run has recorded so far (finished or not)."""
+    if not history_file.exists():
+        return []
+    try:
+        return accuracies(history_file)
+    except Exception:  # no evaluated round yet
+        return []
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS),
+                   help="published rows to run, in this order (default all six)")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--cifar10", type=Path, default=CIFAR10,
+                   help="the cifar-10-batches-bin folder (default ../shared/data/cifar-10/...)")
+    p.add_argument("--edges", type=int, default=10)
+    p.add_argument("--alpha", type=float, default=0.5)
+    p.add_argument("--limit", type=int, default=0, help="training images in all (0: all 50,000)")
+    p.add_argument("--test-per-class", type=int, default=TEST_PER_CLASS)
+    p.add_argument("--rounds", type=int, default=50)
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--weight-decay", type=float, default=1e-5)
+    p.add_argument("--mu", type=float, default=0.01, help="FedProx's mu (the reproduction's default)")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--augment", choices=["none", "crop-flip"], default="crop-flip")
+    p.add_argument("--procs", type=int, default=1, help="fl-sim worker processes")
+    p.add_argument("--round-timeout", type=float, default=86400.0,
+                   help="server.round_timeout: a round of 10 clients x 10 epochs on one shared "
+                        "core takes many minutes")
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-calibrate")
+    p.add_argument("--results", type=Path, help="also write the report to this file")
+    p.add_argument("--report-only", action="store_true",
+                   help="print the table from what the runs under --out recorded, run nothing")
+    args = p.parse_args()
+    if not args.cifar10.exists():
+        print(f"bench/calibrate.py: {args.cifar10} is missing (set FEDATTN_DATA or pass "
+              "--cifar10): skipped", file=sys.stderr)
+        return 2
+    args.out = args.out.resolve()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    rows = [ROWS[name] for name in args.rows]
+    results: dict[tuple[str, int], list[float]] = {}
+    for seed in args.seeds:  # seed-major: every row gets a first seed before any a second
+        for row in rows:
+            history = run_dir(args, row, seed) / "server" / "history.json"
+            if not args.report_only:
+                history = federate(args, row, seed)
+            accs = partial(history)
+            if accs:
+                results[row.name, seed] = accs
+    text = report(args, rows, results)
+    print(text)
+    if args.results:
+        args.results.parent.mkdir(parents=True, exist_ok=True)
+        args.results.write_text(text + "\n")
+    return 0 if all(math.isfinite(a) for accs in results.values() for a in accs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""bench/calibrate.py (issue #44, item 1): the published model, the published protocol's
+settings, and a tiny run of the protocol through the bench's own entry point (real fl-sim)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import REPO, SHARED_DATA, bench_script
+
+from fedattn_shared.models import build_model, model_spec
+
+CIFAR10 = SHARED_DATA / "cifar-10" / "cifar-10-batches-bin"
+
+# Flower's baselines/niid_bench/niid_bench/models.py, class CNN(input_dim=400,
+# hidden_dims=[120, 84], num_classes=10): parameter shapes in state-dict order.
+PUBLISHED_SHAPES = [(6, 3, 5, 5), (6,), (16, 6, 5, 5), (16,), (120, 400), (120,), (84, 120), (84,),
+                    (10, 84), (10,)]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    with bench_script("calibrate") as module:
+        yield module
+
+
+def test_niid_cnn_is_the_published_network():
+    model = build_model("niid-cnn", 10, 3, 32)
+    shapes = [tuple(t.shape) for t in model.state_dict().values()]
+    assert shapes == PUBLISHED_SHAPES
+    # 456 + 2,416 + 48,120 + 10,164 + 850: the 10-class CIFAR LeNet-style CNN
+    assert sum(p.numel() for p in model.parameters()) == 62_006
+    assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
+    assert not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    head = model_spec("niid-cnn").head
+    assert {f"{head}.weight", f"{head}.bias"} <= set(model.state_dict())
+    # The MNIST form (the reproduction's CNNMnist): 16 x 4 x 4 = 256 features at 28x28.
+    assert build_model("niid-cnn", 10, 1, 28).fc1.in_features == 256
+
+
+def test_the_rows_and_settings_are_the_reproductions(bench):
+    assert {r.name: r.published[0] for r in bench.ROWS.values()} == {
+        "fedavg-dir": 62.47, "fedprox-dir": 65.63, "scaffold-dir": 68.08,
+        "fedavg-iid": 71.32, "fedprox-iid": 71.26, "scaffold-iid": 71.66}
+    args = bench.argparse.Namespace(lr=0.01, batch_size=64, momentum=0.9, weight_decay=1e-5,
+                                    epochs=10, augment="crop-flip", round_timeout=60.0, mu=0.01)
+    fedprox = bench.train_sets(args, "fedprox")
+    assert (fedprox["train.model"], fedprox["train.momentum"], fedprox["train.weight_decay"],
+            fedprox["fedprox.mu"], fedprox["train.lr_schedule"]) == ("niid-cnn", 0.9, 1e-5, 0.01,
+                                                                     "constant")
+    # The system's SCAFFOLD refuses momentum: the stated difference, not a silent one.
+    scaffold = bench.train_sets(args, "scaffold")
+    assert (scaffold["train.momentum"], scaffold["train.weight_decay"]) == (0.0, 0.0)
+    assert "fedprox.mu" not in bench.train_sets(args, "fedavg")
+
+
+@pytest.mark.skipif(not CIFAR10.exists(), reason=f"needs CIFAR-10 at {CIFAR10} (../shared/data)")
+def test_a_tiny_protocol_runs_through_the_bench(tmp_path):
+    """2 clients, 1 round of 1 epoch on 400 images, via bench/calibrate.py and real fl-sim:
+    the results file holds the row beside its published figure, the partition is NIID-Bench's
+    capped Dirichlet over every image with the official test images as each client's test
+    split, and the server ran the protocol's settings."""
+    results = tmp_path / "calibrate.txt"
+    cmd = [sys.executable, str(REPO / "bench" / "calibrate.py"), "--rows", "fedavg-dir",
+           "--seeds", "0", "--rounds", "1", "--epochs", "1", "--limit", "400", "--edges", "2",
+           "--out", str(tmp_path / "out"), "--results", str(results)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stdout + done.stderr
+    text = results.read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| fedavg-dir | 0 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[2] == "1/1" and cells[5] == "62.47 ± 0.43"
+    accuracy = float(cells[4])
+    assert 0 <= accuracy <= 100 and cells[6] == f"{float(cells[3].split()[0]) - 62.47:+.2f}"
+    assert "fedavg-dir seed 0: " in text
+
+    (data,) = (tmp_path / "out" / "data").iterdir()
+    manifest = json.loads((data / "partition.json").read_text())
+    assert manifest["dirichlet_cap"] is True and manifest["alpha"] == 0.5
+    assert manifest["global_test"]["size"] == 860 and manifest["global_test"]["from_test_split"] == 860
+    assert sum(r["n_train"] for r in manifest["histogram"]) == 400  # no image held out
+    for edge in sorted(data.glob("edge_*")):
+        with np.load(edge / "test.npz") as test, np.load(edge / "global_test.npz") as gt:
+            assert np.array_equal(test["x"], gt["x"]) and np.array_equal(test["y"], gt["y"])
+
+    (run,) = (tmp_path / "out" / "runs").iterdir()
+    train = json.loads((run / "server" / "history.json").read_text())["manifest"]["train"]
+    assert (train["model"], train["batch_size"], train["lr"], train["momentum"],
+            train["weight_decay"], train["augment"]) == ("niid-cnn", 64, 0.01, 0.9, 1e-5, "crop-flip")
