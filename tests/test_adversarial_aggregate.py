@@ -239,9 +239,9 @@ def test_a_real_edge_declares_its_training_set_size_at_join(tmp_path):
         edge = cluster.edge(data, "cam0")
         assert edge.wait() == 0, edge.log()[-3000:]
         assert server.wait() == 0, server.log()[-3000:]
-        joins = re.findall(r"edge cam0 joined \((.*)\)", server.log())
-        declared = [int(m.group(1)) for j in joins if (m := re.search(r"num_examples='?(\d+)", j))]
-        assert len(declared) == 1 and 0 < declared[0] < 60, joins
+        declared = [int(n) for n in re.findall(
+            r"edge cam0 declared its training split: (\d+) examples", server.log())]
+        assert len(declared) == 1 and 0 < declared[0] < 60, server.log()[-3000:]
         history = json.loads((tmp_path / "server-state" / "history.json").read_text())
         assert history["rounds"][0]["train"]["num_examples"] == {"cam0": declared[0]}
     finally:

@@ -171,7 +171,11 @@ def test_dp_sgd_takes_accumulation_as_physical_batches_and_sets_amp_aside(caplog
 
 
 REAL_LIMIT = """
-import json, resource, sys, torch
+import ctypes, json, resource, sys, torch
+# Large blocks always mapped and unmapped (glibc would raise its mmap threshold after the
+# first frees and keep them in the heap), so the address space measured is what is held.
+LIBC = ctypes.CDLL("libc.so.6")
+LIBC.mallopt(-3, 1 << 17)  # M_MMAP_THRESHOLD, fixed
 sys.path.insert(0, "tests")
 from test_edge_memory import plain_edge_sized, weights
 from fedattn_shared.data.npz import Split
@@ -190,6 +194,7 @@ before = vm("VmSize")
 train_local(probe, Split(data.x[:128], data.y[:128]), 1, 128, seed=1, device=CPU, progress=False)
 need = vm("VmPeak") - before
 del probe
+LIBC.malloc_trim(0)
 resource.setrlimit(resource.RLIMIT_AS, (vm("VmSize") + int(0.7 * need), resource.RLIM_INFINITY))
 algo, memory = plain_edge_sized(96), MemoryBackoff()
 train_local(algo, data, 1, 128, seed=1, device=CPU, progress=False, memory=memory)
@@ -202,7 +207,7 @@ for name, limit in (("from the start", memory.limit), ("whole", None)):
 a, b, c = weights(algo), weights(runs["from the start"]), weights(runs["whole"])
 print(json.dumps({"need": need, "limit": memory.limit, "backoffs": memory.backoffs,
                   "equal": all(torch.equal(a[k], b[k]) for k in a),
-                  "close": all(torch.allclose(a[k], c[k], rtol=1e-5, atol=1e-6) for k in a)}))
+                  "close": all(torch.allclose(a[k], c[k], rtol=1e-5, atol=1e-5) for k in a)}))
 """
 
 
