@@ -33,9 +33,6 @@ Where this differs from the reproduction, each named so a gap can be traced:
     weights by sample count;
   * images normalised to [-1, 1] (the system's input pipeline), not [0, 1]; the crop pads
     with zeros (the normalised grey), not by reflection;
-  * the local optimiser's state (momentum buffers) carries over between rounds in this
-    system's trainer today; the reproduction builds a fresh SGD every round (issue #44,
-    item 2, changes that default);
   * every client also holds the 860 test images as its local test split, so that no
     training image is held out for one (the edges need a test split); both splits score
     the same global model.
@@ -43,6 +40,7 @@ Where this differs from the reproduction, each named so a gap can be traced:
     .venv/bin/python bench/calibrate.py --results bench/results/calibrate-niid-bench-cifar10-cpu.txt
     .venv/bin/python bench/calibrate.py --rows fedavg-dir --seeds 0 --out /work/calib
     .venv/bin/python bench/calibrate.py --report-only --out /work/calib
+    .venv/bin/python bench/calibrate.py --rows fedavg-dir --optimizer-state carry  # the old trainer
     .venv/bin/python bench/calibrate.py --rounds 1 --epochs 1 --limit 600 --edges 2   # smoke
 
 A row is a few hours of one CPU core; every run resumes from its last round checkpoint
@@ -113,6 +111,8 @@ def partition(args, scheme: str, seed: int) -> Path:
 def run_dir(args, row: Row, seed: int) -> Path:
     suffix = "" if (args.rounds, args.epochs, args.limit) == (50, 10, 0) else \
         f"-r{args.rounds}e{args.epochs}n{args.limit or 'all'}"
+    if args.optimizer_state != "reset":
+        suffix += f"-{args.optimizer_state}"
     return args.out / "runs" / f"{row.name}{suffix}-s{seed}"
 
 
@@ -124,6 +124,7 @@ def train_sets(args, method: str) -> dict:
             "train.momentum": 0.0 if plain_sgd else args.momentum,
             "train.weight_decay": 0.0 if plain_sgd else args.weight_decay,
             "train.local_epochs": args.epochs, "train.lr_schedule": "constant",
+            "train.optimizer_state": args.optimizer_state,
             "train.augment": args.augment, "server.eval_every": 1,
             "server.round_timeout": args.round_timeout}
     if method == "fedprox":
@@ -170,7 +171,8 @@ def report(args, rows: list[Row], results: dict[tuple[str, int], list[float]]) -
              f"protocol: {args.edges} clients all participating, {args.limit or 'all 50,000'} "
              f"training images, {args.rounds} rounds x {args.epochs} local epochs, batch "
              f"{args.batch_size}, SGD lr {args.lr} momentum {args.momentum} weight decay "
-             f"{args.weight_decay} (SCAFFOLD: plain SGD), FedProx mu {args.mu}, augment "
+             f"{args.weight_decay} (SCAFFOLD: plain SGD), optimizer state "
+             f"{args.optimizer_state} at each round, FedProx mu {args.mu}, augment "
              f"{args.augment}, Dirichlet alpha {args.alpha} with NIID-Bench's cap; global model "
              f"on {10 * args.test_per_class} official test images; model niid-cnn",
              "accuracy (%): best round (the published figure) and the last round recorded; "
@@ -229,6 +231,10 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--weight-decay", type=float, default=1e-5)
+    p.add_argument("--optimizer-state", choices=["reset", "carry"], default="reset",
+                   help="reset: a fresh local SGD every round, as the reproduction (the "
+                        "system's default); carry: momentum kept across rounds (the default "
+                        "before 2026-11-27)")
     p.add_argument("--mu", type=float, default=0.01, help="FedProx's mu (the reproduction's default)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--augment", choices=["none", "crop-flip"], default="crop-flip")

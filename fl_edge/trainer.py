@@ -461,6 +461,12 @@ def _train_local(algo: EdgeAlgorithm, data: Split, epochs: int, batch_size: int,
     algo.num_examples = len(data)
     algo.begin_train()
     optimizers = algo.optimizers()
+    if algo.method.train.optimizer_state == "reset":
+        # A fresh optimizer each round, as the papers: torch builds SGD's momentum buffers
+        # and Adam's moments lazily from an empty state, so clearing it is exactly a new
+        # optimizer (and keeps the objects DP-SGD has wrapped).
+        for opt in optimizers:
+            opt.state.clear()
     if lr is not None:
         for opt in optimizers:
             for group in opt.param_groups:

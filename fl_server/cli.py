@@ -80,7 +80,8 @@ FLAG_TARGETS = {
     "in_channels": ("train", "in_channels"), "image_size": ("train", "image_size"),
     "local_epochs": ("train", "local_epochs"), "batch_size": ("train", "batch_size"),
     "optimizer": ("train", "optimizer"), "lr": ("train", "lr"), "momentum": ("train", "momentum"),
-    "weight_decay": ("train", "weight_decay"), "seed": ("train", "seed"),
+    "weight_decay": ("train", "weight_decay"),
+    "optimizer_state": ("train", "optimizer_state"), "seed": ("train", "seed"),
     "private": ("train", "private"), "clip_grad_norm": ("train", "clip_grad_norm"),
     "augment": ("train", "augment"), "input_size": ("train", "input_size"),
     "dp": ("dp", "enabled"), "dp_epsilon": ("dp", "target_epsilon"),
@@ -265,6 +266,10 @@ def _train_flags(p: argparse.ArgumentParser) -> None:
     train.add_argument("--lr", type=float)
     train.add_argument("--momentum", type=float)
     train.add_argument("--weight-decay", type=float)
+    train.add_argument("--optimizer-state", choices=["reset", "carry"],
+                       help="the edges' optimizer state (momentum buffers) at each round's "
+                            "start: reset (the default: a fresh optimizer, as the papers) or "
+                            "carry (the last round's, kept in the edge's private state)")
     train.add_argument("--seed", type=int)
     train.add_argument("--private", type=lambda s: [r for r in s.split(",") if r],
                        help="extra private split rules, comma-separated: bn,head,se-e,attention")

@@ -66,6 +66,12 @@ class TrainConfig:
     lr_gamma: float = 0.1           # step: decay factor
     momentum: float = 0.0            # SGD momentum
     weight_decay: float = 0.0        # L2 weight decay of the local optimizer
+    # The local optimizer's state (SGD momentum buffers, Adam's moments) at the start of a
+    # round: "reset" starts every round from a fresh optimizer, as the papers and their
+    # reference code do (a new torch.optim.SGD each round); "carry" keeps the previous
+    # round's buffers (saved in the edge's private state), the behaviour before 2026-11-27.
+    # A method whose math wants carried state declares it in ``Method.train_settings``.
+    optimizer_state: Literal["reset", "carry"] = "reset"
     seed: int = 0                    # the run seed: models, selection, every edge's data order
     # A fixed seed gives bit-identical runs on CPU: deterministic algorithms, every random
     # draw of an edge's round seeded from (seed, round, edge). Off: torch's defaults.

@@ -47,11 +47,12 @@ def test_the_rows_and_settings_are_the_reproductions(bench):
         "fedavg-dir": 62.47, "fedprox-dir": 65.63, "scaffold-dir": 68.08,
         "fedavg-iid": 71.32, "fedprox-iid": 71.26, "scaffold-iid": 71.66}
     args = bench.argparse.Namespace(lr=0.01, batch_size=64, momentum=0.9, weight_decay=1e-5,
-                                    epochs=10, augment="crop-flip", round_timeout=60.0, mu=0.01)
+                                    epochs=10, augment="crop-flip", round_timeout=60.0, mu=0.01,
+                                    optimizer_state="reset")
     fedprox = bench.train_sets(args, "fedprox")
     assert (fedprox["train.model"], fedprox["train.momentum"], fedprox["train.weight_decay"],
-            fedprox["fedprox.mu"], fedprox["train.lr_schedule"]) == ("niid-cnn", 0.9, 1e-5, 0.01,
-                                                                     "constant")
+            fedprox["fedprox.mu"], fedprox["train.lr_schedule"],
+            fedprox["train.optimizer_state"]) == ("niid-cnn", 0.9, 1e-5, 0.01, "constant", "reset")
     # The system's SCAFFOLD refuses momentum: the stated difference, not a silent one.
     scaffold = bench.train_sets(args, "scaffold")
     assert (scaffold["train.momentum"], scaffold["train.weight_decay"]) == (0.0, 0.0)

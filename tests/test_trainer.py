@@ -189,3 +189,32 @@ def test_a_replaced_parameter_still_loads():
     name = next(iter(algo.shared_specs))
     algo.live_tensor(name).data = torch.zeros_like(algo.live_tensor(name))  # out of the vector
     receive_random_downlink(algo)
+
+
+def _two_rounds(algo, fresh_before_second: bool = False) -> dict[str, torch.Tensor]:
+    """Two rounds of local training on the same algorithm object (as an edge keeps it), the
+    second from the first's end; ``fresh_before_second`` builds a new optimizer between them."""
+    train_local(algo, data(40), 1, 8, 0, torch.device("cpu"), False)
+    if fresh_before_second:
+        algo._optimizers = None  # what a brand-new torch.optim object would start from
+    train_local(algo, data(40), 1, 8, 1, torch.device("cpu"), False)
+    return {k: v.clone() for k, v in algo.models["model"].state_dict().items()}
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_each_round_starts_a_fresh_optimizer_by_default(optimizer):
+    """The papers restart their local optimizer every round (issue #44 item 2): by default
+    the second round is bit-identical to one stepped by a newly built optimizer, and with
+    ``optimizer_state = "carry"`` it is not (the momentum / moments of round one act)."""
+    settings = {"optimizer": optimizer, "momentum": 0.9 if optimizer == "sgd" else 0.0,
+                "lr": 0.05 if optimizer == "sgd" else 0.001}
+    torch.manual_seed(0)
+    reset = _two_rounds(make(**settings))
+    torch.manual_seed(0)
+    fresh = _two_rounds(make(**settings), fresh_before_second=True)
+    torch.manual_seed(0)
+    carried = _two_rounds(make(optimizer_state="carry", **settings))
+    assert TrainConfig().optimizer_state == "reset"
+    for name in reset:
+        assert torch.equal(reset[name], fresh[name]), name
+    assert any(not torch.equal(reset[k], carried[k]) for k in reset if reset[k].is_floating_point())
