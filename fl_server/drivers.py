@@ -147,48 +147,63 @@ class DriverWrapper(PhaseDriver):
         self.inner = inner
 
     def begin_round(self, round_number: int, edges: EdgeBook) -> None:
+        """The inner driver's."""
         return self.inner.begin_round(round_number, edges)
 
     def schema(self) -> list[SectionSpec]:
+        """The inner driver's."""
         return self.inner.schema()
 
     def common(self) -> Payload:
+        """The inner driver's."""
         return self.inner.common()
 
     def personal(self, edge: str) -> Payload:
+        """The inner driver's."""
         return self.inner.personal(edge)
 
     def quorum(self, participants: int) -> int:
+        """The inner driver's."""
         return self.inner.quorum(participants)
 
     def deadline(self) -> float:
+        """The inner driver's."""
         return self.inner.deadline()
 
     def skipped(self) -> bool:
+        """The inner driver's."""
         return self.inner.skipped()
 
     def check(self, upload: Payload) -> None:
+        """The inner driver's."""
         return self.inner.check(upload)
 
     def decode(self, edge: str, upload: Payload) -> Payload:
+        """The inner driver's."""
         return self.inner.decode(edge, upload)
 
     def common_delta(self) -> tuple[str, Payload] | None:
+        """The inner driver's."""
         return self.inner.common_delta()
 
     def published(self, common_id: str) -> None:
+        """The inner driver's."""
         return self.inner.published(common_id)
 
     def coded_uploads(self) -> dict[tuple[Kind, str], Encoded]:
+        """The inner driver's."""
         return self.inner.coded_uploads()
 
     def coded_delta(self) -> dict[tuple[Kind, str], Encoded]:
+        """The inner driver's."""
         return self.inner.coded_delta()
 
     def accept(self, edge: str, upload: Payload, weight: float) -> None:
+        """The inner driver's."""
         return self.inner.accept(edge, upload, weight)
 
     def close(self) -> dict[str, Any]:
+        """The inner driver's."""
         return self.inner.close()
 
 
