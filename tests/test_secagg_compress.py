@@ -242,7 +242,7 @@ class CompressedRounds:
     server does."""
 
     def __init__(self, tmp_path, n: int = 4, bits: int = 8, block: int = 64,
-                 feedback: bool = False, margin: float = 4.0):
+                 feedback: bool = False, margin: float = 4.0, codec: str = ""):
         self.ids = [f"e{i}" for i in range(n)]
         cls = load_method("fedavg")
         self.method = cls(MethodContext(TrainConfig(model="lenet-bn"), cls.Params()))
@@ -250,11 +250,12 @@ class CompressedRounds:
         self.aggregator = self.method.server(self.models)
         cfg = ServerConfig(secagg=True, secagg_graph="full", secagg_clip=8.0,
                            secagg_max_weight=1000.0, secagg_margin=margin,
-                           compress=f"up=int{bits}:{block}" + ("+ef" if feedback else ""))
+                           compress=f"up={codec or f'int{bits}:{block}'}"
+                           + ("+ef" if feedback else ""))
         self.up = cfg.compress_spec().up  # the run's codec: the edges quantize with it
         self.driver = SecAggDriver(cfg, self.method, self.models, self.aggregator)
-        assert (self.driver.policy.bits, self.driver.policy.block,
-                self.driver.policy.feedback) == (bits, block, feedback)
+        assert (self.driver.policy.bits, self.driver.policy.block, self.driver.policy.feedback
+                ) == (self.up.codec.integer_bits, self.up.codec.block, feedback)
         self.policy = SecAggPolicy.from_config(self.driver.policy.to_config())  # the run config
         self.registry = EdgeBook()
         self.edges = {}
