@@ -23,7 +23,7 @@ import torch
 from conftest import Cluster, read_history, write_edge_dirs
 from test_secagg_compress import CompressedRounds
 
-from fedattn_shared.compress import available_codecs, load_codec
+from fedattn_shared.compress import Codec, CodecChoice, available_codecs, load_codec
 from fedattn_shared.compress.integer import integer_codec
 from fedattn_shared.config import TrainConfig
 from fedattn_shared.methods import MethodContext, load_method
@@ -122,3 +122,28 @@ def test_the_masked_sum_is_rounded_by_the_run_s_codec(tmp_path, codec):
         assert np.all(error <= half), (error / half).max()
     else:  # stochastic: up to a level per edge, beyond half of it at many values
         assert np.mean(error > half) > 0.01, np.mean(error > half)
+
+
+def test_a_codec_the_ring_cannot_hold_is_refused_by_name():
+    """A codec stating an integer width without the interface, or more levels than its
+    width holds, is refused (at the server's start under --secagg; the edge sits out)."""
+
+    class WidthOnly(Codec):
+        name = "widthonly"
+        integer_bits = 8
+
+        def layout(self, n):
+            return {"q": (torch.int8, (n,))}
+
+        def encode(self, x, generator=None):
+            return {"q": x.to(torch.int8)}
+
+        def decode(self, parts, n):
+            return parts["q"].float()
+
+    with pytest.raises(ValueError, match="does not implement the integer-codec interface"):
+        integer_codec(CodecChoice(WidthOnly()))
+    round6 = type(load_codec("round6").codec)
+    wide = type("Wide", (round6,), {"levels": 40})
+    with pytest.raises(ValueError, match=r"levels 40 outside \[1, 31\]"):
+        integer_codec(CodecChoice(wide()))
