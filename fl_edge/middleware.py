@@ -125,7 +125,7 @@ class SecureAggregation:
             upload = self.secagg.mask(task.round, task.phase, task.personal, result.upload,
                                       algo.upload_weight(task.phase, result.num_examples),
                                       self.run.method, algo.models, common=task.common,
-                                      seed=task.seed)
+                                      seed=task.seed, codec=self.run.compress.up)
         except (SecAggError, ValueError) as err:
             log.error("round %d %s: not masking this upload: %s", task.round, task.phase, err)
             upload = Payload()

@@ -32,6 +32,8 @@ import numpy as np
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from fedattn_shared.compress import CodecChoice
+from fedattn_shared.compress.integer import integer_codec
 from fedattn_shared.privacy.secagg import (
     ADVERTISE,
     CONFIRM,
@@ -192,12 +194,13 @@ class EdgeSecAgg:
     # ---- the masked phase ------------------------------------------------------------
     def mask(self, round_number: int, phase: str, personal: Payload, upload: Payload,
              weight: float, method, models, common: Payload | None = None,
-             seed: int = 0) -> Payload:
+             seed: int = 0, codec: CodecChoice | None = None) -> Payload:
         """Replace the method's upload by its masked vector (one SECAGG section). The fixed
         point is the run config's, for the parties the share step named. Under integer
         compression (``policy.bits``) the masked quantity is the change against ``common``
-        (the global this edge received), and ``seed`` (the task's) drives the stochastic
-        rounding; the request's public scales pick the integer path, their absence the
+        (the global this edge received), rounded onto the request's public scales by the
+        run's integer up ``codec`` (its ``round_levels``; ``seed``, the task's, drives any
+        randomness); the request's public scales pick the integer path, their absence the
         32-bit one (a round with no earlier sum to scale by). The change against ``common``
         is clipped to ``policy.max_update`` (L2, over the values the global holds) in
         either path."""
@@ -219,7 +222,7 @@ class EdgeSecAgg:
                 self._keep_residual(phase, np.zeros_like(values))
             return Payload([Section(Kind.SECAGG, "masked",
                                     {"y": torch.from_numpy(y.view("<i4").copy())})])
-        integer = integer_request(info, tensors, policy, state.parties, values.size)
+        integer = integer_request(info, tensors, policy, state.parties, values.size, codec)
         generator = torch.Generator().manual_seed(rounding_seed(seed, phase))
         words, error = integer.quantize(values, weight, generator)
         y = state.mask_words(info.get("survivors"), words, integer.ring, integer.digest)
@@ -304,10 +307,22 @@ def rounding_seed(task_seed: int, phase: str) -> int:
 
 
 def integer_request(info: dict, tensors: dict[str, bytes], policy: SecAggPolicy, parties: int,
-                    n: int) -> IntegerQuantizer:
+                    n: int, choice: CodecChoice | None) -> IntegerQuantizer:
     """The integer fixed point of a masking request, held to the run config: the width and
-    block size the config states, a reference weight in (0, max_weight], one finite
-    positive float32 scale per block. SecAggError names the field."""
+    block size the config states (those of its up codec ``choice``, whose rounding the
+    upload takes), a reference weight in (0, max_weight], one finite positive float32
+    scale per block. SecAggError names the field."""
+    if choice is None:
+        raise SecAggError("the masking request states an integer fixed point; the run "
+                          "config has no up codec to quantize with")
+    try:
+        codec = integer_codec(choice)
+    except ValueError as err:
+        raise SecAggError(str(err)) from None
+    if (codec.integer_bits, codec.block) != (policy.bits, policy.block):
+        raise SecAggError(f"the run config's secure-aggregation bits/block ({policy.bits}, "
+                          f"{policy.block}) are not its up codec's ({codec.integer_bits}, "
+                          f"{codec.block}, {codec.spec})")
     if info.get("bits") != policy.bits or info.get("block") != policy.block:
         raise SecAggError(f"the masking request's bits/block ({info.get('bits')!r}, "
                           f"{info.get('block')!r}) differ from the run config's "
@@ -328,5 +343,4 @@ def integer_request(info: dict, tensors: dict[str, bytes], policy: SecAggPolicy,
         raise SecAggError("the masking request's scales hold non-finite values")
     if not np.all(scales > 0):
         raise SecAggError("the masking request's scales hold values <= 0")
-    return IntegerQuantizer(policy.bits, policy.block, parties, policy.max_weight, scales,
-                            float(weight_ref))
+    return IntegerQuantizer(codec, parties, policy.max_weight, scales, float(weight_ref))

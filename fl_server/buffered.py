@@ -46,7 +46,7 @@ from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire.codec import encode
 from fedattn_shared.wire.payload import Kind, Payload, Section
 
-from .drivers import PhaseDriver
+from .drivers import DriverWrapper, PhaseDriver, Traits
 from .evaluation import summarize
 from .phase import Phase, Refused, RoundAborted, Task, close_checked, open_phase
 
@@ -169,62 +169,28 @@ class ChangeBuffer:
         return Payload(sections)
 
 
-class BufferedTrain(PhaseDriver):
+class BufferedTrain(DriverWrapper):
     """The training phase of one version: tasks handed to free edges on the global of
     ``version``; each upload goes to the schedule's buffer. Everything else (schema,
     downlinks, decode, the method's check) is the plan's train driver's."""
 
-    weighted = True
-    training = True
-    changes = True  # uploads are changes (the gate's norm bound measures them as they are)
-
     def __init__(self, inner: PhaseDriver, schedule: BufferedSchedule, version: int):
-        super().__init__(inner.name, inner.aggregator, inner.cfg)
-        self.inner, self.schedule, self.version = inner, schedule, version
-
-    def schema(self) -> list[SectionSpec]:
-        """The train driver's (coded under ``--compress up=``)."""
-        return self.inner.schema()
-
-    def common(self) -> Payload:
-        """The global of this version (R under ``--compress down=``)."""
-        return self.inner.common()
-
-    def common_delta(self) -> tuple[str, Payload] | None:
-        """The train driver's."""
-        return self.inner.common_delta()
-
-    def published(self, common_id: str) -> None:
-        """The train driver's."""
-        self.inner.published(common_id)
-
-    def coded_uploads(self) -> dict:
-        """The train driver's."""
-        return self.inner.coded_uploads()
-
-    def coded_delta(self) -> dict:
-        """The train driver's."""
-        return self.inner.coded_delta()
-
-    def personal(self, edge: str) -> Payload:
-        """The train driver's."""
-        return self.inner.personal(edge)
-
-    def decode(self, edge: str, upload: Payload) -> Payload:
-        """The train driver's (a coded change decodes to the change)."""
-        return self.inner.decode(edge, upload)
-
-    def check(self, upload: Payload) -> None:
-        """The train driver's."""
-        self.inner.check(upload)
+        # Uploads are changes (the gate's norm bound measures them as they are).
+        super().__init__(inner, traits=Traits(weighted=True, training=True, changes=True))
+        self.schedule, self.version = schedule, version
 
     def quorum(self, participants: int) -> int:
         """Nothing waits for a version's tasks: K results from any versions apply."""
-        return self.cfg.buffer
+        return self.schedule.cfg.buffer
 
     def accept(self, edge: str, upload: Payload, weight: float) -> None:
         """Into the buffer, scaled by its staleness (ValueError: too stale)."""
         self.schedule.add(self, edge, upload, weight)
+
+    def close(self) -> dict[str, Any]:
+        """Nothing: a version closes through the buffer (``BufferedSchedule.apply``), never
+        through its phase, which the schedule retires."""
+        return {}
 
 
 class BufferedSchedule:
@@ -240,7 +206,7 @@ class BufferedSchedule:
             raise ValueError(f"--mode async: {refusal}; use --mode sync")
         self.weigh = self.cfg.staleness()
         self.train = next(d for d in engine.plan if d.name == TRAIN)
-        self.evaluator = next((d for d in engine.plan if d.evaluates), None)
+        self.evaluator = next((d for d in engine.plan if d.traits.evaluates), None)
         self.buffer = ChangeBuffer(engine.method.uplink_schema(TRAIN, engine.models))
         self.phases: dict[tuple[str, int], Phase] = {}
         self.current: Phase | None = None  # the training phase of the newest version
@@ -302,7 +268,7 @@ class BufferedSchedule:
             task = phase.tasks.get(edge)
             if task is None or not phase.is_pending(edge):
                 continue
-            if phase is self.current or phase.driver.evaluates:
+            if phase is self.current or phase.driver.traits.evaluates:
                 return phase, task
             self.engine.drop(phase, edge, "superseded: the edge asked for new work")
         phase = self.current
@@ -316,7 +282,7 @@ class BufferedSchedule:
         for phase in self.phases.values():
             task = phase.tasks.get(edge)
             if (task is not None and task.task_id == task_id and phase.is_pending(edge)
-                    and (phase is self.current or phase.driver.evaluates)):
+                    and (phase is self.current or phase.driver.traits.evaluates)):
                 return phase, task
         return None
 
@@ -327,7 +293,7 @@ class BufferedSchedule:
         record = self.engine.edges.records.get(edge)
         if record is None or not record.connected:
             return False
-        if any(phase.is_pending(edge) and (phase is self.current or phase.driver.evaluates)
+        if any(phase.is_pending(edge) and (phase is self.current or phase.driver.traits.evaluates)
                for phase in self.phases.values() if edge in phase.tasks):
             return True
         phase = self.current
@@ -395,7 +361,7 @@ class BufferedSchedule:
 
     async def taken(self, phase: Phase) -> None:
         """After every accepted upload (under ``agg_lock``): a full buffer is applied."""
-        if not isinstance(phase.driver, BufferedTrain) or not self.buffer.entries:
+        if phase.driver.traits.evaluates or not self.buffer.entries:
             return
         entry = self.buffer.entries[-1]  # this upload's: added under the same lock
         entry["metrics"] = phase.received.get(entry["edge"], {}).get("metrics", {})
@@ -439,7 +405,7 @@ class BufferedSchedule:
         self.retire_stale()
         last = version >= self.cfg.rounds
         if last:
-            for phase in [p for p in self.phases.values() if not p.driver.evaluates]:
+            for phase in [p for p in self.phases.values() if not p.driver.traits.evaluates]:
                 self.close(phase, f"run over: the last version ({version}) is applied")
             self.current = None
         else:
@@ -465,7 +431,7 @@ class BufferedSchedule:
             TRAIN: {"contributors": entries, "received": [e["edge"] for e in entries],
                     "staleness": {str(t): n for t, n in sorted(staleness.items())},
                     "in_flight": sum(len(p.pending()) for p in self.phases.values()
-                                     if not p.driver.evaluates)},
+                                     if not p.driver.traits.evaluates)},
             "bytes": engine.meter.take_round()}
         self.started = now
         for entry in entries:

@@ -215,8 +215,8 @@ class Engine:
         every = self.cfg.eval_every
         eval_due = bool(every) and (round_number % every == 0 or round_number == self.cfg.rounds)
         for index, driver in enumerate(self.plan):
-            if driver.evaluates:
-                if all(later.evaluates for later in self.plan[index + 1:]):
+            if driver.traits.evaluates:
+                if all(later.traits.evaluates for later in self.plan[index + 1:]):
                     state.snapshot = None  # nothing left to undo: let the previous global go
                 if eval_due:
                     await self.evaluate(driver, state)

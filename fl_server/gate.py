@@ -133,15 +133,15 @@ class UploadGate:
         self.check_task(header, phase)
         driver: PhaseDriver = phase.driver
         self.check_manifest(header.payload, phase.schema)
-        if driver.training and header.num_examples < 1:
+        if driver.traits.training and header.num_examples < 1:
             raise Refused("num_examples must be >= 1 for a training result", drop=True)
-        if driver.weighted:
+        if driver.traits.weighted:
             # Refused before a byte of the body is read: the weight is the header's.
             cap, why = self.weight_cap(header.edge_id)
             if header.num_examples > cap:
                 raise Refused(f"num_examples {header.num_examples} exceeds the weight cap "
                               f"{cap} of edge {header.edge_id} ({why})", drop=True)
-        if driver.evaluates:
+        if driver.traits.evaluates:
             self.check_evaluation(header)
         self.check_metrics(header)
         return Admission(phase)
@@ -359,14 +359,14 @@ class UploadGate:
                               + (f" ({phase.closed_why})" if phase.closed_why else ""))
             try:
                 norm = None
-                if driver.weighted:
+                if driver.traits.weighted:
                     weight = self.method.aggregation_weight(int(header.num_examples))
                     started = time.monotonic()
                     norm = await asyncio.to_thread(self.aggregate, phase, driver, edge,
                                               payload, weight)
                     self.metrics.aggregation_seconds.labels(phase.name, "accept").observe(
                         time.monotonic() - started)
-                elif not driver.evaluates:
+                elif not driver.traits.evaluates:
                     await asyncio.to_thread(self.aggregate, phase, driver, edge, payload, 0.0)
                 phase.received[edge] = self.result(header, phase, norm)
             except Refused:
@@ -392,7 +392,7 @@ class UploadGate:
         instead of applying a half-added aggregate. Returns the update norm (None when
         not measured)."""
         norm = None
-        if self.cfg.clip_update_norm and driver.weighted:
+        if self.cfg.clip_update_norm and driver.traits.weighted:
             norm = self.bound_update(phase, edge, payload)
         try:
             driver.accept(edge, payload, weight)
@@ -419,7 +419,7 @@ class UploadGate:
         sphere of radius C around the global, in place in the receive buffer (no copy).
         Returns the norm (before scaling), or None when the upload holds no model tensor.
         Runs in a worker thread under ``agg_lock``: the global cannot change meanwhile."""
-        pairs = self._model_pairs(payload, changes=phase.driver.changes)
+        pairs = self._model_pairs(payload, changes=phase.driver.traits.changes)
         if not pairs:
             return None
         squares = 0.0

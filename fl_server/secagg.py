@@ -11,11 +11,12 @@ once it passed the bounds every honest edge obeys. Every protocol byte travels i
 sections. Anything an edge sends that the protocol cannot use ends that edge's part in the
 step or, when too little is left, the round's secure aggregation -- never the server.
 
-Under ``--compress up=int8|int4`` the masked upload is the edges' change against the
-phase's common downlink, quantized with public per-block scales that this driver derives
-from the previous round's unmasked mean (``integer``) and packed at R bits a value; the
-first round (no mean yet) masks at 32 bits. The global times the summed weight is added
-back before the aggregator sees the sum.
+Under an integer up codec (``--compress up=int8|int4``, or a plug-in
+``compress.integer.IntegerCodec``) the masked upload is the edges' change against the
+phase's common downlink, quantized by the codec's rounding onto public per-block scales
+that this driver derives from the previous round's unmasked mean (``integer``) and packed
+at R bits a value; the first round (no mean yet) masks at 32 bits. The global times the
+summed weight is added back before the aggregator sees the sum.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedattn_shared.compress.codec import Codec
+from fedattn_shared.compress.integer import IntegerCodec, integer_codec
 from fedattn_shared.config import ServerConfig
 from fedattn_shared.methods.aggregators import Aggregator
 from fedattn_shared.methods.base import Method, SectionSpec, TensorSpec
@@ -88,24 +89,23 @@ def _bytes_spec(size: int, optional: bool = False) -> TensorSpec:
     return TensorSpec(torch.uint8, (size,), optional=optional)
 
 
-def codec_block(codec: Codec, default: int = 256) -> int:
-    """The block size of an integer codec: its ``block`` (int8's and int4's), else the
-    argument of its spec (``int8:128`` -> 128), else ``default``."""
-    block = getattr(codec, "block", None)
-    if isinstance(block, int) and not isinstance(block, bool):
-        return block
-    _, _, arg = codec.spec.partition(":")
-    return int(arg) if arg.isascii() and arg.isdigit() else default
+def run_codec(cfg: ServerConfig) -> IntegerCodec | None:
+    """The run's integer up codec (``--compress up=int8``, or a plug-in ``IntegerCodec``),
+    whose width, levels, block and rounding the masked path uses; None without one.
+    ValueError names a codec that states an integer width without the interface."""
+    up = cfg.compress_spec().up if cfg.compress else None
+    if up is None or up.codec.integer_bits is None:
+        return None
+    return integer_codec(up)
 
 
 def run_policy(cfg: ServerConfig) -> SecAggPolicy:
     """The parameters the run config carries to every edge (``Engine.config_json``), which
     the edges hold each round's requests to; with an integer up codec (``--compress
     up=int8``) its width, block size and error feedback."""
-    up = cfg.compress_spec().up if cfg.compress else None
-    bits = up.codec.integer_bits if up is not None else None
-    extra = ({"bits": bits, "block": codec_block(up.codec), "feedback": up.feedback}
-             if up is not None and bits else {})
+    codec = run_codec(cfg)
+    extra = ({"bits": codec.integer_bits, "block": codec.block,
+              "feedback": cfg.compress_spec().up.feedback} if codec is not None else {})
     return SecAggPolicy(threshold=cfg.secagg_threshold, graph=cfg.secagg_graph,
                         degree=cfg.secagg_degree, clip=cfg.secagg_clip,
                         max_weight=cfg.secagg_max_weight,
@@ -118,6 +118,7 @@ class SecAggDriver:
     def __init__(self, cfg: ServerConfig, method: Method, models: dict[str, nn.Module],
                  aggregator: Aggregator):
         self.cfg = cfg
+        self.codec = run_codec(cfg)  # the integer up codec: its grid and rounding are masked
         self.policy = run_policy(cfg)
         self.aggregator = aggregator
         self.masked = masked_phases(method, models)  # ValueError names a refused section
@@ -254,15 +255,17 @@ class SecAggDriver:
             reference = self.reference.get(phase)
             integer = None
             if self.policy.bits and reference is not None:
+                if self.codec is None:
+                    raise SecAggError("the SecAgg policy states an integer width, the run "
+                                      "has no integer up codec")
                 mean, weight_ref = reference
-                scales = bound_scales(public_scales(mean, self.policy.block,
+                scales = bound_scales(public_scales(mean, self.codec.block,
                                                     self.cfg.secagg_margin),
                                       self.last_scales.get(phase),
                                       self.cfg.secagg_scale_ceiling(),
                                       self.cfg.secagg_scale_growth)
-                integer = IntegerQuantizer(
-                    self.policy.bits, self.policy.block, self.quantizer(phase).parties,
-                    self.policy.max_weight, scales, weight_ref)
+                integer = IntegerQuantizer(self.codec, self.quantizer(phase).parties,
+                                           self.policy.max_weight, scales, weight_ref)
                 self.rounds[phase].fixed_point = integer.digest
                 self.last_scales[phase] = scales
             self.integers[phase] = integer

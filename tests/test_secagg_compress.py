@@ -25,6 +25,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from test_secagg import public, reveal
 
+from fedattn_shared.compress import load_codec
 from fedattn_shared.config import ServerConfig, TrainConfig
 from fedattn_shared.methods import MethodContext, load_method
 from fedattn_shared.privacy import secagg_ring
@@ -109,6 +110,11 @@ def through_receive(ids: list[str], policy: SecAggPolicy, length: int,
     return server, clients, keys
 
 
+def int_codec(bits: int, block: int):
+    """The built-in integer codec of that width and block size (``int8:64``)."""
+    return load_codec(f"int{bits}:{block}").codec
+
+
 def integer_protocol(bits: int, n: int = 6, length: int = 500, block: int = 64,
                      drop: dict | None = None, seed: int = 0):
     """One masked phase, every edge quantizing w_e x_e with the same public scales (a
@@ -127,7 +133,7 @@ def integer_protocol(bits: int, n: int = 6, length: int = 500, block: int = 64,
     weight_ref = sum(ws.values()) / n
     peak = np.max([np.abs(ws[e] / weight_ref * xs[e]) for e in ids], axis=0)
     scales = public_scales(peak, block, 1.05)
-    quantizer = IntegerQuantizer(bits, block, n, policy.max_weight, scales, weight_ref)
+    quantizer = IntegerQuantizer(int_codec(bits, block), n, policy.max_weight, scales, weight_ref)
     server.fixed_point = quantizer.digest
     sent = {}
     for e in ids:
@@ -185,7 +191,7 @@ def test_a_dropout_between_masking_and_confirming_aborts_under_integer_compressi
 
 
 def test_stochastic_rounding_is_unbiased_and_clips_beyond_the_scale():
-    q = IntegerQuantizer(8, 4, 1, 100.0, np.array([1.0, 1.0], np.float32), 1.0)
+    q = IntegerQuantizer(int_codec(8, 8), 1, 100.0, np.array([1.0], np.float32), 1.0)
     x = np.array([0.3 / 127, -2.5 / 127, 0.0, 1.0, -1.0, 3.0, -7.0, 0.5])
     draws = np.stack([q.quantize(x, 1.0, torch.Generator().manual_seed(s))[0][:-1]
                       .view(np.int32) for s in range(4000)])
@@ -197,7 +203,7 @@ def test_stochastic_rounding_is_unbiased_and_clips_beyond_the_scale():
 
 
 def test_an_unmasked_sum_beyond_the_levels_is_refused():
-    q = IntegerQuantizer(8, 8, 3, 100.0, np.ones(1, np.float32), 1.0)
+    q = IntegerQuantizer(int_codec(8, 8), 3, 100.0, np.ones(1, np.float32), 1.0)
     words = [q.quantize(np.full(5, 1.0), 1.0, torch.Generator().manual_seed(i))[0]
              for i in range(3)]
     total = (sum(w.astype(np.uint64) for w in words) % 2**32).astype(np.uint32)
@@ -236,18 +242,20 @@ class CompressedRounds:
     server does."""
 
     def __init__(self, tmp_path, n: int = 4, bits: int = 8, block: int = 64,
-                 feedback: bool = False, margin: float = 4.0):
+                 feedback: bool = False, margin: float = 4.0, codec: str = ""):
         self.ids = [f"e{i}" for i in range(n)]
         cls = load_method("fedavg")
         self.method = cls(MethodContext(TrainConfig(model="lenet-bn"), cls.Params()))
         self.models = self.method.build_models()
         self.aggregator = self.method.server(self.models)
         cfg = ServerConfig(secagg=True, secagg_graph="full", secagg_clip=8.0,
-                           secagg_max_weight=1000.0, secagg_margin=margin)
+                           secagg_max_weight=1000.0, secagg_margin=margin,
+                           compress=f"up={codec or f'int{bits}:{block}'}"
+                           + ("+ef" if feedback else ""))
+        self.up = cfg.compress_spec().up  # the run's codec: the edges quantize with it
         self.driver = SecAggDriver(cfg, self.method, self.models, self.aggregator)
-        # What run_policy gives for --compress up=int{bits}:{block}[+ef]
-        self.driver.policy = replace(self.driver.policy, bits=bits, block=block,
-                                     feedback=feedback)
+        assert (self.driver.policy.bits, self.driver.policy.block, self.driver.policy.feedback
+                ) == (self.up.codec.integer_bits, self.up.codec.block, feedback)
         self.policy = SecAggPolicy.from_config(self.driver.policy.to_config())  # the run config
         self.registry = EdgeBook()
         self.edges = {}
@@ -303,7 +311,8 @@ class CompressedRounds:
                         upload = self.edges[e].mask(round_number, "train", personal,
                                                     self.uploads[e], self.weights[e],
                                                     self.method, self.models, common=common,
-                                                    seed=1000 * round_number + i)
+                                                    seed=1000 * round_number + i,
+                                                    codec=self.up)
                     else:
                         upload = self.edges[e].step(name, round_number, personal)
                 except SecAggError as err:  # the edge sits the step out
@@ -579,7 +588,7 @@ def test_an_edge_reveals_no_seed_of_a_survivor_without_its_signature_of_the_same
     ids = ["a", "b", "c"]
     policy = SecAggPolicy(graph="full", clip=4.0, max_weight=100.0, bits=8, block=8)
     server, clients, keys = through_receive(ids, policy, 9)
-    honest = IntegerQuantizer(8, 8, 3, 100.0, np.ones(1, np.float32), 1.0)
+    honest = IntegerQuantizer(int_codec(8, 8), 3, 100.0, np.ones(1, np.float32), 1.0)
     target = replace(honest, scales=np.full(1, 1e-3, np.float32))  # a malicious server's
     signatures = {}
     for e in ids:

@@ -18,13 +18,13 @@ used (never torch's global generator, which training code also draws from).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..wire.payload import WireError
-from .codec import Codec, Parts, check_finite, check_layout
+from .codec import Parts, check_finite, check_layout
+from .integer import MAX_BLOCK, MIN_BLOCK, IntegerCodec
 
-MIN_BLOCK = 8
-MAX_BLOCK = 65536
 DEFAULT_BLOCK = 256
 
 
@@ -108,14 +108,22 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, block: int, levels: int,
     return out
 
 
-class BlockQuantizer(Codec):
+class BlockQuantizer(IntegerCodec):
     """A block quantizer to ``levels`` levels each side of zero; its one argument is the
-    block size (``int8:128``)."""
+    block size (``int8:128``). Under SecAgg+ its values are masked at ``integer_bits``
+    on the public grid, rounded stochastically as here (``round_levels``)."""
 
-    levels: int = 0
+    levels = 0
 
     def __init__(self, arg: str | None = None):
         self.block = parse_block(self.name, arg)
+
+    def round_levels(self, t: np.ndarray, generator: torch.Generator) -> np.ndarray:
+        """Stochastic rounding, floor(t + u) with u uniform in [0, 1) (float64, one draw
+        per value in order), so unbiased; held to [-levels, levels] as ``quantize`` holds
+        it (t + u can round up to levels + 1 in floating point)."""
+        noise = torch.rand(t.size, generator=generator, dtype=torch.float64).numpy()
+        return np.clip(np.floor(t + noise), -self.levels, self.levels)
 
     @property
     def spec(self) -> str:

@@ -63,6 +63,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from ..compress.integer import MAX_BITS, MAX_BLOCK, MIN_BITS, MIN_BLOCK
 from .secagg_crypto import (
     NONCE_BYTES,
     PRIME,
@@ -89,8 +90,6 @@ from .secagg_ring import (
     SecAggError,
 )
 
-INTEGER_BITS = (4, 8)        # the integer codecs' widths SecAgg+ masks at (int4, int8)
-MIN_BLOCK, MAX_BLOCK = 8, 65536  # values per public scale (the codec's block argument)
 MIN_THRESHOLD_FRACTION = 0.5  # the edges' own floor: t > half of an edge's share holders
 
 ADVERTISE, SHARE, RECEIVE = "secagg-advertise", "secagg-share", "secagg-receive"
@@ -204,8 +203,8 @@ class SecAggPolicy:
                 and 0 <= policy.max_update < math.inf):
             raise ValueError(f"secagg.max_update must be >= 0 and finite, got "
                              f"{policy.max_update!r}")
-        if policy.bits not in (0, *INTEGER_BITS) or type(policy.bits) is not int:
-            raise ValueError(f"secagg.bits must be 0 (none) or one of {INTEGER_BITS}, got "
+        if type(policy.bits) is not int or not (policy.bits == 0 or MIN_BITS <= policy.bits <= MAX_BITS):
+            raise ValueError(f"secagg.bits must be 0 (none) or in [{MIN_BITS}, {MAX_BITS}], got "
                              f"{policy.bits!r}")
         if not (type(policy.block) is int and MIN_BLOCK <= policy.block <= MAX_BLOCK):
             raise ValueError(f"secagg.block must be an integer in [{MIN_BLOCK}, {MAX_BLOCK}], "

@@ -2,9 +2,10 @@
 
 Masks are added in a ring, so only integers can be summed masked. ``Quantizer`` is the
 fixed point of a plain run (weight x value in Z_2^32, the weight as one more coordinate);
-``IntegerQuantizer`` is the ring of ``--compress up=int8/int4`` (each edge's change on a
-public per-block grid, in Z_2^R with R = bits + ceil(log2 parties), packed at R bits a
-value). The protocol itself (keys, shares, survivors) is ``secagg.py``; this module knows
+``IntegerQuantizer`` is the ring of an integer up codec (``--compress up=int8/int4``, or
+any ``compress.integer.IntegerCodec``: each edge's change on a public per-block grid,
+rounded by the codec's own ``round_levels``, in Z_2^R with R = bits + ceil(log2 parties),
+packed at R bits a value). The protocol itself (keys, shares, survivors) is ``secagg.py``; this module knows
 nothing of it, so the two can be read apart.
 """
 
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from ..compress.integer import IntegerCodec
 
 RING_BITS = 32
 LIMIT = 2**31 - 1           # |sum of quantized values| must stay below this
@@ -161,27 +164,35 @@ def unpack_bits(data: np.ndarray, ring: int, n: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class IntegerQuantizer:
-    """The fixed point of a masked integer upload (``--compress up=int8`` or ``int4``).
+    """The fixed point of a masked integer upload: the run's integer up codec
+    (``--compress up=int8``, ``int4`` or a plug-in ``IntegerCodec``) on a public grid.
 
-    Each edge sends q = SR(clip(w/w_ref x / s_b) x L) per value, s_b the public scale of
-    the value's block, w_ref a public reference weight, SR stochastic rounding (unbiased
-    within the clip range), so |q| <= L and the sum over ``parties`` edges lies in
-    [-parties L, parties L], which the ring of ``ring_bits`` holds without wrapping. Values
-    travel packed at R bits. The weight travels exact, as today's 32-bit coordinate
-    (``Quantizer``'s). The server recovers sum_u w_u x_u = w_ref x s_b / L x sum_u q_u;
-    its error per value is at most parties x w_ref x s_b / L (one level per edge) plus
-    what edges clipped, and its expectation is the clip-free sum (SR is unbiased)."""
+    Each edge sends q = R(clip(w/w_ref x / s_b x L)) per value, s_b the public scale of
+    the value's block, w_ref a public reference weight, L the codec's ``levels`` and R the
+    codec's ``round_levels`` (int8/int4: stochastic rounding, unbiased within the clip
+    range), so |q| <= L and the sum over ``parties`` edges lies in [-parties L, parties L],
+    which the ring of ``ring_bits`` holds without wrapping. Values travel packed at R bits.
+    The weight travels exact, as today's 32-bit coordinate (``Quantizer``'s). The server
+    recovers sum_u w_u x_u = w_ref x s_b / L x sum_u q_u; its error per value is at most
+    parties x w_ref x s_b / L (one level per edge) plus what edges clipped."""
 
-    bits: int
-    block: int
+    codec: IntegerCodec = field(compare=False)
     parties: int
     max_weight: float
     scales: np.ndarray = field(compare=False)      # float32, one per block
     weight_ref: float = 1.0
 
     @property
+    def bits(self) -> int:
+        return self.codec.integer_bits
+
+    @property
+    def block(self) -> int:
+        return self.codec.block
+
+    @property
     def levels(self) -> int:
-        return levels(self.bits)
+        return self.codec.levels
 
     @property
     def ring(self) -> int:
@@ -225,13 +236,29 @@ class IntegerQuantizer:
             raise SecAggError(f"weight_ref {self.weight_ref:g} is too small for weight {weight:g}")
         t = np.clip(values.astype(np.float64) * (factor * self.levels) / scale,
                     -self.levels, self.levels)
-        noise = torch.rand(values.size, generator=generator, dtype=torch.float64).numpy()
-        q = np.floor(t + noise)
+        q = self._rounded(t, generator)
         out = np.empty(values.size + 1, dtype=np.int64)
         out[:-1] = q
         out[-1] = round(weight * self._weight().weight_scale)
         error = values - q * (scale / (self.levels * factor))
         return out.astype(np.uint32), error
+
+    def _rounded(self, t: np.ndarray, generator: torch.Generator) -> np.ndarray:
+        """The codec's rounding of ``t`` (level units, within [-L, L]), held to what the
+        ring needs: one integer in [-L, L] per value (SecAggError naming the codec
+        otherwise: a sum of values beyond L could wrap)."""
+        q = np.asarray(self.codec.round_levels(t, generator))
+        name = self.codec.name
+        if q.shape != t.shape or not np.issubdtype(q.dtype, np.number):
+            raise SecAggError(f"codec {name}: round_levels gave {q.dtype} {q.shape} for "
+                              f"{t.shape} values")
+        if q.size and not (np.all(np.isfinite(q)) and np.all(np.floor(q) == q)):
+            raise SecAggError(f"codec {name}: round_levels gave values that are not integers")
+        peak = float(np.max(np.abs(q))) if q.size else 0.0
+        if peak > self.levels:
+            raise SecAggError(f"codec {name}: round_levels gave |{peak:g}|, beyond its "
+                              f"{self.levels} levels")
+        return q
 
     def dequantize(self, total: np.ndarray, count: int) -> tuple[np.ndarray, float]:
         """(sum_u w_u x_u, sum_u w_u) from the unmasked ring sum over ``count`` edges, after
@@ -254,7 +281,7 @@ class IntegerQuantizer:
         peak = int(np.max(np.abs(q))) if q.size else 0
         if peak > bound:
             raise SecAggError(f"the unmasked integer sum reaches |{peak}|, beyond {count} edges "
-                              f"x {self.levels} (int{self.bits} levels): an edge tampered with "
+                              f"x {self.levels} ({self.codec.name} levels): an edge tampered with "
                               "its masked values; nothing is aggregated")
 
 
