@@ -238,7 +238,7 @@ class BufferedSchedule:
         refusal = async_refusal(engine.method, engine.models, engine.aggregator.state)
         if refusal:
             raise ValueError(f"--mode async: {refusal}; use --mode sync")
-        self.weigh = self.cfg.staleness()
+        self.weigh = self.cfg.staleness
         self.train = next(d for d in engine.plan if d.name == TRAIN)
         self.evaluator = next((d for d in engine.plan if d.evaluates), None)
         self.buffer = ChangeBuffer(engine.method.uplink_schema(TRAIN, engine.models))

@@ -40,6 +40,7 @@ from fedattn_shared.state import StateError, atomic_write_json
 from fedattn_shared.tls import init_ca, issue_edge, revoke_edge
 
 from .app import ServerApp, UsageError
+from .settings import ServerSettings, resolve_settings
 
 log = logging.getLogger("fl_server")
 
@@ -302,8 +303,8 @@ def _dp_flags(p: argparse.ArgumentParser) -> None:
                     help="split Poisson batches into physical batches of at most this size")
 
 
-def resolve(args: argparse.Namespace) -> tuple[ServerConfig, TrainConfig, Method]:
-    """Defaults < TOML < flags < --set, all validated."""
+def resolve(args: argparse.Namespace) -> tuple[ServerSettings, TrainConfig, Method]:
+    """Defaults < TOML < flags < --set, all validated, the specs resolved (``settings``)."""
     file_values = load_toml(args.config) if args.config else {}
     flag_values: dict[str, dict] = {}
     for dest, (section, key) in FLAG_TARGETS.items():
@@ -357,7 +358,7 @@ def resolve(args: argparse.Namespace) -> tuple[ServerConfig, TrainConfig, Method
             check_dp(method)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    return server, train, method
+    return resolve_settings(server), train, method
 
 
 async def serve(server_cfg: ServerConfig, train: TrainConfig, method: Method,

@@ -32,7 +32,6 @@ import torch
 from torch import nn
 
 from fedattn_shared.compress.codec import Codec
-from fedattn_shared.config import ServerConfig
 from fedattn_shared.methods.aggregators import Aggregator
 from fedattn_shared.methods.base import Method, SectionSpec, TensorSpec
 from fedattn_shared.privacy.secagg import (
@@ -67,6 +66,7 @@ from fedattn_shared.privacy.secagg_ring import (
 from fedattn_shared.wire.payload import Kind, Payload, Section
 
 from .edges import EdgeBook
+from .settings import ServerSettings
 
 log = logging.getLogger("fl_server")
 
@@ -98,11 +98,11 @@ def codec_block(codec: Codec, default: int = 256) -> int:
     return int(arg) if arg.isascii() and arg.isdigit() else default
 
 
-def run_policy(cfg: ServerConfig) -> SecAggPolicy:
+def run_policy(cfg: ServerSettings) -> SecAggPolicy:
     """The parameters the run config carries to every edge (``Engine.config_json``), which
     the edges hold each round's requests to; with an integer up codec (``--compress
     up=int8``) its width, block size and error feedback."""
-    up = cfg.compress_spec().up if cfg.compress else None
+    up = cfg.compression.up
     bits = up.codec.integer_bits if up is not None else None
     extra = ({"bits": bits, "block": codec_block(up.codec), "feedback": up.feedback}
              if up is not None and bits else {})
@@ -115,7 +115,7 @@ def run_policy(cfg: ServerConfig) -> SecAggPolicy:
 class SecAggDriver:
     """The server's SecAgg+ state for a run: which method phases are masked, and each
     round's protocol state per masked phase (``drivers.SecAggStep`` drives it step by step)."""
-    def __init__(self, cfg: ServerConfig, method: Method, models: dict[str, nn.Module],
+    def __init__(self, cfg: ServerSettings, method: Method, models: dict[str, nn.Module],
                  aggregator: Aggregator):
         self.cfg = cfg
         self.policy = run_policy(cfg)

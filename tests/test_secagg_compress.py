@@ -48,6 +48,7 @@ from fl_server.edges import EdgeBook
 from fl_server.gate import UploadGate
 from fl_server.phase import Refused
 from fl_server.secagg import SecAggDriver, request
+from fl_server.settings import resolve_settings
 
 # ---- the ring and the packing --------------------------------------------------------------
 
@@ -244,7 +245,7 @@ class CompressedRounds:
         self.aggregator = self.method.server(self.models)
         cfg = ServerConfig(secagg=True, secagg_graph="full", secagg_clip=8.0,
                            secagg_max_weight=1000.0, secagg_margin=margin)
-        self.driver = SecAggDriver(cfg, self.method, self.models, self.aggregator)
+        self.driver = SecAggDriver(resolve_settings(cfg), self.method, self.models, self.aggregator)
         # What run_policy gives for --compress up=int{bits}:{block}[+ef]
         self.driver.policy = replace(self.driver.policy, bits=bits, block=block,
                                      feedback=feedback)
