@@ -413,7 +413,7 @@ class BufferedSchedule:
         if self.buffer.tainted:
             raise RoundAborted(self.buffer.tainted)
         aggregator = self.engine.aggregator
-        sums = self.buffer.weighted_sum(aggregator.state, self.cfg.server_lr)
+        sums = self.buffer.weighted_sum(aggregator.state, self.cfg.async_lr)
         aggregator.accept_sum(TRAIN, sums, self.buffer.weight, len(self.buffer))
         return aggregator.close_phase(TRAIN)
 

@@ -233,13 +233,16 @@ class ServerConfig:
     compress: str = ""
     # Buffered asynchronous aggregation (FedBuff): "sync" runs rounds; "async" hands work
     # to every free edge and applies the mean change of each `buffer` results, each
-    # scaled by `staleness_weight` (constant, poly:A, hinge:A,B) and by `server_lr`;
+    # scaled by `staleness_weight` (constant, poly:A, hinge:A,B) and by `async_lr`;
     # results more than `max_staleness` versions old are refused. `rounds` counts versions.
     mode: Literal["sync", "async"] = "sync"
     buffer: int = 10
     max_staleness: int = 20
     staleness_weight: str = "poly:0.5"
-    server_lr: float = 1.0
+    # The step of the buffered mean change in --mode async. Its old name `server_lr` (a
+    # method's server optimiser has its own, e.g. fedadam.server_lr) is still read in
+    # --mode async, with a warning, and refused in --mode sync, which never read it.
+    async_lr: float = 1.0
     # Evaluation results carry each edge's per-class confusion counts, not only its correct /
     # total / loss / Brier sums: per-class figures (F1) for the operator, at the price of
     # every edge's label histogram (the counts' row sums). Carried to the edges in the run
@@ -346,8 +349,8 @@ class ServerConfig:
             raise ConfigError(f"server.buffer must be >= 1, got {self.buffer}")
         if self.max_staleness < 0:
             raise ConfigError(f"server.max_staleness must be >= 0, got {self.max_staleness}")
-        if not 0 < self.server_lr < math.inf:
-            raise ConfigError(f"server.server_lr must be > 0 and finite, got {self.server_lr}")
+        if not 0 < self.async_lr < math.inf:
+            raise ConfigError(f"server.async_lr must be > 0 and finite, got {self.async_lr}")
         parse_staleness(self.staleness_weight)
         if self.mode != "async":
             return
