@@ -10,7 +10,7 @@ scaled by s(tau) (``fedattn_shared.staleness``), tau being how many versions the
 moved since the edge's download. When the buffer holds ``--buffer`` K results, the server
 applies
 
-    x_{t+1} = x_t + eta * sum_k n_k s(tau_k) Delta_k / sum_k n_k        (eta: --server-lr)
+    x_{t+1} = x_t + eta * sum_k n_k s(tau_k) Delta_k / sum_k n_k        (eta: --async-lr)
 
 through the method's own aggregator (``Aggregator.accept_sum`` of the sum
 sum_k n_k (x_t + eta s(tau_k) Delta_k), then its close: FedAdam's server step runs on
