@@ -16,6 +16,7 @@ import logging
 import sys
 
 import pytest
+import torch
 from conftest import edge_data, serving, wait_for
 
 from fedattn_shared.compress import CompressSpec
@@ -23,6 +24,8 @@ from fedattn_shared.config import DPConfig, ServerConfig, TrainConfig
 from fedattn_shared.methods import MethodContext, load_method
 from fedattn_shared.privacy.secagg import SecAggPolicy
 from fedattn_shared.runconfig import RUN_CONFIG_VERSION, RunConfig, RunConfigError
+from fedattn_shared.state import StateError
+from fl_edge.export import build
 from fl_server.app import ServerApp
 
 
@@ -178,3 +181,15 @@ def test_a_real_edge_refuses_a_later_or_garbled_run_config_with_one_line(cluster
         assert "Traceback" not in edge.log()
     assert not (tmp_path / "state-v" / "run-config.json").exists()
     assert not (tmp_path / "state-g" / "run-config.json").exists()
+
+
+def test_a_stored_run_config_is_read_through_the_same_contract():
+    """``fl-edge export``/``predict`` rebuild the model from the config the state dir
+    stored: parsed by ``RunConfig`` too, a damaged one is a StateError naming it."""
+    method_, _, train, fingerprint = build(legacy_json(method()), torch.device("cpu"))
+    assert (method_.name, train, fingerprint) == ("fedavg", TrainConfig(),
+                                                  method().fingerprint(method().build_models()))
+    for text, needle in [("{", "not valid JSON"), (garbled(version=3), "version 3"),
+                         (garbled(params={"mu": 1}), "unknown key fedavg.mu")]:
+        with pytest.raises(StateError, match=f"stored run config: .*{needle}"):
+            build(text, torch.device("cpu"))
