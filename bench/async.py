@@ -17,7 +17,7 @@ Rows, all FedAvg with the same model, data, learning rate and seeds:
 - ``sync-qQ``: rounds that close at Q results (default: the edges that are not slow), the
   slow edges' work past the quorum thrown away: the synchronous setting tuned for this fleet;
 - ``async-kK``: FedBuff with buffer K, staleness weight poly:0.5, --max-staleness 20,
-  server lr 1.
+  async lr 1.
 
 Budgets are equal in results: R rounds of sync, and R x edges / K versions of async;
 evaluation every ``--eval-every`` rounds (default 2; async: every eval-every x edges / K
@@ -102,7 +102,7 @@ def rows(args) -> list[tuple[str, dict]]:
     for k in args.buffers:
         out.append((f"async-k{k}", {
             **common, "server.mode": "async", "server.buffer": k, "server.max_staleness": 20,
-            "server.staleness_weight": "poly:0.5", "server.server_lr": 1.0,
+            "server.staleness_weight": "poly:0.5", "server.async_lr": 1.0,
             "server.eval_every": max(1, round(args.eval_every * args.edges / k))}))
     return out
 

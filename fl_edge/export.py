@@ -17,10 +17,11 @@ import numpy as np
 import torch
 
 from fedattn_shared.augment import resize
-from fedattn_shared.config import TrainConfig, apply_values
+from fedattn_shared.config import ConfigError, TrainConfig, apply_values
 from fedattn_shared.methods import load_method
 from fedattn_shared.methods.base import EdgeAlgorithm, Method, MethodContext
 from fedattn_shared.methods.phases import EVALUATE
+from fedattn_shared.runconfig import RunConfig
 from fedattn_shared.state import StateError, load_tensors, save_tensors
 from fedattn_shared.wire.payload import Payload
 
@@ -42,16 +43,18 @@ class Personalized:
 
 def build(config_json: str, device: torch.device) -> tuple[Method, EdgeAlgorithm, TrainConfig, str]:
     """Rebuilds the run's method and models from a stored run config, as the edge did
-    (no server); returns the fingerprint the caller checks against the stored one."""
-    config = json.loads(config_json)
-    train = TrainConfig()
-    apply_values(train, "train", config["train"], "stored run config")
-    cls = load_method(config["method"])
-    params = cls.Params()
-    apply_values(params, config["method"], config.get("params", {}), "stored run config")
-    method = cls(MethodContext(train, params))
+    (no server); returns the fingerprint the caller checks against the stored one.
+    StateError names a stored config this fedattn cannot read."""
+    try:
+        config = RunConfig.from_json(config_json, source="stored run config")
+        cls = load_method(config.method)
+        params = cls.Params()
+        apply_values(params, config.method, dict(config.params), "stored run config")
+    except (ConfigError, ValueError) as err:  # RunConfigError is a ValueError
+        raise StateError(f"stored run config: {err}") from None
+    method = cls(MethodContext(config.train, params))
     models = method.build_models()
-    return method, method.edge(models, device), train, method.fingerprint(models)
+    return method, method.edge(models, device), config.train, method.fingerprint(models)
 
 
 CPU = torch.device("cpu")

@@ -2,11 +2,13 @@
 holding it to its own rules.
 
 The edge takes no method flag: the server's join reply carries the method, model and
-hyperparameters. ``build_run`` checks them before using any of it: only an installed
-method, or a module:Class the edge was started with ``--allow-method`` for (refused before
-any import); DP-SGD within the edge's privacy policy and its ledger's pin (refused before
-any training, ``fedattn_shared.privacy.dp``); a model whose fingerprint matches the
-server's; only installed codecs (``server.compress``). A refusal is an ``EdgeExit``
+hyperparameters, parsed once into a ``RunConfig`` (``fedattn_shared.runconfig``: every
+key and type, and the contract's version). ``build_run`` checks them before using any of
+it: only an installed method, or a module:Class the edge was started with
+``--allow-method`` for (refused before any import); DP-SGD within the edge's privacy
+policy and its ledger's pin (refused before any training, ``fedattn_shared.privacy.dp``);
+a model whose fingerprint matches the server's; only installed codecs
+(``server.compress``). A refusal is an ``EdgeExit``
 with status 2 naming the setting (``tell_server`` for the ones the server should hear).
 The result, ``EdgeRun``, is a plain value the task runner and middleware read;
 a server with a new configuration gets a new one.
@@ -14,7 +16,6 @@ a server with a new configuration gets a new one.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass, field
@@ -22,19 +23,13 @@ from dataclasses import dataclass, field
 import torch
 
 from fedattn_shared.compress import CompressSpec
-from fedattn_shared.config import (
-    CLIP_WITH_DP,
-    EVAL_DETAIL_WITH_DP,
-    ConfigError,
-    DPConfig,
-    TrainConfig,
-    apply_values,
-)
+from fedattn_shared.config import EVAL_DETAIL_WITH_DP, ConfigError, DPConfig, TrainConfig, apply_values
 from fedattn_shared.data import DataError, EdgeData, load_edge_data
 from fedattn_shared.methods import check_method_allowed, load_method
 from fedattn_shared.methods.base import EdgeAlgorithm, Method, MethodContext
 from fedattn_shared.privacy.dp import PinnedPolicy, PolicyRefusal, PrivateTraining, check_dp
 from fedattn_shared.privacy.secagg import SecAggPolicy
+from fedattn_shared.runconfig import RunConfig, RunConfigError
 from fedattn_shared.state import StateError
 
 from .memory import MemoryBackoff
@@ -102,23 +97,14 @@ class EdgeRun:
     memory: MemoryBackoff = field(default_factory=MemoryBackoff)
 
 
-@dataclass
-class _Config:
-    raw: dict
-    train: TrainConfig
-    dp: DPConfig | None
-    secagg: SecAggPolicy | None
-    compress: CompressSpec
-    asynchronous: bool = False
-    eval_detail: bool = False
-
-
 def build_run(config_json: str, fingerprint: str, opts: EdgeOptions, device: torch.device,
               store: PrivateStore, writer: StateWriter, metrics: EdgeMetrics) -> EdgeRun:
     """The server's run configuration, checked against this edge's own rules before
     anything of it is used (see the module doc), then built: method, models (resumed
     from the private state), data, DP-SGD. The run config is written to the state dir."""
-    config = _read_config(config_json, opts)
+    config = read_config(config_json, opts)
+    configure_determinism(config.train.deterministic, config.train.threads,
+                          strict=opts.device_is_cuda and not opts.cuda_nondeterministic_ok)
     ledger = _check_privacy_policy(opts, store, config.dp)
     method = _load_method(config)
     models = method.build_models()
@@ -144,7 +130,7 @@ def build_run(config_json: str, fingerprint: str, opts: EdgeOptions, device: tor
     memory = MemoryBackoff(None if privacy is not None else opts.max_physical_batch or None)
     return EdgeRun(config_json, fingerprint, method, algo, data, config.train, batch_size,
                    privacy, config.secagg, downlink_cap(models), config.compress,
-                   config.asynchronous, config.eval_detail, amp, grad_accum, memory)
+                   config.mode == "async", config.eval_detail, amp, grad_accum, memory)
 
 
 def dp_loop_options(dp: bool, opts: EdgeOptions, batch_size: int) -> tuple[bool, int, int]:
@@ -170,63 +156,45 @@ def dp_loop_options(dp: bool, opts: EdgeOptions, batch_size: int) -> tuple[bool,
     return False, 1, physical
 
 
-def _read_config(config_json: str, opts: EdgeOptions) -> _Config:
-    """Parses and validates the configuration; the method name is checked against the
-    allowlist before anything could import it."""
+def read_config(config_json: str, opts: EdgeOptions) -> RunConfig:
+    """The server's run config, parsed once (``RunConfig.from_json``: every key and type
+    checked, an unknown contract version refused by number), then held to this edge's
+    own rules: the method name against the allowlist, before anything could import it;
+    no per-class counts under DP or with --refuse-eval-detail."""
     try:
-        config = json.loads(config_json)
-        if not isinstance(config, dict):
-            raise ValueError("not a JSON object")
-        try:
-            check_method_allowed(config["method"], opts.allow_methods)
-        except ValueError as err:
-            raise EdgeExit(2, f"refusing the server's method: {err}",
-                           tell_server=f"refused the server's method: {err}") from None
-        train = TrainConfig()
-        apply_values(train, "train", config["train"], "server config")
-        train.validate()
-        configure_determinism(train.deterministic, train.threads,
-                              strict=opts.device_is_cuda and not opts.cuda_nondeterministic_ok)
-        dp = None
-        if config.get("dp") is not None:
-            dp = DPConfig()
-            apply_values(dp, "dp", config["dp"], "server config")
-            dp.validate()
-            if dp.enabled and train.clip_grad_norm:
-                raise ConfigError(CLIP_WITH_DP)
-        secagg = SecAggPolicy.from_config(config["secagg"]) if "secagg" in config else None
-        if config.get("mode", "sync") not in ("sync", "async"):
-            raise ValueError(f"mode {str(config['mode'])[:40]!r} is not sync or async")
-        eval_detail = config.get("eval_detail", False)
-        if not isinstance(eval_detail, bool):
-            raise ValueError(f"eval_detail {str(eval_detail)[:40]!r} is not true or false")
-    except (ConfigError, ValueError, KeyError, TypeError, AttributeError) as err:
-        raise EdgeExit(2, f"cannot use the server's configuration: {err}") from None
-    if eval_detail and dp is not None and dp.enabled:
+        config = RunConfig.from_json(config_json)
+    except RunConfigError as err:
+        raise _refusal(err) from None
+    try:
+        check_method_allowed(config.method, opts.allow_methods)
+    except ValueError as err:
+        raise EdgeExit(2, f"refusing the server's method: {err}",
+                       tell_server=f"refused the server's method: {err}") from None
+    if config.eval_detail and config.dp is not None and config.dp.enabled:
         # The edge decides what it sends: per-class counts (its label histogram) never
         # leave it under DP, whatever a server asks.
         raise EdgeExit(2, f"refusing the server's configuration: {EVAL_DETAIL_WITH_DP}",
                        tell_server=f"refused the server's configuration: {EVAL_DETAIL_WITH_DP}")
-    if eval_detail and opts.refuse_eval_detail:
+    if config.eval_detail and opts.refuse_eval_detail:
         why = ("eval_detail: the server asks for per-class evaluation counts (--eval-detail), "
                "which reveal this edge's label histogram")
         raise EdgeExit(2, f"refusing the server's configuration: {why}; this edge sends "
                           "none (--refuse-eval-detail)",
                        tell_server=f"refused the server's configuration: {why}")
-    return _Config(config, train, dp, secagg, _compress(config.get("compress", "")),
-                   config.get("mode") == "async", eval_detail)
+    return config
 
 
-def _compress(text: object) -> CompressSpec:
-    """The run's codecs (``server.compress``): a codec this edge does not have installed
-    is refused by name, as an unknown method is, and the server hears why."""
-    try:
-        if not isinstance(text, str):
-            raise ValueError(f"not a string: {type(text).__name__}")
-        return CompressSpec.parse(text)
-    except ValueError as err:
-        raise EdgeExit(2, f"refusing the server's compress setting: {err}",
-                       tell_server=f"refused the server's compress setting: {err}") from None
+def _refusal(err: RunConfigError) -> EdgeExit:
+    """Exit 2 for a run config the edge cannot use. A contract version or a codec this
+    edge does not have is the server's to hear (another release, an uninstalled plug-in);
+    a garbled config is named in the edge's log."""
+    if err.key == "version":
+        return EdgeExit(2, f"refusing the server's run configuration: {err}",
+                        tell_server=f"refused the server's run configuration: {err}")
+    if err.key == "compress":
+        return EdgeExit(2, f"refusing the server's compress setting: {err}",
+                        tell_server=f"refused the server's compress setting: {err}")
+    return EdgeExit(2, f"cannot use the server's configuration: {err}")
 
 
 def _check_privacy_policy(opts: EdgeOptions, store: PrivateStore,
@@ -244,12 +212,12 @@ def _check_privacy_policy(opts: EdgeOptions, store: PrivateStore,
     return ledger
 
 
-def _load_method(config: _Config) -> Method:
+def _load_method(config: RunConfig) -> Method:
     """The method with the server's parameters (an allowed name, checked before)."""
     try:
-        method_cls = load_method(config.raw["method"])
+        method_cls = load_method(config.method)
         params = method_cls.Params()
-        apply_values(params, config.raw["method"], config.raw.get("params", {}), "server config")
+        apply_values(params, config.method, dict(config.params), "server config")
         return method_cls(MethodContext(config.train, params, dp=config.dp))
     except (ConfigError, ValueError, TypeError, AttributeError) as err:
         raise EdgeExit(2, f"cannot use the server's configuration: {err}") from None

@@ -26,6 +26,7 @@ from .front import EdgeFront
 from .memory import attach_spill, global_bytes, plan_upload_memory
 from .metrics import ServerMetrics
 from .service import FederatedLearningService, service_handler
+from .settings import resolve_settings
 
 log = logging.getLogger("fl_server")
 
@@ -46,7 +47,7 @@ class ServerApp:
 
     def __init__(self, server_cfg: ServerConfig, train: TrainConfig, method: Method,
                  metrics_linger: float = 0.0, log_every: float = 10.0):
-        self.cfg = server_cfg
+        self.cfg = server_cfg = resolve_settings(server_cfg)  # ConfigError names a bad spec
         self.registry = CollectorRegistry()
         self.meter = ByteMeter(self.registry)
         self.engine = Engine(server_cfg, train, method, self.meter, ServerMetrics(self.registry))

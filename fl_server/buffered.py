@@ -10,7 +10,7 @@ scaled by s(tau) (``fedattn_shared.staleness``), tau being how many versions the
 moved since the edge's download. When the buffer holds ``--buffer`` K results, the server
 applies
 
-    x_{t+1} = x_t + eta * sum_k n_k s(tau_k) Delta_k / sum_k n_k        (eta: --server-lr)
+    x_{t+1} = x_t + eta * sum_k n_k s(tau_k) Delta_k / sum_k n_k        (eta: --async-lr)
 
 through the method's own aggregator (``Aggregator.accept_sum`` of the sum
 sum_k n_k (x_t + eta s(tau_k) Delta_k), then its close: FedAdam's server step runs on
@@ -204,7 +204,7 @@ class BufferedSchedule:
         refusal = async_refusal(engine.method, engine.models, engine.aggregator.state)
         if refusal:
             raise ValueError(f"--mode async: {refusal}; use --mode sync")
-        self.weigh = self.cfg.staleness()
+        self.weigh = self.cfg.staleness
         self.train = next(d for d in engine.plan if d.name == TRAIN)
         self.evaluator = next((d for d in engine.plan if d.traits.evaluates), None)
         self.buffer = ChangeBuffer(engine.method.uplink_schema(TRAIN, engine.models))
@@ -379,7 +379,7 @@ class BufferedSchedule:
         if self.buffer.tainted:
             raise RoundAborted(self.buffer.tainted)
         aggregator = self.engine.aggregator
-        sums = self.buffer.weighted_sum(aggregator.state, self.cfg.server_lr)
+        sums = self.buffer.weighted_sum(aggregator.state, self.cfg.async_lr)
         aggregator.accept_sum(TRAIN, sums, self.buffer.weight, len(self.buffer))
         return aggregator.close_phase(TRAIN)
 

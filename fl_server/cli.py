@@ -40,6 +40,7 @@ from fedattn_shared.state import StateError, atomic_write_json
 from fedattn_shared.tls import init_ca, issue_edge, revoke_edge
 
 from .app import ServerApp, UsageError
+from .settings import ServerSettings, resolve_settings
 
 log = logging.getLogger("fl_server")
 
@@ -75,7 +76,8 @@ FLAG_TARGETS = {
     "clip_update_mode": ("server", "clip_update_mode"), "compress": ("server", "compress"),
     "mode": ("server", "mode"), "buffer": ("server", "buffer"),
     "max_staleness": ("server", "max_staleness"),
-    "staleness_weight": ("server", "staleness_weight"), "server_lr": ("server", "server_lr"),
+    "staleness_weight": ("server", "staleness_weight"), "async_lr": ("server", "async_lr"),
+    "server_lr": ("server", "server_lr"),  # the old name of async_lr (see legacy_server_lr)
     "model": ("train", "model"), "num_classes": ("train", "num_classes"),
     "in_channels": ("train", "in_channels"), "image_size": ("train", "image_size"),
     "local_epochs": ("train", "local_epochs"), "batch_size": ("train", "batch_size"),
@@ -169,8 +171,10 @@ def _async_flags(p: argparse.ArgumentParser) -> None:
     run.add_argument("--staleness-weight", metavar="FUNCTION",
                      help="scale of a result tau versions old: constant, poly:A = "
                           "(1+tau)^-A (default poly:0.5), hinge:A,B")
-    run.add_argument("--server-lr", type=float, metavar="ETA",
+    run.add_argument("--async-lr", type=float, metavar="ETA",
                      help="step of the buffered mean change in --mode async (default 1)")
+    # The old name of --async-lr, out of --help: see legacy_server_lr.
+    run.add_argument("--server-lr", type=float, help=argparse.SUPPRESS)
 
 
 def _robust_flags(p: argparse.ArgumentParser) -> None:
@@ -307,8 +311,8 @@ def _dp_flags(p: argparse.ArgumentParser) -> None:
                     help="split Poisson batches into physical batches of at most this size")
 
 
-def resolve(args: argparse.Namespace) -> tuple[ServerConfig, TrainConfig, Method]:
-    """Defaults < TOML < flags < --set, all validated."""
+def resolve(args: argparse.Namespace) -> tuple[ServerSettings, TrainConfig, Method]:
+    """Defaults < TOML < flags < --set, all validated, the specs resolved (``settings``)."""
     file_values = load_toml(args.config) if args.config else {}
     flag_values: dict[str, dict] = {}
     for dest, (section, key) in FLAG_TARGETS.items():
@@ -322,6 +326,7 @@ def resolve(args: argparse.Namespace) -> tuple[ServerConfig, TrainConfig, Method
     server, train, dp = ServerConfig(), TrainConfig(), DPConfig()
     sources = {section: merged.pop(section, ("defaults", {}))
                for section in ("server", "train", "dp")}
+    sources["server"] = (sources["server"][0], legacy_server_lr(*sources["server"]))
     for section, obj in (("server", server), ("train", train), ("dp", dp)):
         apply_values(obj, section, sources[section][1], sources[section][0])
     try:
@@ -362,7 +367,33 @@ def resolve(args: argparse.Namespace) -> tuple[ServerConfig, TrainConfig, Method
             check_dp(method)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    return server, train, method
+    return resolve_settings(server), train, method
+
+
+def legacy_server_lr(source: str, values: dict) -> dict:
+    """``server.server_lr`` (``--server-lr``) was renamed ``server.async_lr``
+    (``--async-lr``): a method's server optimiser has a ``server_lr`` of its own
+    (``fedadam.server_lr``), a different setting. The old key is taken where it was
+    unambiguous, in ``--mode async`` (the only mode that ever read it), with a warning
+    naming the new one; in ``--mode sync`` it never did anything, and a user who set it
+    more likely meant the method's step, so it is refused naming both."""
+    if "server_lr" not in values:
+        return values
+    values = dict(values)
+    old = values.pop("server_lr")
+    if "async_lr" in values:
+        raise ConfigError(f"{source}: server.server_lr (--server-lr) is the old name of "
+                          "server.async_lr (--async-lr) and both are set: keep async_lr")
+    if values.get("mode", ServerConfig.mode) != "async":
+        raise ConfigError(
+            f"{source}: server.server_lr (--server-lr) was the step of --mode async's buffered "
+            "update, now server.async_lr (--async-lr), and --mode sync never read it; a "
+            "method's server optimiser step is the method's own parameter, e.g. --set "
+            "fedadam.server_lr=0.01")
+    log.warning("%s: server.server_lr (--server-lr) is now server.async_lr (--async-lr), the "
+                "step of --mode async's buffered update; read as async_lr = %s", source, old)
+    values["async_lr"] = old
+    return values
 
 
 async def serve(server_cfg: ServerConfig, train: TrainConfig, method: Method,

@@ -45,6 +45,7 @@ from fedattn_shared.wire.payload import Kind, Payload
 
 from .edges import EdgeBook
 from .secagg import SecAggDriver
+from .settings import ServerSettings
 
 log = logging.getLogger("fl_server")
 
@@ -437,7 +438,7 @@ class SecAggPlus:
         return out
 
 
-def round_plan(method: Method, models: dict, aggregator: Aggregator, cfg: ServerConfig,
+def round_plan(method: Method, models: dict, aggregator: Aggregator, cfg: ServerSettings,
                secagg: SecAggPlus | None) -> list[PhaseDriver]:
     """The drivers of every round, in order: the method's phases, each wrapped by
     ``Compressed`` under ``--compress``, then each masked one expanded into its SecAgg+
@@ -445,6 +446,6 @@ def round_plan(method: Method, models: dict, aggregator: Aggregator, cfg: Server
     plan: list[PhaseDriver] = [
         EvaluatePhase(aggregator, cfg, method, models) if name == EVALUATE
         else MethodPhase(name, aggregator, cfg, method, models) for name in method.phases]
-    plan = Compressed.wrap(plan, method, models, cfg.compress_spec(), method.train.seed,
+    plan = Compressed.wrap(plan, method, models, cfg.compression, method.train.seed,
                            changes=cfg.mode == "async")
     return secagg.wrap(plan) if secagg is not None else plan

@@ -26,11 +26,14 @@ import torch
 from fedattn_shared import PROTOCOL_VERSION
 from fedattn_shared.config import EVAL_DETAIL_WITH_DP, ServerConfig, TrainConfig
 from fedattn_shared.methods.base import Method
+from fedattn_shared.privacy.secagg import SecAggPolicy
+from fedattn_shared.runconfig import RunConfig
 from fedattn_shared.state import atomic_write, read_json
 
 from .checkpoint import CheckpointStore
 from .memory import log_memory
 from .metrics import ServerMetrics
+from .settings import ServerSettings
 
 log = logging.getLogger("fl_server")
 
@@ -45,7 +48,7 @@ def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def run_manifest(server: ServerConfig, train: TrainConfig, method: Method) -> dict:
+def run_manifest(server: ServerSettings, train: TrainConfig, method: Method) -> dict:
     """The head of history.json: versions, configuration and seeds, so that a result can
     be traced to the code and settings that made it (the join token redacted)."""
     try:
@@ -66,11 +69,12 @@ def run_manifest(server: ServerConfig, train: TrainConfig, method: Method) -> di
         "platform": platform.platform(), "torch": torch.__version__, "grpcio": v("grpcio"),
         "protocol_version": PROTOCOL_VERSION, "method": method.name,
         "aggregator": method.aggregator_kind.value,
-        "server": {**server.__dict__, "join_token": "<redacted>" if server.join_token else ""},
+        "server": {**{f.name: getattr(server, f.name) for f in dataclasses.fields(ServerConfig)},
+                   "join_token": "<redacted>" if server.join_token else ""},
         "train": train.__dict__, "params": method.describe_params(),
         "dp": dataclasses.asdict(method.dp) if method.dp is not None else None,
         "seeds": {"train": train.seed},
-        "compress": server.compress_spec().text,
+        "compress": server.compression.text,
         "mode": server.mode,
     }
 
@@ -91,28 +95,18 @@ def history_text(history: dict[str, Any], encoded: list[tuple[dict, str]]) -> st
     return "{" + head + '"rounds": [\n' + ",\n".join(text for _, text in encoded) + "\n]}"
 
 
-def run_config(server: ServerConfig, train: TrainConfig, method: Method,
-               secagg: Any = None) -> str:
-    """The run configuration as JSON: what every edge builds its method from (sent at
-    join) and what a checkpoint must have been written with to be resumed. "method" is
-    what the edge loads: the registered name or a module:Class spec; ``secagg`` (the
-    SecAgg policy) is what every edge holds each SecAgg round to, not the round's word."""
-    config: dict[str, Any] = {"method": server.method, "train": train.__dict__,
-                              "params": method.describe_params()}
-    if method.dp is not None:  # the resolved [dp] section: every edge calibrates from it
-        config["dp"] = dataclasses.asdict(method.dp)
-    if secagg is not None:
-        config["secagg"] = secagg.to_config()
-    compress = server.compress_spec().text
-    if compress:  # the codecs every edge encodes and decodes with (absent: none)
-        config["compress"] = compress
-    if server.mode == "async":  # edges upload their change, not their model (absent: sync)
-        config["mode"] = "async"
-    if server.eval_detail:  # evaluations carry per-class counts (absent: only the sums)
-        if method.dp is not None:  # resolve() refuses it first; a ServerApp built in code too
-            raise ValueError(EVAL_DETAIL_WITH_DP)
-        config["eval_detail"] = True
-    return json.dumps(config, sort_keys=True)
+def run_config(server: ServerSettings, train: TrainConfig, method: Method,
+               secagg: SecAggPolicy | None = None) -> str:
+    """The run configuration as JSON (``RunConfig``): what every edge builds its method
+    from (sent at join) and what a checkpoint must have been written with to be resumed.
+    "method" is what the edge loads: the registered name or a module:Class spec; ``secagg``
+    (the SecAgg policy) is what every edge holds each SecAgg round to, not the round's word."""
+    if server.eval_detail and method.dp is not None:
+        # resolve() refuses it first; a ServerApp built in code too
+        raise ValueError(EVAL_DETAIL_WITH_DP)
+    return RunConfig(method=server.method, train=train, params=method.describe_params(),
+                     dp=method.dp, secagg=secagg, compress=server.compression,
+                     mode=server.mode, eval_detail=server.eval_detail).to_json()
 
 
 Snapshot = tuple[int, dict[str, torch.Tensor], dict, str]
@@ -122,7 +116,7 @@ class RunHistory:
     """history.json and the checkpoint store of one run, and the checkpoint write in
     flight. ``data`` is the history as history.json holds it."""
 
-    def __init__(self, server: ServerConfig, train: TrainConfig, method: Method,
+    def __init__(self, server: ServerSettings, train: TrainConfig, method: Method,
                  metrics: ServerMetrics):
         self.store = CheckpointStore(Path(server.checkpoint_dir), server.keep_checkpoints)
         self.path = Path(server.checkpoint_dir) / "history.json"

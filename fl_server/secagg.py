@@ -33,7 +33,6 @@ import torch
 from torch import nn
 
 from fedattn_shared.compress.integer import IntegerCodec, integer_codec
-from fedattn_shared.config import ServerConfig
 from fedattn_shared.methods.aggregators import Aggregator
 from fedattn_shared.methods.base import Method, SectionSpec, TensorSpec
 from fedattn_shared.privacy.secagg import (
@@ -68,6 +67,7 @@ from fedattn_shared.privacy.secagg_ring import (
 from fedattn_shared.wire.payload import Kind, Payload, Section
 
 from .edges import EdgeBook
+from .settings import ServerSettings
 
 log = logging.getLogger("fl_server")
 
@@ -89,23 +89,23 @@ def _bytes_spec(size: int, optional: bool = False) -> TensorSpec:
     return TensorSpec(torch.uint8, (size,), optional=optional)
 
 
-def run_codec(cfg: ServerConfig) -> IntegerCodec | None:
+def run_codec(cfg: ServerSettings) -> IntegerCodec | None:
     """The run's integer up codec (``--compress up=int8``, or a plug-in ``IntegerCodec``),
     whose width, levels, block and rounding the masked path uses; None without one.
     ValueError names a codec that states an integer width without the interface."""
-    up = cfg.compress_spec().up if cfg.compress else None
+    up = cfg.compression.up
     if up is None or up.codec.integer_bits is None:
         return None
     return integer_codec(up)
 
 
-def run_policy(cfg: ServerConfig) -> SecAggPolicy:
+def run_policy(cfg: ServerSettings) -> SecAggPolicy:
     """The parameters the run config carries to every edge (``Engine.config_json``), which
     the edges hold each round's requests to; with an integer up codec (``--compress
     up=int8``) its width, block size and error feedback."""
     codec = run_codec(cfg)
     extra = ({"bits": codec.integer_bits, "block": codec.block,
-              "feedback": cfg.compress_spec().up.feedback} if codec is not None else {})
+              "feedback": cfg.compression.up.feedback} if codec is not None else {})
     return SecAggPolicy(threshold=cfg.secagg_threshold, graph=cfg.secagg_graph,
                         degree=cfg.secagg_degree, clip=cfg.secagg_clip,
                         max_weight=cfg.secagg_max_weight,
@@ -115,7 +115,7 @@ def run_policy(cfg: ServerConfig) -> SecAggPolicy:
 class SecAggDriver:
     """The server's SecAgg+ state for a run: which method phases are masked, and each
     round's protocol state per masked phase (``drivers.SecAggStep`` drives it step by step)."""
-    def __init__(self, cfg: ServerConfig, method: Method, models: dict[str, nn.Module],
+    def __init__(self, cfg: ServerSettings, method: Method, models: dict[str, nn.Module],
                  aggregator: Aggregator):
         self.cfg = cfg
         self.codec = run_codec(cfg)  # the integer up codec: its grid and rounding are masked

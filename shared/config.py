@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fedattn_shared.augment import Augment
-from fedattn_shared.compress import CompressSpec
 from fedattn_shared.staleness import StalenessWeight
 
 if sys.version_info >= (3, 11):
@@ -240,13 +239,16 @@ class ServerConfig:
     compress: str = ""
     # Buffered asynchronous aggregation (FedBuff): "sync" runs rounds; "async" hands work
     # to every free edge and applies the mean change of each `buffer` results, each
-    # scaled by `staleness_weight` (constant, poly:A, hinge:A,B) and by `server_lr`;
+    # scaled by `staleness_weight` (constant, poly:A, hinge:A,B) and by `async_lr`;
     # results more than `max_staleness` versions old are refused. `rounds` counts versions.
     mode: Literal["sync", "async"] = "sync"
     buffer: int = 10
     max_staleness: int = 20
     staleness_weight: str = "poly:0.5"
-    server_lr: float = 1.0
+    # The step of the buffered mean change in --mode async. Its old name `server_lr` (a
+    # method's server optimiser has its own, e.g. fedadam.server_lr) is still read in
+    # --mode async, with a warning, and refused in --mode sync, which never read it.
+    async_lr: float = 1.0
     # Evaluation results carry each edge's per-class confusion counts, not only its correct /
     # total / loss / Brier sums: per-class figures (F1) for the operator, at the price of
     # every edge's label histogram (the counts' row sums). Carried to the edges in the run
@@ -333,7 +335,6 @@ class ServerConfig:
         if self.clip_update_mode != "refuse" and not self.clip_update_norm:
             raise ConfigError("server.clip_update_mode is set but server.clip_update_norm is 0: "
                               "pass --clip-update-norm C")
-        self.compress_spec()  # ConfigError names a bad codec
         self.validate_async()
         if self.clip_update_norm and self.secagg:
             raise ConfigError("server.clip_update_norm needs each upload and secure aggregation "
@@ -354,9 +355,9 @@ class ServerConfig:
             raise ConfigError(f"server.buffer must be >= 1, got {self.buffer}")
         if self.max_staleness < 0:
             raise ConfigError(f"server.max_staleness must be >= 0, got {self.max_staleness}")
-        if not 0 < self.server_lr < math.inf:
-            raise ConfigError(f"server.server_lr must be > 0 and finite, got {self.server_lr}")
-        self.staleness()
+        if not 0 < self.async_lr < math.inf:
+            raise ConfigError(f"server.async_lr must be > 0 and finite, got {self.async_lr}")
+        parse_staleness(self.staleness_weight)
         if self.mode != "async":
             return
         if self.secagg:
@@ -370,28 +371,13 @@ class ServerConfig:
                               "participants; --mode async gives work to every free edge and "
                               "applies each --buffer results: leave them at their defaults")
 
-    def staleness(self) -> StalenessWeight:
-        """``staleness_weight`` parsed (ConfigError names a bad spec)."""
-        try:
-            return StalenessWeight.parse(self.staleness_weight)
-        except ValueError as err:
-            raise ConfigError(f"server.staleness_weight: {err}") from None
 
-    def compress_spec(self) -> CompressSpec:
-        """``compress`` parsed; ConfigError names what is wrong, including a codec that
-        cannot be masked under --secagg."""
-        try:
-            spec = CompressSpec.parse(self.compress)
-        except ValueError as err:
-            raise ConfigError(f"server.compress: {err}") from None
-        up = spec.up
-        if self.secagg and up is not None and up.codec.integer_bits is None:
-            raise ConfigError(
-                f"server.compress up={up.spec} does not combine with --secagg: SecAgg+ sums "
-                "integers under its masks, so only an integer codec (up=int8, up=int4) is "
-                "masked at its own width; fp16/bf16 values cannot be, and top-k would need an "
-                "index set shared by every edge, which fedattn does not implement")
-        return spec
+def parse_staleness(text: str) -> StalenessWeight:
+    """``server.staleness_weight`` parsed (ConfigError names a bad spec)."""
+    try:
+        return StalenessWeight.parse(text)
+    except ValueError as err:
+        raise ConfigError(f"server.staleness_weight: {err}") from None
 
 
 Accountant = Literal["rdp", "prv", "gdp"]
@@ -467,6 +453,13 @@ class DPConfig:
             raise ConfigError(f"dp.stats_clip must be > 0, got {self.stats_clip}")
 
 
+def shown(value: Any, limit: int = 60, quote: bool = True) -> str:
+    """A value in a message, cut short: a config can come from a peer (the run config an
+    edge receives), which then chooses how long a message that echoes it would be."""
+    text = repr(value) if quote else str(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _check_type(where: str, value: Any, annotation: Any) -> Any:
     """Coerce a TOML value to a dataclass field's type, or raise naming the field."""
     origin = typing.get_origin(annotation)
@@ -474,17 +467,17 @@ def _check_type(where: str, value: Any, annotation: Any) -> Any:
         return float(value)
     if annotation in (int, str, bool, float):
         if type(value) is not annotation:
-            raise ConfigError(f"{where}: expected {annotation.__name__}, got {value!r}")
+            raise ConfigError(f"{where}: expected {annotation.__name__}, got {shown(value)}")
         return value
     if origin is Literal:
         choices = typing.get_args(annotation)
         if value not in choices or type(value) is not type(choices[0]):
-            raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(str, choices))}")
+            raise ConfigError(f"{where}: {shown(value)} is not one of {', '.join(map(str, choices))}")
         return value
     if origin is list:
         (inner,) = typing.get_args(annotation)
         if not isinstance(value, list):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
+            raise ConfigError(f"{where}: expected a list, got {shown(value)}")
         return [_check_type(f"{where}[{i}]", v, inner) for i, v in enumerate(value)]
     if origin in (typing.Union, types.UnionType):
         for option in typing.get_args(annotation):
@@ -492,7 +485,7 @@ def _check_type(where: str, value: Any, annotation: Any) -> Any:
                 return _check_type(where, value, option)
             except ConfigError:
                 continue
-        raise ConfigError(f"{where}: {value!r} does not fit {annotation}")
+        raise ConfigError(f"{where}: {shown(value)} does not fit {annotation}")
     if annotation is type(None) and value is None:
         return None
     raise ConfigError(f"{where}: unsupported type {annotation}")
@@ -523,7 +516,8 @@ def apply_values(obj: Any, section: str, values: dict[str, Any], source: str) ->
     for key, value in values.items():
         if key not in names:
             known = ", ".join(sorted(names)) or "(none)"
-            raise ConfigError(f"{source}: unknown key {section}.{key} (known: {known})")
+            raise ConfigError(f"{source}: unknown key {section}.{shown(key, quote=False)} "
+                              f"(known: {known})")
         setattr(obj, key, _check_type(f"{source}: {section}.{key}", value, hints[key]))
 
 

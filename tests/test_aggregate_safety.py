@@ -32,6 +32,7 @@ from fl_server.cli import build_parser, resolve
 from fl_server.engine import Engine
 from fl_server.metrics import ServerMetrics
 from fl_server.phase import Refused
+from fl_server.settings import resolve_settings
 
 SHARED = (Kind.SHARED_TENSORS, "")
 CONTROL = (Kind.CONTROL, "")
@@ -53,7 +54,7 @@ def make_engine(tmp_path: Path, method: str = "fedavg", cls: type | None = None,
     cfg.validate()
     (tmp_path / "state").mkdir(exist_ok=True)
     registry = CollectorRegistry()
-    return Engine(cfg, train, cls(MethodContext(train, cls.Params(**(params or {})))),
+    return Engine(resolve_settings(cfg), train, cls(MethodContext(train, cls.Params(**(params or {})))),
                   ByteMeter(registry), ServerMetrics(registry))
 
 

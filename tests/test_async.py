@@ -380,7 +380,7 @@ def test_methods_that_need_rounds_are_refused_at_start(tmp_path, capsys, method,
 @pytest.mark.parametrize("flags, needle", [
     (["--secagg"], "--secagg"), (["--quorum", "2"], "server.quorum"),
     (["--fraction", "0.5"], "server.fraction"), (["--buffer", "0"], "server.buffer"),
-    (["--max-staleness", "-1"], "server.max_staleness"), (["--server-lr", "0"], "server_lr"),
+    (["--max-staleness", "-1"], "server.max_staleness"), (["--async-lr", "0"], "server.async_lr"),
 ])
 def test_combinations_async_cannot_serve_exit_2(tmp_path, capsys, flags, needle):
     code = main(["--insecure", "--port", "0", "--checkpoint-dir", str(tmp_path / "s"),

@@ -7,6 +7,9 @@ The real federation is ``test_compress_e2e.py``."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
@@ -25,10 +28,11 @@ from fedattn_shared.methods.base import COMPRESSION, Method
 from fedattn_shared.methods.phases import TRAIN
 from fedattn_shared.wire.accounting import ByteMeter
 from fedattn_shared.wire.payload import Kind, Payload, Section, WireError
-from fl_edge.options import EdgeExit
-from fl_edge.run import _compress
+from fl_edge.options import EdgeExit, EdgeOptions
+from fl_edge.run import read_config
 from fl_edge.store import PrivateStore
 from fl_server.drivers import Compressed, round_plan
+from fl_server.settings import resolve_settings
 
 CODECS = ["fp16", "bf16", "int8", "int4", "topk:0.05"]
 
@@ -243,6 +247,13 @@ def test_a_delta_that_does_not_fit_the_reference_is_refused_by_name():
 # ---- the edge's refusal, the server's driver, the accounting ------------------------------
 
 
+def _compress(spec: str):
+    """The run's codecs as an edge reads them from a server's run config."""
+    config = {"method": "fedavg", "train": {}, "params": {}, "compress": spec}
+    opts = EdgeOptions(server="127.0.0.1:1", data_dir=Path("."), state_dir=Path("."), name="e")
+    return read_config(json.dumps(config), opts).compress
+
+
 def test_edge_refuses_a_codec_it_does_not_have_naming_the_setting():
     with pytest.raises(EdgeExit) as err:
         _compress("up=zstd9")
@@ -255,8 +266,9 @@ def test_the_plan_wraps_every_method_phase_and_schemas_are_coded():
     method = fedavg()
     models = method.build_models()
     aggregator = method.server(models)
-    plain = round_plan(method, models, aggregator, ServerConfig(), None)
-    plan = round_plan(method, models, aggregator, ServerConfig(compress="up=int8,down=fp16"), None)
+    plain = round_plan(method, models, aggregator, resolve_settings(ServerConfig()), None)
+    plan = round_plan(method, models, aggregator,
+                      resolve_settings(ServerConfig(compress="up=int8,down=fp16")), None)
     assert all(type(d) is Compressed for d in plan)
     assert [d.traits for d in plan] == [d.traits for d in plain]  # weighted, evaluates, ...
     train = plan[0]

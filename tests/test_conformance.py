@@ -51,6 +51,7 @@ from fl_edge.store import PrivateStore
 from fl_edge.trainer import train_local
 from fl_server.app import ServerApp
 from fl_server.secagg import SecAggDriver
+from fl_server.settings import resolve_settings
 
 CPU = torch.device("cpu")
 PLUGINS = Path(__file__).resolve().parent / "plugins"
@@ -467,7 +468,7 @@ def test_secagg_accepts_exactly_what_its_sections_cover(name):
         summed |= bool(summable)
     cfg = ServerConfig(secagg=True, secagg_graph="full")
     try:
-        driver = SecAggDriver(cfg, method, models, method.server(models))
+        driver = SecAggDriver(resolve_settings(cfg), method, models, method.server(models))
     except ValueError as err:
         assert not (covered and summed), f"refused although its sections are covered: {err}"
         assert repr(method.name) in str(err)

@@ -27,7 +27,7 @@ SERVER_SCRIPT = ('if [ -f /var/lib/fedattn/server/manifest.json ]; then set -- "
 
 TLS = {"tls": {"enabled": True}}
 ASYNC = {"server": {"mode": "async", "buffer": 8, "maxStaleness": 20, "rounds": 1000000,
-                    "extraArgs": ["--server-lr", "0.5"]}}
+                    "extraArgs": ["--async-lr", "0.5"]}}
 FLEET = {"edges": {"count": 100}, "tls": {"enabled": True}}
 BARE = {"prometheus": {"enabled": False}, "grafana": {"enabled": False},
         "token": {"existingSecret": "", "value": "s3cret"}}
@@ -184,7 +184,7 @@ def test_async_values_become_the_async_flags(helm, tmp_path):
     assert args[args.index("--rounds") + 1] == "1000000"  # not 1e+06
     cfg, _, _ = resolve(build_parser().parse_args(args))
     assert (cfg.mode, cfg.buffer, cfg.max_staleness) == ("async", 8, 20)
-    assert cfg.server_lr == 0.5
+    assert cfg.async_lr == 0.5
 
 
 def test_monitoring_scrapes_the_release_and_uses_deploys_files(helm, tmp_path):

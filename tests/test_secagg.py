@@ -41,6 +41,7 @@ from fl_edge.store import load_or_create_signing_key
 from fl_server.cli import main as server_main
 from fl_server.edges import AuthError, EdgeBook
 from fl_server.secagg import SecAggDriver
+from fl_server.settings import resolve_settings
 
 # ---- Shamir ------------------------------------------------------------------------------
 
@@ -747,7 +748,7 @@ class DrivenRounds:
         self.aggregator = self.method.server(self.models)
         cfg = ServerConfig(secagg=True, secagg_graph="full", secagg_clip=8.0,
                            secagg_max_weight=1000.0)
-        self.driver = SecAggDriver(cfg, self.method, self.models, self.aggregator)
+        self.driver = SecAggDriver(resolve_settings(cfg), self.method, self.models, self.aggregator)
         self.registry = EdgeBook()
         self.edges = {}
         policy = SecAggPolicy.from_config(self.driver.policy.to_config())  # the run config

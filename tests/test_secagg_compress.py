@@ -49,6 +49,7 @@ from fl_server.edges import EdgeBook
 from fl_server.gate import UploadGate
 from fl_server.phase import Refused
 from fl_server.secagg import SecAggDriver, request
+from fl_server.settings import resolve_settings
 
 # ---- the ring and the packing --------------------------------------------------------------
 
@@ -252,8 +253,9 @@ class CompressedRounds:
                            secagg_max_weight=1000.0, secagg_margin=margin,
                            compress=f"up={codec or f'int{bits}:{block}'}"
                            + ("+ef" if feedback else ""))
-        self.up = cfg.compress_spec().up  # the run's codec: the edges quantize with it
-        self.driver = SecAggDriver(cfg, self.method, self.models, self.aggregator)
+        settings = resolve_settings(cfg)
+        self.up = settings.compression.up  # the run's codec: the edges quantize with it
+        self.driver = SecAggDriver(settings, self.method, self.models, self.aggregator)
         assert (self.driver.policy.bits, self.driver.policy.block, self.driver.policy.feedback
                 ) == (self.up.codec.integer_bits, self.up.codec.block, feedback)
         self.policy = SecAggPolicy.from_config(self.driver.policy.to_config())  # the run config

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import ast
+import logging
+from pathlib import Path
+
 import pytest
 
-from fedattn_shared.config import ConfigError
+from fedattn_shared import config as config_module
+from fedattn_shared.config import ConfigError, ServerConfig
 from fl_server.cli import build_parser, main, resolve
+from fl_server.settings import ServerSettings, resolve_settings
 
 
 def resolved(*argv: str):
@@ -98,3 +104,58 @@ def test_train_settings_must_name_train_keys():
     with pytest.raises(TypeError, match="train_settings must map"):
         class Wrong(Method):  # noqa: F841
             train_settings = {"momentun": 0.0}
+
+
+# ---- specs resolved once; async_lr, the old server_lr ---------------------------------------
+def test_the_specs_are_resolved_once_into_typed_settings():
+    """fl-server resolves --compress and --staleness-weight once, at start: the server's
+    parts read typed values (``ServerSettings``), never the strings."""
+    server, _, _ = resolved("--compress", "up=int8,down=fp16", "--mode", "async",
+                            "--staleness-weight", "hinge:0.5,2")
+    assert isinstance(server, ServerSettings)
+    assert server.compression.text == "up=int8:256,down=fp16"
+    assert server.compression.up.codec.integer_bits == 8
+    assert (server.staleness(2), server.staleness(4)) == (1.0, 0.5)
+    assert resolve_settings(server) is server  # resolved once
+    assert resolve_settings(ServerConfig()).compression.text == ""
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--compress", "up=zstd"], "server.compress: unknown codec 'zstd'"),
+    (["--compress", "up=fp16", "--secagg"], "server.compress up=fp16 does not combine with --secagg"),
+    (["--staleness-weight", "poly"], "server.staleness_weight"),
+])
+def test_a_bad_spec_exits_2_before_anything_starts(tmp_path, capsys, flags, needle):
+    assert main(["--insecure", "--port", "0", "--checkpoint-dir", str(tmp_path / "s"), *flags]) == 2
+    assert needle in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
+
+
+def test_the_config_imports_no_codec():
+    """``fedattn_shared.config`` is read before anything is built: the codecs (and what
+    they import) are the server's to resolve (``fl_server.settings``)."""
+    tree = ast.parse((Path(config_module.__file__)).read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                 for alias in node.names}
+    assert not {m for m in imported if m and "compress" in m}, imported
+
+
+def test_async_lr_is_the_buffered_step_and_the_old_name_is_read_where_it_was_unambiguous(
+        tmp_path, caplog):
+    assert resolved("--mode", "async", "--async-lr", "0.5")[0].async_lr == 0.5
+    assert resolved()[0].async_lr == 1.0
+    old = tmp_path / "old.toml"
+    old.write_text('[server]\nmode = "async"\nserver_lr = 0.25\n')
+    with caplog.at_level(logging.WARNING, logger="fl_server"):
+        assert resolved("--config", str(old))[0].async_lr == 0.25
+        assert resolved("--mode", "async", "--server-lr", "0.75")[0].async_lr == 0.75
+    assert "server.server_lr (--server-lr) is now server.async_lr (--async-lr)" in caplog.text
+    # --mode sync never read it: a user who set it more likely meant the method's own step
+    with pytest.raises(ConfigError, match=r"now server.async_lr \(--async-lr\).*fedadam.server_lr"):
+        resolved("--method", "fedadam", "--server-lr", "0.01")
+    with pytest.raises(ConfigError, match="both are set: keep async_lr"):
+        resolved("--config", str(old), "--async-lr", "0.5")
+    # FedAdam's own server step is untouched by either
+    _, _, method = resolved("--method", "fedadam", "--set", "fedadam.server_lr=0.02")
+    assert method.params.server_lr == 0.02
