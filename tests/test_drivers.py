@@ -31,6 +31,7 @@ from fl_server.drivers import (
     round_plan,
 )
 from fl_server.secagg import SecAggDriver
+from fl_server.settings import resolve_settings
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -104,10 +105,10 @@ def _method():
 
 def test_the_plan_s_traits_are_those_of_the_phases_it_serves():
     method, models, aggregator = _method()
-    plain = round_plan(method, models, aggregator, ServerConfig(), None)
+    plain = round_plan(method, models, aggregator, resolve_settings(ServerConfig()), None)
     assert [(d.name, d.traits) for d in plain] == [
         (TRAIN, Traits(weighted=True, training=True)), (EVALUATE, Traits(evaluates=True))]
-    cfg = ServerConfig(secagg=True, secagg_graph="full", compress="up=int8")
+    cfg = resolve_settings(ServerConfig(secagg=True, secagg_graph="full", compress="up=int8"))
     secagg = SecAggDriver(cfg, method, models, aggregator)
     plan = round_plan(method, models, aggregator, cfg, SecAggPlus(secagg))
     traits = {d.name: d.traits for d in plan}
