@@ -25,6 +25,9 @@ conv takes 1 input channel), nothing is replicated.
     .venv/bin/python bench/fedsap.py                        # Table IV at alpha 0.5 + ablations
     .venv/bin/python bench/fedsap.py --alphas 0.5 1.0 iid   # more columns
     .venv/bin/python bench/fedsap.py --full --device cuda --jobs 4
+    .venv/bin/python bench/fedsap.py --full --device cuda --what table --seeds 0 --jobs 7 \
+        --only local fedavg fedprox fedbn fedper pse-only fedsap --budget-seconds 540
+        # the Table IV core set in 10-minute commands: repeat it to resume (exit 3: unfinished)
 
 Controls (issue #24): a FedPer row (on se-cnn the last SE module feeds the pooled
 classifier, so Fed-SAP's private excitation of it is a per-edge head); --model se-cnn-tail

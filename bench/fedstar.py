@@ -34,12 +34,16 @@ Protocols:
   default (CPU, the comparison of record): 20 edges, 30 % sampled per round (--fraction
     0.3, the paper's join ratio), --limit training images per dataset, --rounds rounds
     of --epochs local epochs, SGD lr 0.01 momentum 0.9 batch 32, seeds 0 1 2;
-  --full: the paper's 100 edges and 200 rounds on all training images, evaluation every
-    5 rounds, the edges on --device (a GPU machine).
+  --full: the paper's schedule: 100 edges (>= 50 samples each), 200 rounds of 5 epochs on
+    all training images, SGD lr 0.005 without momentum, batch 8192, evaluation every 5
+    rounds, the edges on --device (a GPU machine); images at their own size (the paper says
+    320 px, the authors' code resizes only Office-31).
 
     .venv/bin/python bench/fedstar.py                       # both datasets, 3 seeds
     .venv/bin/python bench/fedstar.py --datasets mnist --seeds 0
     .venv/bin/python bench/fedstar.py --full --device cuda
+    .venv/bin/python bench/fedstar.py --full --device cuda --datasets mnist --seeds 0 \
+        --methods fedproto ablation fedstar --budget-seconds 540   # repeat to resume (exit 3)
 
 It prints one Table 1-like table per dataset (mean +- std over seeds) beside the paper's
 Fashion-MNIST figures, whether FedSTAR > ablation > FedProto holds, and writes accuracy

@@ -34,6 +34,8 @@ Protocols:
     .venv/bin/python bench/pfedka.py --what controls --alphas 0.5 --limit 10000 --rounds 40 \
         --eval-every 10 --global-every 5   # longer: the teacher per round (2026-11-25c)
     .venv/bin/python bench/pfedka.py --full --device cuda
+    .venv/bin/python bench/pfedka.py --full --device cuda --what table --only fedavg --alphas 0.1 \
+        --seeds 0 --budget-seconds 540   # 10-minute commands: repeat to resume (exit 3: unfinished)
 
 Besides the tables it measures, in the same invocation: wire bytes per round of pFedKA
 against FedAvg on the same backbone (evaluation off, so a round is exactly the sampled
