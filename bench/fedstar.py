@@ -249,7 +249,8 @@ def human(n: float) -> str:
 def table(results: dict, labels: list[str], dataset: str) -> str:
     reference = results.get(("fedavg", dataset), [])
     fedavg_bytes = statistics.mean(r["bytes_per_round"] for r in reference) if reference else None
-    lines = [f"\n{dataset}: best pooled test accuracy (round) | mean ± std over edges at that "
+    lines = [f"\n{dataset}, each figure mean ± std over seeds then each seed's: best pooled test "
+             "accuracy (round) | mean ± std over edges at that "
              "round | best weighted F1 | best macro F1 | min Brier | conv. round | wire bytes "
              "per round (up) | vs FedAvg   [paper, Fashion-MNIST: acc / F1 / Brier / conv.]",
              "| method | accuracy | over edges | weighted F1 | macro F1 | Brier | conv. | "

@@ -550,7 +550,8 @@ def main() -> int:
                     collect(config, alpha)
             labels = [c.label for c in [*baselines, PFEDKA]]
             print("\npersonalized accuracy % (mean over edges, local test) | macro-F1 % (pooled) | "
-                  "global model accuracy % (held-out test), final round, mean ± std over seeds")
+                  "global model accuracy % (held-out test), final round, mean ± std over seeds "
+                  "(then each seed's)")
             print(table(results, labels, args.alphas, True))
             plot(results, labels, args.alphas, args.out / "convergence.png")
             print(f"\nconvergence curves: {args.out / 'convergence.png'}")
