@@ -7,6 +7,7 @@
 #   GPU_PAPERS_DEVICE=cuda                  # cpu with GPU_PAPERS_SMOKE=1: a tiny CPU rehearsal
 #   GPU_PAPERS_WORK=runs/gpu-papers         # the runs; must survive between commands to resume
 #   FEDATTN_DATA=.gpudata                   # mnist/ and cifar-10/cifar-10-batches-bin/ (see below)
+#   GPU_PAPERS_SEEDS="0 1 2"                # the seeds, in order
 #
 # Rows, in this order, seed 0 of every row before seed 1 of any (each step resumes its runs
 # from their last round checkpoint and is skipped once finished):
@@ -53,7 +54,7 @@ fi
 
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 || echo "no nvidia-smi"
   $PY -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name(0))" 2>&1
-  echo "device $DEVICE, budget $BUDGET s, data $FEDATTN_DATA, runs $WORK"; } > "$OUT/00-gpu.txt"
+  echo "device $DEVICE, budget $BUDGET s, data $FEDATTN_DATA, runs $WORK"; } > "$OUT/00-gpu.txt" 2>&1
 cat "$OUT/00-gpu.txt"
 
 have() { [ -e "$FEDATTN_DATA/$1" ] || { echo "== $2: skipped, $FEDATTN_DATA/$1 is missing" | tee -a "$LOG"; return 1; }; }
@@ -74,7 +75,7 @@ bench() {
 }
 
 status=0
-for seed in 0 1 2; do
+for seed in ${GPU_PAPERS_SEEDS:-0 1 2}; do
     if have mnist "fedstar s$seed"; then
         bench "fedstar s$seed" bench/fedstar.py "${FEDSTAR[@]}" --datasets mnist \
             --methods fedproto ablation fedstar --seeds "$seed" --out "$WORK/fedstar"
@@ -111,6 +112,7 @@ EOF
 cat "$OUT/progress.txt"
 case $status in
     0) echo "gpu_papers: every step done or skipped for want of data; results in $OUT" ;;
-    3) echo "gpu_papers: budget spent; run the same command again (on the same machine) to resume" ;;
+    3) echo "gpu_papers: budget spent; run the same command again (on the same machine) to resume"
+       exit 3 ;;
     *) echo "gpu_papers: a step failed ($status); see $LOG"; exit 1 ;;
 esac
