@@ -6,9 +6,12 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -16,11 +19,46 @@ ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = Path(os.environ.get("FEDATTN_DATA") or ROOT.parent / "shared" / "data")
 
 
-def run(cmd: list[str], log: Path) -> None:
+class BudgetSpent(Exception):
+    """The command's time budget (``--budget-seconds``) ran out: a run under way was stopped
+    and resumes from its last round checkpoint when the same command is given again."""
+
+
+#: What a bench exits with when its budget ran out before its runs finished.
+BUDGET_SPENT = 3
+
+
+def deadline(budget_seconds: float) -> float | None:
+    """The ``time.monotonic()`` by which a bench with ``--budget-seconds`` stops its runs
+    (None: no budget). A GPU lease ends each command at 10 minutes: a budget below that
+    lets the bench stop the run itself and print what is left, rather than be killed."""
+    return time.monotonic() + budget_seconds if budget_seconds > 0 else None
+
+
+def run(cmd: list[str], log: Path, until: float | None = None) -> None:
     """Runs ``cmd`` in the repo with stdout and stderr in ``log``; stops the bench with the
-    command and the log's tail when it fails."""
-    with open(log, "wb") as handle:
-        code = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+    command and the log's tail when it fails. With ``until`` (a ``time.monotonic()``
+    deadline) the command and every process it started are killed at that time and
+    ``BudgetSpent`` is raised; one is not started once the deadline has passed. The kill is
+    the one fl-sim's resume is tested against (tests/test_tools.py: SIGKILL to the whole
+    process group after a round checkpoint; ``--resume`` ends bit-identical)."""
+    if until is not None and time.monotonic() >= until:
+        raise BudgetSpent(" ".join(cmd))
+    # appended: a run folder that already holds this log is a run being resumed
+    with open(log, "ab") as handle:
+        proc = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, cwd=ROOT,
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout=None if until is None else max(0.0, until - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            handle.write(b"\n[bench: stopped at the time budget; the same command resumes]\n")
+            raise BudgetSpent(" ".join(cmd)) from None
+        except BaseException:  # Ctrl-C, or the bench killed: take the federation with it
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
     if code:
         raise SystemExit(f"failed ({code}): {' '.join(cmd)}\n{log.read_text()[-3000:]}")
 
@@ -69,3 +107,18 @@ def pm(values: list[float], digits: int = 1) -> str:
     if len(values) < 2:
         return f"{values[0]:.{digits}f}"
     return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+
+
+def pm_seeds(values: Sequence[float], seeds: Sequence[int], digits: int = 1) -> str:
+    """``pm`` followed by every seed's own figure, in the order given: "53.2 ± 1.2 (s0 51.9,
+    s1 54.0, s2 53.9)"; one seed alone reads "51.9 (s0)". A mean over seeds hides which
+    seed carries a gap, and a single seed's figure must not read as a mean (issue #44)."""
+    if len(values) != len(seeds):
+        raise ValueError(f"{len(values)} values for {len(seeds)} seeds")
+    if not values:
+        return "-"
+    each = ", ".join(f"s{seed} {value:.{digits}f}" if math.isfinite(value) else f"s{seed} -"
+                     for seed, value in zip(seeds, values, strict=True))
+    if len(values) == 1:
+        return f"{pm(values, digits)} (s{seeds[0]})"
+    return f"{pm(values, digits)} ({each})"

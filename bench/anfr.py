@@ -54,7 +54,7 @@ import time
 from pathlib import Path
 
 import torch
-from _harness import ROOT, SHARED_DATA, fl_partition, pm, resumable, run
+from _harness import ROOT, SHARED_DATA, fl_partition, pm_seeds, resumable, run
 
 CIFAR10 = SHARED_DATA / "cifar-10" / "cifar-10-batches-bin"
 ARCHS = {  # label -> (compact model, -50 model)
@@ -248,14 +248,14 @@ def table(results: dict, scheme: str, methods: list[str], split: str, paper: boo
             "test": "mean over edges, each edge's model on its local test split"}[split]
     when = "best-round" if best else "final-round"
     key = f"{split}-best" if best else split
-    lines = [f"\n{scheme}: {when} accuracy (%), {name}, mean ± std over seeds"
+    lines = [f"\n{scheme}: {when} accuracy (%), {name}, mean ± std over seeds (then each seed's)"
              + (" [paper Table 1, pretrained -50 at 224 px]" if paper else ""),
              "| architecture | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
     for arch in archs:
         cells = []
         for method in methods:
             runs = results.get((scheme, arch, method), [])
-            cell = pm([r[key] for r in runs]) if runs else "-"
+            cell = pm_seeds([r[key] for r in runs], [r["seed"] for r in runs]) if runs else "-"
             if paper and (arch, base_method(method)[0]) in PAPER:
                 cell += f" [{PAPER[arch, base_method(method)[0]]}]"
             cells.append(cell)

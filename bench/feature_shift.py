@@ -48,7 +48,7 @@ import sys
 import time
 from pathlib import Path
 
-from _harness import ROOT, SHARED_DATA, fl_partition, run
+from _harness import ROOT, SHARED_DATA, fl_partition, pm_seeds, run
 from _harness import pm as harness_pm
 
 DOMAINS = ["mnist", "usps", "mnistm-style", "synthdigits-style"]
@@ -141,12 +141,18 @@ def figures(run_dir: Path) -> dict:
             for split in final}
     shared = [sum(r["bytes"][d].get("shared_tensors", {}).get("wire", 0) for d in ("up", "down"))
               for r in history["rounds"]]
-    return {"accuracy": final["test"], "final": final, "best": best,
+    return {"seed": history["manifest"]["train"]["seed"],
+            "accuracy": final["test"], "final": final, "best": best,
             "bytes": statistics.mean(shared)}
 
 
 def pm(values: list[float], digits: int = 2) -> str:
     return harness_pm(values, digits)
+
+
+def ps(runs: list[dict], values: list[float], digits: int = 2) -> str:
+    """A figure over ``runs``' seeds: mean ± std, then every seed's own (``pm_seeds``)."""
+    return pm_seeds(values, [r["seed"] for r in runs], digits)
 
 
 def table(results: dict, hosts: list[str], attentions: list[str], edges: dict[str, str]) -> str:
@@ -161,7 +167,7 @@ def table(results: dict, hosts: list[str], attentions: list[str], edges: dict[st
             runs = results.get((host, attention))
             if not runs:
                 continue
-            cells = [pm([r["accuracy"][e] for r in runs]) for e in order]
+            cells = [ps(runs, [r["accuracy"][e] for r in runs]) for e in order]
             averages = [statistics.mean(r["accuracy"][e] for e in order) for r in runs]
             paper = PAPER.get((host, attention))
             ours4 = (statistics.mean(paper[PAPER_COLUMNS[edges[e]]] for e in order)
@@ -173,7 +179,7 @@ def table(results: dict, hosts: list[str], attentions: list[str], edges: dict[st
                 f"{byte_count - base_bytes:+.0f}"
             label = host if attention == "none" else f"  + {attention}"
             lines.append("| " + " | ".join(
-                [label, *cells, pm(averages), f"{paper[5]:.2f}" if paper else "-",
+                [label, *cells, ps(runs, averages), f"{paper[5]:.2f}" if paper else "-",
                  f"{ours4:.2f}" if ours4 is not None else "-", f"{byte_count:,.0f}", extra]) + " |")
     return "\n".join(lines)
 
@@ -191,8 +197,8 @@ def averages(results: dict, hosts: list[str], attentions: list[str]) -> str:
                 continue
             cells = []
             for split in splits:
-                cells.append(pm([statistics.mean(r["final"][split].values()) for r in runs]))
-                cells.append(pm([r["best"][split] for r in runs]))
+                cells.append(ps(runs, [statistics.mean(r["final"][split].values()) for r in runs]))
+                cells.append(ps(runs, [r["best"][split] for r in runs]))
             label = host if attention == "none" else f"  + {attention}"
             lines.append("| " + " | ".join([label, *cells]) + " |")
     return "\n".join(lines)

@@ -25,6 +25,9 @@ conv takes 1 input channel), nothing is replicated.
     .venv/bin/python bench/fedsap.py                        # Table IV at alpha 0.5 + ablations
     .venv/bin/python bench/fedsap.py --alphas 0.5 1.0 iid   # more columns
     .venv/bin/python bench/fedsap.py --full --device cuda --jobs 4
+    .venv/bin/python bench/fedsap.py --full --device cuda --what table --seeds 0 --jobs 7 \
+        --only local fedavg fedprox fedbn fedper pse-only fedsap --budget-seconds 540
+        # the Table IV core set in 10-minute commands: repeat it to resume (exit 3: unfinished)
 
 Controls (issue #24): a FedPer row (on se-cnn the last SE module feeds the pooled
 classifier, so Fed-SAP's private excitation of it is a per-edge head); --model se-cnn-tail
@@ -55,7 +58,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from _harness import ROOT, SHARED_DATA, fl_partition, pm, resumable, run
+from _harness import (
+    BUDGET_SPENT,
+    ROOT,
+    SHARED_DATA,
+    BudgetSpent,
+    deadline,
+    fl_partition,
+    pm_seeds,
+    resumable,
+    run,
+)
 
 SOURCES = {
     "cifar10": (SHARED_DATA / "cifar-10" / "cifar-10-batches-bin", 3, 32),
@@ -164,7 +177,7 @@ def federate(args, config: Config, alpha: str, seed: int) -> Path:
          str(args.edges), "--fraction", "1", "--rounds", str(args.rounds), "--procs",
          str(args.procs), "--data-root", str(data), "--out", str(out), "--seed", str(seed),
          "--device", args.device, *(["--data-on-device"] if args.device == "cuda" else []),
-         *(["--resume"] if resume else []), *flags], out / "fl-sim.log")
+         *(["--resume"] if resume else []), *flags], out / "fl-sim.log", args.until)
     print(f"  {config.label:<14} alpha {alpha:<4} seed {seed}: {time.time() - started:6.0f} s"
           + (" (resumed)" if resume else ""), flush=True)
     return history
@@ -286,7 +299,8 @@ def figures(history_file: Path, seed: int, analysis: dict | None = None) -> dict
 def table(results: dict, labels: list[str], alphas: list[str], paper: dict | None) -> str:
     lines = []
     for split, name in (("global_test", "shared global_test"), ("test", "each edge's local test")):
-        lines.append(f"\nmean accuracy over edges (%), {name}: final / best"
+        lines.append(f"\nmean accuracy over edges (%), {name}: final / best, each mean ± std "
+                     "over seeds (then every seed's own)"
                      + (" [paper, final]" if paper else ""))
         header = "| method | " + " | ".join(f"alpha {a}"
                                           for a in alphas) + " |"
@@ -295,9 +309,10 @@ def table(results: dict, labels: list[str], alphas: list[str], paper: dict | Non
             cells = []
             for alpha in alphas:
                 runs = results.get((label, alpha), [])
+                seeds = [r["seed"] for r in runs]
                 final = [r[split]["final"] for r in runs]
                 best = [r[split]["best"] for r in runs]
-                cell = f"{pm(final)} / {pm(best)}" if runs else "-"
+                cell = f"{pm_seeds(final, seeds)} / {pm_seeds(best, seeds)}" if runs else "-"
                 if paper is not None and label in paper:
                     cell += f" [{paper[label].get(alpha, '-')}]"
                 cells.append(cell)
@@ -363,11 +378,12 @@ def swap_table(results: dict, labels: list[str], alphas: list[str]) -> str:
                 lines += ["| method | alpha | split | as saved | " + " | ".join(
                     f"swap {m}" for m in modules) + " | seeds |",
                     "|---" * (len(modules) + 5) + "|"]
+            seeds = [r["seed"] for r in runs]
             for split in ("test", "global_test"):
                 base = [r["swap"]["none"][split] for r in runs]
-                cells = [pm([r["swap"][m][split] - r["swap"]["none"][split] for r in runs])
-                         for m in modules]
-                lines.append(f"| {label} | {alpha} | {split} | {pm(base)} | "
+                cells = [pm_seeds([r["swap"][m][split] - r["swap"]["none"][split] for r in runs],
+                                  seeds) for m in modules]
+                lines.append(f"| {label} | {alpha} | {split} | {pm_seeds(base, seeds)} | "
                              + " | ".join(cells) + f" | {len(runs)} |")
     return "\n".join(lines)
 
@@ -425,8 +441,13 @@ def main() -> int:
                    help="run only these rows (e.g. fedsap pse-only fedsap-running)")
     p.add_argument("--report-only", action="store_true",
                    help="report the finished runs under --out; start none")
+    p.add_argument("--budget-seconds", type=float, default=0,
+                   help="> 0: stop the runs under way after this many seconds and exit "
+                        f"{BUDGET_SPENT}; the same command resumes each from its last round "
+                        "checkpoint (a GPU lease's 10-minute commands: 540)")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-fedsap")
     args = p.parse_args()
+    args.until = deadline(args.budget_seconds)
     source = SOURCES[args.dataset][0]
     if not source.exists():
         print(f"bench/fedsap.py: {source} is missing (set FEDATTN_DATA to the datasets' folder)",
@@ -485,9 +506,16 @@ def main() -> int:
               f"{result['test']['final']:.1f}, global_test {result['global_test']['final']:.1f}",
               flush=True)
 
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        for future in [pool.submit(one, job) for job in jobs]:
-            future.result()
+    try:
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            for future in [pool.submit(one, job) for job in jobs]:
+                future.result()
+    except BudgetSpent:
+        done = sum(len(runs) for runs in results.values())
+        print(f"\ntime budget spent ({args.budget_seconds:.0f} s): {done} of {len(jobs)} runs "
+              "finished; repeat the command to resume the others from their last round "
+              "checkpoint (--report-only prints the finished ones)", flush=True)
+        return BUDGET_SPENT
     for runs in results.values():  # seed order, whatever order the jobs finished in
         runs.sort(key=lambda r: r["seed"])
 

@@ -34,12 +34,16 @@ Protocols:
   default (CPU, the comparison of record): 20 edges, 30 % sampled per round (--fraction
     0.3, the paper's join ratio), --limit training images per dataset, --rounds rounds
     of --epochs local epochs, SGD lr 0.01 momentum 0.9 batch 32, seeds 0 1 2;
-  --full: the paper's 100 edges and 200 rounds on all training images, evaluation every
-    5 rounds, the edges on --device (a GPU machine).
+  --full: the paper's schedule: 100 edges (>= 50 samples each), 200 rounds of 5 epochs on
+    all training images, SGD lr 0.005 without momentum, batch 8192, evaluation every 5
+    rounds, the edges on --device (a GPU machine); images at their own size (the paper says
+    320 px, the authors' code resizes only Office-31).
 
     .venv/bin/python bench/fedstar.py                       # both datasets, 3 seeds
     .venv/bin/python bench/fedstar.py --datasets mnist --seeds 0
     .venv/bin/python bench/fedstar.py --full --device cuda
+    .venv/bin/python bench/fedstar.py --full --device cuda --datasets mnist --seeds 0 \
+        --methods fedproto ablation fedstar --budget-seconds 540   # repeat to resume (exit 3)
 
 It prints one Table 1-like table per dataset (mean +- std over seeds) beside the paper's
 Fashion-MNIST figures, whether FedSTAR > ablation > FedProto holds, and writes accuracy
@@ -52,14 +56,23 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from _harness import ROOT, SHARED_DATA, fl_partition, run
+from _harness import (
+    BUDGET_SPENT,
+    ROOT,
+    SHARED_DATA,
+    BudgetSpent,
+    deadline,
+    fl_partition,
+    pm_seeds,
+    resumable,
+    run,
+)
 from _harness import pm as harness_pm
 
 SOURCES = {
@@ -131,6 +144,7 @@ def federate(args, config: Config, dataset: str, seed: int) -> Path:
     history = out / "server" / "history.json"
     if history.exists() and len(json.loads(history.read_text())["rounds"]) == args.rounds:
         return history  # finished earlier: --out doubles as a cache
+    resume = resumable(out)  # an unfinished run continues from its last round checkpoint
     data = partition(args, dataset, seed)
     sets = {"train.model": args.model, "train.in_channels": channels, "train.image_size": size,
             "train.lr": args.lr, "train.momentum": args.momentum,
@@ -141,16 +155,15 @@ def federate(args, config: Config, dataset: str, seed: int) -> Path:
             **{f"{config.method}.{k}": v for k, v in config.params.items()}}
     flags = [f"--set={k}={json.dumps(v) if isinstance(v, (str, bool)) else v}"  # JSON: true
              for k, v in sets.items()]
-    if out.exists():  # an unfinished run: start it again from scratch
-        subprocess.run(["rm", "-rf", str(out)], check=True)
-    out.mkdir(parents=True)
+    out.mkdir(parents=True, exist_ok=True)
     started = time.time()
     run([sys.executable, "-m", "fl_tools.sim", "--method", config.method, "--edges",
          str(args.edges), "--fraction", str(args.fraction), "--rounds", str(args.rounds),
          "--procs", str(args.procs), "--data-root", str(data), "--out", str(out),
-         "--seed", str(seed), "--device", args.device, *flags], out / "fl-sim.log")
-    print(f"  {dataset:<8} {config.label:<9} seed {seed}: {time.time() - started:6.0f} s",
-          flush=True)
+         "--seed", str(seed), "--device", args.device, *(["--resume"] if resume else []),
+         *flags], out / "fl-sim.log", args.until)
+    print(f"  {dataset:<8} {config.label:<9} seed {seed}: {time.time() - started:6.0f} s"
+          + (" (resumed)" if resume else ""), flush=True)
     return history
 
 
@@ -197,6 +210,7 @@ def figures(history_file: Path) -> dict:
 
     nan = float("nan")
     return {
+        "seed": history["manifest"]["train"]["seed"],
         "accuracy": accuracy, "accuracy_round": at,
         "edge_mean": at_best["mean_accuracy"], "edge_std": at_best["std_accuracy"],
         "best_edge_mean": best("mean_accuracy")[0],
@@ -219,6 +233,11 @@ def pm(values: list[float], digits: int = 4) -> str:
     return harness_pm(values, digits)
 
 
+def ps(runs: list[dict], key: str, digits: int = 4) -> str:
+    """A figure over seeds: mean ± std, then every seed's own (``pm_seeds``)."""
+    return pm_seeds([r[key] for r in runs], [r["seed"] for r in runs], digits)
+
+
 def human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024:
@@ -230,7 +249,8 @@ def human(n: float) -> str:
 def table(results: dict, labels: list[str], dataset: str) -> str:
     reference = results.get(("fedavg", dataset), [])
     fedavg_bytes = statistics.mean(r["bytes_per_round"] for r in reference) if reference else None
-    lines = [f"\n{dataset}: best pooled test accuracy (round) | mean ± std over edges at that "
+    lines = [f"\n{dataset}, each figure mean ± std over seeds then each seed's: best pooled test "
+             "accuracy (round) | mean ± std over edges at that "
              "round | best weighted F1 | best macro F1 | min Brier | conv. round | wire bytes "
              "per round (up) | vs FedAvg   [paper, Fashion-MNIST: acc / F1 / Brier / conv.]",
              "| method | accuracy | over edges | weighted F1 | macro F1 | Brier | conv. | "
@@ -248,10 +268,10 @@ def table(results: dict, labels: list[str], dataset: str) -> str:
                       if paper else "-")
         edge_std = statistics.mean(r["edge_std"] for r in runs)
         lines.append(
-            f"| {label} | {pm([r['accuracy'] for r in runs])} ({rounds}) "
-            f"| {pm([r['edge_mean'] for r in runs], 3)} (edges ± {edge_std:.3f}) "
-            f"| {pm([r['weighted_f1'] for r in runs])} | {pm([r['macro_f1'] for r in runs])} "
-            f"| {pm([r['brier'] for r in runs])} | {pm([r['convergence'] for r in runs], 1)} "
+            f"| {label} | {ps(runs, 'accuracy')} ({rounds}) "
+            f"| {ps(runs, 'edge_mean', 3)} (edges ± {edge_std:.3f}) "
+            f"| {ps(runs, 'weighted_f1')} | {ps(runs, 'macro_f1')} "
+            f"| {ps(runs, 'brier')} | {ps(runs, 'convergence', 1)} "
             f"| {human(per_round)} ({human(up)}) | {ratio} | {paper_cell} |")
     return "\n".join(lines)
 
@@ -282,12 +302,12 @@ def issue_table(results: dict, labels: list[str], dataset: str) -> str:
             versus = (f"{sum(d > 0 for d in diffs)}/{len(diffs)} higher, "
                       f"{statistics.mean(diffs):+.4f} ({', '.join(f'{d:+.3f}' for d in diffs)})")
         lines.append(
-            f"| {label} | {pm([r['accuracy'] for r in runs])} | {pm([r['local_final'] for r in runs])} "
-            f"| {pm([r['global_best'] for r in runs])} | {pm([r['global_final'] for r in runs])} "
-            f"| {pm([r['norm_final'] for r in runs], 1)} ({max(r['norm_max'] for r in runs):.1f}) "
-            f"| {pm([r['upload_norm'] for r in runs], 1)} "
-            f"| {pm([r['proto_energy'] for r in runs], 3)} | {pm([r['client_energy'] for r in runs], 3)} "
-            f"| {pm([r['proto_cosine'] for r in runs], 3)} | {versus} |")
+            f"| {label} | {ps(runs, 'accuracy')} | {ps(runs, 'local_final')} "
+            f"| {ps(runs, 'global_best')} | {ps(runs, 'global_final')} "
+            f"| {ps(runs, 'norm_final', 1)} ({max(r['norm_max'] for r in runs):.1f}) "
+            f"| {ps(runs, 'upload_norm', 1)} "
+            f"| {ps(runs, 'proto_energy', 3)} | {ps(runs, 'client_energy', 3)} "
+            f"| {ps(runs, 'proto_cosine', 3)} | {versus} |")
     return "\n".join(lines)
 
 
@@ -345,7 +365,8 @@ def readings_table(args, labels: list[str], dataset: str) -> str:
         if any(r is None for r in per_seed):
             continue
         for split in ("test", "global_test"):
-            cells = [pm([r[reading][split] for r in per_seed]) for reading in READINGS]
+            cells = [pm_seeds([r[reading][split] for r in per_seed], args.seeds, 4)
+                     for reading in READINGS]
             diffs = [r["predicted-style"][split] - r["head"][split] for r in per_seed]
             lines.append(f"| {label} | {split} | " + " | ".join(cells)
                          + f" | {', '.join(f'{d:+.4f}' for d in diffs)} |")
@@ -410,17 +431,23 @@ def main() -> int:
                         "protocol scores each client's own split only)")
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=None, help="default 0.01; 0.005 with --full")
+    p.add_argument("--momentum", type=float, default=None, help="default 0.9; 0 with --full")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="default 32; 8192 with --full (the paper's: full-batch for most clients)")
     p.add_argument("--eval-every", type=int, default=3)
     p.add_argument("--procs", type=int, default=2)
     p.add_argument("--readings", action="store_true",
                    help="also score each FedSTAR run's final models with and without the "
                         "style branch (head, predicted-style, true-label style)")
     p.add_argument("--device", default="cpu", help="the edges' device (cuda with --full)")
+    p.add_argument("--budget-seconds", type=float, default=0,
+                   help="> 0: stop the run under way after this many seconds and exit "
+                        f"{BUDGET_SPENT}; the same command resumes it from its last round "
+                        "checkpoint (a GPU lease's 10-minute commands: 540)")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-fedstar")
     args = p.parse_args()
+    args.until = deadline(args.budget_seconds)
     for dataset in args.datasets:
         if not SOURCES[dataset][0].exists():
             print(f"bench/fedstar.py: {SOURCES[dataset][0]} is missing (set FEDATTN_DATA "
@@ -429,6 +456,11 @@ def main() -> int:
     if args.full:
         args.edges, args.limit, args.rounds, args.eval_every, args.min_per_edge = 100, 0, 200, 5, 50
         args.epochs = 5
+    # The paper's optimiser (METHODS.md 2.3) with --full; the CPU protocol's otherwise (the
+    # paper's full-batch lr 0.005 does not train within a CPU budget).
+    for name, cpu, paper in (("lr", 0.01, 0.005), ("momentum", 0.9, 0.0), ("batch_size", 32, 8192)):
+        if getattr(args, name) is None:
+            setattr(args, name, paper if args.full else cpu)
     args.out = args.out.resolve()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     configs = [c for c in CONFIGS + EXTRA if c.label in args.methods]
@@ -442,11 +474,18 @@ def main() -> int:
           f"{args.limit or 'all'} training images, lr {args.lr} momentum {args.momentum} batch "
           f"{args.batch_size}, eval every {args.eval_every}, seeds {args.seeds}", flush=True)
     results: dict[tuple[str, str], list] = {}
-    for dataset in args.datasets:
-        for seed in args.seeds:
-            for config in configs:
-                results.setdefault((config.label, dataset), []).append(
-                    figures(federate(args, config, dataset, seed)))
+    try:
+        for dataset in args.datasets:
+            for seed in args.seeds:
+                for config in configs:
+                    results.setdefault((config.label, dataset), []).append(
+                        figures(federate(args, config, dataset, seed)))
+    except BudgetSpent:
+        done = sum(len(runs) for runs in results.values())
+        print(f"\ntime budget spent ({args.budget_seconds:.0f} s) with {done} runs finished; "
+              "repeat the command to resume the unfinished run from its last round checkpoint",
+              flush=True)
+        return BUDGET_SPENT
     labels = [c.label for c in configs]
     for dataset in args.datasets:
         print(table(results, labels, dataset))

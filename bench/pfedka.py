@@ -34,6 +34,8 @@ Protocols:
     .venv/bin/python bench/pfedka.py --what controls --alphas 0.5 --limit 10000 --rounds 40 \
         --eval-every 10 --global-every 5   # longer: the teacher per round (2026-11-25c)
     .venv/bin/python bench/pfedka.py --full --device cuda
+    .venv/bin/python bench/pfedka.py --full --device cuda --what table --only fedavg --alphas 0.1 \
+        --seeds 0 --budget-seconds 540   # 10-minute commands: repeat to resume (exit 3: unfinished)
 
 Besides the tables it measures, in the same invocation: wire bytes per round of pFedKA
 against FedAvg on the same backbone (evaluation off, so a round is exactly the sampled
@@ -54,7 +56,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from _harness import ROOT, SHARED_DATA, fl_partition, pm, run
+from _harness import (
+    BUDGET_SPENT,
+    ROOT,
+    SHARED_DATA,
+    BudgetSpent,
+    deadline,
+    fl_partition,
+    pm,
+    pm_seeds,
+    resumable,
+    run,
+)
 
 from fedattn_shared.methods.pfedka import PFedKAParams
 
@@ -142,8 +155,7 @@ def federate(args, config: Config, alpha: str, seed: int, rounds: int | None = N
     out = run_path(args, config, alpha, seed, tag)
     if finished(args, config, alpha, seed, rounds, tag):
         return out  # finished earlier: --out doubles as a cache
-    if out.exists():
-        shutil.rmtree(out)
+    resume = resumable(out)  # an unfinished run continues from its last round checkpoint
     data = partition(args, alpha, seed)
     sets = {"train.model": args.model, "train.in_channels": 3, "train.image_size": 32,
             "train.lr": args.lr, "train.momentum": args.momentum,
@@ -159,9 +171,10 @@ def federate(args, config: Config, alpha: str, seed: int, rounds: int | None = N
     run([sys.executable, "-m", "fl_tools.sim", "--method", config.method, "--edges",
          str(args.edges), "--fraction", str(args.fraction), "--rounds", str(rounds), "--procs",
          str(args.procs), "--data-root", str(data), "--out", str(out), "--seed", str(seed),
-         "--device", args.device, *flags], out / "fl-sim.log")
-    print(f"  {config.label + tag:<18} alpha {alpha:<4} seed {seed}: {time.time() - started:6.0f} s",
-          flush=True)
+         "--device", args.device, *(["--resume"] if resume else []), *flags], out / "fl-sim.log",
+        args.until)
+    print(f"  {config.label + tag:<18} alpha {alpha:<4} seed {seed}: {time.time() - started:6.0f} s"
+          + (" (resumed)" if resume else ""), flush=True)
     return out
 
 
@@ -287,10 +300,12 @@ def table(results: dict, labels: list[str], alphas: list[str], with_paper: bool)
             if not runs:
                 cells += ["-", "-", "-"]
                 continue
-            acc = pm([r["acc"] for r in runs])
+            seeds = [r["seed"] for r in runs]
+            acc = pm_seeds([r["acc"] for r in runs], seeds)
             if with_paper and alpha == "0.1" and label in PAPER:
                 acc += f" [paper {PAPER[label]}]"
-            cells += [acc, pm([r["f1"] for r in runs]), pm([r["global"] for r in runs])]
+            cells += [acc, pm_seeds([r["f1"] for r in runs], seeds),
+                      pm_seeds([r["global"] for r in runs], seeds)]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -477,8 +492,13 @@ def main() -> int:
                    help="run only these baselines of the table (pFedKA always runs)")
     p.add_argument("--finished-only", action="store_true",
                    help="start no run: print the tables from the finished runs under --out")
+    p.add_argument("--budget-seconds", type=float, default=0,
+                   help="> 0: stop the run under way after this many seconds and exit "
+                        f"{BUDGET_SPENT}; the same command resumes it from its last round "
+                        "checkpoint (a GPU lease's 10-minute commands: 540)")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-pfedka")
     args = p.parse_args()
+    args.until = deadline(args.budget_seconds)
     if not CIFAR.exists():
         print(f"bench/pfedka.py: {CIFAR} is missing (set FEDATTN_DATA to the datasets' folder)",
               file=sys.stderr)
@@ -516,74 +536,82 @@ def main() -> int:
             run_dir = federate(args, config, alpha, seed)
             results.setdefault((config.label, alpha), []).append(figures(run_dir, args))
 
-    what = args.what
-    if what in ("residual", "all"):
-        for config in RESIDUAL:
-            collect(config, args.alphas[0])
-        print(f"\nca_residual (alpha {args.alphas[0]}): personalized accuracy | macro-F1 | "
-              "global model (pFedKA: the teacher) on the held-out test images")
-        print(table(results, [c.label for c in RESIDUAL], args.alphas[:1], False))
-    if what in ("table", "all"):
-        for alpha in args.alphas:
-            for config in [*baselines, PFEDKA]:
+    try:
+        what = args.what
+        if what in ("residual", "all"):
+            for config in RESIDUAL:
+                collect(config, args.alphas[0])
+            print(f"\nca_residual (alpha {args.alphas[0]}): personalized accuracy | macro-F1 | "
+                  "global model (pFedKA: the teacher) on the held-out test images")
+            print(table(results, [c.label for c in RESIDUAL], args.alphas[:1], False))
+        if what in ("table", "all"):
+            for alpha in args.alphas:
+                for config in [*baselines, PFEDKA]:
+                    collect(config, alpha)
+            labels = [c.label for c in [*baselines, PFEDKA]]
+            print("\npersonalized accuracy % (mean over edges, local test) | macro-F1 % (pooled) | "
+                  "global model accuracy % (held-out test), final round, mean ± std over seeds "
+                  "(then each seed's)")
+            print(table(results, labels, args.alphas, True))
+            plot(results, labels, args.alphas, args.out / "convergence.png")
+            print(f"\nconvergence curves: {args.out / 'convergence.png'}")
+        if what in ("controls", "all"):
+            for alpha in args.alphas:
+                for config in [PFEDKA, *CONTROLS]:
+                    collect(config, alpha)
+            print("\npFedKA against the paper's FedAvg-FT and Local-only controls: personalized "
+                  "accuracy % on the edges' local test splits (mean over edges), final and best "
+                  "evaluated round; the final global model (pFedKA: the teacher) on the held-out "
+                  "test images; mean ± std over seeds, then each seed's final local-test figure")
+            print(compare(results, [c.label for c in [PFEDKA, *CONTROLS]], args.alphas))
+            if args.global_every:
+                print("\nthe global model per round (pFedKA: the teacher), held-out test images, "
+                      "mean ± std over seeds (then per seed)")
+                print(global_curves(results, [c.label for c in [PFEDKA, *CONTROLS]], args.alphas))
+        if what in ("switches", "all"):
+            alpha = args.alphas[0]
+            for config in [*SWITCHES, PFEDKA]:  # the default last: --what controls runs it too
                 collect(config, alpha)
-        labels = [c.label for c in [*baselines, PFEDKA]]
-        print("\npersonalized accuracy % (mean over edges, local test) | macro-F1 % (pooled) | "
-              "global model accuracy % (held-out test), final round, mean ± std over seeds")
-        print(table(results, labels, args.alphas, True))
-        plot(results, labels, args.alphas, args.out / "convergence.png")
-        print(f"\nconvergence curves: {args.out / 'convergence.png'}")
-    if what in ("controls", "all"):
-        for alpha in args.alphas:
-            for config in [PFEDKA, *CONTROLS]:
-                collect(config, alpha)
-        print("\npFedKA against the paper's FedAvg-FT and Local-only controls: personalized "
-              "accuracy % on the edges' local test splits (mean over edges), final and best "
-              "evaluated round; the final global model (pFedKA: the teacher) on the held-out "
-              "test images; mean ± std over seeds, then each seed's final local-test figure")
-        print(compare(results, [c.label for c in [PFEDKA, *CONTROLS]], args.alphas))
-        if args.global_every:
-            print("\nthe global model per round (pFedKA: the teacher), held-out test images, "
-                  "mean ± std over seeds (then per seed)")
-            print(global_curves(results, [c.label for c in [PFEDKA, *CONTROLS]], args.alphas))
-    if what in ("switches", "all"):
-        alpha = args.alphas[0]
-        for config in [*SWITCHES, PFEDKA]:  # the default last: --what controls runs it too
-            collect(config, alpha)
-        print(f"\nthe issue #24 switches at alpha {alpha}, same figures as above; pFedKA's "
-              "teacher scored both ways (its head on the mean token; through its CA path)")
-        labels = [c.label for c in [PFEDKA, *SWITCHES]]
-        print(compare(results, labels, [alpha]))
-        if args.global_every:
-            print("\nthe global model per round (pFedKA: the teacher), held-out test images, "
-                  "mean ± std over seeds (then per seed)")
-            print(global_curves(results, labels, [alpha]))
-        print("\ngate departure from FedAvg, total variation 0.5 sum |alpha_k - n_k/n| "
-              "(first round, last round, max over rounds; mean over seeds):")
-        for label in labels:
-            runs = [r for r in results.get((label, alpha), []) if r["alpha_tv"]]
-            if runs:
-                print(f"  {label:<20} " + ", ".join(
-                    f"{pm([fn(r['alpha_tv']) for r in runs], 3)}"
-                    for fn in (lambda v: v[0], lambda v: v[-1], max)))
-    if what in ("ablations", "all"):
-        for config in [PFEDKA, *ABLATIONS]:
-            collect(config, args.alphas[0])
-        print(f"\nablations, alpha {args.alphas[0]} (paper: removing KD costs the most, e.g. "
-              "CIFAR-100-high macro-F1 41.98 -> 25.32; w/o CA 27.57; CIFAR-10-moderate w/o GA "
-              "71.08 vs 78.67)")
-        print(table(results, [c.label for c in [PFEDKA, *ABLATIONS]], args.alphas[:1], False))
-    ratios = [overheads(results, alpha) for alpha in args.alphas
-              if ("pfedka", alpha) in results and ("fedavg", alpha) in results]
-    if ratios:
-        print("\nfederated runs, pFedKA / FedAvg (same alphas and seeds): " + ", ".join(ratios)
-              + f" (paper: round time {PAPER_ROUND_TIME}x)")
-    if what in ("traffic", "all"):
-        print(f"\nwire bytes per round (evaluation off, {args.edges} edges at fraction "
-              f"{args.fraction}; paper: +8.61 %, ratio {PAPER_TRAFFIC})")
-        print("\n".join(traffic(args)))
-        print(f"\nedge step time, same batches, one thread ({args.device}):")
-        print("\n".join(step_time(args)))
+            print(f"\nthe issue #24 switches at alpha {alpha}, same figures as above; pFedKA's "
+                  "teacher scored both ways (its head on the mean token; through its CA path)")
+            labels = [c.label for c in [PFEDKA, *SWITCHES]]
+            print(compare(results, labels, [alpha]))
+            if args.global_every:
+                print("\nthe global model per round (pFedKA: the teacher), held-out test images, "
+                      "mean ± std over seeds (then per seed)")
+                print(global_curves(results, labels, [alpha]))
+            print("\ngate departure from FedAvg, total variation 0.5 sum |alpha_k - n_k/n| "
+                  "(first round, last round, max over rounds; mean over seeds):")
+            for label in labels:
+                runs = [r for r in results.get((label, alpha), []) if r["alpha_tv"]]
+                if runs:
+                    print(f"  {label:<20} " + ", ".join(
+                        f"{pm([fn(r['alpha_tv']) for r in runs], 3)}"
+                        for fn in (lambda v: v[0], lambda v: v[-1], max)))
+        if what in ("ablations", "all"):
+            for config in [PFEDKA, *ABLATIONS]:
+                collect(config, args.alphas[0])
+            print(f"\nablations, alpha {args.alphas[0]} (paper: removing KD costs the most, e.g. "
+                  "CIFAR-100-high macro-F1 41.98 -> 25.32; w/o CA 27.57; CIFAR-10-moderate w/o GA "
+                  "71.08 vs 78.67)")
+            print(table(results, [c.label for c in [PFEDKA, *ABLATIONS]], args.alphas[:1], False))
+        ratios = [overheads(results, alpha) for alpha in args.alphas
+                  if ("pfedka", alpha) in results and ("fedavg", alpha) in results]
+        if ratios:
+            print("\nfederated runs, pFedKA / FedAvg (same alphas and seeds): " + ", ".join(ratios)
+                  + f" (paper: round time {PAPER_ROUND_TIME}x)")
+        if what in ("traffic", "all"):
+            print(f"\nwire bytes per round (evaluation off, {args.edges} edges at fraction "
+                  f"{args.fraction}; paper: +8.61 %, ratio {PAPER_TRAFFIC})")
+            print("\n".join(traffic(args)))
+            print(f"\nedge step time, same batches, one thread ({args.device}):")
+            print("\n".join(step_time(args)))
+    except BudgetSpent:
+        done = sum(len(runs) for runs in results.values())
+        print(f"\ntime budget spent ({args.budget_seconds:.0f} s) with {done} runs finished; "
+              "repeat the command to resume the unfinished run from its last round "
+              "checkpoint (--finished-only prints the tables of the finished ones)", flush=True)
+        return BUDGET_SPENT
     return 0
 
 
