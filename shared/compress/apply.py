@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..methods.base import Method, SectionSpec, TensorSpec
-from ..wire.payload import Kind, Payload, Section, WireError
+from ..methods.base import Method
+from ..schema import Kind, Payload, Section, SectionSpec, TensorSpec
+from ..wire.payload import WireError
 from .codec import CodecChoice
 from .section import compressible, decode_section, encode_section, encoded_spec, vector_length
 

@@ -42,9 +42,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..wire.payload import Kind, Payload, Section, tensor_entries
+from ..schema import TRAIN, Kind, Payload, Section
+from ..wire.payload import tensor_entries
 from .exact_sum import Spilled, add_scaled, finish_sum, spilled_mean
-from .phases import TRAIN
 from .spill import UploadSpill
 
 if TYPE_CHECKING:

@@ -51,10 +51,9 @@ from torch.utils.data import TensorDataset
 from ..config import MAX_DELTA, DPConfig
 from ..data.npz import Split
 from ..methods.base import EdgeAlgorithm, Method
-from ..methods.phases import EVALUATE, TRAIN
 from ..models.anfr import batchnorm_layers, disable_inplace_activations
+from ..schema import EVALUATE, TRAIN, Kind, Payload, Section
 from ..state import StateError
-from ..wire.payload import Kind, Payload, Section
 
 LEDGER_FORMAT = "fedattn-privacy-ledger/1"
 # Moves dp.seeded_noise's seed off the stream the round's data order and dropout use.

@@ -13,9 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..methods.base import SectionSpec
-from ..methods.phases import EVALUATE
-from ..wire.payload import Kind, Payload, Section
+from ..schema import EVALUATE, Kind, Payload, Section, SectionSpec
 from .secagg_ring import SecAggError
 
 if TYPE_CHECKING:
