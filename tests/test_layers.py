@@ -81,6 +81,27 @@ def test_packages_import_only_the_layers_below():
     assert not wrong, wrong
 
 
+# Inside the shared package: the contract's values (schema.py) sit below everything, and
+# the codecs and the privacy layers take those values, never the method contract or a
+# model module (the methods use them, not the other way round).
+VALUES_ONLY = ("fedattn_shared.compress", "fedattn_shared.privacy")
+ABOVE_THEM = ("fedattn_shared.methods", "fedattn_shared.models")
+
+
+def _under(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def test_schema_imports_nothing_of_the_project():
+    assert graph()["fedattn_shared.schema"] == set()
+
+
+def test_codecs_and_privacy_take_values_not_the_method():
+    wrong = [f"{module} imports {target}" for module, targets in graph().items()
+             if _under(module, VALUES_ONLY) for target in targets if _under(target, ABOVE_THEM)]
+    assert not wrong, wrong
+
+
 # Import edges known to close a cycle that another change in flight removes. Each entry
 # is (importer, imported); the cycle test leaves the edge out and the strict xfail below
 # fails as soon as the cycle is gone, so the entry cannot outlive it.
