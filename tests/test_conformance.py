@@ -27,8 +27,8 @@ import pytest
 import torch
 from conftest import read_history, serving, write_edge_dirs
 from test_bad_input import assert_bit_identical, tensor_bytes
-from test_codec import transmit
 from test_dp import dp_config, private_edge, split
+from test_serialize import transmit
 
 from fedattn_shared.compress import load_codec
 from fedattn_shared.compress.apply import UplinkCompression
