@@ -19,9 +19,8 @@ import torch
 from fedattn_shared.config import DPConfig, TrainConfig
 from fedattn_shared.data.npz import Split
 from fedattn_shared.methods import MethodContext, load_method
-from fedattn_shared.methods.phases import TRAIN
 from fedattn_shared.privacy.dp import PrivateTraining
-from fedattn_shared.wire.payload import Payload, Section
+from fedattn_shared.schema import TRAIN, Payload, Section
 from fl_edge.trainer import configure_determinism, train_local
 
 

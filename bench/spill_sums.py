@@ -22,8 +22,8 @@ import torch
 from fedattn_shared.config import TrainConfig
 from fedattn_shared.methods import MethodContext, load_method
 from fedattn_shared.methods.spill import UploadSpill
-from fedattn_shared.wire.codec import encode
-from fedattn_shared.wire.payload import Kind, Payload, Section
+from fedattn_shared.schema import Kind, Payload, Section
+from fedattn_shared.wire.serialize import encode
 from fedattn_shared.wire.transport import PayloadAssembler, payload_chunks
 
 

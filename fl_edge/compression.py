@@ -26,8 +26,8 @@ import torch
 
 from fedattn_shared.compress.apply import EdgeReference, UplinkCompression
 from fedattn_shared.state import StateError
-from fedattn_shared.wire.codec import encode
 from fedattn_shared.wire.payload import WireError
+from fedattn_shared.wire.serialize import encode
 
 from .options import EdgeExit
 from .run import EdgeRun

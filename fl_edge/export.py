@@ -20,10 +20,9 @@ from fedattn_shared.augment import resize
 from fedattn_shared.config import ConfigError, TrainConfig, apply_values
 from fedattn_shared.methods import load_method
 from fedattn_shared.methods.base import EdgeAlgorithm, Method, MethodContext
-from fedattn_shared.methods.phases import EVALUATE
 from fedattn_shared.runconfig import RunConfig
+from fedattn_shared.schema import EVALUATE, Payload
 from fedattn_shared.state import StateError, load_tensors, save_tensors
-from fedattn_shared.wire.payload import Payload
 
 from .store import PrivateStore
 

@@ -15,9 +15,9 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from fedattn_shared.methods.base import Method
-from fedattn_shared.methods.phases import EVALUATE, TRAIN
 from fedattn_shared.privacy.dp import BudgetSpent, PrivateTraining
-from fedattn_shared.wire.payload import Kind, Payload, Section, WireError
+from fedattn_shared.schema import EVALUATE, TRAIN, Kind, Payload, Section
+from fedattn_shared.wire.payload import WireError
 
 from .compression import Compression
 from .metrics import EdgeMetrics

@@ -59,6 +59,7 @@ from fedattn_shared.privacy.secagg_ring import (
     IntegerQuantizer,
     pack_bits,
 )
+from fedattn_shared.schema import Kind, Payload, Section
 from fedattn_shared.state import (
     StateError,
     atomic_write_json,
@@ -66,7 +67,6 @@ from fedattn_shared.state import (
     read_json,
     save_tensors,
 )
-from fedattn_shared.wire.payload import Kind, Payload, Section
 
 log = logging.getLogger("fl_edge")
 

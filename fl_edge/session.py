@@ -28,6 +28,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from fedattn_shared import PROTOCOL_VERSION
+from fedattn_shared.schema import Payload
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire import fedattn_pb2_grpc as pb_grpc
 from fedattn_shared.wire.accounting import (
@@ -40,8 +41,8 @@ from fedattn_shared.wire.accounting import (
     count_coded,
     data_message_wire_bytes,
 )
-from fedattn_shared.wire.codec import encode
-from fedattn_shared.wire.payload import Payload, WireError
+from fedattn_shared.wire.payload import WireError
+from fedattn_shared.wire.serialize import encode
 from fedattn_shared.wire.signing import (
     BodyMac,
     exchange,

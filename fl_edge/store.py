@@ -23,6 +23,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from google.protobuf.message import DecodeError
 
 from fedattn_shared.methods.base import EdgeAlgorithm
+from fedattn_shared.schema import Payload
 from fedattn_shared.state import (
     StateError,
     atomic_write,
@@ -32,8 +33,8 @@ from fedattn_shared.state import (
     save_tensors,
 )
 from fedattn_shared.wire import fedattn_pb2 as pb
-from fedattn_shared.wire.codec import crc32, decode
-from fedattn_shared.wire.payload import Payload, WireError
+from fedattn_shared.wire.payload import WireError
+from fedattn_shared.wire.serialize import crc32, decode
 
 STATE_FORMAT = "fedattn-edge-state/1"
 FEEDBACK_FORMAT = "fedattn-error-feedback/1"

@@ -22,9 +22,8 @@ import torch
 
 from fedattn_shared.augment import InputPipeline
 from fedattn_shared.config import BN_RECALIBRATED
-from fedattn_shared.methods.phases import EVALUATE, TRAIN
+from fedattn_shared.schema import EVALUATE, TRAIN, Payload
 from fedattn_shared.wire import fedattn_pb2 as pb
-from fedattn_shared.wire.payload import Payload
 
 from .health import EdgeHealth
 from .metrics import EdgeMetrics

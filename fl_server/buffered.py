@@ -39,12 +39,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fedattn_shared.methods.aggregators import AggregatorKind
-from fedattn_shared.methods.base import Method, SectionSpec, TensorSpec
+from fedattn_shared.methods.base import Method
 from fedattn_shared.methods.exact_sum import add_scaled, finish_sum
-from fedattn_shared.methods.phases import EVALUATE, TRAIN
+from fedattn_shared.schema import EVALUATE, TRAIN, Kind, Payload, Section, SectionSpec, TensorSpec
 from fedattn_shared.wire import fedattn_pb2 as pb
-from fedattn_shared.wire.codec import encode
-from fedattn_shared.wire.payload import Kind, Payload, Section
+from fedattn_shared.wire.serialize import encode
 
 from .drivers import DriverWrapper, PhaseDriver, Traits
 from .evaluation import summarize

@@ -39,9 +39,8 @@ from fedattn_shared.compress.apply import (
 )
 from fedattn_shared.config import ServerConfig
 from fedattn_shared.methods.aggregators import Aggregator
-from fedattn_shared.methods.base import Method, SectionSpec
-from fedattn_shared.methods.phases import EVALUATE, TRAIN
-from fedattn_shared.wire.payload import Kind, Payload
+from fedattn_shared.methods.base import Method
+from fedattn_shared.schema import EVALUATE, TRAIN, Kind, Payload, SectionSpec
 
 from .edges import EdgeBook
 from .secagg import SecAggDriver

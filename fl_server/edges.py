@@ -14,8 +14,8 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
+from fedattn_shared.schema import Payload
 from fedattn_shared.tls import edge_id_refusal
-from fedattn_shared.wire.payload import Payload
 
 log = logging.getLogger("fl_server")
 

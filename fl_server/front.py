@@ -12,8 +12,9 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
+from fedattn_shared.schema import Payload
 from fedattn_shared.wire import fedattn_pb2 as pb
-from fedattn_shared.wire.payload import Payload, WireError
+from fedattn_shared.wire.payload import WireError
 from fedattn_shared.wire.transport import PayloadAssembler
 
 from .edges import AuthError, EdgeRecord

@@ -42,12 +42,13 @@ import torch
 from fedattn_shared import PROTOCOL_VERSION
 from fedattn_shared.config import ServerConfig, TrainConfig
 from fedattn_shared.methods.aggregators import Aggregator
-from fedattn_shared.methods.base import Method, SectionSpec
+from fedattn_shared.methods.base import Method
 from fedattn_shared.methods.exact_sum import SUM_STEP
+from fedattn_shared.schema import Kind, Payload, SectionSpec
 from fedattn_shared.tls import edge_id_refusal
 from fedattn_shared.wire import fedattn_pb2 as pb
-from fedattn_shared.wire.codec import dtype_name, section_layout, torch_dtype
-from fedattn_shared.wire.payload import Kind, Payload, WireError, nonfinite_tensors
+from fedattn_shared.wire.payload import WireError, nonfinite_tensors
+from fedattn_shared.wire.serialize import dtype_name, section_layout, torch_dtype
 from fedattn_shared.wire.signing import BODY_MAC_IV_BYTES, verify_submission
 from fedattn_shared.wire.transport import PayloadAssembler
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from fedattn_shared.wire.payload import Kind, Payload, Section
+from fedattn_shared.schema import Kind, Payload, Section
 
 INIT_SECTION = "init"
 

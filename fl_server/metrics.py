@@ -17,12 +17,27 @@ Privacy row shows both.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-if TYPE_CHECKING:
-    from .streams import DownloadRoom
+
+class DownloadRoomGauges(Protocol):
+    """What the download gauges read at each scrape (``streams.DownloadRoom`` is one;
+    typed here so that the metrics, which the phase and the streams record into, import
+    neither)."""
+
+    @property
+    def held(self) -> int:
+        """Bytes of task messages in gRPC now."""
+
+    @property
+    def limit(self) -> int:
+        """The bound (--max-download-memory)."""
+
+    @property
+    def waiting(self) -> int:
+        """Task messages waiting for room."""
 
 # Round and phase times span a loopback test (tenths of a second) to a Jetson federation
 # (tens of minutes).
@@ -154,7 +169,7 @@ class ServerMetrics:
                                 "Privacy an edge's DP-SGD has spent so far (its ledger's epsilon)",
                                 ["edge"])
 
-    def watch_downloads(self, room: DownloadRoom) -> None:
+    def watch_downloads(self, room: DownloadRoomGauges) -> None:
         """Series read from the download room (``streams.DownloadRoom``) at each scrape:
         what the task downloads under way hold in gRPC, its bound, and how many sends wait
         for room (a number that stays up says the bound, or stalled edges, slow downloads)."""

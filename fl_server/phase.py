@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from fedattn_shared.config import ServerConfig
 from fedattn_shared.methods.aggregators import RoundSnapshot
-from fedattn_shared.wire.codec import EncodedPayload, encode
-from fedattn_shared.wire.payload import Kind, Payload
+from fedattn_shared.schema import Kind, Payload
+from fedattn_shared.wire.serialize import EncodedPayload, encode
 from fedattn_shared.wire.transport import data_frames
 
 if TYPE_CHECKING:  # annotations only: the drivers and metrics import this module's types

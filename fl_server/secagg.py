@@ -34,7 +34,7 @@ from torch import nn
 
 from fedattn_shared.compress.integer import IntegerCodec, integer_codec
 from fedattn_shared.methods.aggregators import Aggregator
-from fedattn_shared.methods.base import Method, SectionSpec, TensorSpec
+from fedattn_shared.methods.base import Method
 from fedattn_shared.privacy.secagg import (
     ADVERTISE,
     CONFIRM,
@@ -64,7 +64,7 @@ from fedattn_shared.privacy.secagg_ring import (
     public_scales,
     unpack_bits,
 )
-from fedattn_shared.wire.payload import Kind, Payload, Section
+from fedattn_shared.schema import Kind, Payload, Section, SectionSpec, TensorSpec
 
 from .edges import EdgeBook
 from .settings import ServerSettings

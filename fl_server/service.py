@@ -23,7 +23,7 @@ from grpc._cython import cygrpc  # ExecuteBatchError: a send on a call that ende
 
 from fedattn_shared import PROTOCOL_VERSION
 from fedattn_shared.config import ServerConfig
-from fedattn_shared.methods.base import SectionSpec
+from fedattn_shared.schema import SectionSpec
 from fedattn_shared.tls import Enrollment, edge_id_refusal
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire import fedattn_pb2_grpc as pb_grpc

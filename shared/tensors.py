@@ -1,4 +1,4 @@
-"""Tensor memory helpers shared by the wire codec and the methods' plumbing."""
+"""Tensor memory helpers shared by the wire serializer and the methods' plumbing."""
 
 from __future__ import annotations
 

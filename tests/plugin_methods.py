@@ -8,9 +8,8 @@ from __future__ import annotations
 import torch
 
 from fedattn_shared.methods.aggregators import StreamingMean
-from fedattn_shared.methods.base import EdgeAlgorithm, Method, SectionSpec, TensorSpec
-from fedattn_shared.methods.phases import EVALUATE, TRAIN
-from fedattn_shared.wire.payload import Kind, Payload, Section
+from fedattn_shared.methods.base import EdgeAlgorithm, Method
+from fedattn_shared.schema import EVALUATE, TRAIN, Kind, Payload, Section, SectionSpec, TensorSpec
 
 SCALARS = (Kind.SCALAR_SUMMARY, "")
 

@@ -60,7 +60,7 @@ from fedattn_shared.privacy.secagg_ring import (  # noqa: E402
     ring_bits,
     unpack_bits,
 )
-from fedattn_shared.wire.payload import Kind, Payload, Section  # noqa: E402
+from fedattn_shared.schema import Kind, Payload, Section  # noqa: E402
 from fl_edge import cli, daemon, middleware  # noqa: E402
 from fl_edge.secagg import EdgeSecAgg, _request  # noqa: E402
 

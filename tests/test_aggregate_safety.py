@@ -23,10 +23,10 @@ from fedattn_shared.config import ConfigError, ServerConfig, TrainConfig
 from fedattn_shared.methods import MethodContext, load_method
 from fedattn_shared.methods.aggregators import StreamingMean
 from fedattn_shared.methods.fedavg import FedAvg
+from fedattn_shared.schema import Kind, Payload, Section
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire.accounting import ByteMeter
-from fedattn_shared.wire.codec import encode
-from fedattn_shared.wire.payload import Kind, Payload, Section
+from fedattn_shared.wire.serialize import encode
 from fedattn_shared.wire.transport import PayloadAssembler, payload_chunks
 from fl_server.cli import build_parser, resolve
 from fl_server.engine import Engine

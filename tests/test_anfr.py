@@ -16,9 +16,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from fedattn_shared.config import ConfigError
 from fedattn_shared.methods import split
 from fedattn_shared.models import build_model, model_spec
-from fedattn_shared.models.anfr import batchnorm_layers, disable_inplace_activations
+from fedattn_shared.privacy.dp_model import batchnorm_layers, disable_inplace_activations
+from fedattn_shared.schema import Kind
 from fedattn_shared.state import StateError
-from fedattn_shared.wire.payload import Kind
 from fl_server.cli import build_parser, main, resolve
 from fl_server.initial import load_initial_weights
 

@@ -24,10 +24,9 @@ from rawedge import RawEdge, train_messages
 
 from fedattn_shared.config import ConfigError, ServerConfig, TrainConfig
 from fedattn_shared.methods import MethodContext, load_method
-from fedattn_shared.methods.phases import TRAIN
+from fedattn_shared.schema import TRAIN, Kind, Payload, Section
 from fedattn_shared.staleness import StalenessWeight
 from fedattn_shared.wire import fedattn_pb2 as pb
-from fedattn_shared.wire.payload import Kind, Payload, Section
 from fl_edge.middleware import UploadChanges
 from fl_edge.tasks import Result, Task
 from fl_server.buffered import ChangeBuffer

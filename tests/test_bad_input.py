@@ -39,9 +39,9 @@ from rawedge import (
 )
 
 from fedattn_shared import PROTOCOL_VERSION
+from fedattn_shared.schema import Kind, Section
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire import fedattn_pb2_grpc as pb_grpc
-from fedattn_shared.wire.payload import Kind, Section
 from fedattn_shared.wire.signing import BodyMac, new_key_share
 from fedattn_shared.wire.transport import MAX_MESSAGE_BYTES, payload_chunks
 

@@ -12,8 +12,7 @@ from torch import nn
 from fedattn_shared.config import TrainConfig
 from fedattn_shared.data.npz import Split
 from fedattn_shared.methods import Method, MethodContext, load_method
-from fedattn_shared.methods.phases import EVALUATE, TRAIN
-from fedattn_shared.wire.payload import Kind, Payload, Section
+from fedattn_shared.schema import EVALUATE, TRAIN, Kind, Payload, Section
 from fl_edge.trainer import train_local
 
 CPU = torch.device("cpu")

@@ -24,10 +24,10 @@ from fedattn_shared.compress.apply import (
 from fedattn_shared.compress.section import PART_PREFIX, decode_section, encode_section
 from fedattn_shared.config import ServerConfig, TrainConfig
 from fedattn_shared.methods import MethodContext, load_method
-from fedattn_shared.methods.base import COMPRESSION, Method
-from fedattn_shared.methods.phases import TRAIN
+from fedattn_shared.methods.base import Method
+from fedattn_shared.schema import COMPRESSION, TRAIN, Kind, Payload, Section
 from fedattn_shared.wire.accounting import ByteMeter
-from fedattn_shared.wire.payload import Kind, Payload, Section, WireError
+from fedattn_shared.wire.payload import WireError
 from fl_edge.options import EdgeExit, EdgeOptions
 from fl_edge.run import read_config
 from fl_edge.store import PrivateStore

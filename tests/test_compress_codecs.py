@@ -13,10 +13,10 @@ from fedattn_shared.compress import CompressSpec, load_codec
 from fedattn_shared.compress.codec import Codec
 from fedattn_shared.compress.feedback import Residuals, section_key
 from fedattn_shared.compress.section import decode_section, encode_section, encoded_spec
-from fedattn_shared.methods.base import SectionSpec, TensorSpec
-from fedattn_shared.wire.codec import decode as wire_decode
-from fedattn_shared.wire.codec import encode as wire_encode
-from fedattn_shared.wire.payload import Kind, Payload, Section, WireError
+from fedattn_shared.schema import Kind, Payload, Section, SectionSpec, TensorSpec
+from fedattn_shared.wire.payload import WireError
+from fedattn_shared.wire.serialize import decode as wire_decode
+from fedattn_shared.wire.serialize import encode as wire_encode
 
 CODECS = ["fp16", "bf16", "int8", "int8:64", "int4", "int4:8", "topk:0.01", "topk:0.3", "topk:1.0"]
 SIZES = [0, 1, 2, 7, 8, 255, 256, 257, 1000, 65535, 65537, 140_001]
@@ -286,7 +286,7 @@ def test_residuals_store_and_state(tmp_path) -> None:
 
 @pytest.mark.parametrize("spec", CODECS)
 def test_section_travels_the_real_wire(spec: str) -> None:
-    """Every part dtype can travel: encode a section, send it through the wire codec,
+    """Every part dtype can travel: encode a section, send it through the wire serializer,
     decode it on the other side against the same base."""
     spec_ = SectionSpec(Kind.SHARED_TENSORS, "", {
         "conv.weight": TensorSpec(torch.float32, (16, 3, 3, 3)),

@@ -29,10 +29,9 @@ from fedattn_shared.compress import load_codec
 from fedattn_shared.compress.apply import UplinkCompression
 from fedattn_shared.config import TrainConfig
 from fedattn_shared.methods import MethodContext, load_method
-from fedattn_shared.methods.phases import TRAIN
+from fedattn_shared.schema import TRAIN, Kind, Payload, Section
 from fedattn_shared.wire.accounting import data_message_wire_bytes
-from fedattn_shared.wire.codec import encode
-from fedattn_shared.wire.payload import Kind, Payload, Section
+from fedattn_shared.wire.serialize import encode
 from fedattn_shared.wire.transport import payload_chunks
 
 EDGES = 2

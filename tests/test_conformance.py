@@ -27,8 +27,8 @@ import pytest
 import torch
 from conftest import read_history, serving, write_edge_dirs
 from test_bad_input import assert_bit_identical, tensor_bytes
-from test_codec import transmit
 from test_dp import dp_config, private_edge, split
+from test_serialize import transmit
 
 from fedattn_shared.compress import load_codec
 from fedattn_shared.compress.apply import UplinkCompression
@@ -42,10 +42,10 @@ from fedattn_shared.methods import (
     check_method_allowed,
     load_method,
 )
-from fedattn_shared.methods.phases import EVALUATE, TRAIN
 from fedattn_shared.privacy.dp import check_dp
+from fedattn_shared.schema import EVALUATE, TRAIN, Payload
 from fedattn_shared.state import load_tensors, save_tensors
-from fedattn_shared.wire.payload import Payload, nonfinite_tensors
+from fedattn_shared.wire.payload import nonfinite_tensors
 from fl_edge.daemon import EdgeDaemon, EdgeOptions
 from fl_edge.store import PrivateStore
 from fl_edge.trainer import train_local

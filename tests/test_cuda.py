@@ -13,7 +13,7 @@ from test_method_matrix import run_federation
 from fedattn_shared.config import TrainConfig
 from fedattn_shared.data.npz import Split
 from fedattn_shared.methods import MethodContext, load_method
-from fedattn_shared.wire.payload import Kind
+from fedattn_shared.schema import Kind
 from fl_edge.trainer import evaluate, train_local
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),

@@ -21,8 +21,8 @@ import torch
 from conftest import REPO, Cluster, write_edge_dirs
 
 from fedattn_shared.methods.aggregators import StreamingMean
+from fedattn_shared.schema import Kind, Payload, Section
 from fedattn_shared.state import load_tensors
-from fedattn_shared.wire.payload import Kind, Payload, Section
 
 EDGES = 3
 
@@ -156,8 +156,8 @@ def _dp_trained(seeded: bool, phase_seed: int) -> dict[str, torch.Tensor]:
     noise's source varies."""
     from test_dp import dp_config, make_method, split
 
-    from fedattn_shared.methods.phases import TRAIN
     from fedattn_shared.privacy.dp import PrivacyPolicy, PrivateTraining
+    from fedattn_shared.schema import TRAIN
     from fl_edge.trainer import train_local
 
     data = split(64)

@@ -20,17 +20,12 @@ from test_method_matrix import run_federation
 from fedattn_shared.config import ConfigError, DPConfig, TrainConfig
 from fedattn_shared.data.npz import Split
 from fedattn_shared.methods import Method, MethodContext, available_methods, load_method
-from fedattn_shared.methods.phases import TRAIN
 from fedattn_shared.models import build_model
-from fedattn_shared.models.anfr import (
-    batchnorm_layers,
-    batchnorm_to_groupnorm,
-    disable_inplace_activations,
-    opacus_groups,
-)
+from fedattn_shared.models.anfr import batchnorm_to_groupnorm, opacus_groups
 from fedattn_shared.privacy.dp import BudgetSpent, PrivateTraining, check_dp, epsilon
+from fedattn_shared.privacy.dp_model import batchnorm_layers, disable_inplace_activations
 from fedattn_shared.privacy.per_sample import OutputHookGradSampleModule
-from fedattn_shared.wire.payload import Kind, Payload, Section
+from fedattn_shared.schema import TRAIN, Kind, Payload, Section
 from fl_edge.trainer import train_local
 from fl_server.cli import build_parser, main, resolve
 

@@ -19,7 +19,7 @@ import pytest
 
 from fedattn_shared.config import ServerConfig, TrainConfig
 from fedattn_shared.methods import MethodContext, load_method
-from fedattn_shared.methods.phases import EVALUATE, TRAIN
+from fedattn_shared.schema import EVALUATE, TRAIN
 from fl_server.buffered import BufferedTrain
 from fl_server.drivers import (
     Compressed,

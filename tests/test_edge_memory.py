@@ -16,9 +16,8 @@ import torch
 from conftest import REPO
 from test_dp import dp_config, make_method, split
 
-from fedattn_shared.methods.phases import TRAIN
 from fedattn_shared.privacy.dp import PrivacyPolicy, PrivateTraining
-from fedattn_shared.wire.payload import Payload, Section
+from fedattn_shared.schema import TRAIN, Payload, Section
 from fl_edge.memory import DeviceMemoryError, MemoryBackoff, micro_batches, out_of_memory
 from fl_edge.options import EdgeOptions
 from fl_edge.run import dp_loop_options

@@ -32,10 +32,10 @@ from fedattn_shared.methods import (
     load_method,
 )
 from fedattn_shared.privacy.dp import PinnedPolicy, PolicyRefusal, PrivacyPolicy, PrivateTraining
+from fedattn_shared.schema import Kind, Payload, Section
 from fedattn_shared.state import StateError
 from fedattn_shared.wire import fedattn_pb2 as pb
-from fedattn_shared.wire.codec import encode
-from fedattn_shared.wire.payload import Kind, Payload, Section
+from fedattn_shared.wire.serialize import encode
 from fl_edge.daemon import EdgeDaemon, EdgeExit, EdgeOptions
 from fl_edge.run import DOWNLINK_SLACK, downlink_cap
 from fl_edge.session import DOWNLINK_CAP_BEFORE_SETUP

@@ -14,9 +14,9 @@ from conftest import write_edge_dirs
 from fedattn_shared.config import TrainConfig
 from fedattn_shared.data import DataError, load_edge_data
 from fedattn_shared.methods import MethodContext, load_method
+from fedattn_shared.schema import Kind, Payload, Section
 from fedattn_shared.state import StateError, atomic_write, load_tensors, save_tensors
-from fedattn_shared.wire.codec import encode
-from fedattn_shared.wire.payload import Kind, Payload, Section
+from fedattn_shared.wire.serialize import encode
 from fedattn_shared.wire.transport import payload_chunks
 from fl_edge.store import PrivateStore, load_or_create_identity, private_digest
 

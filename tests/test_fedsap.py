@@ -23,7 +23,7 @@ from fedattn_shared.methods.fedsap import (
     swapped_excitation,
 )
 from fedattn_shared.methods.split import squeeze_excitation_modules
-from fedattn_shared.wire.payload import Kind, Payload, Section
+from fedattn_shared.schema import Kind, Payload, Section
 from fl_edge.store import PrivateStore, private_tensors
 from fl_edge.trainer import train_local
 

@@ -24,8 +24,8 @@ from fedattn_shared.methods.fedstar import (
 )
 from fedattn_shared.methods.prototypes import GLOBAL, LOCAL, prototype_logits
 from fedattn_shared.models import build_model, model_spec
-from fedattn_shared.wire.codec import encode
-from fedattn_shared.wire.payload import Kind, Payload, Section
+from fedattn_shared.schema import Kind, Payload, Section
+from fedattn_shared.wire.serialize import encode
 from fl_edge.trainer import train_local
 from fl_server.checkpoint import CheckpointStore
 

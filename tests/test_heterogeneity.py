@@ -13,8 +13,8 @@ from conftest import REPO, Cluster, read_history, write_edge_dirs
 from test_determinism import _final_global, _identical
 from test_tools import run as run_tool
 
+from fedattn_shared.schema import Payload
 from fedattn_shared.wire import fedattn_pb2 as pb
-from fedattn_shared.wire.payload import Payload
 from fl_edge.cli import main as edge_main
 from fl_edge.heterogeneity import Disconnected, Dropout, Throttle, parse_disconnect
 from fl_edge.tasks import Result, Task

@@ -1,13 +1,16 @@
 """The package layers, read from the source: the shared package imports no daemon or
 tool, the two daemon packages never import each other (or a tool), and no module imports
-itself through a chain of others (an import cycle), counting imports inside functions
-too; only ``if TYPE_CHECKING:`` blocks are left out (they never run)."""
+itself through a chain of others (an import cycle). Every import statement is an edge:
+top-level ones, ones inside functions, and ones under ``if TYPE_CHECKING:`` (they never
+run, but a type named across a cycle is still a dependency that runs both ways: the two
+modules cannot be understood, tested or moved apart)."""
 
 from __future__ import annotations
 
 import ast
-from itertools import pairwise
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = {"fedattn_shared": REPO / "shared", "fl_server": REPO / "fl_server",
@@ -33,12 +36,6 @@ def modules() -> dict[str, Path]:
     return found
 
 
-def _type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
     """The project modules ``name`` imports (a ``from package import module`` counts as
     the module)."""
@@ -47,10 +44,6 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _type_checking(child):
-                for other in child.orelse:
-                    visit(other)
-                continue
             if isinstance(child, ast.Import):
                 out.update(alias.name for alias in child.names)
             elif isinstance(child, ast.ImportFrom):
@@ -88,32 +81,87 @@ def test_packages_import_only_the_layers_below():
     assert not wrong, wrong
 
 
-def test_no_import_cycle():
-    edges = graph()
-    # A module's package __init__ runs before it: importing a.b.c imports a.b too.
-    cycles = []
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-    path: list[str] = []
+# Inside the shared package: the contract's values (schema.py) sit below everything, and
+# the codecs and the privacy layers take those values, never the method contract or a
+# model module (the methods use them, not the other way round).
+VALUES_ONLY = ("fedattn_shared.compress", "fedattn_shared.privacy")
+ABOVE_THEM = ("fedattn_shared.methods", "fedattn_shared.models")
 
-    def walk(node: str) -> None:
-        state[node] = 1
-        path.append(node)
+
+def _under(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def test_schema_imports_nothing_of_the_project():
+    assert graph()["fedattn_shared.schema"] == set()
+
+
+def test_codecs_and_privacy_take_values_not_the_method():
+    wrong = [f"{module} imports {target}" for module, targets in graph().items()
+             if _under(module, VALUES_ONLY) for target in targets if _under(target, ABOVE_THEM)]
+    assert not wrong, wrong
+
+
+# Import edges known to close a cycle that another change in flight removes. Each entry
+# is (importer, imported); the cycle test leaves the edge out and the strict xfail below
+# fails as soon as the cycle is gone, so the entry cannot outlive it.
+KNOWN_CYCLE_EDGES = {("fl_server.buffered", "fl_server.engine")}
+
+
+def tangles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan): every module
+    of one can reach every other, so each is one or more import cycles."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
         for target in sorted(edges.get(node, ())):
-            if state.get(target) == 1:
-                cycles.append(path[path.index(target):] + [target])
-            elif target not in state:
-                walk(target)
-        path.pop()
-        state[node] = 2
+            if target not in index:
+                connect(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
 
     for node in sorted(edges):
-        if node not in state:
-            walk(node)
-    # A package's __init__ importing its own submodules is how packages export names;
-    # only a submodule importing back into a package that imports it is a cycle.
-    real = [c for c in cycles
-            if not all(b.startswith(a + ".") for a, b in pairwise(c))]
-    assert not real, "\n".join(" -> ".join(c) for c in real)
+        if node not in index:
+            connect(node)
+    return found
+
+
+def test_tangles_finds_a_cycle_through_any_edge():
+    """The checker itself: a three-module ring is one tangle, a chain is none."""
+    assert tangles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert tangles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_no_import_cycle():
+    edges = {module: {t for t in targets if (module, t) not in KNOWN_CYCLE_EDGES}
+             for module, targets in graph().items()}
+    found = tangles(edges)
+    assert not found, "\n".join(" <-> ".join(c) for c in found)
+
+
+@pytest.mark.xfail(strict=True, reason="fl_server.engine <-> fl_server.buffered: removed by "
+                   "the Schedule interface (issue 41); drop KNOWN_CYCLE_EDGES then")
+def test_no_known_cycle_left():
+    found = tangles(graph())
+    assert not found, "\n".join(" <-> ".join(c) for c in found)
 
 
 DAEMONS = ("fl_server", "fl_edge")

@@ -16,7 +16,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from fedattn_shared.config import ServerConfig, TrainConfig
 from fedattn_shared.methods import MethodContext, load_method
 from fedattn_shared.models import build_model
-from fedattn_shared.wire.payload import Kind
+from fedattn_shared.schema import Kind
 from fl_edge.daemon import EdgeDaemon, EdgeOptions
 from fl_server.app import ServerApp
 

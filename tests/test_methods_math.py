@@ -18,9 +18,8 @@ from fedattn_shared.methods import (
     available_methods,
     load_method,
 )
-from fedattn_shared.methods.phases import EVALUATE, TRAIN
-from fedattn_shared.wire.codec import encode
-from fedattn_shared.wire.payload import Kind, Payload, Section
+from fedattn_shared.schema import EVALUATE, TRAIN, Kind, Payload, Section
+from fedattn_shared.wire.serialize import encode
 from fedattn_shared.wire.transport import PayloadAssembler, payload_chunks
 
 SHARED = (Kind.SHARED_TENSORS, "")

@@ -26,8 +26,7 @@ from fedattn_shared.methods.pfedka import (
     surrogate_loss,
     temperature,
 )
-from fedattn_shared.methods.phases import EVALUATE, TRAIN
-from fedattn_shared.wire.payload import Kind, Payload, Section
+from fedattn_shared.schema import EVALUATE, TRAIN, Kind, Payload, Section
 from fl_edge.store import PrivateStore
 from fl_edge.trainer import train_local
 

@@ -12,9 +12,8 @@ from test_method_matrix import ALL_FLOAT, BN, SHARED, run_federation
 
 from fedattn_shared.config import TrainConfig
 from fedattn_shared.methods import AggregatorKind, MethodContext, load_method
-from fedattn_shared.methods.phases import TRAIN
 from fedattn_shared.models.attention import attention_modules
-from fedattn_shared.wire.payload import Kind, Payload, Section
+from fedattn_shared.schema import TRAIN, Kind, Payload, Section
 from fl_tools import report
 
 HOST_PRIVATE = {"fedavg": set(), "fedprox": set(), "fedbn": BN, "ditto": set(), "pfedme": set()}

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import grpc
 
-from fedattn_shared.wire.codec import encode
-from fedattn_shared.wire.payload import Payload
+from fedattn_shared.schema import Payload
+from fedattn_shared.wire.serialize import encode
 from fl_server.edges import EdgeBook
 from fl_server.phase import Phase, Task
 

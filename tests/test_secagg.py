@@ -35,7 +35,7 @@ from fedattn_shared.privacy.secagg_crypto import (
     shamir_split,
 )
 from fedattn_shared.privacy.secagg_layout import masked_phases
-from fedattn_shared.wire.payload import Kind, Payload, Section
+from fedattn_shared.schema import Kind, Payload, Section
 from fl_edge.secagg import ROUND_FILE, EdgeSecAgg
 from fl_edge.store import load_or_create_signing_key
 from fl_server.cli import main as server_main

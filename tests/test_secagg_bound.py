@@ -41,8 +41,8 @@ from fedattn_shared.privacy.secagg_bound import (
     saturate,
 )
 from fedattn_shared.privacy.secagg_ring import SecAggError
+from fedattn_shared.schema import Kind
 from fedattn_shared.state import load_tensors
-from fedattn_shared.wire.payload import Kind
 
 HONEST = ["h0", "h1"]
 ATTACKER = "attacker"

@@ -40,9 +40,9 @@ from fedattn_shared.privacy.secagg_ring import (
     ring_bits,
     unpack_bits,
 )
+from fedattn_shared.schema import Kind, Payload, Section
 from fedattn_shared.state import load_tensors
-from fedattn_shared.wire.codec import encode
-from fedattn_shared.wire.payload import Kind, Payload, Section
+from fedattn_shared.wire.serialize import encode
 from fl_edge.secagg import RESIDUAL_FILE, EdgeSecAgg, rounding_seed
 from fl_edge.store import load_or_create_signing_key
 from fl_server.edges import EdgeBook

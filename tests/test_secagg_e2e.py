@@ -18,7 +18,7 @@ from conftest import write_edge_dirs
 from fedattn_shared.config import ServerConfig, TrainConfig
 from fedattn_shared.methods import MethodContext, load_method
 from fedattn_shared.privacy.secagg_layout import flatten_upload, masked_phases
-from fedattn_shared.wire.payload import Kind
+from fedattn_shared.schema import Kind
 from fl_edge import secagg as edge_secagg
 from fl_edge.daemon import EdgeDaemon, EdgeOptions
 from fl_server.app import ServerApp

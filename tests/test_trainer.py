@@ -146,8 +146,8 @@ def test_train_and_eval_mode_reach_every_module_even_when_one_differs():
 def receive_random_downlink(algo) -> None:
     """Sends random shared tensors through encode/decode into ``algo`` and checks that each
     landed in its own tensor."""
-    from fedattn_shared.wire.codec import decode, encode
-    from fedattn_shared.wire.payload import Kind, Payload, Section
+    from fedattn_shared.schema import Kind, Payload, Section
+    from fedattn_shared.wire.serialize import decode, encode
 
     sent = {name: torch.randn(algo.live_tensor(name).shape) for name in algo.shared_specs}
     encoded = encode(Payload([Section(Kind.SHARED_TENSORS, "", sent)]))
@@ -158,9 +158,9 @@ def receive_random_downlink(algo) -> None:
 
 
 def test_shared_tensors_live_in_one_vector_that_loads_and_trains_in_place():
+    from fedattn_shared.schema import Kind
     from fedattn_shared.tensors import contiguous_run
-    from fedattn_shared.wire.codec import decode, encode
-    from fedattn_shared.wire.payload import Kind
+    from fedattn_shared.wire.serialize import decode, encode
 
     algo = make()
     shared = [algo.live_tensor(name) for name in algo.shared_specs]

@@ -15,8 +15,8 @@ from conftest import read_history, wait_for, write_edge_dirs
 from fedattn_shared.config import ServerConfig, TrainConfig
 from fedattn_shared.methods import MethodContext, load_method
 from fedattn_shared.methods.spill import UploadSpill
-from fedattn_shared.wire.codec import encode
-from fedattn_shared.wire.payload import Kind, Payload, Section
+from fedattn_shared.schema import Kind, Payload, Section
+from fedattn_shared.wire.serialize import encode
 from fedattn_shared.wire.transport import PayloadAssembler, payload_chunks
 from fl_server import cli
 from fl_server.memory import MIN_WINDOW, attach_spill, global_bytes, plan_upload_memory

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..methods.base import Method, SectionSpec, TensorSpec
-from ..wire.payload import Kind, Payload, Section, WireError
+from ..schema import Kind, Payload, Section, SectionSpec, TensorSpec, UploadContract
+from ..wire.payload import WireError
 from .codec import CodecChoice
 from .section import compressible, decode_section, encode_section, encoded_spec, vector_length
 
@@ -54,7 +54,7 @@ class Encoded:
 class UplinkCompression:
     """The up codec with the method's per-kind rules (see the module doc)."""
 
-    def __init__(self, method: Method, models: dict, choice: CodecChoice,
+    def __init__(self, method: UploadContract, models: dict, choice: CodecChoice,
                  changes: bool = False):
         self.method, self.models, self.choice = method, models, choice
         self.rules = dict(method.compression)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..wire.payload import Kind
+from ..schema import Kind
 
 
 def section_key(kind: Kind, name: str) -> str:

@@ -18,8 +18,8 @@ from collections.abc import Mapping
 
 import torch
 
-from ..methods.base import SectionSpec, TensorSpec
-from ..wire.payload import Section, WireError
+from ..schema import Section, SectionSpec, TensorSpec
+from ..wire.payload import WireError
 from .codec import Codec, check_finite
 
 PART_PREFIX = "codec:"

@@ -37,20 +37,31 @@ import copy
 import enum
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from ..wire.payload import Kind, Payload, Section, tensor_entries
+from ..schema import TRAIN, Kind, Payload, Section, TensorSpec
+from ..wire.payload import tensor_entries
 from .exact_sum import Spilled, add_scaled, finish_sum, spilled_mean
-from .phases import TRAIN
 from .spill import UploadSpill
 
-if TYPE_CHECKING:
-    from .base import Method
-
 SectionKey = tuple[Kind, str]
+
+
+class AggregatedMethod(Protocol):
+    """What the base aggregators read of their method: the shared tensors' specs, the
+    starting global, and the tensor groups whose similarity is recorded. ``Method`` is
+    one; an aggregator of a method module may read more of its own method. Typed here so
+    that this module never imports ``base`` (which names the aggregators)."""
+
+    def shared_specs(self, models: dict[str, nn.Module]) -> dict[str, TensorSpec]: ...
+
+    def initial_state(self, models: dict[str, nn.Module]
+                      ) -> dict[SectionKey, dict[str, torch.Tensor]]: ...
+
+    def similarity_groups(self, models: dict[str, nn.Module]) -> dict[str, list[str]]: ...
 
 
 class AggregatorKind(str, enum.Enum):
@@ -114,7 +125,7 @@ def unflatten_sections(flat: dict[str, torch.Tensor],
 class Aggregator(abc.ABC):
     kind: AggregatorKind
 
-    def __init__(self, method: Method, models: dict[str, nn.Module]):
+    def __init__(self, method: AggregatedMethod, models: dict[str, nn.Module]):
         self.method = method
         self.specs = method.shared_specs(models)
         self.state: dict[SectionKey, dict[str, torch.Tensor]] = method.initial_state(models)
@@ -272,7 +283,7 @@ class StreamingMean(Aggregator):
 
     kind = AggregatorKind.STREAMING_SUM
 
-    def __init__(self, method: Method, models: dict[str, nn.Module]):
+    def __init__(self, method: AggregatedMethod, models: dict[str, nn.Module]):
         super().__init__(method, models)
         self._sum: dict[SectionKey, torch.Tensor] = {}
         self._compensation: dict[SectionKey, torch.Tensor] = {}
@@ -443,7 +454,7 @@ class ServerOptimizer(StreamingMean):
 
     kind = AggregatorKind.SERVER_OPTIMIZER
 
-    def __init__(self, method: Method, models: dict[str, nn.Module]):
+    def __init__(self, method: AggregatedMethod, models: dict[str, nn.Module]):
         super().__init__(method, models)
         self.optimizer_state: dict[str, torch.Tensor] = {}
 
@@ -469,7 +480,7 @@ class CollectThenLearn(Aggregator):
 
     kind = AggregatorKind.COLLECT
 
-    def __init__(self, method: Method, models: dict[str, nn.Module]):
+    def __init__(self, method: AggregatedMethod, models: dict[str, nn.Module]):
         super().__init__(method, models)
         self.uploads: dict[str, tuple[Payload, float]] = {}
         self.spill: UploadSpill | None = None

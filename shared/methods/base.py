@@ -39,10 +39,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import hashlib
 import json
-import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -54,11 +52,22 @@ from torch import nn
 from ..config import DPConfig, TrainConfig, check_choices
 from ..models import build_model, model_spec
 from ..rng import GLOBAL_RNG_LOCK
+from ..schema import (
+    COMPRESSION,
+    COMPRESSION_RULES,
+    EVALUATE,
+    TRAIN,
+    Kind,
+    Payload,
+    PhasePrivacy,
+    Section,
+    SectionSpec,
+    TensorSpec,
+)
 from ..tensors import PackedTensors
-from ..wire.payload import Kind, Payload, Section, TensorViews
+from ..wire.payload import TensorViews
 from . import split
 from .aggregators import Aggregator, AggregatorKind, StreamingMean
-from .phases import EVALUATE, TRAIN
 
 #: The monitoring figures every edge may report with a result (the training loop's, the
 #: fine-tuning before evaluation, and the DP ledger's). The server keeps only these plus
@@ -74,62 +83,6 @@ STANDARD_METRICS = frozenset({
     # task's energy (J), mean power (W) and mean GPU utilisation (0..1)
     "energy_joules", "device_power_watts", "gpu_utilization",
 })
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    is_buffer: bool = False  # float buffers (BN running statistics) are averaged, not stepped
-    # An optional tensor may be left out of an upload (FedSTAR's prototypes: one per class
-    # the edge has); every tensor that is sent still has to match its spec exactly.
-    optional: bool = False
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-@dataclass(frozen=True)
-class SectionSpec:
-    """One upload section: its kind, name and tensors. By default an upload carries exactly
-    these tensors; tensors marked ``optional`` may be absent (a per-class subset)."""
-
-    kind: Kind
-    name: str
-    tensors: dict[str, TensorSpec]
-
-    @functools.cached_property
-    def nbytes(self) -> int:
-        """Bytes of the full section (every tensor, optional ones included)."""
-        return sum(t.nbytes for t in self.tensors.values())
-
-    @functools.cached_property
-    def full_layout(self) -> tuple[tuple[str, ...], tuple[torch.dtype, ...],
-                                   tuple[tuple[int, ...], ...]]:
-        """Names, dtypes and shapes of an upload carrying every tensor, in order."""
-        return (tuple(self.tensors), tuple(t.dtype for t in self.tensors.values()),
-                tuple(tuple(t.shape) for t in self.tensors.values()))
-
-    @functools.cached_property
-    def required(self) -> frozenset[str]:
-        return frozenset(name for name, t in self.tensors.items() if not t.optional)
-
-    def nbytes_of(self, names: Iterable[str]) -> int:
-        """Bytes of an upload of this section carrying ``names`` (all in the spec)."""
-        if len(self.required) == len(self.tensors):
-            return self.nbytes  # every tensor is required, so an accepted upload has them all
-        return sum(self.tensors[name].nbytes for name in names)
-
-
-#: ``MethodSpec.compression``'s rules and the defaults every method starts from: model
-#: tensors as deltas, everything else as values, scalars and SecAgg's material exact (a
-#: masked vector is integers in a ring: rounding it would break the unmasking).
-COMPRESSION_RULES = ("delta", "values", "exact")
-COMPRESSION: dict[Kind, str] = {
-    Kind.SHARED_TENSORS: "delta", Kind.CONTROL: "values", Kind.PROTOTYPES: "values",
-    Kind.STAT_VECTORS: "values", Kind.SCALAR_SUMMARY: "exact", Kind.SECAGG: "exact",
-}
 
 
 @dataclass
@@ -290,24 +243,6 @@ class _Declared:
     def __set__(self, obj: Any, value: Any) -> None:
         raise AttributeError(f"{self.field} is part of the method's declaration "
                              f"({type(obj).__name__}.spec), fixed when the class was built")
-
-
-@dataclass(frozen=True)
-class PhasePrivacy:
-    """What the privacy layers may do with one phase's uploads, in one declaration.
-
-    ``summable``: sections the server only ever needs as their weighted sum over the
-    round's edges, so secure aggregation may mask them (the server unmasks only the sum).
-    ``clear``: sections a SecAgg-compatible method sends in the clear on purpose although
-    they are not summable (pFedKA's scalars, from which the server computes each edge's
-    weight before any tensor is masked); SecAgg refuses any other non-summable section.
-    ``dp_public``: (kind, section, tensor) of statistics uploads that only repeat what the
-    submission header already carries in the clear (n_k): ``--dp-stats-sigma`` sends
-    them as they are."""
-
-    summable: frozenset[tuple[Kind, str]] = frozenset()
-    clear: frozenset[tuple[Kind, str]] = frozenset()
-    dp_public: frozenset[tuple[Kind, str, str]] = frozenset()
 
 
 def fingerprint_of(name: str, train: TrainConfig, split_rules: dict[str, tuple[str, ...]],

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..wire.payload import Kind
+from ..schema import Kind
 from .spill import UploadSpill
 
 SectionKey = tuple[Kind, str]

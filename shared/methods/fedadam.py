@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..wire.payload import Kind
+from ..schema import Kind
 from .aggregators import ServerOptimizer
 from .base import Method
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..wire.payload import Kind
+from ..schema import Kind
 from .aggregators import CollectThenLearn
 from .base import Method
 

@@ -22,10 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..wire.payload import Kind, Payload, Section
+from ..schema import TRAIN, Kind, Payload, Section, SectionSpec, TensorSpec
 from .aggregators import CollectThenLearn
-from .base import SectionSpec, TensorSpec
-from .phases import TRAIN
 from .prototypes import (
     GLOBAL,
     LOCAL,

@@ -39,9 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..wire.payload import Kind, Payload, Section
-from .base import EdgeAlgorithm, Method, MethodContext, SectionSpec, TensorSpec, qualified
-from .phases import TRAIN
+from ..schema import TRAIN, Kind, Payload, Section, SectionSpec, TensorSpec
+from .base import EdgeAlgorithm, Method, MethodContext, qualified
 from .split import squeeze_excitation_modules
 
 # Which tensors stay on the edge under each personalization strategy (Table I).

@@ -46,19 +46,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..models import build_model, model_spec
-from ..wire.payload import Kind, Payload, Section
+from ..schema import EVALUATE, TRAIN, Kind, Payload, PhasePrivacy, Section, SectionSpec, TensorSpec
 from .aggregators import StreamingMean
-from .base import (
-    EdgeAlgorithm,
-    LoopSchedule,
-    Method,
-    MethodContext,
-    PhasePrivacy,
-    SectionSpec,
-    TensorSpec,
-    qualified,
-)
-from .phases import EVALUATE, TRAIN
+from .base import EdgeAlgorithm, LoopSchedule, Method, MethodContext, qualified
 
 log = logging.getLogger(__name__)
 

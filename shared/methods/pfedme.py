@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..wire.payload import Kind
+from ..schema import Kind
 from .aggregators import ServerOptimizer
 from .base import EdgeAlgorithm, LoopSchedule, Method, MethodContext, qualified
 from .fedprox import add_proximal_gradient

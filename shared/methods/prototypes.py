@@ -21,9 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..models import build_model
-from ..wire.payload import Kind, Payload, Section
-from .base import EdgeAlgorithm, Method, MethodContext, SectionSpec, TensorSpec
-from .phases import TRAIN
+from ..schema import TRAIN, Kind, Payload, Section, SectionSpec, TensorSpec
+from .base import EdgeAlgorithm, Method, MethodContext
 
 LOCAL = (Kind.PROTOTYPES, "")           # uplink: the edge's class prototypes
 GLOBAL = (Kind.PROTOTYPES, "global")    # downlink: the global prototypes

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..wire.payload import Kind, Payload, Section
+from ..schema import Kind, Payload, Section, SectionSpec
 from .aggregators import ServerOptimizer
-from .base import EdgeAlgorithm, Method, SectionSpec
+from .base import EdgeAlgorithm, Method
 
 SHARED = (Kind.SHARED_TENSORS, "")
 CONTROL = (Kind.CONTROL, "")

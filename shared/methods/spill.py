@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
+from ..schema import Kind, Payload, Section
 from ..state import save_tensors
-from ..wire.payload import Kind, Payload, Section
 
 SUFFIX = ".safetensors"
 RAW_SUFFIX = ".raw"  # a streaming mean's upload: its sections' bytes, nothing else

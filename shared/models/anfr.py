@@ -18,7 +18,7 @@ Depths:
 
 timm's CBAM spatial branch is ``ConvNormAct(2, 1, 7, apply_act=False)``: a BatchNorm2d(1)
 in every block, so ``anfr-cbam-*`` is not strictly BN-free (and Opacus' validator, which
-matches exact types, does not notice: ``batchnorm_layers`` does). The ``-gn`` variants
+matches exact types, does not notice: ``privacy.dp_model.batchnorm_layers`` does). The ``-gn`` variants
 replace each of those one-channel BatchNorms by GroupNorm(1, 1) (what Opacus'
 ``ModuleValidator.fix`` would do), a DP-clean form: a per-sample standardisation of the
 spatial-attention logits, degenerate on a 1x1 map (the compact model's last stage at
@@ -73,23 +73,6 @@ def batchnorm_to_groupnorm(model: nn.Module, groups: Callable[[int], int] = lamb
             else:
                 norm = nn.GroupNorm(groups(channels), channels, eps=child.eps, affine=child.affine)
             setattr(module, child_name, norm)
-    return model
-
-
-def batchnorm_layers(model: nn.Module) -> list[str]:
-    """Names of every BatchNorm layer, subclasses included. Opacus' ModuleValidator matches
-    exact types, so it passes timm's ``BatchNormAct2d`` (CBAM's spatial norm): a DP check
-    must ask this too, or batch statistics would mix samples under DP-SGD unnoticed."""
-    return [name for name, m in model.named_modules() if isinstance(m, _BatchNorm)]
-
-
-def disable_inplace_activations(model: nn.Module) -> nn.Module:
-    """Turn off in-place activations (timm's NF blocks apply ReLU in place to a conv's
-    output), which Opacus' per-sample-gradient backward hooks cannot follow. Same outputs,
-    a little more memory; DP-SGD needs it."""
-    for module in model.modules():
-        if getattr(module, "inplace", False) is True:
-            module.inplace = False
     return model
 
 

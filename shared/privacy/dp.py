@@ -42,19 +42,17 @@ import warnings
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from ..config import MAX_DELTA, DPConfig
+from ..config import MAX_DELTA, DPConfig, TrainConfig
 from ..data.npz import Split
-from ..methods.base import EdgeAlgorithm, Method
-from ..methods.phases import EVALUATE, TRAIN
-from ..models.anfr import batchnorm_layers, disable_inplace_activations
+from ..schema import EVALUATE, TRAIN, Kind, Payload, Section, UploadContract
 from ..state import StateError
-from ..wire.payload import Kind, Payload, Section
+from .dp_model import batchnorm_layers, disable_inplace_activations
 
 LEDGER_FORMAT = "fedattn-privacy-ledger/1"
 # Moves dp.seeded_noise's seed off the stream the round's data order and dropout use.
@@ -69,7 +67,39 @@ if TYPE_CHECKING:
 # to every process start on a small device).
 
 
-def statistics_sections(method: Method, models: dict[str, nn.Module]) -> list[str]:
+class DPMethod(UploadContract, Protocol):
+    """What the DP checks read of a method: its upload contract, the run's ``[dp]`` and
+    ``[train]``, its own refusal and fresh models. ``fedattn_shared.methods.Method`` is
+    one; this module never imports it."""
+
+    dp: DPConfig | None
+    train: TrainConfig
+
+    def dp_refusal(self) -> str | None: ...
+
+    def build_models(self) -> dict[str, nn.Module]: ...
+
+
+class DPLoop(Protocol):
+    """The training loop's shape as DP-SGD's calibration needs it (``LoopSchedule``)."""
+
+    steps_per_batch: int
+
+    def epochs(self, configured: int) -> int: ...
+
+
+class DPEdge(Protocol):
+    """What DP-SGD wraps and calibrates of a method's edge half (``EdgeAlgorithm``): its
+    models, its one optimizer, the loop's shape, and its method."""
+
+    method: DPMethod
+    models: dict[str, nn.Module]
+    schedule: DPLoop
+
+    def optimizers(self) -> list[torch.optim.Optimizer]: ...
+
+
+def statistics_sections(method: UploadContract, models: dict[str, nn.Module]) -> list[str]:
     """The upload sections DP-SGD does not cover: statistics of the data (kinds in
     ``STATS_KINDS``) with at least one tensor that is not public metadata."""
     found = []
@@ -84,7 +114,7 @@ def statistics_sections(method: Method, models: dict[str, nn.Module]) -> list[st
     return found
 
 
-def check_dp(method: Method) -> None:
+def check_dp(method: DPMethod) -> None:
     """Refuse (ValueError naming the fix) a run that DP-SGD cannot honestly cover: a method
     that does not declare support, BatchNorm anywhere in its models (subclasses included:
     Opacus' validator matches exact types and passes timm's BatchNormAct2d), a module
@@ -305,7 +335,7 @@ class PrivateTraining:
     so state-dict names (split rules, fingerprints, state files) never see Opacus'
     ``_module.`` prefix; Opacus' hooks sit on their layers."""
 
-    def __init__(self, algo: EdgeAlgorithm, dp: DPConfig, num_examples: int, batch_size: int,
+    def __init__(self, algo: DPEdge, dp: DPConfig, num_examples: int, batch_size: int,
                  ledger: dict | None = None, policy: PrivacyPolicy | None = None,
                  max_physical_batch: int = 0):
         """``ledger``: the state dir's privacy ledger (None: its first DP-SGD run, which

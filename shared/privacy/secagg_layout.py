@@ -13,19 +13,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..methods.base import SectionSpec
-from ..methods.phases import EVALUATE
-from ..wire.payload import Kind, Payload, Section
+from ..schema import EVALUATE, Kind, Payload, Section, SectionSpec, UploadContract
 from .secagg_ring import SecAggError
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from ..methods.base import Method
-
 
 # ---- which uploads are masked, and their layout as one vector ----------------------------
-def masked_phases(method: Method, models: dict[str, nn.Module]) -> dict[str, list[SectionSpec]]:
+def masked_phases(method: UploadContract, models: dict[str, nn.Module]) -> dict[str, list[SectionSpec]]:
     """The phases whose uploads secure aggregation masks, each with its sections (all of
     that phase's uploads, summed in schema order). A section the aggregator needs edge by
     edge is refused, naming it -- unless the method sends it in the clear on purpose

@@ -1,36 +1,21 @@
-"""The payload data model: what methods, aggregators and middleware build and read.
-
-A payload is an ordered list of sections; each section has one kind and an ordered set of
-named tensors. Nothing here knows how a payload is serialized (``codec``) or cut into
-frames (``transport``): a method imports this module only.
+"""A received payload's shape on the wire side of the data model (``schema.py``): the
+error every malformed payload raises, a section's validated layout, the lazy views a
+decoded section's tensors are, and the checks a whole payload takes. Nothing here knows
+how a payload is serialized (``serialize``) or cut into frames (``transport``).
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from . import fedattn_pb2 as pb
+from ..schema import Payload
 
 
 class WireError(ValueError):
     """A payload or message that does not match what was declared or expected."""
-
-
-class Kind(enum.IntEnum):
-    SHARED_TENSORS = pb.SHARED_TENSORS
-    STAT_VECTORS = pb.STAT_VECTORS
-    SCALAR_SUMMARY = pb.SCALAR_SUMMARY
-    PROTOTYPES = pb.PROTOTYPES
-    CONTROL = pb.CONTROL
-    SECAGG = pb.SECAGG
-
-    @property
-    def label(self) -> str:
-        return self.name.lower()
 
 
 @dataclass(frozen=True)
@@ -51,41 +36,6 @@ class SectionLayout:
         if self.dtypes and self.dtypes[0] != torch.bool and len(set(self.dtypes)) == 1:
             return self.dtypes[0]
         return None
-
-
-@dataclass
-class Section:
-    kind: Kind
-    name: str = ""
-    # A dict, or for a decoded section the lazily made views of ``flat`` (TensorViews).
-    tensors: Mapping[str, torch.Tensor] = field(default_factory=dict)
-    # Set by ``decode`` when every tensor of the section has one dtype: a 1-D view of all
-    # of them in order, so whole-section checks and sums take one operation, not one per
-    # tensor.
-    flat: torch.Tensor | None = field(default=None, compare=False, repr=False)
-
-    @property
-    def raw_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
-
-
-@dataclass
-class Payload:
-    sections: list[Section] = field(default_factory=list)
-
-    def get(self, kind: Kind, name: str = "") -> Section | None:
-        for section in self.sections:
-            if section.kind == kind and section.name == name:
-                return section
-        return None
-
-    def tensors(self, kind: Kind, name: str = "") -> dict[str, torch.Tensor]:
-        section = self.get(kind, name)
-        return section.tensors if section is not None else {}
-
-    @property
-    def raw_bytes(self) -> int:
-        return sum(s.raw_bytes for s in self.sections)
 
 
 class TensorViews(Mapping[str, torch.Tensor]):

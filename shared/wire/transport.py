@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..schema import Kind, Payload
 from . import fedattn_pb2 as pb
-from .codec import EncodedPayload, crc32, decode, section_sizes
-from .payload import Kind, Payload, WireError
+from .payload import WireError
+from .serialize import EncodedPayload, crc32, decode, section_sizes
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 

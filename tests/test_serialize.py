@@ -10,17 +10,18 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from fedattn_shared.schema import Kind, Payload, Section
 from fedattn_shared.tensors import contiguous_run
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire.accounting import GRPC_FRAME_PREFIX, ByteMeter, message_wire_bytes
-from fedattn_shared.wire.codec import (
+from fedattn_shared.wire.payload import TensorViews, WireError, nonfinite_tensors
+from fedattn_shared.wire.serialize import (
     MAX_REMEMBERED_LAYOUT_BYTES,
     decode,
     encode,
     section_layout,
     section_sizes,
 )
-from fedattn_shared.wire.payload import Kind, Payload, Section, TensorViews, WireError, nonfinite_tensors
 from fedattn_shared.wire.transport import PayloadAssembler, payload_chunks
 
 BIG = 1 << 30
@@ -432,7 +433,7 @@ def test_repeated_manifests_reuse_their_layout_and_encode_hands_out_copies():
 
 def test_large_manifests_are_not_remembered():
     # A peer sending ever-new large manifests must not grow the server's memory.
-    from fedattn_shared.wire.codec import _layout_of_serialized
+    from fedattn_shared.wire.serialize import _layout_of_serialized
 
     manifest = pb.PayloadManifest()
     section = manifest.sections.add(kind=pb.SHARED_TENSORS)

@@ -1,8 +1,9 @@
-"""Payloads (``payload.py``) <-> a protobuf manifest plus raw little-endian bytes.
+"""Payloads (``schema.py``) <-> a protobuf manifest plus raw little-endian bytes.
 
-Encode and decode only. On the wire a payload is a manifest (kinds, names, dtypes,
-shapes, total size, CRC-32) followed by the tensors' raw bytes in manifest order; how
-those bytes are cut into chunks and received back is ``transport``'s part.
+Serialization only, lossless (the lossy value codecs are ``compress/``). On the wire a
+payload is a manifest (kinds, names, dtypes, shapes, total size, CRC-32) followed by the
+tensors' raw bytes in manifest order; how those bytes are cut into chunks and received
+back is ``transport``'s part.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from dataclasses import dataclass
 import torch
 from zlib_ng import zlib_ng
 
+from ..schema import Kind, Payload, Section
 from ..tensors import contiguous_run
 from . import fedattn_pb2 as pb
-from .payload import Kind, Payload, Section, SectionLayout, TensorViews, WireError, tensor_entries
+from .payload import SectionLayout, TensorViews, WireError, tensor_entries
 from .signing import BodyMac
 
 # The payload checksum: zlib's CRC-32, computed by zlib-ng's (4x faster on 1 MiB chunks;
@@ -25,7 +27,7 @@ from .signing import BodyMac
 crc32 = zlib_ng.crc32
 
 if sys.byteorder != "little":  # pragma: no cover - every supported edge is little-endian
-    raise ImportError("fedattn's wire codec assumes a little-endian host")
+    raise ImportError("fedattn's wire serializer assumes a little-endian host")
 
 MAX_TENSOR_DIMS = 8
 # A manifest entry is ~50 bytes per tensor: 256 KiB covers models of thousands of tensors.
