@@ -81,6 +81,7 @@ class Engine:
 
     @log_every.setter
     def log_every(self, seconds: float) -> None:
+        """Set by ``fl-server --log-every``; the schedule reads it."""
         self.context.log_every = seconds
 
     @property
