@@ -4,10 +4,11 @@
 
 The schedule here scores the initial global once on every connected edge (a fleet's
 baseline before any training): one evaluation phase, recorded as round 1 and
-checkpointed, then the run ends. It exercises every method the engine and the servicer
-call (``run``, ``task_for``, ``task_of``, ``has_work``, ``phase_for``, ``lose``) and the
-context's shared steps (open, drop, close, record the evaluation, commit), and nothing
-of the engine: the engine never learns which schedule it holds.
+checkpointed, then the run ends. It writes only ``run``: the servicer's questions
+(``task_for``, ``task_of``, ``has_work``, ``phase_for``, ``lose``) are those of any
+schedule with one phase open at a time (``OnePhase``), and the steps are the context's
+(open, drop, close, record the evaluation, commit); it touches nothing of the engine,
+which never learns which schedule it holds.
 """
 
 from __future__ import annotations
@@ -21,14 +22,12 @@ from rawedge import RawEdge
 
 from fedattn_shared.config import ServerConfig, TrainConfig
 from fedattn_shared.methods import MethodContext, load_method
-from fedattn_shared.wire import fedattn_pb2 as pb
 from fl_server import schedules
 from fl_server.app import ServerApp
-from fl_server.phase import Phase, Task
-from fl_server.schedules.base import Schedule
+from fl_server.schedules.base import OnePhase
 
 
-class EvaluateOnce(Schedule):
+class EvaluateOnce(OnePhase):
     """Every edge connected once --min-edges are scores the initial global; that is the
     run (one record, ``round`` 1)."""
 
@@ -52,27 +51,6 @@ class EvaluateOnce(Schedule):
         ctx.record_evaluation(record, phase)
         record["bytes"] = ctx.meter.take_round()
         ctx.commit(1, record, len(phase.received), len(edges))
-
-    def task_for(self, edge: str) -> tuple[Phase, Task] | None:
-        phase = self.phase
-        if phase is None or phase.closed or not phase.is_pending(edge):
-            return None
-        return phase, phase.tasks[edge]
-
-    def task_of(self, edge: str, task_id: int) -> tuple[Phase, Task] | None:
-        found = self.task_for(edge)
-        return found if found is not None and found[1].task_id == task_id else None
-
-    def has_work(self, edge: str) -> bool:
-        return self.task_for(edge) is not None
-
-    def phase_for(self, header: pb.SubmitHeader) -> Phase | None:
-        return self.phase
-
-    def lose(self, edge: str, reason: str) -> None:
-        phase = self.phase
-        if phase is not None and not phase.closed and phase.is_pending(edge):
-            self.ctx.drop(phase, edge, reason)
 
 
 @pytest.fixture

@@ -58,3 +58,35 @@ class Schedule(ABC):
         """After each upload the gate took into ``phase``, still under ``agg_lock``;
         nothing by default."""
         return None
+
+
+class OnePhase(Schedule):
+    """The servicer's answers for a schedule with at most one phase open at a time
+    (``self.phase``, which the subclass's ``run`` opens and closes): a task is the edge's
+    pending one there, and an upload is for it."""
+
+    def task_for(self, edge: str) -> tuple[Phase, Task] | None:
+        """The edge's pending task in the open phase."""
+        phase = self.phase
+        if phase is None or phase.closed or not phase.is_pending(edge):
+            return None
+        return phase, phase.tasks[edge]
+
+    def task_of(self, edge: str, task_id: int) -> tuple[Phase, Task] | None:
+        """The edge's pending task, when it is ``task_id``."""
+        found = self.task_for(edge)
+        return found if found is not None and found[1].task_id == task_id else None
+
+    def has_work(self, edge: str) -> bool:
+        """``task_for`` has no side effect here."""
+        return self.task_for(edge) is not None
+
+    def phase_for(self, header: pb.SubmitHeader) -> Phase | None:
+        """The open phase, whatever the header names (the gate checks the name)."""
+        return self.phase
+
+    def lose(self, edge: str, reason: str) -> None:
+        """The edge's task in the open phase, if pending, is dropped."""
+        phase = self.phase
+        if phase is not None and not phase.closed and phase.is_pending(edge):
+            self.ctx.drop(phase, edge, reason)

@@ -16,46 +16,17 @@ import asyncio
 import logging
 import time
 
-from fedattn_shared.wire import fedattn_pb2 as pb
-
 from ..drivers import PhaseDriver
 from ..memory import log_memory, trim_heap
-from ..phase import Phase, RoundAborted, RoundState, Task, select_edges
-from .base import Schedule
+from ..phase import Phase, RoundAborted, RoundState, select_edges
+from .base import OnePhase
 
 log = logging.getLogger("fl_server")
 
 
-class Rounds(Schedule):
+class Rounds(OnePhase):
     """Rounds of the plan, one phase open at a time (``self.phase``), every round started
     with at least --min-edges connected (as Flower's min_available_clients)."""
-
-    # ---- what the servicer asks ---------------------------------------------------------
-    def task_for(self, edge: str) -> tuple[Phase, Task] | None:
-        """The edge's pending task in the open phase."""
-        phase = self.phase
-        if phase is None or phase.closed or not phase.is_pending(edge):
-            return None
-        return phase, phase.tasks[edge]
-
-    def task_of(self, edge: str, task_id: int) -> tuple[Phase, Task] | None:
-        """The edge's pending task, when it is ``task_id``."""
-        found = self.task_for(edge)
-        return found if found is not None and found[1].task_id == task_id else None
-
-    def has_work(self, edge: str) -> bool:
-        """``task_for`` has no side effect here."""
-        return self.task_for(edge) is not None
-
-    def phase_for(self, header: pb.SubmitHeader) -> Phase | None:
-        """The open phase, whatever the header names (the gate checks the name)."""
-        return self.phase
-
-    def lose(self, edge: str, reason: str) -> None:
-        """The edge's task in the open phase, if pending, is dropped."""
-        phase = self.phase
-        if phase is not None and not phase.closed and phase.is_pending(edge):
-            self.ctx.drop(phase, edge, reason)
 
     # ---- rounds -------------------------------------------------------------------------
     async def run(self) -> None:
