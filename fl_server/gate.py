@@ -84,7 +84,8 @@ class UploadGate:
 
     def __init__(self, cfg: ServerConfig, train: TrainConfig, method: Method, edges: EdgeBook,
                  aggregator: Aggregator, metrics: ServerMetrics, agg_lock: asyncio.Lock,
-                 durable: Callable[[], Awaitable[None]]):
+                 durable: Callable[[], Awaitable[None]],
+                 on_taken: Callable[[Phase], Awaitable[None]] | None = None):
         self.cfg = cfg
         self.classes = train.num_classes
         self.method = method
@@ -93,9 +94,9 @@ class UploadGate:
         self.metrics = metrics
         self.agg_lock = agg_lock  # the engine's: uploads and closes never overlap
         self.durable = durable  # waits for the last checkpoint, which views the state
-        # Called after each taken upload, still under agg_lock (--mode async: a full
-        # buffer is applied before the next upload is taken).
-        self.on_taken: Callable[[Phase], Awaitable[None]] | None = None
+        # The schedule's, called after each taken upload, still under agg_lock (--mode
+        # async: a full buffer is applied before the next upload is taken).
+        self.on_taken = on_taken
 
     # ---- 1. who -------------------------------------------------------------------------
     def identify(self, header: pb.SubmitHeader) -> EdgeRecord:
@@ -369,7 +370,7 @@ class UploadGate:
                         time.monotonic() - started)
                 elif not driver.traits.evaluates:
                     await asyncio.to_thread(self.aggregate, phase, driver, edge, payload, 0.0)
-                phase.received[edge] = self.result(header, phase, norm)
+                phase.receive(edge, self.result(header, phase, norm))
             except Refused:
                 raise
             except ValueError as err:  # values the method cannot use: the edge's fault
@@ -379,7 +380,6 @@ class UploadGate:
                           phase.name, edge, exc_info=True)
                 raise Refused(f"{phase.name} upload: the server could not take it "
                               f"({type(err).__name__})", drop=True) from None
-            phase.maybe_close()
             if self.on_taken is not None:
                 await self.on_taken(phase)
 
@@ -400,7 +400,7 @@ class UploadGate:
         except ValueError:
             raise
         except Exception as err:
-            phase.tainted = phase.tainted or (
+            phase.taint(
                 f"the aggregator failed on {edge}'s upload ({type(err).__name__}: {err}); its "
                 "sums may hold part of it")
             log.error("round %d %s: the aggregator failed on %s's upload; the phase will not "

@@ -1,10 +1,15 @@
 """What one phase of a round is while it runs, and the two ways a step of it can fail.
 
-``Phase`` and ``Task`` are the state the engine, the upload gate and the gRPC servicer
-share about the open phase: which edges hold a task, which answered, which were dropped
-and why. They live apart from the engine so that the servicer and the gate can name them
-without importing the round loop. ``Refused`` is every refusal an edge can get (its
-``drop`` says whether it costs the task), ``RoundAborted`` a phase that cannot complete.
+``Phase`` and ``Task`` are the state the schedule, the upload gate and the gRPC servicer
+share about an open phase: which edges hold a task, which answered, which were dropped
+and why. They live apart from the schedules so that the servicer and the gate can name
+them without importing a round loop. A ``Phase`` changes only through its own methods
+(``hand_out``, ``drop``, ``receive``, ``taint``, ``delivered``, ``close``, ``retire``):
+every other module reads it, none writes a field (``tests/test_phase_owner.py`` checks),
+so "who closes a phase, who may drop a task" is answered by the callers of two methods.
+The phase is the unit of work deliveries and drops are counted in, per edge.
+``Refused`` is every refusal an edge can get (its ``drop`` says whether it costs the
+task), ``RoundAborted`` a phase that cannot complete.
 """
 
 from __future__ import annotations
@@ -92,6 +97,54 @@ class Phase:
     starts: dict[str, int] = field(default_factory=dict)
     served: dict[str, int] = field(default_factory=dict)
 
+    # ---- transitions: the only writers of the fields above ---------------------------
+    def hand_out(self, edge: str, task_id: int, personal: EncodedPayload) -> Task:
+        """A new task for ``edge`` in this (growing) phase: whatever it answered or was
+        dropped for before in this phase is forgotten, its downlink replaced."""
+        self.received.pop(edge, None)
+        self.dropped.pop(edge, None)
+        self.personal[edge] = personal
+        task = self.tasks[edge] = Task(task_id, edge)
+        return task
+
+    def drop(self, edge: str, reason: str) -> None:
+        """Takes the edge's task away (``reason`` is what its history and a refused upload
+        say); the wait ends when nobody is left to answer."""
+        self.dropped[edge] = reason
+        self.maybe_close()
+
+    def receive(self, edge: str, result: dict) -> None:
+        """The edge's result is in (the gate took its upload)."""
+        self.received[edge] = result
+        self.maybe_close()
+
+    def taint(self, reason: str) -> None:
+        """The aggregate cannot be trusted (the first reason is kept): the phase aborts."""
+        self.tainted = self.tainted or reason
+
+    def delivered(self, task: Task) -> bool:
+        """The task's download completed. True when that was the last one a fixed phase
+        waited for and its common frames were let go (the caller may trim the heap)."""
+        task.delivered = True
+        if self.growing or not all(t.delivered for t in self.tasks.values()):
+            return False
+        self.common_frames = []
+        return True
+
+    def close(self, why: str, reason: str) -> list[str]:
+        """Closes the phase to results: uploads still streaming stop (``closing``), later
+        ones are refused with ``why`` when given, and every pending task is dropped for
+        ``reason``. Lets the common frames go (edges still streaming hold their own
+        reference). Returns the edges dropped."""
+        left = self.pending()
+        for edge in left:
+            self.dropped[edge] = reason
+        self.closed, self.closed_why = True, why
+        self.closing.set()
+        self.done.set()
+        self.common_frames = []
+        return left
+
     def serve(self, edge: str, start: bool, size: int, max_starts: int, max_bytes: int
               ) -> bool:
         """Counts a download's start or ``size`` more data bytes sent to ``edge``; False
@@ -138,7 +191,6 @@ class Phase:
         """Ends the wait once the quorum answered or nobody is left to answer."""
         if len(self.received) >= self.quorum or not any(map(self.is_pending, self.tasks)):
             self.done.set()
-
 
     def summary(self) -> dict:
         """The phase's entry in the round's history record."""
@@ -210,11 +262,13 @@ def select_edges(connected: list[str], fraction: float, seed: int, round_number:
 
 
 async def open_phase(driver: Any, round_number: int, cfg: ServerConfig, task_ids: dict[str, int],
-                     personal: Callable[[str], Payload], version: str) -> Phase:
+                     personal: Callable[[str], Payload], version: str, growing: bool = False
+                     ) -> Phase:
     """A new phase of ``driver``: its schema, its common downlink encoded and framed once
     (off the event loop), every edge's personal downlink and a task per edge. A downlink
     that cannot be built aborts the round (``RoundAborted``). ``version`` names the
-    server instance and state version the common payload's id starts with."""
+    server instance and state version the common payload's id starts with; a ``growing``
+    phase takes new tasks as edges ask (``hand_out``)."""
     name = driver.name
     try:
         schema = driver.schema()
@@ -243,7 +297,8 @@ async def open_phase(driver: Any, round_number: int, cfg: ServerConfig, task_ids
         delta_base=delta[0] if delta_encoded is not None and delta[0] != common_id else "",
         delta=delta_encoded if delta_encoded is not None and delta[0] != common_id else None,
         coded_up=_labels(driver.coded_uploads()),
-        coded_delta=_labels(driver.coded_delta()) if delta_encoded is not None else {})
+        coded_delta=_labels(driver.coded_delta()) if delta_encoded is not None else {},
+        growing=growing)
 
 
 def _labels(coded: dict) -> dict[str, tuple[str, int]]:

@@ -403,9 +403,7 @@ class FederatedLearningService(pb_grpc.FederatedLearningServicer):
                      edge, type(err).__name__)
             return
         if end >= total:
-            task.delivered = True
-            if not phase.growing and all(t.delivered for t in phase.tasks.values()):
-                phase.common_frames = []
+            if phase.delivered(task):
                 trim_heap()  # the frames' memory back before the uploads come in
 
     def _window(self, phase: Phase, edge: str, header: pb.TaskHeader, delta: bool,

@@ -79,7 +79,7 @@ def play_round(engine: Engine, uploads: dict[str, tuple[Payload, int]]) -> dict[
 
     async def scenario() -> dict[str, str]:
         number = engine.round + 1
-        running = asyncio.create_task(engine.run_round(number))
+        running = asyncio.create_task(engine.schedule.run_round(number))
         while engine.phase is None or engine.phase.round != number or engine.phase.closed:
             assert not running.done(), running.result()
             await asyncio.sleep(0.005)

@@ -10,8 +10,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = {"fedattn_shared": REPO / "shared", "fl_server": REPO / "fl_server",
             "fl_edge": REPO / "fl_edge", "fl_tools": REPO / "tools"}
@@ -102,12 +100,6 @@ def test_codecs_and_privacy_take_values_not_the_method():
     assert not wrong, wrong
 
 
-# Import edges known to close a cycle that another change in flight removes. Each entry
-# is (importer, imported); the cycle test leaves the edge out and the strict xfail below
-# fails as soon as the cycle is gone, so the entry cannot outlive it.
-KNOWN_CYCLE_EDGES = {("fl_server.buffered", "fl_server.engine")}
-
-
 def tangles(edges: dict[str, set[str]]) -> list[list[str]]:
     """The strongly connected components of more than one module (Tarjan): every module
     of one can reach every other, so each is one or more import cycles."""
@@ -151,15 +143,7 @@ def test_tangles_finds_a_cycle_through_any_edge():
 
 
 def test_no_import_cycle():
-    edges = {module: {t for t in targets if (module, t) not in KNOWN_CYCLE_EDGES}
-             for module, targets in graph().items()}
-    found = tangles(edges)
-    assert not found, "\n".join(" <-> ".join(c) for c in found)
-
-
-@pytest.mark.xfail(strict=True, reason="fl_server.engine <-> fl_server.buffered: removed by "
-                   "the Schedule interface (issue 41); drop KNOWN_CYCLE_EDGES then")
-def test_no_known_cycle_left():
+    """No tangle anywhere, TYPE_CHECKING imports counted."""
     found = tangles(graph())
     assert not found, "\n".join(" <-> ".join(c) for c in found)
 
