@@ -35,7 +35,7 @@ class EvaluateOnce(OnePhase):
         ctx = self.ctx
         await ctx.edges.wait_for(ctx.cfg.min_edges)
         started = time.monotonic()
-        evaluator = next(driver for driver in ctx.plan if driver.evaluates)
+        evaluator = next(driver for driver in ctx.plan if driver.traits.evaluates)
         edges = ctx.edges.connected_ids()
         phase = self.phase = await ctx.open(evaluator, 1, edges)
         ctx.wake(edges)
