@@ -1,0 +1,75 @@
+"""The upload pipeline's body on disk as it arrives (``transport.Spool``) and its values
+checked chunk by chunk (``transport.FiniteScan``): the same verdicts and the same bytes
+as a receive buffer scanned once complete, whatever the chunk size (a chunk may end in
+the middle of a value)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from fedattn_shared.wire.codec import encode
+from fedattn_shared.wire.payload import Kind, Payload, Section, nonfinite_tensors
+from fedattn_shared.wire.transport import FiniteScan, PayloadAssembler, payload_chunks
+
+
+def payload(seed: int, spoil: dict[str, int] | None = None) -> Payload:
+    """Floats of every width (an odd count of 2-byte values first, so that later tensors
+    start off any alignment), integers between them; ``spoil``: tensor -> index that
+    becomes NaN/Inf."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {"a16": torch.randn(7, generator=generator).half(),
+               "b64": torch.randn(5, 3, generator=generator).double(),
+               "count": torch.randint(0, 9, (3,), generator=generator),
+               "c32": torch.randn(40, generator=generator),
+               "dbf": torch.randn(9, generator=generator).to(torch.bfloat16),
+               "empty": torch.zeros(0)}
+    extra = {"w": torch.randn(11, generator=generator)}
+    for name, index in (spoil or {}).items():
+        target = tensors.get(name, extra.get(name))
+        target.view(-1)[index] = float("nan") if index % 2 else float("inf")
+    return Payload([Section(Kind.SHARED_TENSORS, "", tensors), Section(Kind.CONTROL, "x", extra)])
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 5, 64, 1 << 20])
+@pytest.mark.parametrize("spoil", [None, {"a16": 6}, {"b64": 0, "dbf": 8}, {"c32": 39},
+                                   {"w": 10}, {"dbf": 3, "a16": 0}])
+def test_the_scan_as_it_arrives_finds_what_the_whole_scan_finds(chunk, spoil, tmp_path):
+    sent = payload(0, spoil)
+    encoded = encode(sent, checksum=False)
+    assembler = PayloadAssembler(encoded.manifest, 1 << 20, 1 << 20, checksum=False,
+                                 spool=tmp_path)
+    scan = FiniteScan(encoded.manifest)
+    for _, piece in payload_chunks(encoded, chunk):
+        _, offset = assembler.reserve(piece)
+        assembler.write(offset, piece)
+        scan.feed(offset, piece)
+    received = assembler.finish()
+    assert scan.bad == nonfinite_tensors(received) == nonfinite_tensors(sent)
+    for got, want in zip(received.sections, sent.sections, strict=True):
+        for name, tensor in want.tensors.items():
+            assert torch.equal(got.tensors[name].view(torch.uint8) if tensor.numel() else
+                               got.tensors[name], tensor.view(torch.uint8) if tensor.numel()
+                               else tensor)
+    assembler.buffer.close()
+
+
+def test_the_spool_leaves_no_file_and_its_map_is_private(tmp_path):
+    encoded = encode(payload(1), checksum=False)
+    assembler = PayloadAssembler(encoded.manifest, 1 << 20, 1 << 20, checksum=False,
+                                 spool=tmp_path)
+    assert os.listdir(tmp_path) == []  # unlinked from the start: a crash leaves nothing
+    for _, piece in payload_chunks(encoded, 100):
+        assembler.add(piece)
+    received = assembler.finish()
+    c32 = received.sections[0].tensors["c32"]
+    before = c32.clone()
+    c32.mul_(2)  # the norm bound scales in place: the process's copy, never the file
+    spool = assembler.buffer
+    sent = b"".join(bytes(view) for views in encoded.section_views for view in views)
+    assert os.pread(spool.fd, len(spool) + 1, 0) == sent  # the file holds what was sent
+    spool.close()
+    assert torch.equal(c32, before * 2)  # a view outlives the close: freed with it
+    assert os.listdir(tmp_path) == []
