@@ -105,10 +105,12 @@ class Call:
         """Under mutual TLS, '' when the peer's certificate is ``edge_id``'s; else why."""
         return self.identity.certificate_refusal(edge_id, self.context, token)
 
-    def identify_upload(self, header: pb.SubmitHeader) -> EdgeRecord:
-        """An upload's sender, checked once: a valid id, our protocol, a live session (the
-        header is counted under the edge from here on, not before), then its certificate.
-        Raises ``Refused`` (never dropping a task: a stranger cannot cost an edge its)."""
+    def identify_upload(self, first: pb.SubmitMessage) -> EdgeRecord:
+        """An upload's sender (``first``: its header message), checked once: a valid id,
+        our protocol, a live session (the header is counted under the edge from here on,
+        not before), then its certificate. Raises ``Refused`` (never dropping a task: a
+        stranger cannot cost an edge its)."""
+        header = first.header
         refusal = edge_id_refusal(header.edge_id)
         self.caller = "" if refusal else header.edge_id
         if not refusal and header.protocol_version != PROTOCOL_VERSION:
@@ -120,9 +122,9 @@ class Call:
             except AuthError as err:
                 refusal = str(err)
         if refusal:
-            self.received(pb.SubmitMessage(header=header))
+            self.received(first)
             raise Refused(refusal)
-        self.received(pb.SubmitMessage(header=header), edge=header.edge_id)
+        self.received(first, edge=header.edge_id)
         refusal = self.certificate_refusal(header.edge_id)
         if refusal:
             raise Refused(refusal)

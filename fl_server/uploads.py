@@ -55,8 +55,9 @@ class UploadStream(Protocol):
     async def read(self):
         """The next message: a header, a data chunk (memoryview), ``Malformed`` or END."""
 
-    def identify_upload(self, header: pb.SubmitHeader) -> EdgeRecord:
-        """The sender, checked once (raises ``Refused``); counts the header."""
+    def identify_upload(self, first: pb.SubmitMessage) -> EdgeRecord:
+        """The sender of the header message ``first``, checked once (raises ``Refused``);
+        counts the message."""
 
     def received(self, message) -> None:
         """Counts a request message that is no edge's (one that did not parse)."""
@@ -179,7 +180,7 @@ class Uploads:
             if first is END or isinstance(first, memoryview) or not first.HasField("header"):
                 raise Refused(f"the first message must be a header (peer {stream.peer()})")
             header = first.header
-            record = stream.identify_upload(header)  # 1. who sends
+            record = stream.identify_upload(first)  # 1. who sends
             edge = header.edge_id
             named = self.engine.phase_for(header)
             try:  # 2. the header, before a byte of the body is read

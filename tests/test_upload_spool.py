@@ -6,9 +6,14 @@ the middle of a value)."""
 from __future__ import annotations
 
 import os
+import threading
+from pathlib import Path
 
 import pytest
 import torch
+from conftest import Cluster, wait_for
+from rawedge import RawEdge, raw_layout, shifted, stream, train_messages
+from test_bad_input import assert_single_upload_mean
 
 from fedattn_shared.wire.codec import encode
 from fedattn_shared.wire.payload import Kind, Payload, Section, nonfinite_tensors
@@ -73,3 +78,85 @@ def test_the_spool_leaves_no_file_and_its_map_is_private(tmp_path):
     spool.close()
     assert torch.equal(c32, before * 2)  # a view outlives the close: freed with it
     assert os.listdir(tmp_path) == []
+
+
+def spool_files(pid: int, directory: Path) -> list[str]:
+    """The files of ``directory`` the process holds open (a spool file has no name: its
+    link reads ``<directory>/#inode (deleted)``)."""
+    held = []
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith(str(directory)):
+            held.append(target)
+    return held
+
+
+def test_hostile_uploads_leave_no_spool_file_and_the_honest_one_is_the_mean(tmp_path):
+    # An attacker's uploads, each refused at a different point of the body: a NaN in its
+    # last chunk (found by the scan as it arrived, named by tensor), a stream that ends
+    # half way, one that stalls until its idle deadline, one whose MAC does not match
+    # its body. None leaves its spool file open, and the honest upload of the same
+    # rounds is taken alone.
+    cluster = Cluster(tmp_path)
+    attacker = honest = None
+    try:
+        server = cluster.server(
+            "--method", "fedavg", "--model", "lenet-bn", "--rounds", "100", "--min-edges", "2",
+            "--quorum", "0", "--round-timeout", "60", "--eval-every", "0",
+            "--upload-idle-timeout", "3", "--metrics-port", "0")
+        spool = tmp_path / "server-state" / "uploads"
+        attacker, honest = RawEdge(cluster.port, "attacker"), RawEdge(cluster.port, "honest")
+        for edge in (attacker, honest):
+            edge.connect()
+
+        def nan_in_last_chunk(task):
+            tensors = shifted(task.globals, 1.0)
+            last = list(tensors)[-1]
+            tensors[last].view(-1)[-1] = float("nan")
+            return attacker.submit(train_messages(attacker, task, tensors)), f"/{last}"
+
+        def half(task):
+            header, chunks = raw_layout(attacker, task, shifted(task.globals, 1.0))
+            messages = stream(header, chunks)
+            attacker.sign(messages)
+            return attacker.submit(messages[: 1 + len(chunks) // 2]), "upload ended after"
+
+        def stalled(task):
+            header, chunks = raw_layout(attacker, task, shifted(task.globals, 1.0))
+            messages = stream(header, chunks)
+            attacker.sign(messages)
+            release = threading.Event()
+
+            def stalling():
+                yield from messages[:2]
+                release.wait(60)
+            try:
+                return attacker.stub.Submit(stalling(), timeout=60), "no data for"
+            finally:
+                release.set()
+
+        def bad_mac(task):
+            messages = train_messages(attacker, task, shifted(task.globals, 1.0))
+            attacker.sign(messages, mac_key=bytes(32))
+            return attacker.submit(messages), "signature does not verify"
+
+        for attack in (nan_in_last_chunk, half, stalled, bad_mac):
+            task, fair = attacker.next_task(), honest.next_task()
+            reply, named = attack(task)
+            assert not reply.accepted and named in reply.reason, (attack.__name__, reply.reason)
+            upload = shifted(fair.globals, 2.0)
+            assert honest.submit(train_messages(honest, fair, upload)).accepted
+            wait_for(lambda: not spool_files(server.popen.pid, spool), 15,
+                     f"no spool file open after {attack.__name__}")
+            assert os.listdir(spool) == [] or all(name.endswith(".raw")
+                                                  for name in os.listdir(spool))
+        _, fair = attacker.next_task(), honest.next_task()
+        assert_single_upload_mean(fair.globals, upload)
+    finally:
+        for edge in (attacker, honest):
+            if edge is not None:
+                edge.close()
+        cluster.close()
