@@ -267,10 +267,6 @@ class Uploads:
             raise WireError(f"upload {transfer.payload_id}: resuming at byte "
                             f"{transfer.offset} is not supported")
         edge = header.edge_id
-        # The gate matched the manifest to the schema, so the sizes come from it.
-        specs = {(int(spec.kind), spec.name): spec for spec in phase.schema}
-        sizes = [specs[(s.kind, s.name)].nbytes_of(t.name for t in s.tensors)
-                 for s in header.payload.sections]
         loop = asyncio.get_running_loop()
 
         def ingest(offset: int, chunk: memoryview) -> None:
@@ -278,9 +274,7 @@ class Uploads:
             body.update(chunk)
             scan.feed(offset, chunk)
 
-        assembler = PayloadAssembler(header.payload, max_bytes=sum(sizes),
-                                     max_chunk_bytes=MAX_MESSAGE_BYTES, sizes=sizes,
-                                     checksum=False, spool=self.spool)
+        assembler = self._assembler(phase, header)
         scan = FiniteScan(header.payload)
         # The signed body MAC binds every byte, so an upload carries no CRC-32. Each chunk's
         # write, MAC and scan run on a worker thread (all release the GIL) while the loop
@@ -320,6 +314,16 @@ class Uploads:
         finally:
             closing.cancel()
         return assembler, body.tag(), scan.bad
+
+    def _assembler(self, phase: Phase, header: pb.SubmitHeader) -> PayloadAssembler:
+        """The body's receiver, into a spool file; the gate matched the manifest to the
+        schema, so the section sizes come from it."""
+        specs = {(int(spec.kind), spec.name): spec for spec in phase.schema}
+        sizes = [specs[(s.kind, s.name)].nbytes_of(t.name for t in s.tensors)
+                 for s in header.payload.sections]
+        return PayloadAssembler(header.payload, max_bytes=sum(sizes),
+                                max_chunk_bytes=MAX_MESSAGE_BYTES, sizes=sizes,
+                                checksum=False, spool=self.spool)
 
     def refused(self, edge: str, label: str, err: Refused | WireError,
                 phase: Phase | None) -> str:
