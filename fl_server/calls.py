@@ -211,8 +211,12 @@ def handlers(service, meter: ByteMeter, identity: Identity) -> grpc.GenericRpcHa
         if inspect.isasyncgenfunction(method):  # yields its messages (Presence)
             async def events(request, context):
                 call = await start(request, context)
-                async for message in method(request, call):
-                    yield call.sent(message)
+                stream = method(request, call)
+                try:
+                    async for message in stream:
+                        yield call.sent(message)
+                finally:  # its own ``finally`` (an edge gone absent) runs now, not at GC
+                    await stream.aclose()
             return events
 
         async def writes(request, context):  # writes its messages itself (``Call.write``)
