@@ -215,9 +215,15 @@ class Uploads:
         phase, record = admission.phase, admission.record
         await self._acquire_slot(phase)
         try:
-            assembler, body_mac, nonfinite = await self._body(
-                phase, header, stream, transfer,
-                BodyMac(record.upload_mac_key, header.body_mac_iv))
+            try:
+                assembler, body_mac, nonfinite = await self._body(
+                    phase, header, stream, transfer,
+                    BodyMac(record.upload_mac_key, header.body_mac_iv))
+            except OSError as err:  # the spool's disk: the server's fault, named
+                log.error("round %d %s: %s's upload could not be written to %s: %s",
+                          phase.round, phase.name, header.edge_id, self.spool, err)
+                raise Refused(f"the server could not keep this upload on disk ("
+                              f"{err.strerror or err})", drop=True) from None
             log_memory("round %d %s: %s's upload received", phase.round, phase.name,
                        header.edge_id)
             try:

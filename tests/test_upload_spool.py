@@ -160,3 +160,29 @@ def test_hostile_uploads_leave_no_spool_file_and_the_honest_one_is_the_mean(tmp_
             if edge is not None:
                 edge.close()
         cluster.close()
+
+
+def test_a_spool_that_cannot_be_written_refuses_the_upload_by_name(tmp_path):
+    # The spool's folder is a file (a full or read-only disk acts alike): the upload is
+    # refused naming the disk, the edge's task is dropped (the round goes on without it),
+    # and the server keeps serving.
+    (tmp_path / "server-state").mkdir()
+    (tmp_path / "server-state" / "uploads").write_text("not a folder")
+    cluster = Cluster(tmp_path)
+    edge = None
+    try:
+        server = cluster.server(
+            "--method", "fedavg", "--model", "lenet-bn", "--rounds", "100", "--min-edges", "1",
+            "--round-timeout", "60", "--eval-every", "0", "--no-spill-sums")
+        edge = RawEdge(cluster.port, "edge")
+        edge.connect()
+        task = edge.next_task()
+        reply = edge.submit(train_messages(edge, task, shifted(task.globals, 1.0)))
+        assert not reply.accepted
+        assert "the server could not keep this upload on disk" in reply.reason, reply.reason
+        server.logged(0, f"dropped {edge.edge_id} (bad upload")
+        assert edge.next_task().header.round == task.header.round + 1
+    finally:
+        if edge is not None:
+            edge.close()
+        cluster.close()
