@@ -87,7 +87,7 @@ class ServerApp:
         self.engine.metrics.watch_downloads(downloads.room)
         self._watch = asyncio.create_task(sessions.watch_enrollment())
         self._grpc.add_generic_rpc_handlers(
-            (service_handler(service, Identity(engine.edges, enrollment)),))
+            (service_handler(service, self.meter, Identity(engine.edges, enrollment)),))
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         address = f"{cfg.host}:{cfg.port}"

@@ -20,6 +20,7 @@ from fedattn_shared import PROTOCOL_VERSION
 from fedattn_shared.config import ServerConfig
 from fedattn_shared.tls import edge_id_refusal
 from fedattn_shared.wire import fedattn_pb2 as pb
+from fedattn_shared.wire.accounting import ByteMeter
 
 from .calls import Call, Identity, abort_refused, handlers
 from .downloads import Downloads
@@ -133,10 +134,10 @@ class FederatedLearningService:
         return pb.LeaveReply()
 
 
-def service_handler(service: FederatedLearningService, identity: Identity
+def service_handler(service: FederatedLearningService, meter: ByteMeter, identity: Identity
                     ) -> grpc.GenericRpcHandler:
     """The servicer's methods behind the call layer (``calls.handlers``)."""
-    return handlers(service, service.uploads.meter, identity)
+    return handlers(service, meter, identity)
 
 
 __all__ = ["FederatedLearningService", "service_handler"]
