@@ -335,10 +335,13 @@ class UploadGate:
                           drop=True) from None
 
     # ---- 6. into the phase ---------------------------------------------------------------
-    async def take(self, phase: Phase, header: pb.SubmitHeader, payload: Payload) -> None:
+    async def take(self, phase: Phase, header: pb.SubmitHeader, payload: Payload,
+                   source: Any = None) -> None:
         """Takes an upload that passed the gate's checks into its phase (under
         ``agg_lock``, after the last checkpoint is on disk): the driver's accept, then the
-        result. Whatever it raises refuses the upload and costs the edge its task."""
+        result. Whatever it raises refuses the upload and costs the edge its task.
+        ``source``: the file the body arrived in (``transport.Spool``), which a spilled
+        aggregator may keep as it is instead of writing its bytes again."""
         edge = header.edge_id
         driver = phase.driver
         async with self.agg_lock:
@@ -352,7 +355,7 @@ class UploadGate:
                     weight = self.method.aggregation_weight(int(header.num_examples))
                     started = time.monotonic()
                     norm = await asyncio.to_thread(self.aggregate, phase, driver, edge,
-                                              payload, weight)
+                                                   payload, weight, source)
                     self.metrics.aggregation_seconds.labels(phase.name, "accept").observe(
                         time.monotonic() - started)
                 elif not driver.evaluates:
@@ -373,7 +376,7 @@ class UploadGate:
 
     # (6, a worker thread: the update bound and the driver's accept) ----------------------
     def aggregate(self, phase: Phase, driver: PhaseDriver, edge: str, payload: Payload,
-                  weight: float) -> float | None:
+                  weight: float, source: Any = None) -> float | None:
         """Bound the update, then hand the upload to the phase's driver (a worker thread,
         under ``agg_lock``). ValueError and Refused: the upload is refused, nothing was
         added. Any other exception is a bug that may have left part of the upload in the
@@ -383,6 +386,9 @@ class UploadGate:
         norm = None
         if self.cfg.clip_update_norm and driver.weighted:
             norm = self.bound_update(phase, edge, payload)
+        spill = getattr(self.aggregator, "spill", None)
+        if spill is not None:
+            spill.offered = source  # for this accept only (under agg_lock)
         try:
             driver.accept(edge, payload, weight)
         except ValueError:
@@ -395,6 +401,9 @@ class UploadGate:
                       "be applied", phase.round, phase.name, edge, exc_info=True)
             raise Refused(f"{phase.name} upload: the server could not aggregate it "
                           f"({type(err).__name__})", drop=True) from None
+        finally:
+            if spill is not None:
+                spill.offered = None
         log_memory("round %d %s: %s's upload aggregated", phase.round, phase.name, edge)
         return norm
 

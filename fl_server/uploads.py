@@ -230,7 +230,7 @@ class Uploads:
                 payload = await self.gate.verify(admission, header, body_mac, assembler,
                                                  nonfinite)
                 self.gate.check_values(phase, header.edge_id, payload)
-                await run_to_end(self.gate.take(phase, header, payload))
+                await run_to_end(self.gate.take(phase, header, payload, assembler.buffer))
             finally:
                 payload = None  # the aggregate holds copies: the map can go now
                 assembler.buffer.close()

@@ -186,3 +186,58 @@ def test_a_spool_that_cannot_be_written_refuses_the_upload_by_name(tmp_path):
         if edge is not None:
             edge.close()
         cluster.close()
+
+
+def spooled(payload: Payload, directory: Path) -> tuple[Payload, object]:
+    """``payload`` as the server holds it after the wire: views of its spool file's map."""
+    encoded = encode(payload, checksum=False)
+    assembler = PayloadAssembler(encoded.manifest, 1 << 30, 1 << 20, checksum=False,
+                                 spool=directory)
+    for _, piece in payload_chunks(encoded, 1 << 16):
+        assembler.add(piece)
+    return assembler.finish(), assembler.buffer
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedadam"])
+def test_a_spilled_mean_keeps_the_spool_file_itself_and_gives_the_same_bits(method, tmp_path):
+    # The streaming mean's spilled file of an upload that arrived in a spool is that very
+    # file (a link: the same inode, nothing written again, no page of it mapped), and the
+    # round's mean has the bits of the in-memory sum. An upload written in place after it
+    # was mapped (the norm bound scales so) is written out as it is now, not linked.
+    from test_upload_memory import SHARED, aggregator, streaming_round
+
+    from fedattn_shared.methods.spill import UploadSpill
+
+    in_ram, on_disk = aggregator(method), aggregator(method)
+    on_disk.spill = UploadSpill(tmp_path / "uploads", 1 << 30)
+    weights = [1.0, 3.0, 1e6]
+    generator = torch.Generator().manual_seed(0)
+    payloads = [Payload([Section(Kind.SHARED_TENSORS, "", {  # as an edge sends the model
+        name: value + torch.randn(value.shape, generator=generator)
+        if value.is_floating_point() else value.clone()
+        for name, value in in_ram.state[SHARED].items()})]) for _ in range(3)]
+    sources = [spooled(p, tmp_path / "uploads") for p in payloads]
+    scaled = sources[2][0].sections[0].flat
+    scaled.mul_(0.5)  # in place, in the process's copy of the map's pages
+    payloads[2] = Payload([Section(s.kind, s.name, {k: v.clone() for k, v in s.tensors.items()})
+                           for s in sources[2][0].sections])
+    expected = streaming_round(in_ram, payloads, weights)
+    edges = ["e0", "e1", "e2"]
+    on_disk.begin_round(1, edges, 3)
+    for edge, (payload, spool), weight in zip(edges, sources, weights, strict=True):
+        on_disk.spill.offered = spool
+        try:
+            on_disk.accept(edge, payload, weight)
+        finally:
+            on_disk.spill.offered = None
+    files = [path for path, _ in on_disk.spill.files.values()]
+    inodes = [os.fstat(spool.fd).st_ino for _, spool in sources]
+    assert [os.stat(f).st_ino for f in files[:2]] == inodes[:2]  # linked, not written
+    assert os.stat(files[2]).st_ino != inodes[2]  # written out: its pages changed
+    assert on_disk.finish() == expected
+    assert list((tmp_path / "uploads").iterdir()) == []
+    left, right = in_ram.state_tensors(), on_disk.state_tensors()
+    assert left.keys() == right.keys()
+    assert all(torch.equal(left[k], right[k]) for k in left)
+    for _, spool in sources:
+        spool.close()

@@ -290,6 +290,53 @@ class Spool:
             self._map = mmap.mmap(self.fd, self.size, access=mmap.ACCESS_COPY)
         return self._map
 
+    def holds(self, views: list[memoryview]) -> bool:
+        """Whether ``views`` are, end to end, the whole file's bytes as the map shows them
+        and the file still holds: views of the map from its first byte to its last, and
+        none of its pages written since it was mapped (a write, such as the norm bound's
+        scaling, makes the process its own copy of the page: its page-map entry no longer
+        says "file page"). Reads 8 bytes of ``/proc/self/pagemap`` per page; False
+        wherever that cannot be read."""
+        if self._map is None or not views or self.fd < 0:
+            return False
+        start = torch.frombuffer(self._map, dtype=torch.uint8).data_ptr()
+        position = start
+        for view in views:
+            if not view.nbytes:
+                continue
+            if np.frombuffer(view, dtype=np.uint8).ctypes.data != position:
+                return False
+            position += view.nbytes
+        if position != start + self.size:
+            return False
+        page = mmap.PAGESIZE
+        first, count = start // page, (start + self.size + page - 1) // page - start // page
+        try:
+            with open("/proc/self/pagemap", "rb", buffering=0) as pagemap:
+                entries = np.frombuffer(os.pread(pagemap.fileno(), 8 * count, 8 * first),
+                                        dtype=np.uint64)
+        except OSError:
+            return False
+        if len(entries) != count:
+            return False
+        present, swapped, file = (np.uint64(1) << np.uint64(bit) for bit in (63, 62, 61))
+        written = ((entries & present) != 0) & ((entries & file) == 0)
+        return not bool(np.any(written | ((entries & swapped) != 0)))
+
+    def link(self, path: Path) -> bool:
+        """Gives the file the name ``path`` (same filesystem; nothing is copied): True, or
+        False where it cannot be (no O_TMPFILE: the file was unlinked by name)."""
+        try:  # a directory fd makes CPython call linkat(AT_SYMLINK_FOLLOW), not link()
+            folder = os.open(Path(path).parent, os.O_RDONLY)
+            try:
+                os.link(f"/proc/self/fd/{self.fd}", path, src_dir_fd=folder,
+                        follow_symlinks=True)
+            finally:
+                os.close(folder)
+        except OSError:
+            return False
+        return True
+
     def close(self) -> None:
         """Closes the file; the map goes with the last tensor viewing it (each holds a
         reference to it). Never ``mmap.close``: torch's views hold no buffer export, so
