@@ -16,8 +16,9 @@ transport's own buffers). Figures are printed, never asserted.
 
 Server memory against the number of uploaders (issue #28): ``--uploaders 8 64`` runs
 only that: a real fl-server and N light uploaders (bench/uploaders.py) uploading
-ResNet-18 at once, the server's peak RSS growth in models; ``--before CHECKOUT`` adds the
-same figure with the server run from another checkout.
+ResNet-18 at once, the server's peak RSS growth in models and its CPU seconds for the
+rounds; ``--before CHECKOUT`` adds the same figures with the server run from another
+checkout.
 """
 
 from __future__ import annotations
@@ -190,16 +191,19 @@ def uploaders_round(model: str, uploaders: int, rounds: int, workdir: Path,
         [sys.executable, str(root / "bench" / "uploaders.py"), "--port", str(port),
          "--edges", str(min(per_process, uploaders - start)), "--prefix", f"p{start:03d}"],
         env=env) for start in range(0, uploaders, per_process)]
-    started, peak = time.monotonic(), idle_rss
+    started, peak, cpu = time.monotonic(), idle_rss, cpu_seconds(server.pid)
+    idle_cpu = cpu
     last = workdir / "server" / "rounds" / f"{rounds:06d}" / "state.json"
     while server.poll() is None and not last.exists():  # the rounds' peak, not the exit's
         peak = max(peak, rss_kib(server.pid, "VmHWM"))
+        cpu = cpu_seconds(server.pid)
         time.sleep(0.02)
     elapsed = time.monotonic() - started
     statuses = [p.wait(timeout=300) for p in procs]
     server.wait(timeout=120)
     history = json.loads((workdir / "server" / "history.json").read_text())
     return {"peak_rss_growth_kib": peak - idle_rss, "idle_kib": idle_rss, "seconds": elapsed,
+            "server_cpu": cpu - idle_cpu,
             "received": [len(r["train"]["received"]) for r in history["rounds"]],
             "uploaders_ok": statuses.count(0) == len(statuses)}
 
@@ -243,7 +247,8 @@ def memory_figures(model: str, counts: list[int], rounds: int, before: Path | No
             growth = r["peak_rss_growth_kib"] * 1024
             print(f"  {count:3d} uploaders, {label:6s}: peak RSS growth {growth / 1e6:7.1f} MB = "
                   f"{growth / model_bytes:5.2f}x one model (idle {r['idle_kib'] / 1024:.0f} MiB), "
-                  f"{r['seconds']:.1f} s for {rounds} rounds, received {r['received']}, "
+                  f"{r['seconds']:.1f} s for {rounds} rounds (server CPU {r['server_cpu']:.1f} s), "
+                  f"received {r['received']}, "
                   f"uploaders ok {r['uploaders_ok']}, load avg {load:.2f} before", flush=True)
             memory_breakdown(lines, r["idle_kib"], model_bytes)
 

@@ -21,12 +21,15 @@ from fedattn_shared.tls import ENROLLED, Enrollment, server_credentials
 from fedattn_shared.wire.accounting import ByteMeter
 from fedattn_shared.wire.transport import server_options
 
+from .calls import Identity
+from .downloads import Downloads
 from .engine import Engine
-from .front import EdgeFront
 from .memory import attach_spill, global_bytes, plan_upload_memory
 from .metrics import ServerMetrics
 from .service import FederatedLearningService, service_handler
+from .sessions import Sessions
 from .settings import resolve_settings
+from .uploads import Uploads
 
 log = logging.getLogger("fl_server")
 
@@ -77,11 +80,15 @@ class ServerApp:
         self._grpc = grpc.aio.server(
             options=server_options(max_edges=cfg.max_edges) + memory.grpc_options())
         enrollment = Enrollment(Path(cfg.tls_dir) / ENROLLED) if cfg.tls_dir else None
-        service = FederatedLearningService(EdgeFront(engine), self.meter, cfg, enrollment,
-                                           upload_slots=memory.slots)
-        self.engine.metrics.watch_downloads(service.download_room)
-        self._watch = asyncio.create_task(service.watch_enrollment())
-        self._grpc.add_generic_rpc_handlers((service_handler(service),))
+        sessions = Sessions(engine, cfg, enrollment)
+        downloads = Downloads(engine, self.meter, cfg)
+        service = FederatedLearningService(engine, sessions,
+                                           Uploads(engine, self.meter, cfg, memory.slots),
+                                           downloads, cfg)
+        self.engine.metrics.watch_downloads(downloads.room)
+        self._watch = asyncio.create_task(sessions.watch_enrollment())
+        self._grpc.add_generic_rpc_handlers(
+            (service_handler(service, self.meter, Identity(engine.edges, enrollment)),))
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         address = f"{cfg.host}:{cfg.port}"

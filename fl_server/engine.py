@@ -6,8 +6,9 @@ phases and their tasks are the schedule's (``schedules/``), a phase's state is i
 
 Everything runs on one asyncio loop; aggregation and checkpoint writes run in worker
 threads under ``agg_lock`` so the running sum is never touched by two uploads at once
-and never after its phase has closed. The servicer's interface is ``front.py``, history
-and checkpoints are ``history.py``.
+and never after its phase has closed. The transfer pipelines (``sessions.py``,
+``uploads.py``, ``downloads.py``) reach it through the questions below; history and
+checkpoints are ``history.py``.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ log = logging.getLogger("fl_server")
 
 
 class Engine:
-    """Holds the run's parts and its schedule. The servicer reaches it through
-    ``front.EdgeFront``."""
+    """Holds the run's parts and its schedule. The transfer pipelines reach it through
+    the questions below, which are the schedule's."""
 
     def __init__(self, server: ServerConfig, train: TrainConfig, method: Method,
                  meter: ByteMeter, metrics: ServerMetrics):
@@ -135,7 +136,7 @@ class Engine:
         what the edge sent or pulled."""
         self.context.drop(phase, edge_id, reason)
 
-    # ---- what the servicer asks (``front.EdgeFront``): the schedule's ------------------
+    # ---- what the pipelines ask: the schedule's -------------------------------------
     def task_for(self, edge: str) -> tuple[Phase, Task] | None:
         """The edge's task now, if any (may hand out new work)."""
         return self.schedule.task_for(edge)

@@ -3,13 +3,16 @@ order, in one place -- the README's bad-input promises written as code.
 
 An upload (``Submit``) passes, in this order:
 
-1. ``identify``: a valid edge id, the protocol version, a live session of that edge;
-2. ``admit`` (the header, before a byte of the body is read): the edge's certificate
-   (mutual TLS), the body-MAC IV, an open phase, a task of this edge in it, the task's
-   round/id/phase, its nonce (a replay), no result yet (a duplicate) and no drop, the
-   manifest exactly as the phase's schema, a training weight >= 1, the weight cap,
-   the evaluation sums (per-class counts only under --eval-detail), the metric names;
-3. (the servicer: one stream per task, an upload slot, the body within its deadlines)
+1. who sends, checked once by the transport's call layer (``calls.Call.identify_upload``):
+   a valid edge id, the protocol version, a live session of that edge, its certificate
+   (mutual TLS);
+2. ``admit`` (the header, before a byte of the body is read): the body-MAC IV, an open
+   phase, a task of this edge in it, the task's round/id/phase, its nonce (a replay), no
+   result yet (a duplicate) and no drop, the manifest exactly as the phase's schema, a
+   training weight >= 1, the weight cap, the evaluation sums (per-class counts only under
+   --eval-detail), the metric names;
+3. (the upload pipeline, ``uploads.py``: one stream per task, an upload slot, the body
+   within its deadlines)
 4. ``verify`` (the body): the signature over header and body MAC, then the driver's
    ``decode`` (a compressed upload back to the method's tensors: a part no honest
    encoder produces is refused by name), then finite values;
@@ -39,13 +42,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedattn_shared import PROTOCOL_VERSION
 from fedattn_shared.config import ServerConfig, TrainConfig
 from fedattn_shared.methods.aggregators import Aggregator
 from fedattn_shared.methods.base import Method
 from fedattn_shared.methods.exact_sum import SUM_STEP
 from fedattn_shared.schema import Kind, Payload, SectionSpec
-from fedattn_shared.tls import edge_id_refusal
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire.payload import WireError, nonfinite_tensors
 from fedattn_shared.wire.serialize import dtype_name, section_layout, torch_dtype
@@ -53,7 +54,7 @@ from fedattn_shared.wire.signing import BODY_MAC_IV_BYTES, verify_submission
 from fedattn_shared.wire.transport import PayloadAssembler
 
 from .drivers import PhaseDriver
-from .edges import AuthError, EdgeBook, EdgeRecord
+from .edges import EdgeBook, EdgeRecord
 from .evaluation import split_figures
 from .memory import log_memory
 from .metrics import ServerMetrics
@@ -98,27 +99,11 @@ class UploadGate:
         # async: a full buffer is applied before the next upload is taken).
         self.on_taken = on_taken
 
-    # ---- 1. who -------------------------------------------------------------------------
-    def identify(self, header: pb.SubmitHeader) -> EdgeRecord:
-        """The sender: a valid id, our protocol, a live session. Never drops a task."""
-        refusal = edge_id_refusal(header.edge_id)
-        if refusal:
-            raise Refused(refusal)
-        if header.protocol_version != PROTOCOL_VERSION:
-            raise Refused(f"protocol version {header.protocol_version} unsupported")
-        try:
-            return self.edges.check(header.edge_id, header.session)
-        except AuthError as err:
-            raise Refused(str(err)) from None
-
     # ---- 2. the header ------------------------------------------------------------------
-    def admit(self, header: pb.SubmitHeader, record: EdgeRecord, certificate: Callable[[], str],
-              phase: Phase | None) -> Admission:
-        """The header's checks, in order (see the module docstring); ``certificate`` gives
-        the mutual-TLS refusal ('' when the peer's certificate is the edge's)."""
-        refusal = certificate()
-        if refusal:
-            raise Refused(refusal)
+    def admit(self, header: pb.SubmitHeader, record: EdgeRecord, phase: Phase | None
+              ) -> Admission:
+        """The header's checks, in order (see the module docstring), for a sender the
+        transport identified (step 1)."""
         if len(header.body_mac_iv) != BODY_MAC_IV_BYTES:
             raise Refused(f"body_mac_iv must be {BODY_MAC_IV_BYTES} bytes, "
                           f"got {len(header.body_mac_iv)}")
@@ -316,17 +301,21 @@ class UploadGate:
 
     # ---- 4. the body --------------------------------------------------------------------
     async def verify(self, admission: Admission, header: pb.SubmitHeader, body_mac: bytes,
-                     assembler: PayloadAssembler) -> Payload:
+                     assembler: PayloadAssembler, nonfinite: list[str] | None = None
+                     ) -> Payload:
         """The signature over the header and the body's MAC, then the phase driver's
         ``decode`` (compressed uploads), then the decoded payload's values all finite
         (decoded and scanned off the event loop): a decoded upload passes every check
-        a raw one does."""
+        a raw one does. ``nonfinite``: what a scan of the body as it arrived found
+        (``transport.FiniteScan``), which stands for the scan when the driver's decode
+        leaves the body as it is."""
         if not verify_submission(bytes.fromhex(admission.record.signing_key), header, body_mac):
             raise Refused("the signature does not verify over this header and "
                           "body with the edge's signing key", drop=True)
         try:
             payload, bad = await asyncio.to_thread(_decode_checked, assembler,
-                                                   admission.phase.driver, header.edge_id)
+                                                   admission.phase.driver, header.edge_id,
+                                                   nonfinite)
         except ValueError as err:  # WireError included: a part no honest encoder produces
             raise Refused(f"compressed upload refused: {err}", drop=True) from None
         if bad:
@@ -348,10 +337,13 @@ class UploadGate:
                           drop=True) from None
 
     # ---- 6. into the phase ---------------------------------------------------------------
-    async def take(self, phase: Phase, header: pb.SubmitHeader, payload: Payload) -> None:
+    async def take(self, phase: Phase, header: pb.SubmitHeader, payload: Payload,
+                   source: Any = None) -> None:
         """Takes an upload that passed the gate's checks into its phase (under
         ``agg_lock``, after the last checkpoint is on disk): the driver's accept, then the
-        result. Whatever it raises refuses the upload and costs the edge its task."""
+        result. Whatever it raises refuses the upload and costs the edge its task.
+        ``source``: the file the body arrived in (``transport.Spool``), which a spilled
+        aggregator may keep as it is instead of writing its bytes again."""
         edge = header.edge_id
         driver = phase.driver
         async with self.agg_lock:
@@ -365,7 +357,7 @@ class UploadGate:
                     weight = self.method.aggregation_weight(int(header.num_examples))
                     started = time.monotonic()
                     norm = await asyncio.to_thread(self.aggregate, phase, driver, edge,
-                                              payload, weight)
+                                                   payload, weight, source)
                     self.metrics.aggregation_seconds.labels(phase.name, "accept").observe(
                         time.monotonic() - started)
                 elif not driver.traits.evaluates:
@@ -385,7 +377,7 @@ class UploadGate:
 
     # (6, a worker thread: the update bound and the driver's accept) ----------------------
     def aggregate(self, phase: Phase, driver: PhaseDriver, edge: str, payload: Payload,
-                  weight: float) -> float | None:
+                  weight: float, source: Any = None) -> float | None:
         """Bound the update, then hand the upload to the phase's driver (a worker thread,
         under ``agg_lock``). ValueError and Refused: the upload is refused, nothing was
         added. Any other exception is a bug that may have left part of the upload in the
@@ -395,6 +387,9 @@ class UploadGate:
         norm = None
         if self.cfg.clip_update_norm and driver.traits.weighted:
             norm = self.bound_update(phase, edge, payload)
+        spill = getattr(self.aggregator, "spill", None)
+        if spill is not None:
+            spill.offered = source  # for this accept only (under agg_lock)
         try:
             driver.accept(edge, payload, weight)
         except ValueError:
@@ -407,6 +402,9 @@ class UploadGate:
                       "be applied", phase.round, phase.name, edge, exc_info=True)
             raise Refused(f"{phase.name} upload: the server could not aggregate it "
                           f"({type(err).__name__})", drop=True) from None
+        finally:
+            if spill is not None:
+                spill.offered = None
         log_memory("round %d %s: %s's upload aggregated", phase.round, phase.name, edge)
         return norm
 
@@ -502,9 +500,13 @@ class UploadGate:
         return result
 
 
-def _decode_checked(assembler: PayloadAssembler, driver: PhaseDriver,
-                    edge: str) -> tuple[Payload, list[str]]:
-    """Decode, the driver's decode and the finiteness scan: off the event loop (torch
-    drops the GIL)."""
-    payload = driver.decode(edge, assembler.finish())
+def _decode_checked(assembler: PayloadAssembler, driver: PhaseDriver, edge: str,
+                    nonfinite: list[str] | None) -> tuple[Payload, list[str]]:
+    """Decode, the driver's decode and the finiteness scan (unless the body was scanned as
+    it arrived and the driver left it as it is): off the event loop (torch drops the
+    GIL)."""
+    received = assembler.finish()
+    payload = driver.decode(edge, received)
+    if payload is received and nonfinite is not None:
+        return payload, nonfinite
     return payload, nonfinite_tensors(payload)

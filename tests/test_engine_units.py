@@ -7,8 +7,8 @@ import pytest
 
 from fl_server.edges import AuthError, EdgeBook
 from fl_server.evaluation import split_figures, summarize
-from fl_server.front import run_to_end
 from fl_server.phase import select_edges
+from fl_server.uploads import run_to_end
 
 
 def test_selection_is_seeded_and_sized():

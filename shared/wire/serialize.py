@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import mmap
 import sys
 from dataclasses import dataclass
 
@@ -190,8 +191,9 @@ def encode(payload: Payload, checksum: bool = True) -> EncodedPayload:
 
 
 def decode(manifest: pb.PayloadManifest, data: bytes | bytearray) -> Payload:
-    """Tensors view ``data`` without copying when it is a writable buffer."""
-    buffer = data if isinstance(data, bytearray) else bytearray(data)
+    """Tensors view ``data`` without copying when it is a writable buffer (a bytearray or
+    a writable memory map)."""
+    buffer = data if isinstance(data, (bytearray, mmap.mmap)) else bytearray(data)
     payload = Payload()
     offset = 0
     for meta in manifest.sections:

@@ -6,15 +6,20 @@ into one buffer by ``PayloadAssembler``, which refuses anything off the declared
 
 from __future__ import annotations
 
+import mmap
+import os
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+import torch
 
 from ..schema import Kind, Payload
 from . import fedattn_pb2 as pb
 from .payload import WireError
-from .serialize import EncodedPayload, crc32, decode, section_sizes
+from .serialize import EncodedPayload, crc32, decode, section_layout, section_sizes
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 
@@ -60,8 +65,9 @@ def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES,
     return options
 
 
-__all__ = ["CALLS_PER_EDGE", "DEFAULT_CHUNK_BYTES", "MAX_MESSAGE_BYTES", "DownloadTerms",
-           "call_seconds", "channel_options", "server_options"]
+__all__ = ["CALLS_PER_EDGE", "DEFAULT_CHUNK_BYTES", "MAX_MESSAGE_BYTES", "BufferPool",
+           "DownloadTerms", "FiniteScan", "PayloadAssembler", "Spool", "call_seconds",
+           "channel_options", "server_options"]
 
 
 # ---- a task download's terms --------------------------------------------------------------
@@ -240,15 +246,176 @@ class BufferPool:
         self._free = {}
 
 
+class Spool:
+    """One payload's bytes in an unlinked file in ``directory``, written as they arrive
+    (``pwrite``: the kernel's page cache holds them, which it can write back and drop,
+    not the process's heap) and mapped only once complete, privately (a write into the
+    map, such as the norm bound's scaling, changes the process's copy of that page, never
+    the file). A server receiving many uploads at once then holds none of their bodies
+    while they stream in: a receive buffer is a model's bytes for the whole of a slow
+    upload. The file has no name from the start, so nothing is left behind by a crash;
+    its disk space goes back once it is closed and nothing views the map."""
+
+    def __init__(self, directory: Path, size: int):
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        try:
+            self.fd = os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600)
+        except (AttributeError, OSError):  # no O_TMPFILE here: named for an instant
+            self.fd, name = tempfile.mkstemp(dir=directory, prefix="receiving-")
+            os.unlink(name)
+        self.size = size
+        self._map: mmap.mmap | None = None
+        try:
+            os.ftruncate(self.fd, size)
+        except OSError:
+            os.close(self.fd)
+            raise
+
+    def __len__(self) -> int:
+        return self.size
+
+    def write(self, offset: int, chunk) -> None:
+        """Writes ``chunk`` at ``offset`` (releases the GIL: a worker thread's)."""
+        view = memoryview(chunk).cast("B")
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self.fd, view[done:], offset + done)
+
+    def mapped(self) -> mmap.mmap | bytearray:
+        """The bytes, as a private writable map of the file (an empty bytearray when
+        there are none)."""
+        if not self.size:
+            return bytearray()
+        if self._map is None:
+            self._map = mmap.mmap(self.fd, self.size, access=mmap.ACCESS_COPY)
+        return self._map
+
+    def holds(self, views: list[memoryview]) -> bool:
+        """Whether ``views`` are, end to end, the whole file's bytes as the map shows them
+        and the file still holds: views of the map from its first byte to its last, and
+        none of its pages written since it was mapped (a write, such as the norm bound's
+        scaling, makes the process its own copy of the page: its page-map entry no longer
+        says "file page"). Reads 8 bytes of ``/proc/self/pagemap`` per page; False
+        wherever that cannot be read."""
+        if self._map is None or not views or self.fd < 0:
+            return False
+        start = torch.frombuffer(self._map, dtype=torch.uint8).data_ptr()
+        position = start
+        for view in views:
+            if not view.nbytes:
+                continue
+            if np.frombuffer(view, dtype=np.uint8).ctypes.data != position:
+                return False
+            position += view.nbytes
+        if position != start + self.size:
+            return False
+        page = mmap.PAGESIZE
+        first, count = start // page, (start + self.size + page - 1) // page - start // page
+        try:
+            with open("/proc/self/pagemap", "rb", buffering=0) as pagemap:
+                entries = np.frombuffer(os.pread(pagemap.fileno(), 8 * count, 8 * first),
+                                        dtype=np.uint64)
+        except OSError:
+            return False
+        if len(entries) != count:
+            return False
+        present, swapped, file = (np.uint64(1) << np.uint64(bit) for bit in (63, 62, 61))
+        written = ((entries & present) != 0) & ((entries & file) == 0)
+        return not bool(np.any(written | ((entries & swapped) != 0)))
+
+    def link(self, path: Path) -> bool:
+        """Gives the file the name ``path`` (same filesystem; nothing is copied): True, or
+        False where it cannot be (no O_TMPFILE: the file was unlinked by name)."""
+        try:  # a directory fd makes CPython call linkat(AT_SYMLINK_FOLLOW), not link()
+            folder = os.open(Path(path).parent, os.O_RDONLY)
+            try:
+                os.link(f"/proc/self/fd/{self.fd}", path, src_dir_fd=folder,
+                        follow_symlinks=True)
+            finally:
+                os.close(folder)
+        except OSError:
+            return False
+        return True
+
+    def close(self) -> None:
+        """Closes the file; the map goes with the last tensor viewing it (each holds a
+        reference to it). Never ``mmap.close``: torch's views hold no buffer export, so
+        the map would be unmapped under them."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self._map = None
+
+
+#: Exponent bits of each floating dtype, as an unsigned integer of its width: a value is
+#: NaN or Inf exactly when all of them are set.
+_EXPONENT = {torch.float16: (np.uint16, 0x7C00), torch.bfloat16: (np.uint16, 0x7F80),
+             torch.float32: (np.uint32, 0x7F800000),
+             torch.float64: (np.uint64, 0x7FF0000000000000)}
+
+
+class FiniteScan:
+    """Finds the floating tensors of a payload that hold NaN or Inf as its chunks arrive,
+    in order, a chunk at a time (on a worker thread: numpy releases the GIL), so that the
+    body need not be read again once complete. A chunk may end inside a value: its bytes
+    wait for the next chunk. ``bad`` names the tensors as ``payload.nonfinite_tensors``
+    does (section/tensor)."""
+
+    def __init__(self, manifest: pb.PayloadManifest):
+        self.spans: list[tuple[int, int, np.dtype, int, str]] = []  # start, end, uint, mask, name
+        offset = 0
+        for meta in manifest.sections:
+            layout = section_layout(meta)
+            label = Kind(meta.kind).label
+            for name, dtype, count in zip(layout.names, layout.dtypes, layout.counts,
+                                          strict=True):
+                size = count * dtype.itemsize
+                if dtype in _EXPONENT and size:
+                    uint, mask = _EXPONENT[dtype]
+                    self.spans.append((offset, offset + size, uint, mask,
+                                       f"{label}:{meta.name}/{name}" if meta.name
+                                       else f"{label}/{name}"))
+                offset += size
+        self.bad: list[str] = []
+        self._next = 0  # the first span not yet wholly scanned
+        self._carry = b""  # the bytes of a value cut by the last chunk's end
+
+    def feed(self, offset: int, chunk) -> None:
+        """Scans the chunk at ``offset`` (chunks in order, each once)."""
+        end = offset + len(chunk)
+        data = memoryview(chunk).cast("B")
+        while self._next < len(self.spans):
+            start, stop, uint, mask, name = self.spans[self._next]
+            if start >= end:
+                return
+            lo, hi = max(start, offset), min(stop, end)
+            part = bytes(self._carry) + data[lo - offset : hi - offset] if self._carry \
+                else data[lo - offset : hi - offset]
+            width = np.dtype(uint).itemsize
+            whole = len(part) - len(part) % width
+            if whole and name not in self.bad:
+                values = np.frombuffer(part[:whole], dtype=uint)
+                if np.any(np.bitwise_and(values, uint(mask)) == uint(mask)):
+                    self.bad.append(name)
+            self._carry = bytes(part[whole:])
+            if hi < stop:
+                return  # the span goes on in the next chunk
+            self._next += 1
+            self._carry = b""
+
+
 class PayloadAssembler:
     """Receives one payload chunk by chunk, refusing anything off the declared layout."""
 
     def __init__(self, manifest: pb.PayloadManifest, max_bytes: int, max_chunk_bytes: int,
                  pool: BufferPool | None = None, sizes: list[int] | None = None,
-                 checksum: bool = True):
+                 checksum: bool = True, spool: Path | None = None):
         """``sizes``: each section's byte length, when the caller has already checked the
         manifest's shapes against a schema (walking a large manifest again costs ~1 ms).
-        ``checksum=False`` skips the CRC-32: for uploads, checked by their body MAC."""
+        ``checksum=False`` skips the CRC-32: for uploads, checked by their body MAC.
+        ``spool``: the bytes go to an unlinked file in that folder (``Spool``) instead of
+        a buffer in memory (``pool``'s, or a new one)."""
         seen_sections = set()
         for section in manifest.sections:
             if section.kind not in Kind._value2member_map_:
@@ -267,8 +434,13 @@ class PayloadAssembler:
             raise WireError(f"payload of {declared} bytes exceeds the cap of {max_bytes}")
         self.manifest = manifest
         self.max_chunk_bytes = max_chunk_bytes
-        self.buffer = pool.take(declared) if pool is not None else bytearray(declared)
-        self._bytes = np.frombuffer(self.buffer, dtype=np.uint8)
+        self.buffer: bytearray | Spool
+        if spool is not None:
+            self.buffer = Spool(spool, declared)
+            self._bytes = None
+        else:
+            self.buffer = pool.take(declared) if pool is not None else bytearray(declared)
+            self._bytes = np.frombuffer(self.buffer, dtype=np.uint8)
         self.received = 0  # bytes booked by ``reserve``
         self.written = 0  # bytes copied in by ``write``
         self.checksum = checksum
@@ -325,7 +497,10 @@ class PayloadAssembler:
         if offset != self.written:
             raise WireError(f"chunk written at {offset}, expected {self.written}")
         end = offset + len(chunk)
-        self._bytes[offset:end] = np.frombuffer(chunk, dtype=np.uint8)
+        if self._bytes is None:
+            self.buffer.write(offset, chunk)
+        else:
+            self._bytes[offset:end] = np.frombuffer(chunk, dtype=np.uint8)
         if self.checksum:
             self.crc = crc32(chunk, self.crc)
         self.written = end
@@ -340,4 +515,5 @@ class PayloadAssembler:
             raise WireError(f"payload truncated: {self.written} of {len(self.buffer)} bytes")
         if self.checksum and self.crc != self.manifest.crc32:
             raise WireError(f"payload CRC-32 mismatch ({self.crc:#010x} != {self.manifest.crc32:#010x})")
-        return decode(self.manifest, self.buffer)
+        data = self.buffer.mapped() if isinstance(self.buffer, Spool) else self.buffer
+        return decode(self.manifest, data)
