@@ -172,7 +172,7 @@ class Downloads:
                 record.heard_run_over = True
                 await self._answer(stream, pb.TaskHeader.DONE, engine.round)
                 return
-            found = engine.task_for(edge)
+            found = engine.schedule.task_for(edge)
             if found is not None:
                 break
             remaining = deadline - time.monotonic()
@@ -194,7 +194,7 @@ class Downloads:
         """The next window of a download the edge started: its task must still be the
         edge's (else WAIT: the edge asks afresh); the layout is the first call's."""
         edge = request.edge_id
-        found = self.engine.task_of(edge, request.task_id)
+        found = self.engine.schedule.task_of(edge, request.task_id)
         if found is None or record.session != request.session:
             await self._answer(stream, pb.TaskHeader.WAIT)
             return
@@ -255,7 +255,7 @@ class Downloads:
         if phase.serve(task.edge_id, start, size, limit, whole * limit):
             return True
         if phase.is_pending(task.edge_id):
-            self.engine.drop(phase, task.edge_id,
+            self.engine.context.drop(phase, task.edge_id,
                              f"re-delivery limit: task {task.task_id} was sent {limit} times")
         return False
 

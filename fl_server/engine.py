@@ -21,7 +21,6 @@ from typing import Any
 
 from fedattn_shared.config import ServerConfig, TrainConfig
 from fedattn_shared.methods.base import Method
-from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire.accounting import ByteMeter
 
 from .drivers import PhaseDriver, SecAggPlus, round_plan
@@ -30,7 +29,7 @@ from .gate import UploadGate
 from .history import RunHistory, Snapshot, run_config, tensors_digest
 from .initial import initial_payload
 from .metrics import ServerMetrics
-from .phase import Phase, Task
+from .phase import Phase
 from .schedules import RunContext, Schedule, schedule_for
 from .secagg import SecAggDriver
 
@@ -131,31 +130,8 @@ class Engine:
         """Waits until the last round's checkpoint is on disk; re-raises its failure."""
         await self.runlog.durable()
 
-    def drop(self, phase: Phase, edge_id: str, reason: str) -> None:
-        """Takes an edge's task away (counted and logged by reason): the servicer's, for
-        what the edge sent or pulled."""
-        self.context.drop(phase, edge_id, reason)
-
-    # ---- what the pipelines ask: the schedule's -------------------------------------
-    def task_for(self, edge: str) -> tuple[Phase, Task] | None:
-        """The edge's task now, if any (may hand out new work)."""
-        return self.schedule.task_for(edge)
-
-    def task_of(self, edge: str, task_id: int) -> tuple[Phase, Task] | None:
-        """The edge's pending task ``task_id``, if it still is; no side effect."""
-        return self.schedule.task_of(edge, task_id)
-
-    def has_work(self, edge: str) -> bool:
-        """Whether ``task_for`` would hand the edge a task now; no side effect."""
-        return self.schedule.has_work(edge)
-
-    def phase_for(self, header: pb.SubmitHeader) -> Phase | None:
-        """The open phase a result is for."""
-        return self.schedule.phase_for(header)
-
-    def lose(self, edge: str, reason: str) -> None:
-        """The edge's session ended: its pending tasks are dropped."""
-        self.schedule.lose(edge, reason)
+    # The pipelines ask the schedule (``schedule.task_for``, ``task_of``, ``has_work``,
+    # ``phase_for``, ``lose``) and drop through ``context.drop``: no forwards here.
 
     # ---- the run ------------------------------------------------------------------------
     async def run(self) -> None:

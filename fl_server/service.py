@@ -93,7 +93,7 @@ class FederatedLearningService:
                    and not engine.stopping):
                 stirred.clear()
                 # Asks, never hands out: a task goes only to the edge's own NextTask.
-                ready = engine.finished or engine.has_work(request.edge_id)
+                ready = engine.finished or engine.schedule.has_work(request.edge_id)
                 yield pb.PresenceEvent(server_time=time.time(), task_ready=ready)
                 # Wakes at once when the session ends or the edge's work may have changed.
                 await stirred.wait(PRESENCE_INTERVAL)

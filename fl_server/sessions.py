@@ -81,7 +81,7 @@ class Sessions:
         record.upload_mac_key = upload_mac_key(shared, record.edge_id, record.session)
         record.needs_init = not request.state_fingerprint
         self.metrics.joins.inc()
-        self.engine.lose(edge_id, "rejoined")
+        self.engine.schedule.lose(edge_id, "rejoined")
         if declaring:
             log.info("edge %s declared its training split: %s examples", edge_id,
                      record.info["num_examples"])
@@ -100,14 +100,14 @@ class Sessions:
         """Its presence stream ended: when still its session, its task is dropped."""
         if record.session == session:
             record.connected = False
-            self.engine.lose(record.edge_id, "disconnected")
+            self.engine.schedule.lose(record.edge_id, "disconnected")
             log.info("edge %s disconnected", record.edge_id)
         self._count_connected()
 
     def end(self, record: EdgeRecord, reason: str) -> None:
         """Ends an edge's session from the server's side (a leave or a revocation)."""
         record.end_session()
-        self.engine.lose(record.edge_id, reason)
+        self.engine.schedule.lose(record.edge_id, reason)
         self._count_connected()
 
     def _count_connected(self) -> None:

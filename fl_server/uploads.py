@@ -182,7 +182,7 @@ class Uploads:
             header = first.header
             record = stream.identify_upload(first)  # 1. who sends
             edge = header.edge_id
-            named = self.engine.phase_for(header)
+            named = self.engine.schedule.phase_for(header)
             try:  # 2. the header, before a byte of the body is read
                 admission = self.gate.admit(header, record, named)
             except Refused as err:
@@ -347,7 +347,7 @@ class Uploads:
             phase = (err.phase if isinstance(err, Refused) and err.phase is not None
                      else self.engine.phase)
         if drop and phase is not None and phase.is_pending(edge) and not phase.closed:
-            self.engine.drop(phase, edge, f"bad upload: {err}")
+            self.engine.context.drop(phase, edge, f"bad upload: {err}")
         return reason
 
 

@@ -99,7 +99,7 @@ def play_round(engine: Engine, uploads: dict[str, tuple[Payload, int]]) -> dict[
             except Refused as err:
                 refused[edge] = str(err)
                 if err.drop and edge in phase.pending() and not phase.closed:
-                    engine.drop(phase, edge, f"bad upload: {err}")
+                    engine.context.drop(phase, edge, f"bad upload: {err}")
         await asyncio.wait_for(running, 60)
         await engine.durable()
         return refused
