@@ -268,7 +268,8 @@ class StreamingMean(Aggregator):
     runs the same compensated sum over them a slice of coordinates at a time, in
     arrival order (``exact_sum.spilled_mean``). Every operation of the sum is per coordinate, so
     the mean is bit for bit the in-memory one, and the server holds a slice's buffers
-    where it held four float32 models' worth of float64 pair (ResNet-18: 11 MB, not 179)."""
+    where it held four float32 models' worth of float64 pair (ResNet-18: 6 MB a summing
+    thread, not 179)."""
 
     kind = AggregatorKind.STREAMING_SUM
 
