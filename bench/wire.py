@@ -128,13 +128,15 @@ def fedattn_round(model: str, edges: int, rounds: int, workdir: Path, local_epoc
          *server_args],
         env={**env, **(server_env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while not ready.exists():
+        if server.poll() is not None:
+            raise RuntimeError(f"the server exited ({server.returncode})")
         time.sleep(0.05)
     time.sleep(1.0)
     idle_rss = rss_kib(server.pid, "VmRSS")
     port = json.loads(ready.read_text())["port"]
     spy = None if profile is None else subprocess.Popen(
         ["py-spy", "record", "--pid", str(server.pid), "--rate", "250", "--format", "raw",
-         "--native", "--output", str(profile)],
+         "--nonblocking", "--output", str(profile)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     lo_before = loopback_bytes()
     clients = [subprocess.Popen(
