@@ -439,14 +439,16 @@ def socket_round(nbytes: int, edges: int, repeats: int = 3) -> float:
 
 
 def compare_rounds(models: list[str], edges: int, rounds: int, before: Path, repeats: int,
-                   profile: Path | None = None) -> None:
+                   profile: Path | None = None, server_args: tuple[str, ...] = ()) -> None:
     """The round before and after a change, interleaved in one sitting (before, after,
     bare grpcio, ``repeats`` times) so that the machine's load falls on both alike: round
     time (start to start) and the server's CPU per steady round, each next to bare
     grpcio's in the same repeat, then the medians. ``profile``: py-spy samples the
-    server of each run into that folder."""
+    server of each run into that folder; ``server_args``: more fl-server arguments, on
+    both sides."""
     print(f"{edges} edges on loopback, {os.cpu_count()} cores; FedAvg, no local steps; "
-          f"before = {before}, after = this checkout; {repeats} interleaved repeats")
+          f"before = {before}, after = this checkout; {repeats} interleaved repeats; "
+          f"server arguments {list(server_args)}")
     for model in models:
         nbytes = model_params(model) * 4
         print(f"\n{model} ({nbytes / 1e6:.1f} MB)")
@@ -457,7 +459,7 @@ def compare_rounds(models: list[str], edges: int, rounds: int, before: Path, rep
                 out = None if profile is None else profile / f"{model}-{label}-{repeat}.txt"
                 with tempfile.TemporaryDirectory() as tmp:
                     f = fedattn_round(model, edges, rounds, Path(tmp), local_epochs=0,
-                                      code=code, profile=out)
+                                      server_args=server_args, code=code, profile=out)
                 figures[label].append((f["round_s"], f["server_cpu_s"]))
             bare, _, bare_cpu, _ = grpc_round(nbytes, edges)
             figures["bare"].append((bare, bare_cpu))
@@ -501,8 +503,8 @@ def main() -> int:
                         help="with --uploaders: the server's RSS at each stage of its rounds "
                              "(its DEBUG 'memory at' lines)")
     parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
-                        help="with --uploaders: one more fl-server argument (repeatable; "
-                             "--server-arg=--no-spill-uploads)")
+                        help="with --uploaders or --before: one more fl-server argument "
+                             "(repeatable; --server-arg=--no-spill-uploads)")
     args = parser.parse_args()
     if args.uploaders:
         model = "resnet18-cifar" if "--models" not in sys.argv else args.models[0]
@@ -513,7 +515,7 @@ def main() -> int:
         if args.profile:
             args.profile.mkdir(parents=True, exist_ok=True)
         compare_rounds(args.models, args.edges, args.rounds, args.before, args.repeats,
-                       args.profile)
+                       args.profile, tuple(args.server_arg))
         return 0
     print(f"{args.edges} edges on loopback, {os.cpu_count()} cores; FedAvg, trivial local training")
     for model in args.models:
