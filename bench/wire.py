@@ -66,6 +66,20 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
+    """CPU seconds so far of each live thread of a process: thread id -> (name, seconds)."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        out[int(task.name)] = (name, (int(fields[11]) + int(fields[12]))
+                               / os.sysconf("SC_CLK_TCK"))
+    return out
+
+
 def model_params(name: str) -> int:
     from fedattn_shared.models import build_model
 
@@ -75,9 +89,24 @@ def model_params(name: str) -> int:
 
 
 # ---- fedattn ------------------------------------------------------------------------------
+def checkout_path(checkout: Path, workdir: Path) -> str:
+    """A PYTHONPATH that imports fedattn's packages from ``checkout``: its folders under
+    their installed names, as symbolic links in ``workdir``."""
+    links = workdir / "pypath"
+    links.mkdir()
+    for name, folder in (("fedattn_shared", "shared"), ("fl_server", "fl_server"),
+                         ("fl_edge", "fl_edge"), ("fl_tools", "tools")):
+        (links / name).symlink_to(Path(checkout).resolve() / folder)
+    return str(links)
+
+
 def fedattn_round(model: str, edges: int, rounds: int, workdir: Path, local_epochs: int,
                   server_env: dict[str, str] | None = None,
-                  server_args: tuple[str, ...] = ()) -> dict:
+                  server_args: tuple[str, ...] = (), code: Path | None = None,
+                  profile: Path | None = None) -> dict:
+    """One fedattn run: round time, CPU, bytes and memory figures. ``code``: another
+    checkout to run the server and the edges from (the figure before a change);
+    ``profile``: py-spy samples the server's stacks into this file (collapsed stacks)."""
     channels, size = MODEL_INPUT[model]
     rng = np.random.default_rng(0)
     for i in range(edges):
@@ -88,6 +117,8 @@ def fedattn_round(model: str, edges: int, rounds: int, workdir: Path, local_epoc
                      x=rng.integers(0, 255, (2, size, size, channels), dtype=np.uint8),
                      y=np.arange(2))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if code is not None:
+        env["PYTHONPATH"] = checkout_path(code, workdir)
     ready = workdir / "ready.json"
     server = subprocess.Popen(
         [sys.executable, "-m", "fl_server", "--insecure", "--host", "127.0.0.1", "--port", "0",
@@ -98,10 +129,16 @@ def fedattn_round(model: str, edges: int, rounds: int, workdir: Path, local_epoc
          *server_args],
         env={**env, **(server_env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while not ready.exists():
+        if server.poll() is not None:
+            raise RuntimeError(f"the server exited ({server.returncode})")
         time.sleep(0.05)
     time.sleep(1.0)
     idle_rss = rss_kib(server.pid, "VmRSS")
     port = json.loads(ready.read_text())["port"]
+    spy = None if profile is None else subprocess.Popen(
+        ["py-spy", "record", "--pid", str(server.pid), "--rate", "250", "--format", "raw",
+         "--nonblocking", "--output", str(profile)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     lo_before = loopback_bytes()
     clients = [subprocess.Popen(
         [sys.executable, "-m", "fl_edge", "--insecure", "--server", f"127.0.0.1:{port}",
@@ -121,10 +158,19 @@ def fedattn_round(model: str, edges: int, rounds: int, workdir: Path, local_epoc
         peak = max(peak, rss_kib(server.pid, "VmHWM"))
         if cpu_start is None and checkpoint_of(steady_from).exists():
             cpu_start = [cpu_seconds(p.pid) for p in [server, *clients]]
+            threads_start = thread_cpu(server.pid)
         time.sleep(0.02)
     if cpu_start is not None and server.poll() is None:
         cpu_end = [cpu_seconds(p.pid) for p in [server, *clients]]
+        if profile is not None:  # the server's CPU per steady round, by thread name
+            by_name: dict[str, float] = {}
+            for tid, (name, seconds) in thread_cpu(server.pid).items():
+                spent = seconds - threads_start.get(tid, (name, 0.0))[1]
+                by_name[name] = by_name.get(name, 0.0) + spent / (rounds - steady_from)
+            profile.with_suffix(".threads.json").write_text(json.dumps(by_name, indent=1))
     server.wait(timeout=120)
+    if spy is not None:
+        spy.wait(timeout=120)
     lo_total = loopback_bytes() - lo_before
     for c in clients:
         c.wait(timeout=120)
@@ -397,6 +443,50 @@ def socket_round(nbytes: int, edges: int, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
+def compare_rounds(models: list[str], edges: int, rounds: int, before: Path, repeats: int,
+                   profile: Path | None = None, server_args: tuple[str, ...] = ()) -> None:
+    """The round before and after a change, interleaved in one sitting (before, after,
+    bare grpcio, ``repeats`` times) so that the machine's load falls on both alike: round
+    time (start to start) and the server's CPU per steady round, each next to bare
+    grpcio's in the same repeat, then the medians. ``profile``: py-spy samples the
+    server of each run into that folder; ``server_args``: more fl-server arguments, on
+    both sides."""
+    print(f"{edges} edges on loopback, {os.cpu_count()} cores; FedAvg, no local steps; "
+          f"before = {before}, after = this checkout; {repeats} interleaved repeats; "
+          f"server arguments {list(server_args)}")
+    for model in models:
+        nbytes = model_params(model) * 4
+        print(f"\n{model} ({nbytes / 1e6:.1f} MB)")
+        figures: dict[str, list[tuple[float, float]]] = {"before": [], "after": [], "bare": []}
+        for repeat in range(repeats):
+            load = os.getloadavg()[0]
+            for label, code in (("before", before), ("after", None)):
+                out = None if profile is None else profile / f"{model}-{label}-{repeat}.txt"
+                with tempfile.TemporaryDirectory() as tmp:
+                    f = fedattn_round(model, edges, rounds, Path(tmp), local_epochs=0,
+                                      server_args=server_args, code=code, profile=out)
+                figures[label].append((f["round_s"], f["server_cpu_s"]))
+            bare, _, bare_cpu, _ = grpc_round(nbytes, edges)
+            figures["bare"].append((bare, bare_cpu))
+            (b, bc), (a, ac) = figures["before"][-1], figures["after"][-1]
+            print(f"  repeat {repeat}: before {b:.3f} s = {b / bare:.2f}x, server CPU {bc:.3f} s"
+                  f" | after {a:.3f} s = {a / bare:.2f}x, server CPU {ac:.3f} s | bare grpcio "
+                  f"{bare:.3f} s, server CPU {bare_cpu:.3f} s | load avg {load:.2f} before",
+                  flush=True)
+        med = {k: (statistics.median(t for t, _ in v), statistics.median(c for _, c in v))
+               for k, v in figures.items()}
+        ratios = {k: statistics.median(t / bare for (t, _), (bare, _) in
+                                       zip(figures[k], figures["bare"], strict=True))
+                  for k in ("before", "after")}
+        for k in ("before", "after"):
+            print(f"  median {k:6s}: round {med[k][0]:.3f} s = {ratios[k]:.2f}x bare grpcio; "
+                  f"server CPU per round {med[k][1]:.3f} s = {med[k][1] / med['bare'][1]:.2f}x "
+                  f"bare grpcio's")
+        print(f"  median bare  : round {med['bare'][0]:.3f} s, server CPU {med['bare'][1]:.3f} s;"
+              f" after / before: round {med['after'][0] / med['before'][0]:.2f}x, server CPU "
+              f"{med['after'][1] / med['before'][1]:.2f}x")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--edges", type=int, default=8)
@@ -406,19 +496,31 @@ def main() -> int:
                         help="only the server-memory figure: N light uploaders at once "
                              "(ResNet-18, the first of --models when given)")
     parser.add_argument("--before", type=Path, metavar="CHECKOUT",
-                        help="with --uploaders: also run the server from this checkout")
+                        help="with --uploaders: also run the server from this checkout; "
+                             "without: only the round and the server's CPU, before (server and "
+                             "edges from CHECKOUT) and after (this checkout), interleaved")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="with --before: interleaved repeats of before, after, bare grpcio")
+    parser.add_argument("--profile", type=Path, metavar="DIR",
+                        help="with --before: py-spy's samples of each run's server into DIR")
     parser.add_argument("--method", default="fedavg", help="with --uploaders: the method")
     parser.add_argument("--breakdown", action="store_true",
                         help="with --uploaders: the server's RSS at each stage of its rounds "
                              "(its DEBUG 'memory at' lines)")
     parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
-                        help="with --uploaders: one more fl-server argument (repeatable; "
-                             "--server-arg=--no-spill-uploads)")
+                        help="with --uploaders or --before: one more fl-server argument "
+                             "(repeatable; --server-arg=--no-spill-uploads)")
     args = parser.parse_args()
     if args.uploaders:
         model = "resnet18-cifar" if "--models" not in sys.argv else args.models[0]
         memory_figures(model, args.uploaders, min(args.rounds, 3), args.before, args.method,
                        args.breakdown, tuple(args.server_arg))
+        return 0
+    if args.before:
+        if args.profile:
+            args.profile.mkdir(parents=True, exist_ok=True)
+        compare_rounds(args.models, args.edges, args.rounds, args.before, args.repeats,
+                       args.profile, tuple(args.server_arg))
         return 0
     print(f"{args.edges} edges on loopback, {os.cpu_count()} cores; FedAvg, trivial local training")
     for model in args.models:

@@ -375,6 +375,25 @@ def test_a_spilled_streaming_mean_gives_the_in_memory_bits(method, slice_, tmp_p
         assert_same_state(in_ram, on_disk)
 
 
+@pytest.mark.parametrize("workers", [1, 3])
+def test_a_spilled_close_gives_the_same_bits_on_any_number_of_threads(workers, tmp_path,
+                                                                       monkeypatch):
+    """The close's slices summed by 1 or 3 threads (slices of 7 coordinates cut across
+    tensors of several dtypes, each thread taking every third): the bits of the
+    in-memory sum either way."""
+    from fedattn_shared.methods import exact_sum
+
+    monkeypatch.setattr(exact_sum, "SPILL_SLICE", 7)
+    monkeypatch.setattr(exact_sum, "sum_workers", lambda: workers)
+    in_ram, on_disk = aggregator("fedavg"), aggregator("fedavg")
+    on_disk.spill = UploadSpill(tmp_path / "uploads", 1 << 30)
+    payloads = streaming_uploads(in_ram, 4)
+    weights = [2.0, 1e6, 3.0, 0.5]
+    assert streaming_round(on_disk, payloads, weights) == streaming_round(in_ram, payloads,
+                                                                          weights)
+    assert_same_state(in_ram, on_disk)
+
+
 def test_a_spilled_close_opens_one_upload_at_a_time(tmp_path):
     """A round of more spilled uploads than the process may open files: the close reads
     them one descriptor at a time (all at once, a server with 1,000 uploaders and the

@@ -1,0 +1,85 @@
+"""The server's exact sum against exact arithmetic: whatever its implementation (torch or
+NumPy calls, slices, threads), ``add_scaled`` and ``spilled_mean`` must give the float64
+nearest the exact sum of the rounded products ``weight * value`` (Python's fractions),
+in every arrival order."""
+
+from __future__ import annotations
+
+import itertools
+from fractions import Fraction
+
+import pytest
+import torch
+
+from fedattn_shared.methods import exact_sum
+from fedattn_shared.methods.exact_sum import add_scaled, finish_sum, spilled_mean
+from fedattn_shared.methods.spill import UploadSpill
+from fedattn_shared.wire.payload import Kind
+
+WEIGHTS = (1.0, 37.0, 999_983.0, 0.1, 4096.0)
+KEY = (Kind.SHARED_TENSORS, "")
+
+
+def values(dtype: torch.dtype, n: int = 600, seed: int = 0, low: int = -8, high: int = 3
+           ) -> list[torch.Tensor]:
+    """One vector per weight: magnitudes over 10**low..10**high and both signs (integers
+    for an integer dtype), the last nearly cancelling the others' weighted sum."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in WEIGHTS[:-1]:
+        if dtype.is_floating_point:
+            scale = torch.pow(10.0, torch.empty(n, dtype=torch.float64).uniform_(
+                low, high, generator=generator))
+            sign = torch.where(torch.rand(n, generator=generator) < 0.5, -1.0, 1.0)
+            out.append((sign * scale).to(dtype))
+        else:
+            out.append(torch.randint(-2**40, 2**40, (n,), generator=generator).to(dtype))
+    partial = sum(v.double() * w for v, w in zip(out, WEIGHTS, strict=False))
+    out.append((-partial / WEIGHTS[-1]).to(dtype))
+    return out
+
+
+def exact(uploads: list[torch.Tensor], weights=WEIGHTS) -> torch.Tensor:
+    """The float64 nearest the exact sum of each coordinate's rounded products."""
+    columns = zip(*(v.double().tolist() for v in uploads), strict=True)
+    sums = [float(sum((Fraction(w * x) for w, x in zip(weights, column, strict=True)),
+                      Fraction(0)))
+            for column in columns]
+    return torch.tensor(sums, dtype=torch.float64)
+
+
+@pytest.mark.parametrize(("dtype", "low", "high"), [
+    (torch.float32, -8, 3), (torch.bfloat16, -8, 3), (torch.int64, 0, 0),
+    # Products of 53-bit values are rounded: their range must stay within the sum's exact
+    # regime (``add_scaled``: ~2**48 for 5 edges); float16's last vector must stay finite.
+    (torch.float64, -2, 2), (torch.float16, -3, 1)])
+def test_the_compensated_sum_is_the_exact_sum_rounded_once(dtype, low, high):
+    """Every dtype an upload may carry, weights up to 1e6 and 0.1 (not a binary
+    fraction), 18 of the 120 arrival orders: the float64 nearest the exact sum."""
+    uploads = values(dtype, low=low, high=high)
+    expected = exact(uploads)
+    for order in itertools.islice(itertools.permutations(range(len(uploads))), 0, 120, 7):
+        total = torch.zeros(uploads[0].numel(), dtype=torch.float64)
+        comp = torch.zeros_like(total)
+        for i in order:
+            add_scaled(total, uploads[i], WEIGHTS[i], comp)
+        assert torch.equal(finish_sum(total, comp), expected), order
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_spilled_mean_is_the_exact_mean(workers, tmp_path, monkeypatch):
+    """Uploads of a float32 and a float64 tensor read back from disk, slices of 5 that
+    cut across both, summed on 1 and 2 threads: the exact sum rounded once, divided by
+    the total weight."""
+    monkeypatch.setattr(exact_sum, "SPILL_SLICE", 5)
+    singles, doubles = values(torch.float32, 23), values(torch.float64, 19, seed=1)
+    spill = UploadSpill(tmp_path, 1 << 30)
+    spilled = []
+    for i, (a, b) in enumerate(zip(singles, doubles, strict=True)):
+        views = [memoryview(t.numpy()).cast("B") for t in (a, b)]
+        path = spill.write_raw(1, f"e{i}", f"e{i}", views)
+        spilled.append((path, WEIGHTS[i], {KEY: (0, [torch.float32, torch.float64])}))
+    layout = [("a", torch.float32, (23,)), ("b", torch.float64, (19,))]
+    mean = spilled_mean(spilled, KEY, layout, sum(WEIGHTS), workers=workers)
+    assert torch.equal(mean["a"], (exact(singles) / sum(WEIGHTS)).float())
+    assert torch.equal(mean["b"], exact(doubles) / sum(WEIGHTS))
