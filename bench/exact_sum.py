@@ -32,7 +32,7 @@ def measure(count: int, size: int, directory: Path) -> dict:
 
     from fedattn_shared.methods.exact_sum import add_scaled, spilled_mean
     from fedattn_shared.methods.spill import UploadSpill
-    from fedattn_shared.wire.payload import Kind
+    from fedattn_shared.schema import Kind
 
     torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(0)

@@ -14,7 +14,7 @@ import torch
 from fedattn_shared.methods import exact_sum
 from fedattn_shared.methods.exact_sum import add_scaled, finish_sum, spilled_mean
 from fedattn_shared.methods.spill import UploadSpill
-from fedattn_shared.wire.payload import Kind
+from fedattn_shared.schema import Kind
 
 WEIGHTS = (1.0, 37.0, 999_983.0, 0.1, 4096.0)
 KEY = (Kind.SHARED_TENSORS, "")
