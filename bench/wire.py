@@ -127,10 +127,13 @@ def fedattn_round(model: str, edges: int, rounds: int, workdir: Path, local_epoc
          "--rounds", str(rounds), "--min-edges", str(edges), "--eval-every", "0",
          "--batch-size", "2", "--local-epochs", str(local_epochs), "--log-level", "WARNING",
          *server_args],
-        env={**env, **(server_env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        env={**env, **(server_env or {})}, stdout=subprocess.DEVNULL,
+        stderr=(workdir / "server.log").open("wb"),
+        cwd=workdir)  # not the repository: `python -m` would import its packages first
     while not ready.exists():
         if server.poll() is not None:
-            raise RuntimeError(f"the server exited ({server.returncode})")
+            tail = (workdir / "server.log").read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"the server exited ({server.returncode}):\n{tail}")
         time.sleep(0.05)
     time.sleep(1.0)
     idle_rss = rss_kib(server.pid, "VmRSS")
@@ -144,7 +147,8 @@ def fedattn_round(model: str, edges: int, rounds: int, workdir: Path, local_epoc
         [sys.executable, "-m", "fl_edge", "--insecure", "--server", f"127.0.0.1:{port}",
          "--data-dir", str(workdir / f"edge-{i}"), "--state-dir", str(workdir / f"state-{i}"),
          "--name", f"edge-{i}", "--device", "cpu", "--log-level", "WARNING"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(edges)]
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=workdir)
+        for i in range(edges)]
     # The high-water mark once the last round's checkpoint is on disk: the rounds' peak,
     # not the interpreter's teardown at exit (which briefly adds about 100 MB).
     def checkpoint_of(round_number: int) -> Path:
