@@ -219,7 +219,7 @@ def uploaders_round(model: str, uploaders: int, rounds: int, workdir: Path,
     root = Path(__file__).resolve().parent.parent
     code = server_code or root
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    server_env = {**env, "PYTHONPATH": f"{code}:{code / '.pypath'}", **(server_env or {})}
+    server_env = {**env, "PYTHONPATH": checkout_path(code, workdir), **(server_env or {})}
     ready = workdir / "ready.json"
     server = subprocess.Popen(
         [sys.executable, "-m", "fl_server", "--insecure", "--host", "127.0.0.1", "--port", "0",
@@ -227,12 +227,13 @@ def uploaders_round(model: str, uploaders: int, rounds: int, workdir: Path,
          "--model", model, "--in-channels", str(channels), "--image-size", str(size),
          "--rounds", str(rounds), "--min-edges", str(uploaders), "--eval-every", "0",
          "--round-timeout", "900", "--upload-idle-timeout", "600", "--log-level",
-         "DEBUG" if server_log else "WARNING", *server_args], env=server_env, cwd=code,
-        stdout=subprocess.DEVNULL,
-        stderr=server_log.open("w") if server_log else subprocess.DEVNULL)
+         "DEBUG" if server_log else "WARNING", *server_args], env=server_env,
+        cwd=workdir,  # not a checkout: `python -m` would import its packages first
+        stdout=subprocess.DEVNULL, stderr=(server_log or workdir / "server.log").open("w"))
     while not ready.exists():
         if server.poll() is not None:
-            raise RuntimeError(f"the server exited ({server.returncode})")
+            tail = (server_log or workdir / "server.log").read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"the server exited ({server.returncode}):\n{tail}")
         time.sleep(0.05)
     time.sleep(1.0)
     idle_rss = rss_kib(server.pid, "VmRSS")
