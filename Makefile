@@ -35,8 +35,10 @@ demo: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/fl-demo --method fedsap --edges 4 --rounds 5 --alpha 0.5 \
 		--out runs/demo --force
 
+# --durations: the slowest tests close the log, so a suite over its ~15 min aim shows
+# where the minutes went.
 test: setup $(VENV)/.ray
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -m "not links"
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -m "not links" --durations=30
 
 # Real daemons over shaped links in network namespaces (tests/test_links.py: minutes per
 # test, so not in make test). Root; installs Debian's iptables (the loss) when missing.

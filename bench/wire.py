@@ -28,6 +28,7 @@ import json
 import math
 import multiprocessing as mp
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -139,7 +140,7 @@ def fedattn_round(model: str, edges: int, rounds: int, workdir: Path, local_epoc
     idle_rss = rss_kib(server.pid, "VmRSS")
     port = json.loads(ready.read_text())["port"]
     spy = None if profile is None else subprocess.Popen(
-        ["py-spy", "record", "--pid", str(server.pid), "--rate", "250", "--format", "raw",
+        [shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(server.pid), "--rate", "250", "--format", "raw",
          "--nonblocking", "--output", str(profile)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     lo_before = loopback_bytes()
