@@ -1,5 +1,6 @@
-"""Real daemons over a shaped link (``netlink``: two network namespaces, a veth pair, tc
-netem): what a cellular edge's link does to a round, done by the kernel.
+"""Real daemons over a shaped link (``netlink``: two network namespaces, a token bucket, loss
+by iptables, the delay by a packet relay between TUN devices): what a cellular edge's link
+does to a round, done by the kernel.
 
 Slow (minutes per test: the bytes really cross a 256 kbit/s link), so it is its own tier:
 ``make test-links`` (root; skipped with the reason where namespaces or tc are missing).
@@ -8,6 +9,7 @@ Slow (minutes per test: the bytes really cross a 256 kbit/s link), so it is its 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 
@@ -18,14 +20,42 @@ from netlink import SERVER_ADDRESS, Profile, shaped_link, unavailable
 pytestmark = [pytest.mark.links, pytest.mark.slow]
 
 WHY = unavailable()
-CELLULAR = Profile(rate_kbit=256, loss_pct=1.0)
+CELLULAR = Profile(rate_kbit=256, loss_pct=1.0, delay_ms=200)
+
+
+@pytest.mark.skipif(bool(WHY), reason=WHY or "available")
+def test_the_link_delays_and_shapes(tmp_path):
+    """The link itself: a TCP connect takes the round trip, and 200 kB take their time at
+    the rate (what the tests below rely on, measured through the kernel's own sockets)."""
+    probe = ("import socket, sys, time\n"
+             "t = time.monotonic(); s = socket.create_connection((sys.argv[1], 9911), timeout=30)\n"
+             "connect = time.monotonic() - t; t = time.monotonic()\n"
+             "s.sendall(b'x' * 200_000); s.shutdown(socket.SHUT_WR); s.recv(1)\n"
+             "print(connect, time.monotonic() - t)\n")
+    sink = ("import socket\n"
+            "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+            "s.bind(('0.0.0.0', 9911)); s.listen(); c, _ = s.accept()\n"
+            "while c.recv(65536): pass\n")
+    with shaped_link(Profile(rate_kbit=256, delay_ms=200)) as link:
+        server = Proc(link.wrap("server", [sys.executable, "-c", sink]), tmp_path / "sink.log")
+        try:
+            wait_for(lambda: b"9911" in subprocess.run(
+                link.wrap("server", ["ss", "-ltn"]), capture_output=True).stdout, 30, "the sink")
+            out = subprocess.run(
+                link.wrap("edge", [sys.executable, "-c", probe, SERVER_ADDRESS]),
+                capture_output=True, text=True, timeout=120, check=True).stdout.split()
+        finally:
+            server.close()
+    connect, transfer = float(out[0]), float(out[1])
+    assert 0.2 <= connect < 1.0, connect  # one round trip (plus the queue)
+    assert 200_000 * 8 / 256_000 <= transfer < 3 * 200_000 * 8 / 256_000, transfer
 
 
 @pytest.mark.skipif(bool(WHY), reason=WHY or "available")
 @pytest.mark.timeout(1800)
 def test_mobilenet_round_over_256_kbit_and_1_percent_loss(tmp_path):
-    # MobileNetV3-Small (6.1 MB each way) over a 256 kbit/s link that drops 1 % of its
-    # packets each way (no added delay: see netlink): the download comes in windows under
+    # MobileNetV3-Small (6.1 MB each way) over a 256 kbit/s link with a 200 ms round trip
+    # that drops 1 % of its packets each way: the download comes in windows under
     # deadlines the edge derives from the server's terms, each message within the idle
     # deadline plus its size at the min rate, and the round completes with the edge's
     # result in it. The operator sets the rates a link this slow averages (half the
