@@ -152,14 +152,21 @@ def one_round(model: str, codec: str, profile: Profile, cuts: bool, cut_seconds:
                 if proc is not None and proc.poll() is None:
                     proc.kill()
                     proc.wait(timeout=60)
-    needed, inside = 0, None
+    needed, inside, failed = 0, None, ""
     history = workdir / "server" / "history.json"
     if seconds is not None and history.exists():
         for record in json.loads(history.read_text())["rounds"]:
             inside = record["seconds"]
             for direction in record["bytes"].values():
                 needed += sum(v["wire"] for v in direction.values())
-    return {"seconds": seconds, "round": inside, "carried": carried, "needed": needed,
+            if "cell" not in record.get("train", {}).get("received", []):
+                failed = (f"the round ended without the edge's result: "
+                          f"{json.dumps(record.get('train', {}).get('dropped') or record.get('aborted'))}")
+    elif seconds is not None:
+        failed = "the server exited without a history: " + (
+            workdir / "server.log").read_text(errors="replace")[-500:]
+    return {"seconds": None if failed else seconds, "round": inside, "carried": carried,
+            "needed": needed, "failed": failed,
             "cuts": cutter.cuts if cutter is not None else []}
 
 
@@ -205,8 +212,9 @@ def main() -> int:
                                       args.cut_seconds, args.budget, Path(tmp))
                     label = f"{model} {codec:4s} {variant:5s} {rate:>6d} kbit/s"
                     if r["seconds"] is None:
-                        print(f"  {label}: not completed within {args.budget:g} s "
-                              f"(link carried {r['carried'] / 1e6:.1f} MB)", flush=True)
+                        why = r["failed"] or f"not completed within {args.budget:g} s"
+                        print(f"  {label}: {why} (link carried {r['carried'] / 1e6:.1f} MB)",
+                              flush=True)
                         continue
                     completed.setdefault(variant, []).append(rate)
                     if variant == "clean":
