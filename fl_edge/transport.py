@@ -64,6 +64,11 @@ PRESENCE_INTERVAL = 10.0
 #: A presence stream silent for this many of the server's intervals has stalled (a proxy or
 #: NAT dropped it without a word): it is cancelled and opened again.
 PRESENCE_STALL_INTERVALS = 3
+#: A presence stream that ended within this many seconds of opening is opened again after a
+#: pause that doubles from 0.5 s up to ``PRESENCE_MAX_PAUSE`` (at most one stream a second);
+#: one that lived longer, at once.
+PRESENCE_QUICK_END = 1.0
+PRESENCE_MAX_PAUSE = 4.0
 
 
 #: Receivers for the downlinks a task header declares (the session's cap and cache).
@@ -381,9 +386,10 @@ class PresenceHolder:
                     return
                 self.reopened += 1
                 # A stream cut as soon as it opens (a proxy's tiny maximum age) is opened
-                # again at a growing pace, never in a tight loop; one that lived goes at once.
-                lived = time.monotonic() - opened >= self.transport.presence_interval
-                pause = 0.0 if lived else min(max(2 * pause, 0.5), self.transport.presence_interval)
+                # again at a growing pace, never in a tight loop; one that lived goes at once
+                # (a proxy's idle cut, its lifetime): the server's grace is short.
+                lived = time.monotonic() - opened >= PRESENCE_QUICK_END
+                pause = 0.0 if lived else min(max(2 * pause, 0.5), PRESENCE_MAX_PAUSE)
                 log.info("presence stream ended (%s): opening it again%s", why,
                          f" in {pause:.1f}s" if pause else "")
                 if pause and self.stop.wait(pause):

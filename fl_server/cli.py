@@ -61,6 +61,7 @@ FLAG_TARGETS = {
     "presence_interval": ("server", "presence_interval"),
     "presence_lifetime": ("server", "presence_lifetime"),
     "presence_grace": ("server", "presence_grace"),
+    "keepalive_interval": ("server", "keepalive_interval"),
     "max_concurrent_uploads": ("server", "max_concurrent_uploads"),
     "max_upload_memory": ("server", "max_upload_memory"),
     "max_download_memory": ("server", "max_download_memory"),
@@ -223,6 +224,9 @@ def _network_flags(p: argparse.ArgumentParser) -> None:
     net.add_argument("--presence-lifetime", type=float,
                      help="end a presence stream after this many seconds, the edge opens it "
                           "again at once; under a proxy's maximum stream age (300; 0: never)")
+    net.add_argument("--keepalive-interval", type=float,
+                     help="seconds between the server's HTTP/2 pings on each connection; "
+                          "nginx counts them for a call whose headers went out (30)")
     net.add_argument("--presence-grace", type=float,
                      help="seconds an edge whose presence stream broke (a proxy's cut, or the "
                           "edge gone) stays selectable, its task kept, for the stream to "

@@ -192,6 +192,9 @@ class ServerConfig:
     # as nginx cuts a stream that carries nothing for its idle timeout (grpc_read_timeout,
     # 60 s), HTTP/2 PINGs or not, and some cut any stream past a maximum age.
     presence_interval: float = 10.0  # seconds between presence heartbeats (under the idle timeout)
+    keepalive_interval: float = 30.0  # seconds between the server's HTTP/2 pings on each
+    #                                   connection: nginx counts them as a call's activity
+    #                                   once its headers went out (under the idle timeout)
     presence_lifetime: float = 300.0  # a presence stream ends after this long and the edge
     #                                   opens it again at once (0: never; under a max age)
     presence_grace: float = 0.0  # an edge whose presence stream broke stays present this long
@@ -295,6 +298,8 @@ class ServerConfig:
             raise ConfigError(f"server.poll_timeout must be > 0, got {self.poll_timeout}")
         if not self.presence_interval > 0:
             raise ConfigError(f"server.presence_interval must be > 0, got {self.presence_interval}")
+        if not self.keepalive_interval >= 1:
+            raise ConfigError(f"server.keepalive_interval must be >= 1 s, got {self.keepalive_interval}")
         if self.presence_lifetime < 0 or self.presence_grace < 0:
             raise ConfigError(f"server.presence_lifetime and server.presence_grace must be >= 0, "
                               f"got {self.presence_lifetime} and {self.presence_grace}")
