@@ -14,6 +14,7 @@ nothing the server could count), a reply or stream message when it arrives.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -118,6 +119,22 @@ class EdgeTransport(Protocol):
         ``coded``: kind label -> (codec label, decoded bytes) of sections sent coded."""
 
 
+def _transfer(method):
+    """A download or upload, counted in ``transfers`` while it runs: on a slow link its
+    bytes queue ahead of the presence stream's events (one connection), so the stream's
+    silence then says nothing of its health (``PresenceHolder``)."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        self.transfers += 1
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.transfers -= 1
+
+    return run
+
+
 class GrpcTransport:
     """The edge's gRPC transport (see the module docstring)."""
 
@@ -127,6 +144,7 @@ class GrpcTransport:
         self.chunk_bytes = 1 << 20
         self.terms = DownloadTerms()
         self.presence_interval = PRESENCE_INTERVAL  # the server's, once joined
+        self.transfers = 0  # downloads and uploads running (``_transfer``)
 
     # ---- byte accounting ------------------------------------------------------------------
     def _count(self, direction: str, message, kind: str = META) -> None:
@@ -219,6 +237,7 @@ class GrpcTransport:
         self._count(DOWN, reply)
 
     # ---- downloads ------------------------------------------------------------------------
+    @_transfer
     def download(self, request: pb.TaskRequest, receivers: Receivers
                  ) -> tuple[pb.TaskHeader, list[PayloadAssembler]]:
         """The first call brings the header and the first window, each continuation call
@@ -315,6 +334,7 @@ class GrpcTransport:
                          self.edge_id)
 
     # ---- uploads --------------------------------------------------------------------------
+    @_transfer
     def upload(self, header: pb.SubmitMessage, encoded: EncodedPayload,
                coded: dict[str, tuple[str, int]]) -> pb.SubmitReply:
         """The header, then the body in pre-built frames of the server's chunk size; a coded
@@ -341,9 +361,10 @@ class PresenceHolder:
     ends that are no one's failure: the server ends it when its lifetime is over (status
     OK), an L7 proxy cuts it (nginx answers RST_STREAM: INTERNAL, or a 502/504:
     UNAVAILABLE), or it falls silent (a NAT forgot the flow, a proxy stopped relaying):
-    no event for ``PRESENCE_STALL_INTERVALS`` of the server's intervals, and it is
-    cancelled. Each is opened again at once, logged as what it is (not a failure); the
-    server keeps the edge present meanwhile (``presence_grace``). ``on_event(None)`` is
+    no event for ``PRESENCE_STALL_INTERVALS`` of the server's intervals while no transfer
+    runs on the connection, and it is cancelled. Each is opened again at once, logged as
+    what it is (not a failure); the server keeps the edge present meanwhile
+    (``presence_grace``). ``on_event(None)`` is
     said once, when the stream is over for good: the session is gone (UNAUTHENTICATED,
     a refusal), or a new stream got no event at all (the server is unreachable: the
     daemon's next call finds that out and reconnects with its backoff, rather than this
@@ -369,6 +390,11 @@ class PresenceHolder:
         opens a new one)."""
         while not self.stop.wait(self.transport.presence_interval):
             limit = PRESENCE_STALL_INTERVALS * self.transport.presence_interval
+            if self.transport.transfers:
+                # A transfer's bytes go first on a slow link (measured: a 32 kbit/s link's
+                # model download held the events back 40 s): silence counts from its end.
+                self.heard = time.monotonic()
+                continue
             with self.lock:
                 if self.call is not None and time.monotonic() - self.heard > limit:
                     log.info("presence stream silent for %.0fs: opening it again", limit)

@@ -23,7 +23,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,29 +89,29 @@ def _free_port() -> int:
 
 
 @contextmanager
-def grpc_proxy(upstream: int, idle: float, root: Path) -> Iterator[Proxy]:
+def grpc_proxy(upstream: int, idle: float, root: Path,
+               wrap: Callable[[list[str]], list[str]] | None = None) -> Iterator[Proxy]:
     """nginx on a free loopback port passing every call to ``127.0.0.1:upstream``, each of
-    its idle timeouts ``idle`` seconds; stopped (and waited for) on the way out."""
+    its idle timeouts ``idle`` seconds; stopped (and waited for) on the way out. ``wrap``:
+    runs it elsewhere (``netlink.Link.wrap``: in a network namespace, beside the server)."""
     root.mkdir(parents=True, exist_ok=True)
     port = _free_port()
     (root / "nginx.conf").write_text(CONFIG.format(root=root, port=port, upstream=upstream,
                                                    idle=f"{idle:g}"))
     log = open(root / "nginx.out", "ab")
-    proc = subprocess.Popen([NGINX, "-c", str(root / "nginx.conf"), "-p", str(root)],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    args = [NGINX, "-c", str(root / "nginx.conf"), "-p", str(root)]
+    proc = subprocess.Popen(wrap(args) if wrap else args, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
     try:
+        # nginx writes its pid file once its listening socket is bound and listening.
         deadline = time.monotonic() + 30
-        while True:
+        while not (root / "nginx.pid").exists():
             if proc.poll() is not None:
                 raise AssertionError(f"nginx exited ({proc.returncode}):\n"
                                      f"{(root / 'nginx.out').read_text(errors='replace')}")
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise AssertionError("nginx did not listen within 30s") from None
-                time.sleep(0.1)
+            if time.monotonic() > deadline:
+                raise AssertionError("nginx did not start within 30s")
+            time.sleep(0.1)
         yield Proxy(port, root)
     finally:
         if proc.poll() is None:

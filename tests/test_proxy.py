@@ -1,27 +1,32 @@
 """Real daemons through a real L7 gRPC proxy (``grpcproxy``: nginx with ``grpc_pass``,
-every idle timeout of its set to one value): an edge behind it sits idle for longer than
-that timeout while the other edge trains, and the rounds must still complete with it in
+every idle timeout of its set to one value): an edge behind it sits idle for several of
+those timeouts while the other edge works, and the rounds must still complete with it in
 them, without a rejoin, a "disconnected" or a failure in anyone's log.
 
 Two ways a stream survives such a proxy, one test each: the presence stream's heartbeat
 (``--presence-interval``) under the idle timeout, so nginx never cuts it, and (the default
 heartbeat over the timeout) the cut stream opened again at once by the edge while the server
-keeps it present (``--presence-grace``). Both also end the stream by its lifetime
-(``--presence-lifetime``) and open it again. Each runs in well under a minute; the issue's
-ten minutes under a 60 s idle timeout with the default settings is in the ``links`` tier
-(``make test-links``).
+keeps it present (``--presence-grace``); a third speaks the protocol by hand for the calls
+that are silent until their answer (a long poll, an upload's wait). Each runs in about a
+minute or less (the first round's wait: the throttled edge's start-up, several timeouts
+long); the issue's ten minutes under a 60 s idle timeout with the default settings, idle
+past it in every round, is in the ``links`` tier (``make test-links``: root, namespaces).
 
 Needs nginx (``apt-get install nginx-light``); skipped with the reason where it is absent.
 """
 
 from __future__ import annotations
 
+import json
+import sys
 import time
 from datetime import datetime
 
 import pytest
-from conftest import read_history, serving, write_edge_dirs
+from conftest import Proc, read_history, serving, wait_for, write_edge_dirs
 from grpcproxy import grpc_proxy, unavailable
+from netlink import SERVER_ADDRESS, Profile, shaped_link
+from netlink import unavailable as links_unavailable
 from rawedge import RawEdge, train_messages
 
 from fedattn_shared.config import ServerConfig, TrainConfig
@@ -33,7 +38,7 @@ WHY = unavailable()
 pytestmark = pytest.mark.skipif(bool(WHY), reason=WHY or "available")
 
 IDLE = 5  # seconds: nginx's idle timeouts in the fast tests
-THROTTLE = "12"  # the edge beside the proxy trains 12x as long: the other waits past IDLE
+THROTTLE = "5"  # the edge beside the proxy takes 5x as long: the other waits past IDLE
 
 
 def _run(cluster, tmp_path, rounds: int, idle: float, throttle: str, server_args: list[str],
@@ -72,7 +77,8 @@ def _no_failure(server, far, history, rounds: int) -> None:
 
 def test_presence_heartbeat_under_the_proxy_idle_timeout_is_never_cut(cluster, tmp_path):
     # Heartbeat 1 s under nginx's 5 s: not one call is cut, though the far edge waits
-    # about 10 s in each round; the streams still end by their 4 s lifetime and reopen.
+    # several timeouts for the near one's first task; the streams still end by their 4 s
+    # lifetime and reopen.
     server, far, proxy, history = _run(
         cluster, tmp_path, 2, IDLE, THROTTLE,
         ["--presence-interval", "1", "--presence-lifetime", "4"], timeout=180)
@@ -85,6 +91,7 @@ def test_presence_cut_by_the_proxy_is_reopened_without_a_failed_round(cluster, t
     # The default heartbeat (10 s) over nginx's 5 s: the proxy cuts the idle presence
     # stream (its timeouts say so), the edge opens it again at once, and the server keeps
     # the edge present meanwhile (--presence-grace): the rounds go on as if nothing happened.
+    # (Before: nginx cut it, the edge never reopened it, the server dropped its task.)
     server, far, proxy, history = _run(cluster, tmp_path, 2, IDLE, THROTTLE,
                                        ["--presence-grace", "10"], timeout=180)
     _no_failure(server, far, history, 2)
@@ -132,22 +139,62 @@ def test_silent_calls_outlive_the_proxy_once_their_headers_are_out(tmp_path):
     assert proxy.timeouts() == 0, proxy.errors()[-3000:]
 
 
+LINKS_WHY = links_unavailable()
+
+
 @pytest.mark.links
 @pytest.mark.slow
-@pytest.mark.timeout(1800)
-def test_ten_minutes_behind_a_60_second_idle_proxy_with_default_settings(cluster, tmp_path):
-    # The issue's run: nginx with 60 s idle timeouts, the server and edges on their
-    # defaults (10 s heartbeat, 300 s lifetime), for at least ten minutes in which the far
-    # edge waits more than the proxy's idle timeout between its tasks, round after round.
-    started = time.monotonic()
-    server, far, proxy, history = _run(cluster, tmp_path, 9, 60, "40", [], timeout=1500)
-    seconds = time.monotonic() - started
-    _no_failure(server, far, history, 9)
+@pytest.mark.skipif(bool(LINKS_WHY), reason=LINKS_WHY or "available")
+@pytest.mark.timeout(2400)
+def test_ten_minutes_behind_a_60_second_idle_proxy_with_default_settings(tmp_path):
+    # The issue's run: nginx with 60 s idle timeouts in front of the server, the far edge
+    # behind it, the server and edges on their defaults (10 s heartbeat, 300 s lifetime),
+    # for over ten minutes. What keeps the far edge idle past the proxy's timeout in every
+    # round is the kernel, not a timer: the near edge sits behind a 32 kbit/s link
+    # (``netlink``: its own network namespace), so its download and upload of the model
+    # (~180 kB each way) take about 90 s, and the round waits for it. That link's rates
+    # are the only settings changed (--*-min-rate 2048: slower than the defaults allow).
+    dirs = write_edge_dirs(tmp_path, 2)
+    rounds = 8
+    with shaped_link(Profile(rate_kbit=32)) as link:
+        ready = tmp_path / "server.ready.json"
+        server = Proc(link.wrap("server", [
+            sys.executable, "-m", "fl_server", "--insecure", "--host", "0.0.0.0", "--port", "0",
+            "--ready-file", str(ready), "--checkpoint-dir", str(tmp_path / "server-state"),
+            "--method", "fedavg", "--rounds", str(rounds), "--min-edges", "2",
+            "--eval-every", "0", "--round-timeout", "900",
+            "--download-min-rate", "2048", "--upload-min-rate", "2048"]), tmp_path / "server.log")
+        edges = []
+        try:
+            wait_for(lambda: ready.exists() or server.popen.poll() is not None, 60, "server")
+            port = json.loads(ready.read_text())["port"]
+            with grpc_proxy(port, 60, tmp_path / "nginx",
+                            wrap=lambda args: link.wrap("server", args)) as proxy:
+                common = ["--retry-for", "600", "--state-dir"]
+                far = Proc(link.wrap("server", [
+                    sys.executable, "-m", "fl_edge", "--insecure", "--server",
+                    f"127.0.0.1:{proxy.port}", "--data-dir", str(dirs[1]), "--name", "far",
+                    *common, str(tmp_path / "state-far")]), tmp_path / "far.log")
+                near = Proc(link.wrap("edge", [
+                    sys.executable, "-m", "fl_edge", "--insecure", "--server",
+                    f"{SERVER_ADDRESS}:{port}", "--data-dir", str(dirs[0]), "--name", "near",
+                    *common, str(tmp_path / "state-near")]), tmp_path / "near.log")
+                edges = [far, near]
+                started = time.monotonic()
+                assert server.wait(timeout=2200) == 0, server.log()[-3000:]
+                seconds = time.monotonic() - started
+                assert far.wait() == 0, far.log()[-3000:]
+                assert near.wait() == 0, near.log()[-3000:]
+        finally:
+            for proc in (*edges, server):
+                proc.close()
+    history = read_history(tmp_path / "server-state")
+    _no_failure(server, far, history, rounds)
     assert proxy.timeouts() == 0, proxy.errors()[-3000:]
     trained = [datetime.fromisoformat(line.split()[0].rstrip("Z"))
                for line in far.log().splitlines() if "trained" in line and "round" in line]
     idle = [(b - a).total_seconds() for a, b in zip(trained, trained[1:], strict=False)]
-    assert sum(gap > 60 for gap in idle) >= 5, idle
-    assert seconds >= 600, f"the run took {seconds:.0f}s, idle stretches {idle}"
-    print(f"{len(history['rounds'])} rounds in {seconds:.0f}s behind a 60 s idle proxy, "
-          f"the far edge idle {min(idle):.0f}-{max(idle):.0f}s between tasks")
+    assert sum(gap > 60 for gap in idle) >= rounds - 2, idle
+    assert seconds >= 600, f"the run took {seconds:.0f}s, the far edge's idle stretches {idle}"
+    print(f"{rounds} rounds in {seconds:.0f}s behind a 60 s idle proxy, the far edge idle "
+          f"{min(idle):.0f}-{max(idle):.0f}s between its tasks")
