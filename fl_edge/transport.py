@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -119,6 +120,15 @@ class EdgeTransport(Protocol):
         ``coded``: kind label -> (codec label, decoded bytes) of sections sent coded."""
 
 
+def presence_interval_of(reply: pb.JoinReply) -> float:
+    """The server's presence interval, held to [0.1 s, 1 h] (a hostile or broken server's
+    0, negative or NaN would spin the watchdog; none given: the default)."""
+    value = reply.presence_interval
+    if not math.isfinite(value) or value <= 0:
+        return PRESENCE_INTERVAL
+    return min(max(value, 0.1), 3600.0)
+
+
 def _transfer(method):
     """A download or upload, counted in ``transfers`` while it runs: on a slow link its
     bytes queue ahead of the presence stream's events (one connection), so the stream's
@@ -207,7 +217,7 @@ class GrpcTransport:
         self._count(DOWN, reply)
         self.chunk_bytes = reply.chunk_bytes or self.chunk_bytes
         self.terms = DownloadTerms.of(reply)
-        self.presence_interval = reply.presence_interval or PRESENCE_INTERVAL
+        self.presence_interval = presence_interval_of(reply)
         return reply
 
     @contextmanager
@@ -461,4 +471,4 @@ class PresenceHolder:
 
 
 __all__ = ["RETRYABLE", "EdgeTransport", "GrpcTransport", "JoinRefused", "PresenceHolder",
-           "Receivers", "Rejoin"]
+           "Receivers", "Rejoin", "presence_interval_of"]

@@ -19,6 +19,7 @@ from rawedge import RawEdge
 from fedattn_shared.config import ServerConfig, TrainConfig
 from fedattn_shared.methods import MethodContext, load_method
 from fedattn_shared.wire import fedattn_pb2 as pb
+from fl_edge.transport import PRESENCE_INTERVAL, presence_interval_of
 from fl_server.app import ServerApp
 from fl_server.sessions import Lapsed
 
@@ -141,3 +142,12 @@ def test_a_presence_request_for_an_ended_session_is_refused(tmp_path):
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         finally:
             edge.channel.close()
+
+
+def test_the_edge_holds_a_hostile_presence_interval_to_sane_bounds():
+    # A server's JoinReply is network input: an interval that would spin the edge's
+    # watchdog (0, negative, NaN) or make it deaf (inf, a year) is held in bounds.
+    cases = {0.0: PRESENCE_INTERVAL, -5.0: PRESENCE_INTERVAL, float("nan"): PRESENCE_INTERVAL,
+             float("inf"): PRESENCE_INTERVAL, 1e-9: 0.1, 3.15e7: 3600.0, 2.5: 2.5}
+    for sent, held in cases.items():
+        assert presence_interval_of(pb.JoinReply(presence_interval=sent)) == held, sent
