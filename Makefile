@@ -36,6 +36,10 @@ demo: setup
 		--out runs/demo --force
 
 test: setup $(VENV)/.ray
+	@# tests/test_proxy.py runs the daemons through nginx: installed where root can (CI).
+	@command -v nginx >/dev/null || test -x /usr/sbin/nginx || [ "$$(id -u)" != 0 ] || \
+		(apt-get update -qq && apt-get install -y -qq nginx-light) || \
+		echo "nginx-light not installed: tests/test_proxy.py will skip"
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -m "not links"
 
 # Real daemons over shaped links in network namespaces (tests/test_links.py) and through
