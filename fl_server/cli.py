@@ -222,8 +222,9 @@ def _network_flags(p: argparse.ArgumentParser) -> None:
                      help="seconds between presence heartbeats; keep it under a proxy's idle "
                           "timeout (10)")
     net.add_argument("--presence-lifetime", type=float,
-                     help="end a presence stream after this many seconds, the edge opens it "
-                          "again at once; under a proxy's maximum stream age (300; 0: never)")
+                     help="end a presence stream after this many seconds (once no transfer "
+                          "of the edge's is open), the edge opens it again at once; set it "
+                          "under a proxy's maximum stream age (default 0: never)")
     net.add_argument("--keepalive-interval", type=float,
                      help="seconds between the server's HTTP/2 pings on each connection; "
                           "nginx counts them for a call whose headers went out (30)")

@@ -85,11 +85,12 @@ class FederatedLearningService:
         happens, since a proxy such as nginx cuts a stream that carries no data for its idle
         timeout (HTTP/2 PINGs are the connection's, not the stream's); the stream ends by
         itself (status OK) after ``presence_lifetime`` seconds, under a proxy's maximum
-        stream age, and the edge opens it again at once, present meanwhile (at least an
-        interval). Any other end (the edge went, or a proxy cut the stream: the server cannot
-        tell them apart) leaves it present for ``presence_grace`` seconds (default 0: absent
-        at once, its task dropped; ``sessions.lapse``), so that behind a proxy that cuts
-        streams a reopened one keeps its task and the cut costs no round."""
+        stream age (off by default; put off while the edge has a transfer open), and the
+        edge opens it again at once, present meanwhile (at least an interval). Any other
+        end (the edge went, or a proxy cut the stream: the server cannot tell them apart)
+        leaves it present for ``presence_grace`` seconds (default 0: absent at once, its
+        task dropped; ``sessions.lapse``), so that behind a proxy that cuts streams a
+        reopened one keeps its task and the cut costs no round."""
         record = call.record
         # One presence stream per session: a new one replaces the old, which ends now
         # (each held stream costs the server ~23 KB; a session could open thousands).
@@ -111,7 +112,11 @@ class FederatedLearningService:
                 wait = cfg.presence_interval
                 if ends is not None:
                     wait = min(wait, ends - time.monotonic())
-                    if wait <= 0:
+                    if wait <= 0 and self._transferring(request.edge_id):
+                        # Not now: on a slow link the new stream's request would wait behind
+                        # the transfer's bytes (measured: over 10 s behind a 256 kbit/s upload).
+                        wait = cfg.presence_interval
+                    elif wait <= 0:
                         # Its lifetime is over: the edge opens a new one at once, and until
                         # then stays present (at least an interval, whatever the grace).
                         grace = max(grace, cfg.presence_interval)
@@ -127,6 +132,10 @@ class FederatedLearningService:
                     self.sessions.absent(record, request.session)
                 else:
                     self.sessions.lapse(record, request.session, grace)
+
+    def _transferring(self, edge: str) -> bool:
+        """The edge has a task call or an upload open."""
+        return edge in self.downloads.tasking or edge in self.uploads.receiving
 
     # ---- NextTask ---------------------------------------------------------------------
     async def NextTask(self, request: pb.TaskRequest, call: Call) -> None:

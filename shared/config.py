@@ -195,8 +195,9 @@ class ServerConfig:
     keepalive_interval: float = 30.0  # seconds between the server's HTTP/2 pings on each
     #                                   connection: nginx counts them as a call's activity
     #                                   once its headers went out (under the idle timeout)
-    presence_lifetime: float = 300.0  # a presence stream ends after this long and the edge
-    #                                   opens it again at once (0: never; under a max age)
+    presence_lifetime: float = 0.0  # a presence stream ends after this long (at a heartbeat
+    #                                 without a transfer of the edge's open) and the edge opens
+    #                                 it again at once (0: never; set under a proxy's max age)
     presence_grace: float = 0.0  # an edge whose presence stream broke stays present this long
     #                              for it to reopen before its task is dropped (0: at once;
     #                              a stream the lifetime ended has at least presence_interval)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
 import time
 import warnings
 
@@ -19,6 +20,7 @@ from rawedge import RawEdge
 from fedattn_shared.config import ServerConfig, TrainConfig
 from fedattn_shared.methods import MethodContext, load_method
 from fedattn_shared.wire import fedattn_pb2 as pb
+from fedattn_shared.wire.transport import DownloadTerms
 from fl_edge.transport import PRESENCE_INTERVAL, presence_interval_of
 from fl_server.app import ServerApp
 from fl_server.sessions import Lapsed
@@ -97,6 +99,38 @@ def test_a_cut_stream_reopened_within_the_grace_keeps_the_edge_present(tmp_path)
             assert _connected(app, edge)
             second.cancel()
             wait_for(lambda: not _connected(app, edge), 15, "absent once the grace is over")
+        finally:
+            edge.channel.close()
+
+
+def test_the_lifetime_waits_while_the_edge_has_a_transfer_open(tmp_path):
+    # A 1 s lifetime, but the edge holds a NextTask long poll (4 s) open: the stream ends
+    # only after the poll answered (on a slow link its new request would queue behind the
+    # transfer's bytes and outlast the grace).
+    app = _app(tmp_path, presence_interval=0.3, presence_lifetime=1.0, presence_grace=0.0,
+               poll_timeout=4.0)
+    with serving(app) as port:
+        edge = RawEdge(port, "busy")
+        try:
+            reply = edge.join()
+            edge.session = reply.session
+            terms = DownloadTerms.of(reply)
+            call = _stream(edge)
+            next(call)
+            polled = {}
+
+            def poll() -> None:
+                request = pb.TaskRequest(edge_id=edge.edge_id, session=edge.session)
+                polled["answer"] = list(edge.stub.NextTask(request, timeout=terms.deadline(False)))
+                polled["at"] = time.monotonic()
+
+            poller = threading.Thread(target=poll)
+            poller.start()
+            list(call)  # to the stream's end (status OK)
+            ended = time.monotonic()
+            poller.join(timeout=30)
+            assert polled["answer"][0].header.status == pb.TaskHeader.WAIT
+            assert ended >= polled["at"] - 0.05, (ended, polled["at"])
         finally:
             edge.channel.close()
 

@@ -148,7 +148,7 @@ LINKS_WHY = links_unavailable()
 @pytest.mark.timeout(2400)
 def test_ten_minutes_behind_a_60_second_idle_proxy_with_default_settings(tmp_path):
     # The run: nginx with 60 s idle timeouts in front of the server, the far edge
-    # behind it, the server and edges on their defaults (10 s heartbeat, 300 s lifetime),
+    # behind it, the server and edges on their defaults (10 s heartbeat, no lifetime),
     # for over ten minutes. What keeps the far edge idle past the proxy's timeout in every
     # round is the kernel, not a timer: the near edge sits behind a 32 kbit/s link
     # (``netlink``: its own network namespace), so its download and upload of the model
