@@ -38,13 +38,22 @@ demo: setup
 # --durations: the slowest tests close the log, so a suite over its ~15 min aim shows
 # where the minutes went.
 test: setup $(VENV)/.ray
+	@# tests/test_proxy.py runs the daemons through nginx: installed where root can (CI).
+	@command -v nginx >/dev/null || test -x /usr/sbin/nginx || [ "$$(id -u)" != 0 ] || \
+		(apt-get update -qq && apt-get install -y -qq nginx-light) || \
+		echo "nginx-light not installed: tests/test_proxy.py will skip"
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -m "not links" --durations=30
 
-# Real daemons over shaped links in network namespaces (tests/test_links.py: minutes per
-# test, so not in make test). Root; installs Debian's iptables (the loss) when missing.
+# Real daemons over shaped links in network namespaces (tests/test_links.py) and through
+# nginx with a 60 s idle timeout for ten minutes (tests/test_proxy.py): minutes per test,
+# so not in make test. Root; installs Debian's iptables (the loss) and nginx-light (the
+# proxy) when missing.
 test-links: setup
 	command -v iptables >/dev/null || (apt-get update -qq && apt-get install -y -qq iptables)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -m links tests/test_links.py
+	command -v nginx >/dev/null || test -x /usr/sbin/nginx || \
+		(apt-get update -qq && apt-get install -y -qq nginx-light)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -m links tests/test_links.py \
+		tests/test_proxy.py
 
 # The unit tier on Python 3.10 (JetPack 6's) with the oldest stack pyproject.toml claims
 # (deploy/constraints/oldest.txt: torch 2.4.1, torchvision 0.19.1, opacus 1.5.4, NumPy 1.x),

@@ -14,8 +14,11 @@ nothing the server could count), a reply or stream message when it arrives.
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Protocol
@@ -58,6 +61,17 @@ JOIN_REFUSED = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICAT
 RESUMABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 WINDOW_RETRIES = 3
 UPLOAD_SECONDS = 600
+#: Seconds between presence events before a join says otherwise (the server's default).
+PRESENCE_INTERVAL = 10.0
+#: A presence stream silent for this many of the server's intervals has stalled (a proxy or
+#: NAT dropped it without a word): it is cancelled and opened again.
+PRESENCE_STALL_INTERVALS = 3
+#: A presence stream that ended within this many seconds of opening is opened again after a
+#: pause that doubles from 0.5 s up to ``PRESENCE_MAX_PAUSE`` (at most one stream a second);
+#: one that lived longer, at once.
+PRESENCE_QUICK_END = 1.0
+PRESENCE_MAX_PAUSE = 4.0
+
 
 #: Receivers for the downlinks a task header declares (the session's cap and cache).
 Receivers = Callable[[pb.TaskHeader], list[PayloadAssembler]]
@@ -88,7 +102,8 @@ class EdgeTransport(Protocol):
     def presence(self, request: pb.PresenceRequest,
                  on_event: Callable[[pb.PresenceEvent | None], None]) -> contextmanager:
         """Holds the presence stream while the body runs; ``on_event`` hears each event
-        and None once the stream ended."""
+        and None once the stream ended for good (one that its lifetime, a proxy or a
+        stall ended is opened again)."""
 
     def leave(self, request: pb.LeaveRequest) -> None:
         """Says the edge is gone (best effort)."""
@@ -105,6 +120,31 @@ class EdgeTransport(Protocol):
         ``coded``: kind label -> (codec label, decoded bytes) of sections sent coded."""
 
 
+def presence_interval_of(reply: pb.JoinReply) -> float:
+    """The server's presence interval, held to [0.1 s, 1 h] (a hostile or broken server's
+    0, negative or NaN would spin the watchdog; none given: the default)."""
+    value = reply.presence_interval
+    if not math.isfinite(value) or value <= 0:
+        return PRESENCE_INTERVAL
+    return min(max(value, 0.1), 3600.0)
+
+
+def _transfer(method):
+    """A download or upload, counted in ``transfers`` while it runs: on a slow link its
+    bytes queue ahead of the presence stream's events (one connection), so the stream's
+    silence then says nothing of its health (``PresenceHolder``)."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        self.transfers += 1
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.transfers -= 1
+
+    return run
+
+
 class GrpcTransport:
     """The edge's gRPC transport (see the module docstring)."""
 
@@ -113,6 +153,8 @@ class GrpcTransport:
         self.stub = None
         self.chunk_bytes = 1 << 20
         self.terms = DownloadTerms()
+        self.presence_interval = PRESENCE_INTERVAL  # the server's, once joined
+        self.transfers = 0  # downloads and uploads running (``_transfer``)
 
     # ---- byte accounting ------------------------------------------------------------------
     def _count(self, direction: str, message, kind: str = META) -> None:
@@ -175,42 +217,23 @@ class GrpcTransport:
         self._count(DOWN, reply)
         self.chunk_bytes = reply.chunk_bytes or self.chunk_bytes
         self.terms = DownloadTerms.of(reply)
+        self.presence_interval = presence_interval_of(reply)
         return reply
 
     @contextmanager
     def presence(self, request: pb.PresenceRequest,
                  on_event: Callable[[pb.PresenceEvent | None], None]) -> Iterator[None]:
-        """The presence stream, read on a thread while the body runs."""
-        stop = threading.Event()
-        call = self.stub.Presence(request)
-
-        def hold() -> None:
-            sent = False
-            try:
-                for event in call:
-                    if not sent:  # the server counts the request as the stream opens
-                        self._count_sent(request)
-                        sent = True
-                    self._count(DOWN, event)
-                    on_event(event)
-                    if stop.is_set():
-                        break
-            except grpc.RpcError as err:
-                if not sent:
-                    self._count_sent(request, err)
-                # else: the main loop notices a lost server on its own calls
-            finally:
-                on_event(None)
-
-        thread = threading.Thread(target=hold, daemon=True)
+        """The presence stream, read on a thread while the body runs (``PresenceHolder``:
+        reopened at once when the server's lifetime or a proxy ends it)."""
+        holder = PresenceHolder(self, request, on_event)
+        thread = threading.Thread(target=holder.hold, daemon=True)
         thread.start()
         try:
             yield
         finally:
-            stop.set()
             # Cancelled and its thread joined before the channel closes: a stream still
             # running through the channel's close can abort the process at exit.
-            call.cancel()
+            holder.close()
             thread.join(timeout=10)
 
     def leave(self, request: pb.LeaveRequest) -> None:
@@ -224,6 +247,7 @@ class GrpcTransport:
         self._count(DOWN, reply)
 
     # ---- downloads ------------------------------------------------------------------------
+    @_transfer
     def download(self, request: pb.TaskRequest, receivers: Receivers
                  ) -> tuple[pb.TaskHeader, list[PayloadAssembler]]:
         """The first call brings the header and the first window, each continuation call
@@ -320,6 +344,7 @@ class GrpcTransport:
                          self.edge_id)
 
     # ---- uploads --------------------------------------------------------------------------
+    @_transfer
     def upload(self, header: pb.SubmitMessage, encoded: EncodedPayload,
                coded: dict[str, tuple[str, int]]) -> pb.SubmitReply:
         """The header, then the body in pre-built frames of the server's chunk size; a coded
@@ -341,4 +366,109 @@ class GrpcTransport:
         return reply
 
 
-__all__ = ["RETRYABLE", "EdgeTransport", "GrpcTransport", "JoinRefused", "Receivers", "Rejoin"]
+class PresenceHolder:
+    """Holds one session's presence stream for as long as the daemon wants it, across the
+    ends that are no one's failure: the server ends it when its lifetime is over (status
+    OK), an L7 proxy cuts it (nginx answers RST_STREAM: INTERNAL, or a 502/504:
+    UNAVAILABLE), or it falls silent (a NAT forgot the flow, a proxy stopped relaying):
+    no event for ``PRESENCE_STALL_INTERVALS`` of the server's intervals while no transfer
+    runs on the connection, and it is cancelled. Each is opened again at once, logged as
+    what it is (not a failure); the server keeps the edge present meanwhile
+    (``presence_grace``). ``on_event(None)`` is
+    said once, when the stream is over for good: the session is gone (UNAUTHENTICATED,
+    a refusal), or a new stream got no event at all (the server is unreachable: the
+    daemon's next call finds that out and reconnects with its backoff, rather than this
+    thread retrying on its own)."""
+
+    def __init__(self, transport: GrpcTransport, request: pb.PresenceRequest,
+                 on_event: Callable[[pb.PresenceEvent | None], None]):
+        self.transport, self.request, self.on_event = transport, request, on_event
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.call = None
+        self.heard = 0.0  # monotonic time of the last event (or of the stream's opening)
+        self.reopened = 0  # streams opened again (for the log and tests)
+
+    def close(self) -> None:
+        self.stop.set()
+        with self.lock:
+            if self.call is not None:
+                self.call.cancel()
+
+    def _watch(self) -> None:
+        """Cancels the current stream once it has been silent too long (its reader then
+        opens a new one)."""
+        while not self.stop.wait(self.transport.presence_interval):
+            limit = PRESENCE_STALL_INTERVALS * self.transport.presence_interval
+            if self.transport.transfers:
+                # A transfer's bytes go first on a slow link (measured: a 32 kbit/s link's
+                # model download held the events back 40 s): silence counts from its end.
+                self.heard = time.monotonic()
+                continue
+            with self.lock:
+                if self.call is not None and time.monotonic() - self.heard > limit:
+                    log.info("presence stream silent for %.0fs: opening it again", limit)
+                    self.call.cancel()
+
+    def hold(self) -> None:
+        watchdog = threading.Thread(target=self._watch, daemon=True)
+        watchdog.start()
+        try:
+            pause = 0.0
+            while not self.stop.is_set():
+                opened = time.monotonic()
+                why = self._one_stream()
+                if why is None or self.stop.is_set():
+                    return
+                self.reopened += 1
+                # A stream cut as soon as it opens (a proxy's tiny maximum age) is opened
+                # again at a growing pace, never in a tight loop; one that lived goes at once
+                # (a proxy's idle cut, its lifetime): the server's grace is short.
+                lived = time.monotonic() - opened >= PRESENCE_QUICK_END
+                pause = 0.0 if lived else min(max(2 * pause, 0.5), PRESENCE_MAX_PAUSE)
+                log.info("presence stream ended (%s): opening it again%s", why,
+                         f" in {pause:.1f}s" if pause else "")
+                if pause and self.stop.wait(pause):
+                    return
+        finally:
+            self.on_event(None)
+
+    def _one_stream(self) -> str | None:
+        """One stream, read to its end: why it ended when it is to be opened again, None
+        when it is over for good."""
+        transport, request = self.transport, self.request
+        with self.lock:
+            if self.stop.is_set():
+                return None
+            call = self.call = transport.stub.Presence(request)
+            self.heard = time.monotonic()
+        events = 0
+        try:
+            for event in call:
+                if not events:  # the server counts the request as the stream opens
+                    transport._count_sent(request)
+                events += 1
+                self.heard = time.monotonic()
+                transport._count(DOWN, event)
+                self.on_event(event)
+                if self.stop.is_set():
+                    return None
+        except grpc.RpcError as err:
+            if not events:
+                transport._count_sent(request, err)
+            code = err.code()
+            if self.stop.is_set() or code not in RETRYABLE:
+                return None  # UNAUTHENTICATED: the daemon's next call rejoins
+            if not events and code != grpc.StatusCode.CANCELLED:
+                return None  # no server behind: the daemon's calls find out and back off
+            return f"{code.name}: {(err.details() or '')[:80]}"
+        finally:
+            with self.lock:
+                self.call = None
+        if not events:
+            transport._count_sent(request)
+        return "the server ended it: its lifetime, or the server stops"
+
+
+__all__ = ["RETRYABLE", "EdgeTransport", "GrpcTransport", "JoinRefused", "PresenceHolder",
+           "Receivers", "Rejoin", "presence_interval_of"]

@@ -78,7 +78,9 @@ class ServerApp:
         attach_spill(engine.aggregator, cfg)
         memory = plan_upload_memory(cfg, global_bytes(engine.aggregator))
         self._grpc = grpc.aio.server(
-            options=server_options(max_edges=cfg.max_edges) + memory.grpc_options())
+            options=server_options(max_edges=cfg.max_edges,
+                                   keepalive_ms=int(cfg.keepalive_interval * 1000))
+            + memory.grpc_options())
         enrollment = Enrollment(Path(cfg.tls_dir) / ENROLLED) if cfg.tls_dir else None
         sessions = Sessions(engine, cfg, enrollment)
         downloads = Downloads(engine, self.meter, cfg)

@@ -185,6 +185,20 @@ async def abort_refused(call: Call, err: Refused) -> None:
     await call.abort(code, str(err))
 
 
+async def headers_now(context) -> None:
+    """Sends the call's response headers before anything else, for a call that may be
+    silent a while (a long poll, an upload waiting for its slot or its checks). nginx
+    (``grpc_pass``) gives a call's reply headers ``grpc_read_timeout`` in all, whatever
+    comes over the connection meanwhile, but once they are out any frame restarts that
+    clock, the server's HTTP/2 PINGs (``--keepalive-interval``) included, since nginx
+    opens one upstream connection per call. A call that already ended is left to fail
+    where it reads or writes next."""
+    try:
+        await context.send_initial_metadata(())
+    except cygrpc.ExecuteBatchError:
+        return
+
+
 def handlers(service, meter: ByteMeter, identity: Identity) -> grpc.GenericRpcHandler:
     """The service's methods with fedattn's (de)serializers and the call layer around each:
     a ``Call`` for its context, the session check before Presence, NextTask and Leave,
@@ -220,11 +234,14 @@ def handlers(service, meter: ByteMeter, identity: Identity) -> grpc.GenericRpcHa
             return events
 
         async def writes(request, context):  # writes its messages itself (``Call.write``)
-            await method(request, await start(request, context))
+            call = await start(request, context)
+            await headers_now(context)  # a long poll is silent until its answer
+            await method(request, call)
         return writes
 
     async def upload(request_iterator, context):
         # The reply is counted by the servicer: none for a caller that vanished.
+        await headers_now(context)  # a slot's wait and the checks are silent
         return await service.Submit(request_iterator, Call(context, meter, identity))
 
     def parse(message_type):

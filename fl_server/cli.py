@@ -58,6 +58,10 @@ FLAG_TARGETS = {
     "insecure": ("server", "insecure"), "token": ("server", "join_token"),
     "tls_dir": ("server", "tls_dir"),
     "chunk_bytes": ("server", "chunk_bytes"), "poll_timeout": ("server", "poll_timeout"),
+    "presence_interval": ("server", "presence_interval"),
+    "presence_lifetime": ("server", "presence_lifetime"),
+    "presence_grace": ("server", "presence_grace"),
+    "keepalive_interval": ("server", "keepalive_interval"),
     "max_concurrent_uploads": ("server", "max_concurrent_uploads"),
     "max_upload_memory": ("server", "max_upload_memory"),
     "max_download_memory": ("server", "max_download_memory"),
@@ -214,6 +218,20 @@ def _network_flags(p: argparse.ArgumentParser) -> None:
                                      "(default: $FEDATTN_TOKEN)")
     net.add_argument("--chunk-bytes", type=int, help="data chunk size on the wire")
     net.add_argument("--poll-timeout", type=float, help="long-poll timeout, seconds")
+    net.add_argument("--presence-interval", type=float,
+                     help="seconds between presence heartbeats; keep it under a proxy's idle "
+                          "timeout (10)")
+    net.add_argument("--presence-lifetime", type=float,
+                     help="end a presence stream after this many seconds (once no transfer "
+                          "of the edge's is open), the edge opens it again at once; set it "
+                          "under a proxy's maximum stream age (default 0: never)")
+    net.add_argument("--keepalive-interval", type=float,
+                     help="seconds between the server's HTTP/2 pings on each connection; "
+                          "nginx counts them for a call whose headers went out (30)")
+    net.add_argument("--presence-grace", type=float,
+                     help="seconds an edge whose presence stream broke (a proxy's cut, or the "
+                          "edge gone) stays selectable, its task kept, for the stream to "
+                          "reopen (0: dropped at once)")
     net.add_argument("--max-concurrent-uploads", type=int,
                      help="uploads received or aggregated at once, at most (default 2)")
     net.add_argument("--max-upload-memory", type=int, metavar="BYTES",

@@ -26,13 +26,12 @@ from .calls import Call, Identity, abort_refused, handlers
 from .downloads import Downloads
 from .engine import Engine
 from .phase import Refused
-from .sessions import Sessions
+from .sessions import Lapsed, Sessions
 from .streams import StreamEnded
 from .uploads import Uploads
 
 log = logging.getLogger("fl_server")
 
-PRESENCE_INTERVAL = 10.0
 MAX_LEAVE_REASON = 200
 
 
@@ -71,7 +70,8 @@ class FederatedLearningService:
                             chunk_bytes=self.cfg.chunk_bytes, upload_key_share=server_share,
                             task_hints=True, download_idle_timeout=terms.idle_timeout,
                             download_min_rate=terms.min_rate, download_window=terms.window,
-                            poll_timeout=terms.poll_timeout)
+                            poll_timeout=terms.poll_timeout,
+                            presence_interval=self.cfg.presence_interval)
 
     # ---- Presence ---------------------------------------------------------------------
     async def Presence(self, request: pb.PresenceRequest, call: Call):
@@ -79,15 +79,29 @@ class FederatedLearningService:
         connected (rounds select it); when it ends, its task is dropped. Each event says
         whether a task waits for the edge (``task_ready``), and one is sent at once when
         that may have changed (``EdgeRecord.wake``): an idle edge then holds this stream
-        only, not a NextTask long-poll beside it (each held call costs the server ~22 KB)."""
+        only, not a NextTask long-poll beside it (each held call costs the server ~22 KB).
+
+        Behind an L7 proxy: an event goes out every ``presence_interval`` seconds whatever
+        happens, since a proxy such as nginx cuts a stream that carries no data for its idle
+        timeout (HTTP/2 PINGs are the connection's, not the stream's); the stream ends by
+        itself (status OK) after ``presence_lifetime`` seconds, under a proxy's maximum
+        stream age (off by default; put off while the edge has a transfer open), and the
+        edge opens it again at once, present meanwhile (at least an interval). Any other
+        end (the edge went, or a proxy cut the stream: the server cannot tell them apart)
+        leaves it present for ``presence_grace`` seconds (default 0: absent at once, its
+        task dropped; ``sessions.lapse``), so that behind a proxy that cuts streams a
+        reopened one keeps its task and the cut costs no round."""
         record = call.record
         # One presence stream per session: a new one replaces the old, which ends now
         # (each held stream costs the server ~23 KB; a session could open thousands).
+        Lapsed.replaced(record.presence)  # an ended stream's grace: this one is its end
         stream = record.presence = object()
         stirred = record.stirred
         stirred.set()  # the replaced stream, if any, wakes and sees it is no longer current
         self.sessions.present(record)
-        engine = self.engine
+        engine, cfg = self.engine, self.cfg
+        ends = (time.monotonic() + cfg.presence_lifetime) if cfg.presence_lifetime else None
+        grace = cfg.presence_grace
         try:
             while (record.session == request.session and record.presence is stream
                    and not engine.stopping):
@@ -95,14 +109,33 @@ class FederatedLearningService:
                 # Asks, never hands out: a task goes only to the edge's own NextTask.
                 ready = engine.finished or engine.schedule.has_work(request.edge_id)
                 yield pb.PresenceEvent(server_time=time.time(), task_ready=ready)
+                wait = cfg.presence_interval
+                if ends is not None:
+                    wait = min(wait, ends - time.monotonic())
+                    if wait <= 0 and self._transferring(request.edge_id):
+                        # Not now: on a slow link the new stream's request would wait behind
+                        # the transfer's bytes (measured: over 10 s behind a 256 kbit/s upload).
+                        wait = cfg.presence_interval
+                    elif wait <= 0:
+                        # Its lifetime is over: the edge opens a new one at once, and until
+                        # then stays present (at least an interval, whatever the grace).
+                        grace = max(grace, cfg.presence_interval)
+                        return
                 # Wakes at once when the session ends or the edge's work may have changed.
-                await stirred.wait(PRESENCE_INTERVAL)
+                await stirred.wait(wait)
         except asyncio.CancelledError:
-            return  # the stream ended (the edge went, or the server is shutting down)
+            return  # the stream ended (the edge went, a proxy cut it, the server stops)
         finally:
             if record.presence is stream:
-                record.presence = None
-                self.sessions.absent(record, request.session)
+                if engine.stopping or record.session != request.session:
+                    record.presence = None
+                    self.sessions.absent(record, request.session)
+                else:
+                    self.sessions.lapse(record, request.session, grace)
+
+    def _transferring(self, edge: str) -> bool:
+        """The edge has a task call or an upload open."""
+        return edge in self.downloads.tasking or edge in self.uploads.receiving
 
     # ---- NextTask ---------------------------------------------------------------------
     async def NextTask(self, request: pb.TaskRequest, call: Call) -> None:

@@ -25,6 +25,25 @@ log = logging.getLogger("fl_server")
 ENROLLMENT_POLL = 1.0  # how often a changed enrolment list (a revocation) is looked for
 
 
+class Lapsed:
+    """The marker of a presence stream that ended and may be reopened (``Sessions.lapse``),
+    with its grace's timer: cancelled when a new stream replaces the marker, so an edge
+    that opens and ends streams as fast as it can holds one timer in the server, not one
+    per stream."""
+
+    __slots__ = ("timer",)
+
+    def __init__(self) -> None:
+        self.timer: asyncio.TimerHandle | None = None
+
+    @staticmethod
+    def replaced(marker: object | None) -> None:
+        """A new stream takes the place of ``marker``: its timer, if any, goes."""
+        if isinstance(marker, Lapsed) and marker.timer is not None:
+            marker.timer.cancel()
+            marker.timer = None
+
+
 class Sessions:
     """Joins, presence and leaves of the edges of one server."""
 
@@ -104,6 +123,26 @@ class Sessions:
             log.info("edge %s disconnected", record.edge_id)
         self._count_connected()
 
+    def lapse(self, record: EdgeRecord, session: str, grace: float) -> None:
+        """Its presence stream ended while its session lives (the edge went, or a proxy or
+        the stream's lifetime ended it and the edge is opening a new one): it stays
+        present, its task kept, for ``grace`` seconds; absent then unless a new stream of
+        the session opened meanwhile (0: absent at once). A marker in ``record.presence``
+        tells the new stream's arrival apart."""
+        lapsed = record.presence = Lapsed()
+        if grace <= 0:
+            record.presence = None
+            self.absent(record, session)
+            return
+
+        def expire() -> None:
+            if record.presence is lapsed:
+                lapsed.timer = None
+                record.presence = None
+                self.absent(record, session)
+
+        lapsed.timer = asyncio.get_running_loop().call_later(grace, expire)
+
     def end(self, record: EdgeRecord, reason: str) -> None:
         """Ends an edge's session from the server's side (a leave or a revocation)."""
         record.end_session()
@@ -136,4 +175,4 @@ class Sessions:
                     log.warning("edge %s: session ended: %s", edge, refusal)
 
 
-__all__ = ["Sessions"]
+__all__ = ["Lapsed", "Sessions"]

@@ -188,6 +188,19 @@ class ServerConfig:
     init_weights: str = ""     # safetensors file with pretrained weights for the models
     init_skip_head: bool = False  # keep the fresh classifier head, ignore the file's
     poll_timeout: float = 20.0  # seconds a NextTask long poll waits before an empty answer
+    # Behind an L7 proxy or NAT (docs/operations.md, "Behind a proxy or NAT"): a proxy such
+    # as nginx cuts a stream that carries nothing for its idle timeout (grpc_read_timeout,
+    # 60 s), HTTP/2 PINGs or not, and some cut any stream past a maximum age.
+    presence_interval: float = 10.0  # seconds between presence heartbeats (under the idle timeout)
+    keepalive_interval: float = 30.0  # seconds between the server's HTTP/2 pings on each
+    #                                   connection: nginx counts them as a call's activity
+    #                                   once its headers went out (under the idle timeout)
+    presence_lifetime: float = 0.0  # a presence stream ends after this long (at a heartbeat
+    #                                 without a transfer of the edge's open) and the edge opens
+    #                                 it again at once (0: never; set under a proxy's max age)
+    presence_grace: float = 0.0  # an edge whose presence stream broke stays present this long
+    #                              for it to reopen before its task is dropped (0: at once;
+    #                              a stream the lifetime ended has at least presence_interval)
     # Bounds on what one edge (or a stranger) can make the server hold.
     max_edges: int = 10_000           # ids that may ever register (each is a record and series)
     upload_idle_timeout: float = 30.0  # an upload that sends nothing for this long is cut off
@@ -284,6 +297,16 @@ class ServerConfig:
             raise ConfigError(f"server.port out of range: {self.port}")
         if not self.poll_timeout > 0:
             raise ConfigError(f"server.poll_timeout must be > 0, got {self.poll_timeout}")
+        if not self.presence_interval > 0:
+            raise ConfigError(f"server.presence_interval must be > 0, got {self.presence_interval}")
+        if not self.keepalive_interval >= 1:
+            raise ConfigError(f"server.keepalive_interval must be >= 1 s, got {self.keepalive_interval}")
+        if self.presence_lifetime < 0 or self.presence_grace < 0:
+            raise ConfigError(f"server.presence_lifetime and server.presence_grace must be >= 0, "
+                              f"got {self.presence_lifetime} and {self.presence_grace}")
+        if 0 < self.presence_lifetime < self.presence_interval:
+            raise ConfigError(f"server.presence_lifetime ({self.presence_lifetime}) must be 0 or at "
+                              f"least presence_interval ({self.presence_interval})")
         if self.max_edges < 1:
             raise ConfigError(f"server.max_edges must be >= 1, got {self.max_edges}")
         if not self.upload_idle_timeout > 0:

@@ -34,8 +34,11 @@ BARE = {"prometheus": {"enabled": False}, "grafana": {"enabled": False},
 OUTSIDE = {"prometheus": {"enabled": False},
            "grafana": {"prometheusUrl": "http://prometheus.monitoring:9090",
                        "adminPassword": {"existingSecret": "", "value": "pw"}}}
+INGRESS = {"tls": {"enabled": True},
+           "ingress": {"enabled": True, "host": "fl.example.org",
+                       "annotations": {"nginx.ingress.kubernetes.io/proxy-connect-timeout": "10"}}}
 VALUES = {"defaults": {}, "tls": TLS, "async": ASYNC, "100-edges": FLEET, "no-monitoring": BARE,
-          "outside-prometheus": OUTSIDE}
+          "outside-prometheus": OUTSIDE, "ingress": INGRESS}
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +107,8 @@ def test_rendered_manifests_match_the_schemas(helm, values, tmp_path):
         provisioning = objects[("ConfigMap", f"{RELEASE}-grafana-provisioning")]["data"]
         source = yaml.safe_load(provisioning["datasources.yml"])["datasources"][0]
         assert source["url"] == OUTSIDE["grafana"]["prometheusUrl"]
+    elif values is INGRESS:
+        assert kinds == core | prometheus | grafana | {f"Ingress/{RELEASE}-server"}
     else:
         assert kinds == core | prometheus | grafana  # token and password: existing Secrets
     for obj in objects.values():
@@ -164,6 +169,28 @@ def test_server_and_edges_are_wired_together(helm, tmp_path):
     assert port == edge_args.metrics_port
     for probe in ("livenessProbe", "readinessProbe"):
         assert edge[probe]["httpGet"] == {"path": "/healthz", "port": "metrics"}, probe
+
+
+def test_the_ingress_passes_mutual_tls_through_to_the_server_grpc_port(helm, tmp_path):
+    """Edges outside the cluster dial the ingress's host; ingress-nginx passes their TLS
+    through by SNI (fl-server names each edge by its certificate, so TLS cannot end at the
+    proxy) to the server Service's gRPC port, the operator's annotations added."""
+    objects = render(helm, INGRESS, tmp_path)
+    ingress = objects[("Ingress", f"{RELEASE}-server")]
+    annotations = ingress["metadata"]["annotations"]
+    assert annotations["nginx.ingress.kubernetes.io/ssl-passthrough"] == "true"
+    assert annotations["nginx.ingress.kubernetes.io/backend-protocol"] == "GRPCS"
+    assert annotations["nginx.ingress.kubernetes.io/proxy-connect-timeout"] == "10"
+    assert ingress["spec"]["ingressClassName"] == "nginx"
+    (rule,) = ingress["spec"]["rules"]
+    assert rule["host"] == "fl.example.org"
+    (path,) = rule["http"]["paths"]
+    service = objects[("Service", f"{RELEASE}-server")]
+    assert path["backend"]["service"]["name"] == service["metadata"]["name"]
+    port = path["backend"]["service"]["port"]["name"]
+    assert next(p for p in service["spec"]["ports"] if p["name"] == port)["appProtocol"] == "grpc"
+    (tmp_path / "off").mkdir()
+    assert ("Ingress", f"{RELEASE}-server") not in render(helm, TLS, tmp_path / "off")
 
 
 def test_values_never_reach_a_shell(helm, tmp_path):
@@ -324,6 +351,10 @@ REFUSALS = {
     "grafana-without-prometheus": ({"prometheus": {"enabled": False}}, "grafana.prometheusUrl"),
     "grafana-password": ({"grafana": {"adminPassword": {"existingSecret": ""}}},
                          "grafana.adminPassword"),
+    "ingress-without-tls": ({"ingress": {"enabled": True, "host": "fl.example.org"}},
+                            "ingress.enabled needs tls.enabled"),
+    "ingress-without-host": ({"tls": {"enabled": True}, "ingress": {"enabled": True}},
+                             "ingress.host"),
 }
 
 

@@ -19,7 +19,6 @@ from rawedge import RawEdge, train_messages
 from fedattn_shared.config import ServerConfig, TrainConfig
 from fedattn_shared.methods import MethodContext, load_method
 from fedattn_shared.wire import fedattn_pb2 as pb
-from fl_server import service
 from fl_server.app import ServerApp
 from fl_server.edges import Signal
 
@@ -27,12 +26,12 @@ POLL_TIMEOUT = 60.0  # a long-poll would wait this long: a no_wait answer must n
 
 
 @pytest.fixture
-def app(tmp_path, monkeypatch):
-    monkeypatch.setattr(service, "PRESENCE_INTERVAL", 3600.0)
+def app(tmp_path):
     train = TrainConfig(model="lenet-bn")
     method = load_method("fedavg")(MethodContext(train, load_method("fedavg").Params()))
     return ServerApp(ServerConfig(method="fedavg", rounds=1, min_edges=2, eval_every=0,
                                   host="127.0.0.1", port=0, poll_timeout=POLL_TIMEOUT,
+                                  presence_interval=3600.0, presence_lifetime=0,
                                   checkpoint_dir=str(tmp_path / "server")), train, method)
 
 

@@ -45,7 +45,7 @@ CALLS_PER_EDGE = 4
 
 
 def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES,
-                   max_edges: int = 0) -> list[tuple[str, int]]:
+                   max_edges: int = 0, keepalive_ms: int = 30_000) -> list[tuple[str, int]]:
     """The server's channel arguments. ``max_edges`` sizes grpc core's backlog of calls the
     application has not picked up yet. Past 1,000 such calls core drops new ones at random
     (all of them past 3,000), answering CANCELLED before any handler sees them. The
@@ -53,8 +53,11 @@ def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES,
     once (every edge told at the same instant) overran that backlog and lost thousands of
     downloads and uploads per round. Sized to every call the registered edges may have
     open, no honest call is dropped. The backlog stays bounded: calls past it are still
-    refused."""
-    options = channel_options(max_message_bytes) + [
+    refused. ``keepalive_ms``: the server's HTTP/2 PING interval on each connection (behind
+    nginx, one connection per call: the pings keep a call whose headers went out from its
+    idle timeout)."""
+    options = [(key, keepalive_ms if key == "grpc.keepalive_time_ms" else value)
+               for key, value in channel_options(max_message_bytes)] + [
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ("grpc.http2.max_ping_strikes", 0),
     ]
