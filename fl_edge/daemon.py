@@ -28,6 +28,7 @@ from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire.accounting import ByteMeter
 from fedattn_shared.wire.payload import WireError
 
+from .caps import LinkCaps
 from .health import EdgeHealth, serve
 from .heterogeneity import Disconnected, Dropout, Throttle
 from .memory import DeviceMemoryError
@@ -95,8 +96,14 @@ class EdgeDaemon:
             # beyond it the allocator raises out-of-memory, which training backs off from.
             torch.cuda.set_per_process_memory_fraction(options.gpu_memory_fraction, self.device)
         self.writer = StateWriter(self.store, options.state_dir, self.metrics)
+        try:  # the device's --max-rate and data budget (its counts survive a restart)
+            self.caps = LinkCaps(self.registry, options.state_dir, options.max_rate,
+                                 options.budgets)
+        except (StateError, ValueError) as err:
+            raise EdgeExit(2, f"link caps: {err}") from None
         self.session = Session(options, self.credentials, self.device, self.identity,
-                               self.signing_key, self.meter, self.metrics, self._keep_common)
+                               self.signing_key, self.meter, self.metrics, self._keep_common,
+                               caps=self.caps)
         self.run_state: EdgeRun | None = None
         self.runner: TaskRunner | None = None
         self.metrics_port: int | None = None
@@ -217,6 +224,7 @@ class EdgeDaemon:
                 raise
             finally:
                 self.writer.flush()
+                self.caps.save()
 
     def _join(self, state_fingerprint: str | None = None) -> None:
         """Joins (a new session); a new configuration builds the run. ``state_fingerprint``:
@@ -278,15 +286,24 @@ class EdgeDaemon:
         self.writer.flush()
         self.health.set("idle")
         if not self.session.task_hints:
-            return self.session.next_task()
+            return self.session.next_task(decline=self._decline())
         if self.idle:
             self.session.task_ready.wait(HINT_FALLBACK_POLL)
         # Cleared before asking: a hint that arrives from here on is about a state the
         # question may not have seen, and makes the next wait return at once.
         self.session.task_ready.clear()
-        received = self.session.next_task(no_wait=True)
+        received = self.session.next_task(no_wait=True, decline=self._decline())
         self.idle = received.header.status == pb.TaskHeader.WAIT
         return received
+
+    def _decline(self) -> int:
+        """The "not now" the next task request carries (``pb.Decline``; 0: none): while
+        the data budget cannot take another task, the server gives the task up without
+        holding it against the edge (``fl_edge.caps``)."""
+        if self.caps.decline() is None:
+            return pb.DECLINE_UNSPECIFIED
+        self.health.set("declining")
+        return pb.DECLINE_DATA_BUDGET
 
     def _handle(self, received: Received) -> None:
         """Runs a task and submits its result. Training that diverges (a non-finite loss)
@@ -320,3 +337,4 @@ class EdgeDaemon:
         self.health.set("uploading")
         self.session.submit(received.header, result.upload, result.num_examples,
                             result.evaluation, result.metrics, result.coded)
+        self.caps.task_done()

@@ -37,6 +37,7 @@ from fedattn_shared.wire.signing import (
 )
 from fedattn_shared.wire.transport import MAX_MESSAGE_BYTES, BufferPool, PayloadAssembler
 
+from .caps import LinkCaps
 from .metrics import EdgeMetrics
 from .options import EdgeExit, EdgeOptions
 from .store import Identity
@@ -63,19 +64,21 @@ class Session:
     """The edge's session with its server, across reconnects (see the module doc).
     ``keep_common(manifest, buffer)`` is told of every newly received common downlink
     (the daemon writes it behind, for export). ``transport``: how the messages travel
-    (default: gRPC to ``opts.server``)."""
+    (default: gRPC to ``opts.server``); ``caps``: the device's rate and data budget, which
+    the default transport applies to every message."""
 
     def __init__(self, opts: EdgeOptions, credentials, device: torch.device, identity: Identity,
                  signing_key: Ed25519PrivateKey, meter: ByteMeter, metrics: EdgeMetrics,
                  keep_common: Callable[[pb.PayloadManifest, bytearray], None],
-                 transport: EdgeTransport | None = None):
+                 transport: EdgeTransport | None = None, caps: LinkCaps | None = None):
         self.opts = opts
         self.device = device
         self.identity = identity
         self.signing_key = signing_key
         self.metrics = metrics
         self.keep_common = keep_common
-        self.transport = transport or GrpcTransport(opts, credentials, meter, identity.edge_id)
+        self.transport = transport or GrpcTransport(opts, credentials, meter, identity.edge_id,
+                                                    caps)
         self.session = ""
         self.upload_mac_key = b""  # agreed with the server at join, for this session only
         self.downlink_cap = DOWNLINK_CAP_BEFORE_SETUP
@@ -164,14 +167,15 @@ class Session:
                                              session=self.session, reason=reason))
 
     # ---- tasks ----------------------------------------------------------------------------
-    def next_task(self, no_wait: bool = False) -> Received:
+    def next_task(self, no_wait: bool = False, decline: int = 0) -> Received:
         """Long-polls (``no_wait``: asks once) for the next task and receives it whole
         (the transport's windows). Every declared downlink is held to the cap before a
         byte of it is allocated; a common downlink the edge already holds is not sent
-        again."""
+        again. ``decline`` (a ``pb.Decline``): "not now", the server gives up the task
+        that waits and answers WAIT."""
         cached_id = self.cached_common[0] if self.cached_common else ""
         request = pb.TaskRequest(edge_id=self.identity.edge_id, session=self.session,
-                                 cached_common=cached_id, no_wait=no_wait)
+                                 cached_common=cached_id, no_wait=no_wait, decline=decline)
         header, assemblers = self.transport.download(request, self._assemblers)
         if header.status != pb.TaskHeader.TASK or not assemblers:
             return Received(header, Payload(), Payload())
