@@ -223,16 +223,21 @@ class Session:
         return Received(header, common, personal)
 
     def submit(self, task: pb.TaskHeader, upload: Payload, num_examples: int,
-               evaluation: list, metrics: dict[str, float], coded: dict | None = None) -> None:
+               evaluation: list, metrics: dict[str, float], coded: dict | None = None
+               ) -> pb.SubmitReply:
         """Streams a result up, signed: the header carries the signature over itself and
         the body's MAC (keyed per session), the body goes in pre-built frames. The server's
-        answer is counted and logged, never retried (the task is over either way).
-        ``coded``: the sections that travel compressed, (Kind, name) -> ``Encoded``
+        answer is counted, logged and returned, never retried (the task is over either
+        way). ``coded``: the sections that travel compressed, (Kind, name) -> ``Encoded``
         (counted under their codec, raw bytes as decoded)."""
-        by_kind: dict[str, tuple[str, int]] = {}
-        for (kind, _), encoded in (coded or {}).items():
-            label, raw = by_kind.get(kind.label, (encoded.label, 0))
-            by_kind[kind.label] = (label, raw + encoded.raw_bytes)
+        return self.send(task, upload, num_examples, evaluation, metrics, coded_labels(coded))
+
+    def send(self, task: pb.TaskHeader, upload: Payload, num_examples: int,
+             evaluation: list, metrics: dict[str, float],
+             by_kind: dict[str, tuple[str, int]]) -> pb.SubmitReply:
+        """``submit`` with the coded sections as kind label -> (codec label, decoded
+        bytes): also the way a kept result goes up (``fl_edge.outbox``), signed anew
+        under this session."""
         encoded = encode(upload, checksum=False)  # the signed body MAC covers the bytes
         header = pb.SubmitMessage(header=pb.SubmitHeader(
             protocol_version=PROTOCOL_VERSION, edge_id=self.identity.edge_id,
@@ -253,6 +258,18 @@ class Session:
                         task.round, task.phase)
         else:
             log.warning("round %d %s result refused: %s", task.round, task.phase, reply.reason)
+        return reply
 
 
-__all__ = ["DOWNLINK_CAP_BEFORE_SETUP", "RETRYABLE", "Received", "Rejoin", "Session"]
+def coded_labels(coded: dict | None) -> dict[str, tuple[str, int]]:
+    """(Kind, name) -> ``Encoded`` as kind label -> (codec label, decoded bytes): what
+    the byte accounting counts per kind."""
+    by_kind: dict[str, tuple[str, int]] = {}
+    for (kind, _), encoded in (coded or {}).items():
+        label, raw = by_kind.get(kind.label, (encoded.label, 0))
+        by_kind[kind.label] = (label, raw + encoded.raw_bytes)
+    return by_kind
+
+
+__all__ = ["DOWNLINK_CAP_BEFORE_SETUP", "RETRYABLE", "Received", "Rejoin", "Session",
+           "coded_labels"]
