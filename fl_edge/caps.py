@@ -220,6 +220,11 @@ class LinkCaps:
                 used.labels(period).set_function(lambda a=allowance: a.used)
                 limit.labels(period).set(allowance.limit)
 
+    @property
+    def active(self) -> bool:
+        """Whether a rate or a budget is set (else the transport need not call ``moved``)."""
+        return bool(self.buckets) or self.budget is not None
+
     def moved(self, direction: str, size: int) -> None:
         """``size`` bytes of one message go (``up``: before it leaves) or came (``down``):
         the rate may make the caller wait; the budget counts them."""

@@ -105,7 +105,8 @@ class EdgeDaemon:
             raise EdgeExit(2, f"link caps: {err}") from None
         self.session = Session(options, self.credentials, self.device, self.identity,
                                self.signing_key, self.meter, self.metrics, self._keep_common,
-                               caps=self.caps)
+                               # the transport's hot path is untouched without a cap
+                               caps=self.caps if self.caps.active else None)
         self.run_state: EdgeRun | None = None
         self.runner: TaskRunner | None = None
         self.metrics_port: int | None = None
