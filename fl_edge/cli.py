@@ -116,6 +116,19 @@ def _add_device_limits(parser: argparse.ArgumentParser) -> None:
     device.add_argument("--health-stall-seconds", type=float, default=1800.0, metavar="S",
                         help="GET /healthz on --metrics-port answers 503 once a task has "
                              "made no progress for S seconds (default 1800)")
+    device.add_argument("--max-rate", type=float, default=0.0, metavar="BYTES_PER_S",
+                        help="the edge sends and receives at most this many bytes/s each way "
+                             "(a token bucket holding one second of it); keep it above the "
+                             "server's --download-min-rate and --upload-min-rate, or its "
+                             "transfers are cut as stalled (default 0: no cap)")
+    device.add_argument("--max-bytes-per-day", type=int, default=0, metavar="BYTES",
+                        help="a data budget per UTC day, both ways, kept in the state dir "
+                             "(a restart does not reset it): once the next task would not "
+                             "fit (the last task's bytes), the edge declines work until "
+                             "00:00 UTC (default 0: none)")
+    device.add_argument("--max-bytes-per-month", type=int, default=0, metavar="BYTES",
+                        help="the same per calendar month (UTC); with both, both apply "
+                             "(default 0: none)")
 
 
 def _add_policy(parser: argparse.ArgumentParser) -> None:
@@ -269,6 +282,8 @@ def _refusal(args: argparse.Namespace) -> str:
         return "--gpu-memory-fraction must be in (0, 1]"
     if not args.health_stall_seconds > 0:
         return "--health-stall-seconds must be > 0"
+    if not args.max_rate >= 0 or args.max_bytes_per_day < 0 or args.max_bytes_per_month < 0:
+        return "--max-rate, --max-bytes-per-day and --max-bytes-per-month must be >= 0"
     if cpu_threads(args.threads) is None:
         return "--threads must be >= 1"
     bad_specs = [spec for spec in args.allow_method if not MODULE_SPEC.fullmatch(spec)]
@@ -302,7 +317,8 @@ def edge_options(args: argparse.Namespace) -> EdgeOptions:
         disconnect=disconnect, offline_seconds=offline, disconnect_seed=args.disconnect_seed,
         max_physical_batch=args.max_physical_batch, gpu_memory_fraction=args.gpu_memory_fraction,
         cuda_nondeterministic_ok=args.cuda_nondeterministic_ok, channels_last=args.channels_last,
-        health_stall_seconds=args.health_stall_seconds)
+        health_stall_seconds=args.health_stall_seconds, max_rate=args.max_rate,
+        max_bytes_per_day=args.max_bytes_per_day, max_bytes_per_month=args.max_bytes_per_month)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,15 +28,17 @@ from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire.accounting import ByteMeter
 from fedattn_shared.wire.payload import WireError
 
+from .caps import LinkCaps
 from .health import EdgeHealth, serve
 from .heterogeneity import Disconnected, Dropout, Throttle
 from .memory import DeviceMemoryError
 from .metrics import EdgeMetrics
 from .middleware import edge_middleware
 from .options import EdgeExit, EdgeOptions
+from .outbox import Outbox
 from .run import RUN_CAP_WHY, EdgeRun, build_run
 from .secagg import EdgeSecAgg
-from .session import RETRYABLE, Received, Rejoin, Session
+from .session import RETRYABLE, Received, Rejoin, Session, coded_labels
 from .store import PrivateStore, load_or_create_identity, load_or_create_signing_key
 from .supervision import Stopped
 from .tasks import TaskRunner
@@ -83,6 +85,7 @@ class EdgeDaemon:
         except (StateError, OSError) as err:
             raise EdgeExit(2, f"state dir {options.state_dir}: {err}") from None
         self.store = PrivateStore(options.state_dir)
+        self.outbox = Outbox(options.state_dir)  # --mode async: a result the link lost
         self.secagg = EdgeSecAgg(options.state_dir, self.identity.edge_id, self.signing_key)
         self.registry = CollectorRegistry()
         self.meter = ByteMeter(self.registry)
@@ -95,8 +98,15 @@ class EdgeDaemon:
             # beyond it the allocator raises out-of-memory, which training backs off from.
             torch.cuda.set_per_process_memory_fraction(options.gpu_memory_fraction, self.device)
         self.writer = StateWriter(self.store, options.state_dir, self.metrics)
+        try:  # the device's --max-rate and data budget (its counts survive a restart)
+            self.caps = LinkCaps(self.registry, options.state_dir, options.max_rate,
+                                 options.budgets)
+        except (StateError, ValueError) as err:
+            raise EdgeExit(2, f"link caps: {err}") from None
         self.session = Session(options, self.credentials, self.device, self.identity,
-                               self.signing_key, self.meter, self.metrics, self._keep_common)
+                               self.signing_key, self.meter, self.metrics, self._keep_common,
+                               # the transport's hot path is untouched without a cap
+                               caps=self.caps if self.caps.active else None)
         self.run_state: EdgeRun | None = None
         self.runner: TaskRunner | None = None
         self.metrics_port: int | None = None
@@ -198,6 +208,7 @@ class EdgeDaemon:
             self.idle = False
             try:
                 with self.session.presence():
+                    self._send_kept()
                     while True:
                         received = self._next_task()
                         status = received.header.status
@@ -217,6 +228,7 @@ class EdgeDaemon:
                 raise
             finally:
                 self.writer.flush()
+                self.caps.save()
 
     def _join(self, state_fingerprint: str | None = None) -> None:
         """Joins (a new session); a new configuration builds the run. ``state_fingerprint``:
@@ -278,15 +290,24 @@ class EdgeDaemon:
         self.writer.flush()
         self.health.set("idle")
         if not self.session.task_hints:
-            return self.session.next_task()
+            return self.session.next_task(decline=self._decline())
         if self.idle:
             self.session.task_ready.wait(HINT_FALLBACK_POLL)
         # Cleared before asking: a hint that arrives from here on is about a state the
         # question may not have seen, and makes the next wait return at once.
         self.session.task_ready.clear()
-        received = self.session.next_task(no_wait=True)
+        received = self.session.next_task(no_wait=True, decline=self._decline())
         self.idle = received.header.status == pb.TaskHeader.WAIT
         return received
+
+    def _decline(self) -> int:
+        """The "not now" the next task request carries (``pb.Decline``; 0: none): while
+        the data budget cannot take another task, the server gives the task up without
+        holding it against the edge (``fl_edge.caps``)."""
+        if self.caps.decline() is None:
+            return pb.DECLINE_UNSPECIFIED
+        self.health.set("declining")
+        return pb.DECLINE_DATA_BUDGET
 
     def _handle(self, received: Received) -> None:
         """Runs a task and submits its result. Training that diverges (a non-finite loss)
@@ -318,5 +339,57 @@ class EdgeDaemon:
             self.session.leave(reason)
             raise EdgeExit(2, reason) from None
         self.health.set("uploading")
-        self.session.submit(received.header, result.upload, result.num_examples,
-                            result.evaluation, result.metrics, result.coded)
+        try:
+            self.session.submit(received.header, result.upload, result.num_examples,
+                                result.evaluation, result.metrics, result.coded)
+        except (grpc.RpcError, Rejoin) as err:
+            self._keep(received, result, err)
+            raise
+        self.caps.task_done()
+
+    def _keep(self, received: Received, result, err: Exception) -> None:
+        """--mode async: an upload the link lost (a retryable status, or a server that no
+        longer knows the session) is kept on disk and sent when the edge is back
+        (``fl_edge.outbox``); a sync round does not wait for it."""
+        run = self.run_state
+        lost = isinstance(err, Rejoin) or (hasattr(err, "code") and err.code() in RETRYABLE)
+        if run is None or not run.asynchronous or not lost:
+            return
+        header = received.header
+        self.writer.write(self.outbox.keep, run.fingerprint, header, result.upload,
+                          result.num_examples, result.evaluation, result.metrics,
+                          coded_labels(result.coded))
+        log.warning("round %d %s: the upload failed (%s); the result is kept in %s and goes "
+                    "up when the server is back (if still within its --max-staleness)",
+                    header.round, header.phase,
+                    err.code().name if hasattr(err, "code") else "the server restarted",
+                    self.opts.state_dir)
+
+    def _send_kept(self) -> None:
+        """After a join: the result the link lost, if one is kept for this run, goes up
+        before any new task is asked for; whatever the server answers, it is offered once
+        (a refusal, "too stale", is logged with its reason). A call that fails keeps it."""
+        run = self.run_state
+        if run is None:
+            return
+        try:
+            kept = self.outbox.load(run.fingerprint)
+        except StateError as err:
+            log.warning("%s; removed", err)
+            self.outbox.clear()
+            return
+        if kept is None:
+            return
+        task = kept.task
+        log.info("round %d %s: sending the result kept %.0fs ago, when the link went",
+                 task.round, task.phase, time.time() - kept.kept_at)
+        self.health.set("uploading")
+        reply = self.session.send(task, kept.upload, kept.num_examples, kept.evaluation,
+                                  kept.metrics, kept.coded)
+        self.outbox.clear()
+        self.caps.task_done()
+        if reply.accepted:
+            log.info("round %d %s: the kept result was accepted", task.round, task.phase)
+        else:
+            log.warning("round %d %s: the kept result was dropped by the server: %s",
+                        task.round, task.phase, reply.reason)

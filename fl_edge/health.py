@@ -11,7 +11,7 @@ the server's business, and its own health check says so.
 
 The JSON (the contract the Dockerfiles, the systemd watchdog and the Helm probes use)::
 
-    {"state": "joining|idle|training|evaluating|<phase>|uploading|reconnecting|done",
+    {"state": "joining|idle|declining|training|evaluating|<phase>|uploading|reconnecting|done",
      "last_task_at": unix time or null, "last_progress_at": unix time or null,
      "last_error": text or null, "stall_seconds": the bound}
 """

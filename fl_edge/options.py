@@ -72,6 +72,18 @@ class EdgeOptions:
     cuda_nondeterministic_ok: bool = False
     channels_last: bool = True
     health_stall_seconds: float = 1800.0
+    # The device's link (fl_edge.caps): bytes/s each direction (0: no cap), and data
+    # budgets per UTC day and month (0: none), kept in the state dir.
+    max_rate: float = 0.0
+    max_bytes_per_day: int = 0
+    max_bytes_per_month: int = 0
+
+    @property
+    def budgets(self) -> dict[str, int]:
+        """The data budgets set, by period."""
+        return {period: limit for period, limit in (("day", self.max_bytes_per_day),
+                                                    ("month", self.max_bytes_per_month))
+                if limit}
 
     @property
     def device_is_cuda(self) -> bool:

@@ -37,6 +37,7 @@ from fedattn_shared.wire.signing import (
 )
 from fedattn_shared.wire.transport import MAX_MESSAGE_BYTES, BufferPool, PayloadAssembler
 
+from .caps import LinkCaps
 from .metrics import EdgeMetrics
 from .options import EdgeExit, EdgeOptions
 from .store import Identity
@@ -63,19 +64,21 @@ class Session:
     """The edge's session with its server, across reconnects (see the module doc).
     ``keep_common(manifest, buffer)`` is told of every newly received common downlink
     (the daemon writes it behind, for export). ``transport``: how the messages travel
-    (default: gRPC to ``opts.server``)."""
+    (default: gRPC to ``opts.server``); ``caps``: the device's rate and data budget, which
+    the default transport applies to every message."""
 
     def __init__(self, opts: EdgeOptions, credentials, device: torch.device, identity: Identity,
                  signing_key: Ed25519PrivateKey, meter: ByteMeter, metrics: EdgeMetrics,
                  keep_common: Callable[[pb.PayloadManifest, bytearray], None],
-                 transport: EdgeTransport | None = None):
+                 transport: EdgeTransport | None = None, caps: LinkCaps | None = None):
         self.opts = opts
         self.device = device
         self.identity = identity
         self.signing_key = signing_key
         self.metrics = metrics
         self.keep_common = keep_common
-        self.transport = transport or GrpcTransport(opts, credentials, meter, identity.edge_id)
+        self.transport = transport or GrpcTransport(opts, credentials, meter, identity.edge_id,
+                                                    caps)
         self.session = ""
         self.upload_mac_key = b""  # agreed with the server at join, for this session only
         self.downlink_cap = DOWNLINK_CAP_BEFORE_SETUP
@@ -164,14 +167,15 @@ class Session:
                                              session=self.session, reason=reason))
 
     # ---- tasks ----------------------------------------------------------------------------
-    def next_task(self, no_wait: bool = False) -> Received:
+    def next_task(self, no_wait: bool = False, decline: int = 0) -> Received:
         """Long-polls (``no_wait``: asks once) for the next task and receives it whole
         (the transport's windows). Every declared downlink is held to the cap before a
         byte of it is allocated; a common downlink the edge already holds is not sent
-        again."""
+        again. ``decline`` (a ``pb.Decline``): "not now", the server gives up the task
+        that waits and answers WAIT."""
         cached_id = self.cached_common[0] if self.cached_common else ""
         request = pb.TaskRequest(edge_id=self.identity.edge_id, session=self.session,
-                                 cached_common=cached_id, no_wait=no_wait)
+                                 cached_common=cached_id, no_wait=no_wait, decline=decline)
         header, assemblers = self.transport.download(request, self._assemblers)
         if header.status != pb.TaskHeader.TASK or not assemblers:
             return Received(header, Payload(), Payload())
@@ -219,16 +223,21 @@ class Session:
         return Received(header, common, personal)
 
     def submit(self, task: pb.TaskHeader, upload: Payload, num_examples: int,
-               evaluation: list, metrics: dict[str, float], coded: dict | None = None) -> None:
+               evaluation: list, metrics: dict[str, float], coded: dict | None = None
+               ) -> pb.SubmitReply:
         """Streams a result up, signed: the header carries the signature over itself and
         the body's MAC (keyed per session), the body goes in pre-built frames. The server's
-        answer is counted and logged, never retried (the task is over either way).
-        ``coded``: the sections that travel compressed, (Kind, name) -> ``Encoded``
+        answer is counted, logged and returned, never retried (the task is over either
+        way). ``coded``: the sections that travel compressed, (Kind, name) -> ``Encoded``
         (counted under their codec, raw bytes as decoded)."""
-        by_kind: dict[str, tuple[str, int]] = {}
-        for (kind, _), encoded in (coded or {}).items():
-            label, raw = by_kind.get(kind.label, (encoded.label, 0))
-            by_kind[kind.label] = (label, raw + encoded.raw_bytes)
+        return self.send(task, upload, num_examples, evaluation, metrics, coded_labels(coded))
+
+    def send(self, task: pb.TaskHeader, upload: Payload, num_examples: int,
+             evaluation: list, metrics: dict[str, float],
+             by_kind: dict[str, tuple[str, int]]) -> pb.SubmitReply:
+        """``submit`` with the coded sections as kind label -> (codec label, decoded
+        bytes): also the way a kept result goes up (``fl_edge.outbox``), signed anew
+        under this session."""
         encoded = encode(upload, checksum=False)  # the signed body MAC covers the bytes
         header = pb.SubmitMessage(header=pb.SubmitHeader(
             protocol_version=PROTOCOL_VERSION, edge_id=self.identity.edge_id,
@@ -249,6 +258,18 @@ class Session:
                         task.round, task.phase)
         else:
             log.warning("round %d %s result refused: %s", task.round, task.phase, reply.reason)
+        return reply
 
 
-__all__ = ["DOWNLINK_CAP_BEFORE_SETUP", "RETRYABLE", "Received", "Rejoin", "Session"]
+def coded_labels(coded: dict | None) -> dict[str, tuple[str, int]]:
+    """(Kind, name) -> ``Encoded`` as kind label -> (codec label, decoded bytes): what
+    the byte accounting counts per kind."""
+    by_kind: dict[str, tuple[str, int]] = {}
+    for (kind, _), encoded in (coded or {}).items():
+        label, raw = by_kind.get(kind.label, (encoded.label, 0))
+        by_kind[kind.label] = (label, raw + encoded.raw_bytes)
+    return by_kind
+
+
+__all__ = ["DOWNLINK_CAP_BEFORE_SETUP", "RETRYABLE", "Received", "Rejoin", "Session",
+           "coded_labels"]

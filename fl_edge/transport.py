@@ -10,6 +10,10 @@ agree per edge (docs/operations.md, "What each side counts"): every message of e
 presence included, under the edge's own id; a request only once the server answered (a
 reply, or a status of its own: a call that found no server, ``UNAVAILABLE``, carried
 nothing the server could count), a reply or stream message when it arrives.
+
+The device's own caps (``fl_edge.caps``: ``--max-rate``, the data budget) hear of every
+message counted, with the same bytes: a chunk to send waits for the rate before it
+leaves, one received before the next is read.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from fedattn_shared.wire.accounting import (
     ByteMeter,
     count_coded,
     data_message_wire_bytes,
+    message_wire_bytes,
 )
 from fedattn_shared.wire.payload import WireError
 from fedattn_shared.wire.serialize import EncodedPayload
@@ -48,6 +53,7 @@ from fedattn_shared.wire.transport import (
     serialize,
 )
 
+from .caps import LinkCaps
 from .options import EdgeOptions
 
 log = logging.getLogger("fl_edge")
@@ -148,8 +154,10 @@ def _transfer(method):
 class GrpcTransport:
     """The edge's gRPC transport (see the module docstring)."""
 
-    def __init__(self, opts: EdgeOptions, credentials, meter: ByteMeter, edge_id: str):
+    def __init__(self, opts: EdgeOptions, credentials, meter: ByteMeter, edge_id: str,
+                 caps: LinkCaps | None = None):
         self.opts, self.credentials, self.meter, self.edge_id = opts, credentials, meter, edge_id
+        self.caps = caps
         self.stub = None
         self.chunk_bytes = 1 << 20
         self.terms = DownloadTerms()
@@ -160,6 +168,8 @@ class GrpcTransport:
     def _count(self, direction: str, message, kind: str = META) -> None:
         """One protobuf message, under this edge's id (the server's label for it)."""
         self.meter.count_message(direction, message, edge=self.edge_id, kind=kind)
+        if self.caps is not None:
+            self.caps.moved(direction, message_wire_bytes(message))
 
     def _count_sent(self, request, err: grpc.RpcError | None = None) -> None:
         """A request the server received: answered, or failed with a status other than
@@ -340,8 +350,10 @@ class GrpcTransport:
         if target is None:
             raise WireError("data past the payload")
         kind = target.add(chunk)
-        self.meter.count(DOWN, kind.label, data_message_wire_bytes(len(chunk)), len(chunk),
-                         self.edge_id)
+        wire = data_message_wire_bytes(len(chunk))
+        self.meter.count(DOWN, kind.label, wire, len(chunk), self.edge_id)
+        if self.caps is not None:
+            self.caps.moved(DOWN, wire)
 
     # ---- uploads --------------------------------------------------------------------------
     @_transfer
@@ -358,6 +370,8 @@ class GrpcTransport:
                 self.meter.count(UP, kind.label, len(frame) + GRPC_FRAME_PREFIX,
                                  0 if codec else size, self.edge_id,
                                  codec=codec[0] if codec else NO_CODEC)
+                if self.caps is not None:
+                    self.caps.moved(UP, len(frame) + GRPC_FRAME_PREFIX)
                 yield frame
             count_coded(self.meter, UP, coded, self.edge_id)
 
@@ -390,6 +404,7 @@ class PresenceHolder:
         self.reopened = 0  # streams opened again (for the log and tests)
 
     def close(self) -> None:
+        """Ends the stream for good (the session ends): no reopening after this."""
         self.stop.set()
         with self.lock:
             if self.call is not None:
@@ -411,6 +426,9 @@ class PresenceHolder:
                     self.call.cancel()
 
     def hold(self) -> None:
+        """Holds a presence stream open until ``close``: one that ends (the server's
+        lifetime, a proxy's cut, the watchdog's cancel after silence) is opened again
+        without a rejoin, so the server's grace keeps the edge's task."""
         watchdog = threading.Thread(target=self._watch, daemon=True)
         watchdog.start()
         try:

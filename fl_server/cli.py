@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fl-server",
         description="fedattn server: runs federated rounds for fl-edge daemons over gRPC.",
         argument_default=None)
-    for add in (_run_flags, _robust_flags, _network_flags, _train_flags, _dp_flags):
+    for add in (_run_flags, _robust_flags, _network_flags, _link_flags, _train_flags, _dp_flags):
         add(p)
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-every", type=float, default=10.0, metavar="SECONDS",
@@ -218,20 +218,6 @@ def _network_flags(p: argparse.ArgumentParser) -> None:
                                      "(default: $FEDATTN_TOKEN)")
     net.add_argument("--chunk-bytes", type=int, help="data chunk size on the wire")
     net.add_argument("--poll-timeout", type=float, help="long-poll timeout, seconds")
-    net.add_argument("--presence-interval", type=float,
-                     help="seconds between presence heartbeats; keep it under a proxy's idle "
-                          "timeout (10)")
-    net.add_argument("--presence-lifetime", type=float,
-                     help="end a presence stream after this many seconds (once no transfer "
-                          "of the edge's is open), the edge opens it again at once; set it "
-                          "under a proxy's maximum stream age (default 0: never)")
-    net.add_argument("--keepalive-interval", type=float,
-                     help="seconds between the server's HTTP/2 pings on each connection; "
-                          "nginx counts them for a call whose headers went out (30)")
-    net.add_argument("--presence-grace", type=float,
-                     help="seconds an edge whose presence stream broke (a proxy's cut, or the "
-                          "edge gone) stays selectable, its task kept, for the stream to "
-                          "reopen (0: dropped at once)")
     net.add_argument("--max-concurrent-uploads", type=int,
                      help="uploads received or aggregated at once, at most (default 2)")
     net.add_argument("--max-upload-memory", type=int, metavar="BYTES",
@@ -273,6 +259,25 @@ def _network_flags(p: argparse.ArgumentParser) -> None:
                           "across rejoins (a broken download retries; 3)")
     net.add_argument("--ready-file", type=Path,
                      help="write {port, metrics_port} as JSON here once serving")
+
+
+def _link_flags(p: argparse.ArgumentParser) -> None:
+    """The flags for edges behind proxies, NAT and links that break."""
+    links = p.add_argument_group("proxies, NAT and broken links")
+    links.add_argument("--presence-interval", type=float,
+                     help="seconds between presence heartbeats; keep it under a proxy's idle "
+                          "timeout (10)")
+    links.add_argument("--presence-lifetime", type=float,
+                     help="end a presence stream after this many seconds (once no transfer "
+                          "of the edge's is open), the edge opens it again at once; set it "
+                          "under a proxy's maximum stream age (default 0: never)")
+    links.add_argument("--keepalive-interval", type=float,
+                     help="seconds between the server's HTTP/2 pings on each connection; "
+                          "nginx counts them for a call whose headers went out (30)")
+    links.add_argument("--presence-grace", type=float,
+                     help="seconds an edge whose presence stream broke (a proxy's cut, or the "
+                          "edge gone) stays selectable, its task kept, for the stream to "
+                          "reopen (0: dropped at once)")
 
 
 def _train_flags(p: argparse.ArgumentParser) -> None:

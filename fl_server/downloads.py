@@ -30,14 +30,18 @@ from fedattn_shared.wire.transport import DownloadTerms, data_frames_from
 from .edges import EdgeRecord
 from .engine import Engine
 from .memory import download_memory, trim_heap
+from .metrics import DECLINES
 from .phase import Phase, Refused, Task
 from .streams import DownloadRoom, StreamEnded
 from .uploads import Transfer
 
 log = logging.getLogger("fl_server")
 
-# A task call's deadline may exceed its bound by this much (the time it took to arrive).
+# A task call's deadline may exceed its bound by this much (the time it took to arrive),
+# plus DEADLINE_ROUNDING of it: gRPC sends a timeout rounded up to three significant
+# figures (a 1084 s deadline arrives as 1090 s, with --download-min-rate 4096).
 DEADLINE_SLACK = 2.0
+DEADLINE_ROUNDING = 0.01
 
 
 class DownloadStream(Protocol):
@@ -138,7 +142,7 @@ class Downloads:
                           code="RESOURCE_EXHAUSTED")
         bound = self.terms.deadline(request.no_wait or bool(request.task_id))
         remaining = stream.seconds_left()
-        if remaining is None or remaining > bound + DEADLINE_SLACK:
+        if remaining is None or remaining > bound * (1 + DEADLINE_ROUNDING) + DEADLINE_SLACK:
             raise Refused(f"a NextTask call must carry a deadline of at most {bound:.1f}s "
                           f"(it has {'none' if remaining is None else f'{remaining:.1f}s'})",
                           code="FAILED_PRECONDITION")
@@ -160,7 +164,9 @@ class Downloads:
 
     async def _poll(self, record: EdgeRecord, request: pb.TaskRequest,
                     stream: DownloadStream) -> None:
-        """Waits for the edge's task (or answers WAIT / DONE), then its first window."""
+        """Waits for the edge's task (or answers WAIT / DONE), then its first window. A
+        request that declines (``decline``) waits the same way for work the edge would
+        get, then gives it up (``_decline``) and answers WAIT: nothing is handed out."""
         edge, engine = request.edge_id, self.engine
         deadline = time.monotonic() + (0.0 if request.no_wait else self.cfg.poll_timeout)
         while True:
@@ -172,7 +178,14 @@ class Downloads:
                 record.heard_run_over = True
                 await self._answer(stream, pb.TaskHeader.DONE, engine.round)
                 return
-            found = engine.schedule.task_for(edge)
+            if request.decline:
+                if engine.schedule.has_work(edge):
+                    self._decline(edge, request.decline)
+                    await self._answer(stream, pb.TaskHeader.WAIT)
+                    return
+                found = None
+            else:
+                found = engine.schedule.task_for(edge)
             if found is not None:
                 break
             remaining = deadline - time.monotonic()
@@ -188,6 +201,16 @@ class Downloads:
         header, delta = self._task_header(phase, task, edge, request.cached_common)
         await self._window(phase, task, stream, header, delta,
                            Transfer(f"{edge}/{task.task_id}", 0))
+
+    def _decline(self, edge: str, value: int) -> None:
+        """The edge says "not now" (``pb.Decline``): its work is given up as a drop that
+        is no fault of the edge, and counted by reason (an unknown value: "other")."""
+        name = pb.Decline.Name(value) if value in pb.Decline.values() else ""
+        label = name.removeprefix("DECLINE_").lower() or "other"
+        label = label if label in DECLINES else "other"
+        self.engine.metrics.declines.labels(label).inc()
+        log.info("edge %s declines work now (%s)", edge, label)
+        self.engine.schedule.decline(edge, f"declined: {label.replace('_', ' ')}")
 
     async def _continue(self, record: EdgeRecord, request: pb.TaskRequest,
                         stream: DownloadStream) -> None:

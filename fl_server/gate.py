@@ -8,7 +8,8 @@ An upload (``Submit``) passes, in this order:
    (mutual TLS);
 2. ``admit`` (the header, before a byte of the body is read): the body-MAC IV, an open
    phase, a task of this edge in it, the task's round/id/phase, its nonce (a replay), no
-   result yet (a duplicate) and no drop, the manifest exactly as the phase's schema, a
+   result yet (a duplicate) and no drop (but one for a lost link, in a phase that keeps
+   such tasks: --mode async, ``Phase.revive``), the manifest exactly as the phase's schema, a
    training weight >= 1, the weight cap, the evaluation sums (per-class counts only under
    --eval-detail), the metric names;
 3. (the upload pipeline, ``uploads.py``: one stream per task, an upload slot, the body
@@ -148,7 +149,11 @@ class UploadGate:
         if edge in phase.received:
             raise Refused(f"duplicate submission for task {task.task_id}")
         if edge in phase.dropped:
-            raise Refused(f"task {task.task_id} was already dropped ({phase.dropped[edge]})")
+            why = phase.dropped[edge]
+            if not phase.revive(edge):
+                raise Refused(f"task {task.task_id} was already dropped ({why})")
+            log.info("round %d %s: %s is back with the result of task %d (dropped: %s)",
+                     phase.round, phase.name, edge, task.task_id, why)
 
     def check_manifest(self, manifest: pb.PayloadManifest, schema: list[SectionSpec]) -> None:
         """Every section of the schema exactly once, no other; each tensor named, typed and

@@ -58,13 +58,19 @@ DROP_REASONS = {
     "too stale": "too_stale",          # --mode async: past --max-staleness
     "superseded": "superseded",        # --mode async: the edge asked for newer work
     "run over": "run_over",            # --mode async: the last version is applied
+    "declined": "declined",            # the edge said "not now" (TaskRequest.decline)
 }
 
 
+#: Why edges decline work (``pb.Decline``'s names, lower case without the prefix), as the
+#: bounded label of ``fedattn_declines_total``; a value this server does not know: "other".
+DECLINES = ("data_budget", "other")
+
 #: Reasons that are a healthy run's normal course (``--mode async``: an edge asked for newer
-#: work, the last version is applied, a result came after its phase closed): logged at INFO.
+#: work, the last version is applied, a result came after its phase closed; an edge declined
+#: work): logged at INFO.
 #: Every other drop or refusal is a WARNING.
-ROUTINE_REASONS = frozenset({"superseded", "run over", "no phase is open"})
+ROUTINE_REASONS = frozenset({"superseded", "run over", "no phase is open", "declined"})
 
 
 def routine(reason: str) -> bool:
@@ -137,6 +143,10 @@ class ServerMetrics:
                                   "Edges whose results were used in the last round's phase",
                                   ["phase"])
         self.refused = counter("fedattn_refused_submissions", "Submissions refused", ["edge"])
+        self.declines = counter("fedattn_declines", "Task requests edges declined "
+                                "(\"not now\": TaskRequest.decline), by their reason", ["reason"])
+        for reason in DECLINES:
+            self.declines.labels(reason)
         # aggregate safety (engine: rounds that could not close, updates scaled to the bound)
         self.rounds_aborted = counter("fedattn_rounds_aborted",
                                       "Rounds aborted with the global kept: a phase could not "

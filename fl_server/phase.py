@@ -39,6 +39,11 @@ if TYPE_CHECKING:  # annotations only: the drivers and metrics import this modul
 
 log = logging.getLogger("fl_server")
 
+#: Drops that say only that the edge's link or session went (``Sessions``: its presence
+#: stream ended, a new session replaced the one its task was handed out in). In a phase
+#: that ``keeps_lost`` (--mode async's training), such a task's result is still taken.
+LINK_LOST = frozenset({"disconnected", "rejoined"})
+
 
 @dataclass
 class Task:
@@ -92,6 +97,10 @@ class Phase:
     # frames stay built); ``closed_why`` is the refusal a closed phase's results get.
     growing: bool = False
     closed_why: str = ""
+    # --mode async's training ("train now, upload later"): a task dropped because the
+    # edge's link was lost (``LINK_LOST``) is taken back when the edge, back, sends its
+    # result for it while the phase is open (``revive``); the phase closes when too stale.
+    keeps_lost: bool = False
     # Task downloads started (headers sent) and data bytes sent to each edge, over all its
     # tasks in this phase: what --max-task-deliveries bounds, across rejoins and reconnects.
     starts: dict[str, int] = field(default_factory=dict)
@@ -112,6 +121,15 @@ class Phase:
         say); the wait ends when nobody is left to answer."""
         self.dropped[edge] = reason
         self.maybe_close()
+
+    def revive(self, edge: str) -> bool:
+        """The edge, back after its link was lost, sends the result of the task it was
+        dropped from: in a phase that ``keeps_lost``, while open, the task is pending
+        again (True; the upload then passes every check as any other). False otherwise."""
+        if not self.keeps_lost or self.closed or self.dropped.get(edge) not in LINK_LOST:
+            return False
+        del self.dropped[edge]
+        return True
 
     def receive(self, edge: str, result: dict) -> None:
         """The edge's result is in (the gate took its upload)."""
@@ -298,7 +316,7 @@ async def open_phase(driver: Any, round_number: int, cfg: ServerConfig, task_ids
         delta=delta_encoded if delta_encoded is not None and delta[0] != common_id else None,
         coded_up=_labels(driver.coded_uploads()),
         coded_delta=_labels(driver.coded_delta()) if delta_encoded is not None else {},
-        growing=growing)
+        growing=growing, keeps_lost=growing)
 
 
 def _labels(coded: dict) -> dict[str, tuple[str, int]]:

@@ -54,6 +54,13 @@ class Schedule(ABC):
     def lose(self, edge: str, reason: str) -> None:
         """The edge's session ended: its pending tasks are dropped for ``reason``."""
 
+    def decline(self, edge: str, reason: str) -> None:
+        """The edge declines work now ("not now", ``TaskRequest.decline``; the servicer
+        asks only when ``has_work``): its pending tasks are dropped for ``reason``, no fault
+        of the edge. After it ``has_work`` must stay False until something new is offered
+        (a later phase or round), so an edge is never offered the same work in a loop."""
+        self.lose(edge, reason)
+
     async def taken(self, phase: Phase) -> None:
         """After each upload the gate took into ``phase``, still under ``agg_lock``;
         nothing by default."""

@@ -31,6 +31,12 @@ from .context import RunContext
 
 log = logging.getLogger("fl_server")
 
+#: Seconds an edge that declined work ("not now") is offered none, unless a new version
+#: comes first: a declining edge costs one answer per this period, never a loop, and one
+#: whose budget renewed is offered work again even if no version is applied meanwhile
+#: (when every edge declined, none would be).
+DECLINE_BACKOFF = 60.0
+
 
 class Buffered(Schedule):
     """The async run: task hand-out, the buffer, versions and evaluations (module doc).
@@ -53,6 +59,8 @@ class Buffered(Schedule):
         self.trained = asyncio.Event()
         self.failure: Exception | None = None
         self.started = time.monotonic()
+        # edge -> (version, monotonic time) of its last decline: one entry per known edge
+        self.declined: dict[str, tuple[int, float]] = {}
 
     @property
     def version(self) -> int:
@@ -86,6 +94,7 @@ class Buffered(Schedule):
         if self.current is not None:
             self.current.retire()
         self.current = self.phases[(TRAIN, phase.round)] = phase
+        self.declined.clear()  # a new version is offered to every edge
         self.ctx.wake(self.ctx.edges.connected_ids())
 
     # ---- tasks ----------------------------------------------------------------------
@@ -139,6 +148,10 @@ class Buffered(Schedule):
         limit): it cannot turn refusals into endless downloads."""
         if any(entry["edge"] == edge for entry in self.buffer.entries):
             return False
+        declined = self.declined.get(edge)
+        if (declined is not None and declined[0] == self.version
+                and time.monotonic() - declined[1] < DECLINE_BACKOFF):
+            return False
         why = phase.dropped.get(edge, "")
         return not why.startswith(("bad upload", "re-delivery limit"))
 
@@ -165,6 +178,12 @@ class Buffered(Schedule):
         for phase in list(self.phases.values()):
             if not phase.closed and phase.is_pending(edge):
                 self.ctx.drop(phase, edge, reason)
+
+    def decline(self, edge: str, reason: str) -> None:
+        """The edge declines work: its pending tasks drop, and it is offered none until
+        the next version or ``DECLINE_BACKOFF`` seconds."""
+        self.lose(edge, reason)
+        self.declined[edge] = (self.version, time.monotonic())
 
     # ---- the buffer -----------------------------------------------------------------
     def add(self, driver: BufferedTrain, edge: str, upload: Payload, weight: float) -> None:

@@ -29,6 +29,11 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     UINT8: _ClassVar[DType]
     INT8: _ClassVar[DType]
     BOOL: _ClassVar[DType]
+
+class Decline(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DECLINE_UNSPECIFIED: _ClassVar[Decline]
+    DECLINE_DATA_BUDGET: _ClassVar[Decline]
 SECTION_KIND_UNSPECIFIED: SectionKind
 SHARED_TENSORS: SectionKind
 STAT_VECTORS: SectionKind
@@ -46,6 +51,8 @@ INT32: DType
 UINT8: DType
 INT8: DType
 BOOL: DType
+DECLINE_UNSPECIFIED: Decline
+DECLINE_DATA_BUDGET: Decline
 
 class TensorMeta(_message.Message):
     __slots__ = ("name", "dtype", "shape")
@@ -151,20 +158,22 @@ class PresenceEvent(_message.Message):
     def __init__(self, server_time: _Optional[float] = ..., task_ready: _Optional[bool] = ...) -> None: ...
 
 class TaskRequest(_message.Message):
-    __slots__ = ("edge_id", "session", "cached_common", "no_wait", "task_id", "offset")
+    __slots__ = ("edge_id", "session", "cached_common", "no_wait", "task_id", "offset", "decline")
     EDGE_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     CACHED_COMMON_FIELD_NUMBER: _ClassVar[int]
     NO_WAIT_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DECLINE_FIELD_NUMBER: _ClassVar[int]
     edge_id: str
     session: str
     cached_common: str
     no_wait: bool
     task_id: int
     offset: int
-    def __init__(self, edge_id: _Optional[str] = ..., session: _Optional[str] = ..., cached_common: _Optional[str] = ..., no_wait: _Optional[bool] = ..., task_id: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+    decline: Decline
+    def __init__(self, edge_id: _Optional[str] = ..., session: _Optional[str] = ..., cached_common: _Optional[str] = ..., no_wait: _Optional[bool] = ..., task_id: _Optional[int] = ..., offset: _Optional[int] = ..., decline: _Optional[_Union[Decline, str]] = ...) -> None: ...
 
 class TaskHeader(_message.Message):
     __slots__ = ("status", "round", "task_id", "phase", "spec_json", "common_id", "common_cached", "common", "personal", "task_nonce", "common_base_id")
