@@ -260,7 +260,9 @@ def _network_flags(p: argparse.ArgumentParser) -> None:
 def _train_flags(p: argparse.ArgumentParser) -> None:
     """The training (sent to every edge) flags."""
     train = p.add_argument_group("training (sent to every edge)")
-    train.add_argument("--model", help=f"one of: {', '.join(sorted(MODELS))}")
+    train.add_argument("--model", help=f"one of: {', '.join(sorted(MODELS))}; or timm:NAME, "
+                       "torchvision:NAME (random init), an installed fedattn.models name, "
+                       "package.module:callable (docs/your-model-and-data.md)")
     train.add_argument("--num-classes", type=int)
     train.add_argument("--in-channels", type=int)
     train.add_argument("--image-size", type=int)

@@ -355,12 +355,15 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.1)
         port = json.loads(ready.read_text())["port"]
         print(f"fl-server ({args.method}) on 127.0.0.1:{port}; starting {len(edge_dirs)} edges")
+        from fedattn_shared.models import own_model_allowance
+
         edges = [spawn(["-m", "fl_edge", "--server", f"127.0.0.1:{port}",
                         *(["--tls-dir", str(edge_tls / d.name)] if edge_tls else ["--insecure"]),
                         "--data-dir", str(d), "--state-dir", str(out / "state" / d.name),
                         "--name", d.name, "--progress", "off", "--retry-for", "60",
                         # A module:Class method is this user's choice: its edges opt in.
-                        *(["--allow-method", args.method] if ":" in args.method else [])],
+                        *(["--allow-method", args.method] if ":" in args.method else []),
+                        *own_model_allowance(args.model)],
                        f"{d.name}.log") for d in edge_dirs]
         print(f"{'round':>5}  {'mean acc':>8}  {'global acc':>10}  {'per-edge acc':<{6 * len(edges)}}"
               f"  {'time':>7}  bytes on the wire")

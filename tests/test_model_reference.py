@@ -1,0 +1,182 @@
+"""Models by reference (shared/models/reference.py): the one parse of a model name and the
+edge's one allowlist check of it, spoken as an attacker would (a server sending names the
+edge did not allow), inspection of timm/torchvision/plug-in models, DP's validator on them,
+and, between real processes, a server-named model module an edge never imports unless its
+operator allowed it (tests/marker_model.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import edge_data
+
+from fedattn_shared.config import DPConfig, TrainConfig
+from fedattn_shared.methods import MethodContext, load_method
+from fedattn_shared.models import MODELS, build_model, check_model_allowed, model_spec
+from fedattn_shared.models.reference import parse_reference
+from fedattn_shared.privacy.dp import check_dp
+from fl_edge.daemon import EdgeDaemon, EdgeExit, EdgeOptions
+
+PLUGINS = Path(__file__).resolve().parent / "plugins"
+
+
+@pytest.fixture
+def probe_model(tmp_path, monkeypatch):
+    """A model module on sys.path that leaves a marker file when imported: (spec, marker)."""
+    name = f"model_probe_{uuid.uuid4().hex[:8]}"
+    marker = tmp_path / "imported"
+    (tmp_path / f"{name}.py").write_text(
+        f"from pathlib import Path\nPath({str(marker)!r}).write_text('imported')\n"
+        "from fedattn_shared.models.lenet import LeNetBN\n\n\n"
+        "def build(num_classes, in_channels, image_size):\n"
+        "    return LeNetBN(num_classes, in_channels, image_size)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield f"{name}:build", marker
+    sys.modules.pop(name, None)
+
+
+# ---- the parse and the allowlist, as an attacker speaks ------------------------------------
+
+
+def test_a_module_model_is_refused_before_import_unless_allowed(probe_model):
+    spec, marker = probe_model
+    for allowed in ((), ("other.module:build",), (spec + "x",), (spec.upper(),)):
+        with pytest.raises(ValueError, match="a module:callable outside the installed models; "
+                                             "this edge imports no module a server names unless "
+                                             f"started with --allow-model '{spec}'"):
+            check_model_allowed(spec, allowed)
+        with pytest.raises(ValueError, match="--allow-model"):  # +gn changes nothing
+            check_model_allowed(spec + "+gn", allowed)
+    assert spec.partition(":")[0] not in sys.modules and not marker.exists()
+    check_model_allowed(spec, (spec,))
+    assert model_spec(spec).head == "classifier.6" and marker.exists()  # the probe does work
+
+
+@pytest.mark.parametrize("name, message", [
+    (42, "model must be a string, got int"),
+    (None, "model must be a string, got NoneType"),
+    ("os:system", "a module:callable outside the installed models"),
+    ("os.path:join", "a module:callable outside the installed models"),
+    ("subprocess:Popen+gn", "a module:callable outside the installed models"),
+    ("timm:../../etc/passwd", "timm:NAME takes a timm model name"),
+    ("timm:resnet18;import os", "timm:NAME takes a timm model name"),
+    ("torchvision:", "torchvision:NAME takes a torchvision model name"),
+    ("a:b:c", "expected a built-in name, timm:NAME, torchvision:NAME"),
+    ("os :system", "expected a built-in name"),
+    ("__import__('os'):x", "expected a built-in name"),
+    ("évil:x", "expected a built-in name"),
+    ("no-such-model", "unknown model 'no-such-model'"),
+    ("", "unknown model ''"),
+    ("x" * 100_000 + ":y", "x" * 120 + "'..."),
+])
+def test_hostile_model_names_are_refused_without_importing(name, message):
+    before = set(sys.modules)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_model_allowed(name)
+    assert set(sys.modules) - before == set()  # nothing was imported to decide
+
+
+def test_builtin_library_and_installed_names_pass(monkeypatch):
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    for name in (*MODELS, "lenet-bn+gn", "timm:resnet18", "timm:resnet18.a1_in1k",
+                 "torchvision:mobilenet_v3_small", "example-tiny-se"):
+        check_model_allowed(name)
+    assert parse_reference("timm:resnet18", MODELS).kind == "timm"
+    assert parse_reference("lenet-bn", MODELS).kind == "builtin"
+
+
+# ---- inspection ------------------------------------------------------------------------------
+
+
+def test_referenced_models_build_with_the_runs_classes_and_channels_and_find_their_head():
+    """Random init only, the run's classes and channels; the head by timm's config or the
+    last Linear; timm's forward_features as pFedKA's tokens."""
+    for name, head in [("timm:test_resnet", "fc"), ("timm:test_convnext", "head.fc"),
+                       ("torchvision:resnet18", "fc"),
+                       ("torchvision:mobilenet_v3_small", "classifier.3")]:
+        spec = model_spec(name)
+        assert spec.head == head, name
+        with torch.device("meta"):
+            model = build_model(name, 5, 1, 32)
+        assert model.get_submodule(head).out_features == 5
+        first = next(m for m in model.modules() if isinstance(m, torch.nn.Conv2d))
+        assert first.in_channels == 1, name
+    assert model_spec("timm:test_resnet").tokens is not None
+    assert model_spec("torchvision:resnet18").tokens is None  # declared, or pFedKA refuses
+    torch.manual_seed(0)
+    a = build_model("timm:test_resnet", 3, 1, 32).state_dict()
+    torch.manual_seed(0)
+    b = build_model("timm:test_resnet", 3, 1, 32).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)  # seeded: identical on every party
+    with pytest.raises(ValueError, match="timm has no model 'resnet_nope'"):
+        model_spec("timm:resnet_nope")
+    with pytest.raises(ValueError, match="torchvision has no classification model 'nope'"):
+        model_spec("torchvision:nope")
+
+
+def test_a_builder_that_is_not_one_is_refused_by_name(monkeypatch):
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    with pytest.raises(ValueError, match="'fedattn_example_model:TinySENet_nope'.*has no attribute"):
+        model_spec("fedattn_example_model:TinySENet_nope")
+    with pytest.raises(ValueError, match="is a str, not a ModelSpec or a callable"):
+        model_spec("fedattn_example_model:__doc__")
+
+
+def test_dp_runs_opacus_validator_on_a_referenced_model():
+    """DP-SGD refuses a timm model with BatchNorm before any edge trains, naming the fix;
+    its +gn form (--dp-fix-model) passes Opacus' validator."""
+    dp = DPConfig(enabled=True, target_epsilon=8.0, planned_rounds=2)
+    fedavg = load_method("fedavg")
+
+    def method(model):
+        return fedavg(MethodContext(TrainConfig(model=model, image_size=32), fedavg.Params(), dp=dp))
+
+    with pytest.raises(ValueError, match="model 'timm:test_resnet' .* BatchNorm layer"):
+        check_dp(method("timm:test_resnet"))
+    check_dp(method("timm:test_resnet+gn"))
+
+
+# ---- the edge's setup, and real processes ------------------------------------------------------
+
+
+def test_the_edge_setup_refuses_a_server_named_model_module_before_importing_it(tmp_path,
+                                                                                 probe_model):
+    spec, marker = probe_model
+    data = edge_data(tmp_path / "data")
+    config = {"method": "fedavg", "train": {**TrainConfig(model=spec).__dict__}, "params": {}}
+    daemon = EdgeDaemon(EdgeOptions(server="127.0.0.1:1", data_dir=data,
+                                    state_dir=tmp_path / "state", name="unit", progress=False))
+    with pytest.raises(EdgeExit) as err:
+        daemon._setup(json.dumps(config), "0" * 16)
+    assert err.value.code == 2 and f"--allow-model '{spec}'" in str(err.value)
+    assert "refused the server's model" in err.value.tell_server
+    assert spec.partition(":")[0] not in sys.modules and not marker.exists()
+
+
+def test_a_server_named_model_module_is_never_imported_by_an_edge_without_the_allow_flag(
+        cluster, tmp_path):
+    """The server builds ``tests.marker_model:build`` (importing it itself, without the
+    marker variable). An edge without --allow-model exits 2 and its marker file never
+    appears; an edge with it imports the module (its marker names its pid) and trains."""
+    data = edge_data(tmp_path / "data")
+    spec = "tests.marker_model:build"
+    cluster.server("--method", "fedavg", "--model", spec, "--batch-size", "20", "--rounds",
+                   "1", "--min-edges", "1", "--round-timeout", "60")
+    refused_marker, allowed_marker = tmp_path / "marker-refused", tmp_path / "marker-allowed"
+    refusing = cluster.edge(data, "x", env={"FEDATTN_IMPORT_MARKER": str(refused_marker)})
+    assert refusing.wait(90) == 2
+    assert (f"model '{spec}': a module:callable outside the installed models; this edge "
+            f"imports no module a server names unless started with --allow-model '{spec}'"
+            in refusing.log())
+    assert not refused_marker.exists()
+    allowed = cluster.edge(data, "y", "--allow-model", spec,
+                           env={"FEDATTN_IMPORT_MARKER": str(allowed_marker)})
+    assert allowed.wait(150) == 0
+    assert allowed_marker.read_text().split() == [str(allowed.popen.pid)]
+    assert "round 1: trained" in allowed.log()
