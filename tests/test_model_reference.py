@@ -180,3 +180,67 @@ def test_a_server_named_model_module_is_never_imported_by_an_edge_without_the_al
     assert allowed.wait(150) == 0
     assert allowed_marker.read_text().split() == [str(allowed.popen.pid)]
     assert "round 1: trained" in allowed.log()
+
+
+# ---- pretrained starts (--init-weights) ----------------------------------------------------
+
+
+def test_init_weights_take_timm_and_torchvision_files_and_name_every_mismatch(tmp_path):
+    """A referenced model starts from its library's own weight files as they lie on disk
+    (timm's pytorch_model.bin, torchvision's .pth without BatchNorm counters), read with
+    weights_only; keys and shapes are checked before any tensor changes, each mismatch
+    named."""
+    import timm
+    import torchvision
+
+    from fedattn_shared.state import StateError
+    from fl_server.initial import load_initial_weights
+
+    torch.manual_seed(1)
+    imagenet = timm.create_model("test_resnet", pretrained=False, num_classes=1000).state_dict()
+    torch.save(imagenet, tmp_path / "pytorch_model.bin")
+    model = build_model("timm:test_resnet", 10, 3, 32)
+    head = model_spec("timm:test_resnet").head
+    with pytest.raises(StateError, match=r"fc.weight has shape \[1000, .*--init-skip-head"):
+        load_initial_weights({"model": model}, tmp_path / "pytorch_model.bin", head)
+    load_initial_weights({"model": model}, tmp_path / "pytorch_model.bin", head, skip_head=True)
+    state = model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in imagenet.items() if not k.startswith("fc."))
+
+    vision = torchvision.models.resnet18(weights=None).state_dict()
+    torch.save({k: v for k, v in vision.items() if not k.endswith("num_batches_tracked")},
+               tmp_path / "resnet18-f37072fd.pth")
+    rgb = {"model": build_model("torchvision:resnet18", 1000, 3, 32)}
+    load_initial_weights(rgb, tmp_path / "resnet18-f37072fd.pth", "fc")
+    assert torch.equal(rgb["model"].state_dict()["conv1.weight"], vision["conv1.weight"])
+    grey = {"model": build_model("torchvision:resnet18", 1000, 1, 32)}
+    before = grey["model"].state_dict()["layer1.0.conv1.weight"].clone()
+    with pytest.raises(StateError, match=r"conv1.weight has shape \[64, 3, 7, 7\], the model "
+                                         r"needs \[64, 1, 7, 7\]"):
+        load_initial_weights(grey, tmp_path / "resnet18-f37072fd.pth", "fc")
+    assert torch.equal(grey["model"].state_dict()["layer1.0.conv1.weight"], before)  # untouched
+
+    renamed = {("backbone." + k): v for k, v in list(vision.items())[:8]}
+    torch.save({"state_dict": renamed}, tmp_path / "checkpoint.ckpt")
+    with pytest.raises(StateError) as err:
+        load_initial_weights(rgb, tmp_path / "checkpoint.ckpt", "fc")
+    assert "no tensor for: ['model/conv1.weight', 'model/bn1.weight'" in str(err.value)
+    assert "tensors the model does not have: ['backbone.bn1.bias'" in str(err.value)
+
+
+class Payload:
+    """Anything but tensors: what a hostile weights file would unpickle."""
+
+    def __reduce__(self):
+        return (print, ("a weights file ran code",))
+
+
+def test_a_weights_file_that_would_run_code_is_refused(tmp_path, capsys):
+    from fedattn_shared.state import StateError
+    from fl_server.initial import load_initial_weights
+
+    torch.save({"conv1.weight": Payload()}, tmp_path / "evil.pth")
+    with pytest.raises(StateError, match="evil.pth: not a torch state dict readable with "
+                                         "weights_only=True"):
+        load_initial_weights({"model": build_model("lenet-bn", 10, 1, 28)}, tmp_path / "evil.pth")
+    assert "ran code" not in capsys.readouterr().out
