@@ -76,6 +76,7 @@ import numpy as np
 
 from .digits import DIGIT_DOMAINS, STAND_INS, build_domains
 from .sources import RawDataset, SourceError, load_source
+from .tables import Columns
 
 SCHEMES = ("iid", "dirichlet", "shards", "domains", "digits")
 FORMATS = ("npz", "folders")
@@ -106,6 +107,9 @@ class PartitionConfig:
     dirichlet_cap: bool = False  # NIID-Bench's rule: a full edge gets no more classes
     class_names: str | None = None
     force: bool = False
+    # a table source (datasets folder, Parquet, CSV): its image and label columns
+    image_column: str = "image"
+    label_column: str = "label"
     domains: list[str] = field(default_factory=lambda: list(DIGIT_DOMAINS))  # digits only
     domain_test: int = 500  # digits: test images per domain
 
@@ -371,7 +375,7 @@ def build(cfg: PartitionConfig) -> tuple[list[EdgeShare], GlobalTest, dict]:
     validate(cfg)
     if cfg.scheme == "digits":
         return build_digits(cfg)
-    data = load_source(cfg.source, cfg.limit)
+    data = load_source(cfg.source, cfg.limit, Columns(cfg.image_column, cfg.label_column))
     if len(data.train_y) == 0:
         raise SourceError(f"{data.path}: no training samples")
     if data.has_test and data.test_x.shape[1:] != data.train_x.shape[1:]:
@@ -556,8 +560,12 @@ output: OUT/edge_00, edge_01, ... each with train.npz, test.npz, global_test.npz
   OUT/partition.json (settings, per-edge class histogram, sha256 of each edge's train
   arrays). The same arguments give byte-identical output.""")
     parser.add_argument("--source", required=True, metavar="DIR",
-                        help="dataset directory (npz, MNIST-style IDX or CIFAR-10 binary), "
-                             "or 'sklearn-digits'")
+                        help="dataset directory (npz, MNIST-style IDX, CIFAR-10 binary, a "
+                             "datasets folder, Parquet or CSV), or 'sklearn-digits'")
+    parser.add_argument("--image-column", default="image", metavar="NAME",
+                        help="a table source's image column (default image; a CSV's may be path)")
+    parser.add_argument("--label-column", default="label", metavar="NAME",
+                        help="a table source's label column (default label)")
     parser.add_argument("--edges", type=int, required=True, metavar="N", help="number of edge folders")
     parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
     parser.add_argument("--seed", type=int, default=0, help="partition seed (default 0)")
@@ -609,6 +617,7 @@ def main(argv: list[str] | None = None) -> int:
         test_fraction=args.test_fraction, global_test_per_class=args.global_test_per_class,
         limit=args.limit, min_per_edge=args.min_per_edge,
         dirichlet_cap=args.dirichlet_cap, class_names=args.class_names, force=args.force,
+        image_column=args.image_column, label_column=args.label_column,
         domains=[d.strip() for d in args.domains.split(",") if d.strip()], domain_test=args.domain_test)
     try:
         shares, gt, manifest = build(cfg)
