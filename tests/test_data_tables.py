@@ -128,3 +128,19 @@ def test_fl_partition_cuts_a_parquet_source_into_edge_folders(tmp_path):
     sizes = [len(load_edge_data(out / f"edge_{i:02d}", run).train) for i in range(3)]
     assert sum(sizes) + sum(len(load_edge_data(out / f"edge_{i:02d}", run).test)
                             for i in range(3)) == 90 - 15
+
+
+def test_fl_partition_writes_parquet_edges_that_read_back_bit_identical(tmp_path):
+    """--format parquet: every edge's train/test files and global_test/ read back to the
+    very arrays the npz format writes (PNG is lossless)."""
+    pq.write_table(pa.table({"image": [png(i) for i in range(60)],
+                             "label": [i % 3 for i in range(60)]}), tmp_path / "data.parquet")
+    runs = {}
+    for fmt in ("npz", "parquet"):
+        assert partition(["--source", str(tmp_path), "--edges", "2", "--out",
+                          str(tmp_path / fmt), "--format", fmt,
+                          "--global-test-per-class", "3"]) == 0
+        runs[fmt] = load_edge_data(tmp_path / fmt / "edge_01", cfg(), keep_uint8=True)
+    for split in ("train", "test", "global_test"):
+        a, b = getattr(runs["npz"], split), getattr(runs["parquet"], split)
+        assert torch.equal(a.x, b.x) and torch.equal(a.y, b.y)

@@ -76,10 +76,10 @@ import numpy as np
 
 from .digits import DIGIT_DOMAINS, STAND_INS, build_domains
 from .sources import RawDataset, SourceError, load_source
-from .tables import Columns
+from .tables import Columns, write_parquet
 
 SCHEMES = ("iid", "dirichlet", "shards", "domains", "digits")
-FORMATS = ("npz", "folders")
+FORMATS = ("npz", "folders", "parquet")
 DOMAINS = ("original", "rotate+15", "rotate+30", "invert", "dim-0.5", "noise-32")
 MAX_TRIES = 100
 GLOBAL_TEST_SEED = 0
@@ -475,6 +475,12 @@ def _write_split(edge_dir: Path, split: str, x: np.ndarray, y: np.ndarray, fmt: 
     if fmt == "npz":
         # np.savez stores zip entries with a fixed 1980-01-01 date: same arrays, same bytes.
         np.savez(edge_dir / f"{split}.npz", x=x, y=y.astype(np.int64))
+    elif fmt == "parquet":  # global_test/ holds its file: a folder of any format is one
+        path = edge_dir / f"{split}.parquet"
+        if split == "global_test":
+            (edge_dir / split).mkdir()
+            path = edge_dir / split / "data.parquet"
+        write_parquet(path, x, y)
     else:
         _write_pngs(edge_dir / split, x, y, names)
 
@@ -582,7 +588,8 @@ output: OUT/edge_00, edge_01, ... each with train.npz, test.npz, global_test.npz
                         help="shards: classes (one shard each) per edge; edges*K must be a multiple of "
                              "the number of classes (default 2)")
     parser.add_argument("--format", choices=FORMATS, default="npz",
-                        help="npz arrays or PNG class folders (default npz)")
+                        help="npz arrays, PNG class folders, or Parquet files of PNG bytes "
+                             "and labels (pyarrow; default npz)")
     parser.add_argument("--test-fraction", type=float, default=0.2,
                         help="per-edge stratified local test split, in [0, 1); 0 writes no test split "
                              "(default 0.2)")

@@ -279,3 +279,19 @@ def read_parts(root: Path, cfg: TrainConfig) -> dict[str, Split]:
         x = table.x.transpose(0, 3, 1, 2) if mode == "RGB" else table.x  # explicit CHW
         parts[part] = Split(_to_images(x, files[0], cfg), torch.tensor(table.labels, dtype=torch.int64))
     return parts
+
+
+def write_parquet(path: Path, x: np.ndarray, y: np.ndarray, columns: Columns = Columns()) -> None:
+    """uint8 images (N, H, W[, 3]) and labels as a Parquet file of PNG bytes and class
+    indices, the layout this module reads (fl-partition --format parquet)."""
+    from PIL import Image
+
+    pa = _pyarrow()
+    encoded = []
+    for img in x:
+        out = io.BytesIO()
+        Image.fromarray(img).save(out, format="PNG")
+        encoded.append(out.getvalue())
+    table = pa.table({columns.image: pa.array(encoded, pa.binary()),
+                      columns.label: pa.array(y.astype(np.int64), pa.int64())})
+    pa.parquet.write_table(table, path)
