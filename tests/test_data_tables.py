@@ -49,14 +49,14 @@ def test_a_datasets_folder_from_save_to_disk_is_an_edge_data_dir(tmp_path):
     data = load_edge_data(tmp_path / "one", cfg(), keep_uint8=True)
     assert (len(data.train), len(data.test)) == (24, 6)  # the seeded stratified split
     assert data.train.x.dtype == torch.uint8 and data.train.x.shape[1:] == (1, 8, 8)
-    for x, y in zip(data.train.x, data.train.y, strict=True):  # pixel value i, label i % 3
+    for x, y in zip(data.train.x[:], data.train.y, strict=True):  # pixel value i, label i % 3
         assert int(x[0, 0, 0]) % 3 == int(y)
 
     datasets.DatasetDict({"train": hf_dataset(12, "RGB"), "test": hf_dataset(6, "RGB")}
                          ).save_to_disk(str(tmp_path / "dict"))
     data = load_edge_data(tmp_path / "dict", cfg(in_channels=3), keep_uint8=True)
     assert (len(data.train), len(data.test)) == (12, 6) and data.test.x.shape[1:] == (3, 8, 8)
-    assert data.train.x[5, :, 0, 0].tolist() == [5, 5, 5]
+    assert data.train.x[5][:, 0, 0].tolist() == [5, 5, 5]
 
 
 def test_parquet_with_named_columns_and_class_names(tmp_path):
@@ -72,7 +72,7 @@ def test_parquet_with_named_columns_and_class_names(tmp_path):
     data = load_edge_data(tmp_path, run, keep_uint8=True)
     assert (len(data.train), len(data.test)) == (12, 3)
     assert data.train.y.tolist() == [i % 3 for i in range(12)]
-    assert data.test.x[:, 0, 0, 0].tolist() == [100, 101, 102]
+    assert data.test.x[:][:, 0, 0, 0].tolist() == [100, 101, 102]
     with pytest.raises(DataError, match=r"train-00000.parquet: no column 'image' \(columns: img, "
                                         r"kind\); name it with --set train.image_column=NAME"):
         load_edge_data(tmp_path, cfg(class_names=names))
@@ -143,4 +143,44 @@ def test_fl_partition_writes_parquet_edges_that_read_back_bit_identical(tmp_path
         runs[fmt] = load_edge_data(tmp_path / fmt / "edge_01", cfg(), keep_uint8=True)
     for split in ("train", "test", "global_test"):
         a, b = getattr(runs["npz"], split), getattr(runs["parquet"], split)
-        assert torch.equal(a.x, b.x) and torch.equal(a.y, b.y)
+        assert torch.equal(a.x, b.x[:]) and torch.equal(a.y, b.y)
+
+
+def test_images_stay_encoded_until_a_batch_draws_them(tmp_path):
+    """Only headers are read at load: the edge holds the encoded bytes (not the pixels),
+    a batch decodes exactly its rows, the real trainer trains on them, and a body corrupt
+    past its header is refused when its batch is drawn, naming the file and the row."""
+    from fedattn_shared.data.encoded import EncodedImages
+    from fedattn_shared.methods import MethodContext, load_method
+    from fl_edge.trainer import train_local
+
+    rows = [png(i, size=28) for i in range(40)]
+    noise = io.BytesIO()
+    Image.fromarray(np.random.default_rng(7).integers(0, 256, (28, 28), dtype=np.uint8)).save(
+        noise, "PNG")
+    broken = bytearray(noise.getvalue())
+    broken[60:-20] = bytes(len(broken) - 80)  # the header intact, the pixel data garbage
+    rows[7] = bytes(broken)
+    pq.write_table(pa.table({"image": rows, "label": [i % 3 for i in range(40)]}),
+                   tmp_path / "train.parquet")
+    pq.write_table(pa.table({"image": rows[:6], "label": [0, 1, 2, 0, 1, 2]}),
+                   tmp_path / "test.parquet")
+    run = cfg(image_size=28, batch_size=8)
+    data = load_edge_data(tmp_path, run, keep_uint8=True)  # the header of row 7 passes
+    assert isinstance(data.train.x, EncodedImages)
+    assert sum(len(b) for b in data.train.x.blobs) == sum(len(r) for r in rows)
+    batch = data.train.x[torch.tensor([3, 1])]
+    assert batch.dtype == torch.uint8 and batch[:, 0, 0, 0].tolist() == [3, 1]
+    with pytest.raises(DataError, match=r"train.parquet: row 7: not a readable image"):
+        data.train.x[7]
+    fedavg = load_method("fedavg")
+    method = fedavg(MethodContext(TrainConfig(num_classes=3, image_size=28, batch_size=8),
+                                  fedavg.Params()))
+    algo = method.edge(method.build_models(), torch.device("cpu"))
+    from fedattn_shared.data.npz import Split
+
+    healthy = Split(data.train.x.subset([i for i in range(40) if i != 7]),
+                    torch.cat([data.train.y[:7], data.train.y[8:]]))
+    assert train_local(algo, healthy, 1, 8, 0, torch.device("cpu"), progress=False).steps == 5
+    with pytest.raises(DataError, match=r"train.parquet: row 7"):
+        train_local(algo, data.train, 1, 8, 0, torch.device("cpu"), progress=False)

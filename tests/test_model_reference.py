@@ -244,3 +244,16 @@ def test_a_weights_file_that_would_run_code_is_refused(tmp_path, capsys):
                                          "weights_only=True"):
         load_initial_weights({"model": build_model("lenet-bn", 10, 1, 28)}, tmp_path / "evil.pth")
     assert "ran code" not in capsys.readouterr().out
+
+
+def test_a_tool_allows_its_own_edges_the_module_model_it_chose():
+    """fl-demo and fl-sim start their own edges: a module:callable the user named is theirs
+    to import (the spec without +gn, as the edge's check reads it); nothing else is added."""
+    from fedattn_shared.models import own_model_allowance
+
+    assert own_model_allowance("tests.marker_model:build+gn") == ["--allow-model",
+                                                                  "tests.marker_model:build"]
+    for name in (None, "", "lenet-bn", "timm:resnet18", "torchvision:resnet18", "example-tiny-se"):
+        assert own_model_allowance(name) == []
+    spec = own_model_allowance("tests.marker_model:build+gn")[1]
+    check_model_allowed("tests.marker_model:build+gn", (spec,))

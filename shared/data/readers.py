@@ -39,6 +39,7 @@ import torch
 
 from ..config import TrainConfig
 from . import cifar, idx, images, tables
+from .encoded import materialized
 from .npz import DataError, EdgeData, Split, read_npz, stratified_split
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,7 @@ def detect_format(folder: Path) -> Format:
 def _concat(splits: list[Split]) -> Split:
     if len(splits) == 1:
         return splits[0]
+    splits = [Split(materialized(s.x), s.y) for s in splits]  # encoded images decoded
     if len({s.x.dtype for s in splits}) > 1:  # kept uint8 beside float: all as floats
         splits = [s.decoded() for s in splits]
     return Split(torch.cat([s.x for s in splits]), torch.cat([s.y for s in splits]))

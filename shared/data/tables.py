@@ -13,11 +13,11 @@ may call its image column "path"). An image cell is encoded bytes (PNG, JPEG, ..
 ``datasets.Image`` struct (bytes or path), or a path; a label is the class index, or a class
 name from the server's class list (``train.class_names``), as image folders use.
 
-Rows are streamed: a file is opened memory-mapped (Arrow) or read by row groups (Parquet,
-pyarrow), ``ROWS`` rows at a time, so nothing holds a whole file's encoded bytes or Python
-objects. Each image is decoded to pixels once, at load, into the uint8 array the edge keeps
-(and turned into floats per batch, as for every format); decoding each image only when its
-batch is drawn would need ``Split`` to hold encoded images, which it does not yet.
+Reading is lazy: a file is opened memory-mapped (Arrow) or read by row groups (Parquet,
+pyarrow), ``ROWS`` rows at a time, and only each image's header is read at load (format
+and size checked, naming file and row); the pixels are decoded when a batch draws the row
+(``encoded.py``), so an edge holds its images as compressed as they are on disk.
+fl-partition decodes its source once, to cut it.
 Every refusal names the file and the row. pyarrow is the one
 library this needs (the ``data`` extra); a CSV needs none.
 """
@@ -28,14 +28,14 @@ import csv
 import io
 import json
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..config import TrainConfig
-from .npz import DataError, Split, _to_images
+from .npz import DataError, Split
 
 ROWS = 256  # rows decoded per step
 CSV_PATH_COLUMN = "path"
@@ -49,10 +49,16 @@ class Columns:
 
 @dataclass
 class Table:
-    """One part's rows: uint8 images (N, H, W) or (N, H, W, 3), labels as read (int or str)."""
+    """One part's rows: uint8 images (N, H, W) or (N, H, W, 3), labels as read (int or
+    str); read without decoding, ``blobs`` (encoded bytes or paths) and each row's ``where``
+    instead of ``x``, with the ``mode`` and ``size`` they decode to."""
 
     x: np.ndarray
     labels: list
+    blobs: list = field(default_factory=list)
+    where: list = field(default_factory=list)
+    mode: str = "L"
+    size: int = 0
 
 
 def _pyarrow():
@@ -127,29 +133,32 @@ READERS: dict[str, Callable[[Path, Columns], Iterator[tuple[list, list]]]] = {
     ".arrow": _arrow_rows, ".parquet": _parquet_rows, ".csv": _csv_rows}
 
 
-def _open_cell(cell: object, folder: Path):
-    """The image a cell holds: bytes, a ``datasets.Image`` struct, or a path."""
-    from PIL import Image
-
+def _blob(cell: object, folder: Path) -> bytes | Path:
+    """What a cell holds of its image: encoded bytes, or a file's path."""
     if isinstance(cell, dict):  # datasets.Image: {"bytes": ..., "path": ...}
         cell = cell.get("bytes") or cell.get("path")
     if isinstance(cell, (bytes, bytearray, memoryview)):
-        return Image.open(io.BytesIO(bytes(cell)))
+        return bytes(cell)
     if isinstance(cell, str) and cell:
-        return Image.open(folder / cell)
+        return folder / cell
     raise ValueError(f"no image in the cell ({type(cell).__name__})")
 
 
 def read_table(files: list[Path], columns: Columns, mode: str | None = None,
-               size: int | None = None, label_of: Callable[[object], object] | None = None) -> Table:
+               size: int | None = None, label_of: Callable[[object], object] | None = None,
+               decode: bool = True) -> Table:
     """Every row of ``files`` (one part). ``mode`` ("L", "RGB") and ``size`` (side in
     pixels) are the run's; None takes them from the first image (fl-partition), and every
     other image must then match it. ``label_of`` maps a label as read to its class index
-    (ValueError: refused naming the row); None keeps labels as read."""
+    (ValueError: refused naming the row); None keeps labels as read. ``decode`` False reads
+    each image's header only (format and size checked) and keeps it encoded
+    (``Table.blobs``, decoded per batch: encoded.py)."""
     from PIL import Image
 
     chunks: list[np.ndarray] = []
     labels: list = []
+    blobs: list[bytes | Path] = []
+    where_rows: list[str] = []
     for path in files:
         row = 0
         for cells, row_labels in READERS[path.suffix](path, columns):
@@ -164,7 +173,8 @@ def read_table(files: list[Path], columns: Columns, mode: str | None = None,
                     except ValueError as err:
                         raise DataError(f"{where}: {err}") from None
                 try:
-                    with _open_cell(cell, path.parent) as image:
+                    blob = _blob(cell, path.parent)
+                    with Image.open(io.BytesIO(blob) if isinstance(blob, bytes) else blob) as image:
                         if mode is None:
                             mode = "L" if image.mode in ("1", "L", "LA", "I", "I;16", "F") else "RGB"
                         if size is None:
@@ -173,12 +183,16 @@ def read_table(files: list[Path], columns: Columns, mode: str | None = None,
                             raise DataError(f"{where}: image is {image.size[0]}x{image.size[1]} "
                                             f"pixels, the run expects {size}x{size} (images are "
                                             "not resized: resize them beforehand)")
-                        pixels = np.asarray(image.convert(mode), dtype=np.uint8)
+                        pixels = np.asarray(image.convert(mode), dtype=np.uint8) if decode else None
                 except DataError:
                     raise
                 except (OSError, ValueError, Image.DecompressionBombError) as err:
                     raise DataError(f"{where}: not a readable image ({type(err).__name__}: "
                                     f"{err})") from None
+                if not decode:
+                    blobs.append(blob)
+                    where_rows.append(where)
+                    continue
                 if chunk is None:
                     chunk = np.empty((len(cells), *pixels.shape), np.uint8)
                 chunk[i] = pixels
@@ -186,9 +200,10 @@ def read_table(files: list[Path], columns: Columns, mode: str | None = None,
                 chunks.append(chunk)
             labels += row_labels
             row += len(cells)
-    if not chunks:
+    if not labels:
         raise DataError(f"{', '.join(map(str, files))}: no rows")
-    return Table(np.concatenate(chunks), labels)
+    x = np.concatenate(chunks) if chunks else np.empty((0,), np.uint8)
+    return Table(x, labels, blobs, where_rows, mode or "L", size or 0)
 
 
 def class_index(classes: list[str]) -> Callable[[object], int]:
@@ -270,14 +285,17 @@ def format_name(root: Path) -> str:
 
 def read_parts(root: Path, cfg: TrainConfig) -> dict[str, Split]:
     """An edge's parts from a table layout, checked against the run's classes, channels
-    and image size."""
+    and image size; the images stay encoded until a batch draws them (encoded.py)."""
+    from .encoded import EncodedImages
+
     columns = Columns(cfg.image_column, cfg.label_column)
     mode = "L" if cfg.in_channels == 1 else "RGB"
     parts = {}
     for part, files in (layout(root) or {}).items():
-        table = read_table(files, columns, mode, cfg.image_size, class_index(cfg.classes))
-        x = table.x.transpose(0, 3, 1, 2) if mode == "RGB" else table.x  # explicit CHW
-        parts[part] = Split(_to_images(x, files[0], cfg), torch.tensor(table.labels, dtype=torch.int64))
+        table = read_table(files, columns, mode, cfg.image_size, class_index(cfg.classes),
+                           decode=False)
+        images = EncodedImages(table.blobs, mode, cfg.image_size, cfg.in_channels, table.where)
+        parts[part] = Split(images, torch.tensor(table.labels, dtype=torch.int64))
     return parts
 
 
