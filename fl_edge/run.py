@@ -110,6 +110,7 @@ def build_run(config_json: str, fingerprint: str, opts: EdgeOptions, device: tor
                           strict=opts.device_is_cuda and not opts.cuda_nondeterministic_ok)
     ledger = _check_privacy_policy(opts, store, config.dp)
     method = _load_method(config)
+    _check_model_size(method, opts)
     models = method.build_models()
     local_fingerprint = method.fingerprint(models)
     if local_fingerprint != fingerprint:
@@ -230,6 +231,22 @@ def _load_method(config: RunConfig) -> Method:
         return method_cls(MethodContext(config.train, params, dp=config.dp))
     except (ConfigError, ValueError, TypeError, AttributeError) as err:
         raise EdgeExit(2, f"cannot use the server's configuration: {err}") from None
+
+
+def _check_model_size(method: Method, opts: EdgeOptions) -> None:
+    """Refuse models holding more state than ``--max-model-mb``, counted on the meta device
+    (shapes only: nothing allocated): a model name is the server's choice, and a timm or
+    torchvision name may mean billions of parameters, which would take the device down
+    building them."""
+    with torch.device("meta"):
+        models = method.build_models()
+    mib = sum(t.numel() * t.element_size() for model in models.values()
+              for t in model.state_dict().values()) / (1 << 20)
+    if mib > opts.max_model_mb:
+        why = (f"model {method.train.model!r} holds {mib:.0f} MiB of state over the method's "
+               f"{len(models)} model(s); this edge builds at most {opts.max_model_mb:g} MiB")
+        raise EdgeExit(2, f"refusing the server's model: {why} (--max-model-mb)",
+                       tell_server=f"refused the server's model: {why}")
 
 
 def _load_data_and_state(opts: EdgeOptions, store: PrivateStore, algo: EdgeAlgorithm,

@@ -257,3 +257,26 @@ def test_a_tool_allows_its_own_edges_the_module_model_it_chose():
         assert own_model_allowance(name) == []
     spec = own_model_allowance("tests.marker_model:build+gn")[1]
     check_model_allowed("tests.marker_model:build+gn", (spec,))
+
+
+def test_an_edge_refuses_a_model_over_its_size_cap_before_allocating_it(tmp_path):
+    """A server naming a large library model: the edge counts its state on the meta device
+    and refuses it over --max-model-mb, naming the size and the cap (the server hears it);
+    under the cap the same name goes on to the fingerprint check."""
+    data = edge_data(tmp_path / "data")
+    config = {"method": "fedavg", "params": {},
+              "train": {**TrainConfig(model="timm:resnet18", image_size=32).__dict__}}
+
+    def setup(**options):
+        daemon = EdgeDaemon(EdgeOptions(server="127.0.0.1:1", data_dir=data, name="unit",
+                                        state_dir=tmp_path / "state", progress=False, **options))
+        with pytest.raises(EdgeExit) as err:
+            daemon._setup(json.dumps(config), "0" * 16)
+        return err.value
+
+    refused = setup(max_model_mb=10)
+    assert refused.code == 2
+    assert ("model 'timm:resnet18' holds 43 MiB of state over the method's 1 model(s); this "
+            "edge builds at most 10 MiB" in refused.tell_server)
+    assert "(--max-model-mb)" in str(refused)
+    assert "fingerprint" in str(setup())  # the default cap takes it: the next check speaks
