@@ -11,7 +11,9 @@ A new method gets these tests for free, as a new optimizer gets torch's.
 4. DP-SGD support and refusal agree with what actually runs under Opacus;
 5. secure aggregation accepts it exactly when its summable and clear sections cover its
    schema;
-6. a method is found by entry point like an installed one."""
+6. a method is found by entry point like an installed one;
+7. on models by reference (a timm model, a user's bare builder, a declared entry point), it
+   runs a round whose uploads match its schema, or refuses naming what the model lacks."""
 
 from __future__ import annotations
 
