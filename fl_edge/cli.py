@@ -161,6 +161,16 @@ def _add_policy(parser: argparse.ArgumentParser) -> None:
                              "edge runs only methods installed under the fedattn.methods entry "
                              "points, and refuses any module:Class a server names before "
                              "importing anything")
+    policy.add_argument("--max-model-mb", type=float, default=1024.0, metavar="MIB",
+                        help="refuse a server whose run's models hold more state than this, "
+                             "counted before anything is allocated (a timm or torchvision name "
+                             "can mean billions of parameters; default 1024)")
+    policy.add_argument("--allow-model", action="append", default=[], metavar="MODULE:CALLABLE",
+                        help="accept this model spec from the server, importing MODULE on this "
+                             "device (repeatable; the exact spec only). Without it the edge "
+                             "builds only built-in models, timm:NAME, torchvision:NAME and "
+                             "fedattn.models entry points installed here, and refuses any "
+                             "module:callable a server names before importing anything")
 
 
 def _add_simulation(parser: argparse.ArgumentParser) -> None:
@@ -289,6 +299,11 @@ def _refusal(args: argparse.Namespace) -> str:
     bad_specs = [spec for spec in args.allow_method if not MODULE_SPEC.fullmatch(spec)]
     if bad_specs:
         return f"--allow-method {bad_specs[0]!r}: expected package.module:Class"
+    if not args.max_model_mb > 0:
+        return "--max-model-mb must be > 0"
+    bad_specs = [spec for spec in args.allow_model if not MODULE_SPEC.fullmatch(spec)]
+    if bad_specs:
+        return f"--allow-model {bad_specs[0]!r}: expected package.module:callable"
     return ""
 
 
@@ -313,7 +328,8 @@ def edge_options(args: argparse.Namespace) -> EdgeOptions:
         amp=args.amp, data_on_device=args.data_on_device,
         grad_accum=args.grad_accum, tls_dir=args.tls_dir, tls_server_name=args.tls_server_name,
         privacy=privacy, refuse_eval_detail=args.refuse_eval_detail,
-        allow_methods=tuple(args.allow_method), throttle=throttle,
+        allow_methods=tuple(args.allow_method), allow_models=tuple(args.allow_model),
+        max_model_mb=args.max_model_mb, throttle=throttle,
         disconnect=disconnect, offline_seconds=offline, disconnect_seed=args.disconnect_seed,
         max_physical_batch=args.max_physical_batch, gpu_memory_fraction=args.gpu_memory_fraction,
         cuda_nondeterministic_ok=args.cuda_nondeterministic_ok, channels_last=args.channels_last,

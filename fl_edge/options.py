@@ -56,6 +56,12 @@ class EdgeOptions:
     # module:Class method specs this edge imports when a server names them (--allow-method);
     # any other method must be installed under the fedattn.methods entry points.
     allow_methods: tuple[str, ...] = ()
+    # module:callable model specs likewise (--allow-model); any other model must be a
+    # built-in, timm:/torchvision: or a fedattn.models entry point installed here.
+    allow_models: tuple[str, ...] = ()
+    # The most model state (MiB over all of the method's models, as built) this edge builds
+    # for a server (--max-model-mb): measured on the meta device before anything is allocated.
+    max_model_mb: float = 1024.0
     # Simulated heterogeneity, for tests and benches (fl_edge.heterogeneity): --throttle
     # FACTOR (1: full speed) and --disconnect P:SECONDS with its --disconnect-seed.
     throttle: float = 1.0

@@ -5,7 +5,9 @@ The edge takes no method flag: the server's join reply carries the method, model
 hyperparameters, parsed once into a ``RunConfig`` (``fedattn_shared.runconfig``: every
 key and type, and the contract's version). ``build_run`` checks them before using any of
 it: only an installed method, or a module:Class the edge was started with
-``--allow-method`` for (refused before any import); DP-SGD within the edge's privacy
+``--allow-method`` for; only a built-in, timm:/torchvision: or installed model, or a
+module:callable it was started with ``--allow-model`` for (both refused before any
+import, ``fedattn_shared.allowlist``); DP-SGD within the edge's privacy
 policy and its ledger's pin (refused before any training, ``fedattn_shared.privacy.dp``);
 a model whose fingerprint matches the server's; only installed codecs
 (``server.compress``). A refusal is an ``EdgeExit``
@@ -27,6 +29,7 @@ from fedattn_shared.config import EVAL_DETAIL_WITH_DP, ConfigError, DPConfig, Tr
 from fedattn_shared.data import DataError, EdgeData, load_edge_data
 from fedattn_shared.methods import check_method_allowed, load_method
 from fedattn_shared.methods.base import EdgeAlgorithm, Method, MethodContext
+from fedattn_shared.models import check_model_allowed
 from fedattn_shared.privacy.dp import PinnedPolicy, PolicyRefusal, PrivateTraining, check_dp
 from fedattn_shared.privacy.secagg import SecAggPolicy
 from fedattn_shared.runconfig import RunConfig, RunConfigError
@@ -107,6 +110,7 @@ def build_run(config_json: str, fingerprint: str, opts: EdgeOptions, device: tor
                           strict=opts.device_is_cuda and not opts.cuda_nondeterministic_ok)
     ledger = _check_privacy_policy(opts, store, config.dp)
     method = _load_method(config)
+    _check_model_size(method, opts)
     models = method.build_models()
     local_fingerprint = method.fingerprint(models)
     if local_fingerprint != fingerprint:
@@ -159,7 +163,8 @@ def dp_loop_options(dp: bool, opts: EdgeOptions, batch_size: int) -> tuple[bool,
 def read_config(config_json: str, opts: EdgeOptions) -> RunConfig:
     """The server's run config, parsed once (``RunConfig.from_json``: every key and type
     checked, an unknown contract version refused by number), then held to this edge's
-    own rules: the method name against the allowlist, before anything could import it;
+    own rules: the method and model names against the allowlist, before anything could
+    import them;
     no per-class counts under DP or with --refuse-eval-detail."""
     try:
         config = RunConfig.from_json(config_json)
@@ -170,6 +175,11 @@ def read_config(config_json: str, opts: EdgeOptions) -> RunConfig:
     except ValueError as err:
         raise EdgeExit(2, f"refusing the server's method: {err}",
                        tell_server=f"refused the server's method: {err}") from None
+    try:
+        check_model_allowed(config.train.model, opts.allow_models)
+    except ValueError as err:
+        raise EdgeExit(2, f"refusing the server's model: {err}",
+                       tell_server=f"refused the server's model: {err}") from None
     if config.eval_detail and config.dp is not None and config.dp.enabled:
         # The edge decides what it sends: per-class counts (its label histogram) never
         # leave it under DP, whatever a server asks.
@@ -221,6 +231,22 @@ def _load_method(config: RunConfig) -> Method:
         return method_cls(MethodContext(config.train, params, dp=config.dp))
     except (ConfigError, ValueError, TypeError, AttributeError) as err:
         raise EdgeExit(2, f"cannot use the server's configuration: {err}") from None
+
+
+def _check_model_size(method: Method, opts: EdgeOptions) -> None:
+    """Refuse models holding more state than ``--max-model-mb``, counted on the meta device
+    (shapes only: nothing allocated): a model name is the server's choice, and a timm or
+    torchvision name may mean billions of parameters, which would take the device down
+    building them."""
+    with torch.device("meta"):
+        models = method.build_models()
+    mib = sum(t.numel() * t.element_size() for model in models.values()
+              for t in model.state_dict().values()) / (1 << 20)
+    if mib > opts.max_model_mb:
+        why = (f"model {method.train.model!r} holds {mib:.0f} MiB of state over the method's "
+               f"{len(models)} model(s); this edge builds at most {opts.max_model_mb:g} MiB")
+        raise EdgeExit(2, f"refusing the server's model: {why} (--max-model-mb)",
+                       tell_server=f"refused the server's model: {why}")
 
 
 def _load_data_and_state(opts: EdgeOptions, store: PrivateStore, algo: EdgeAlgorithm,

@@ -300,6 +300,8 @@ class ShuffledBatches:
 
 def _pinned(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``source[index]`` gathered into page-locked host memory."""
+    if not isinstance(source, torch.Tensor):  # images decoded per batch (data/encoded.py)
+        return source[index].pin_memory()
     out = torch.empty((len(index), *source.shape[1:]), dtype=source.dtype, pin_memory=True)
     return torch.index_select(source, 0, index, out=out)
 

@@ -140,8 +140,10 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
                           "sums. Not with --dp")
     run.add_argument("--checkpoint-dir", help="round checkpoints and history.json")
     run.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
-    run.add_argument("--init-weights", help="start from pretrained weights (a safetensors file; "
-                                            "keys as in the model's state dict)")
+    run.add_argument("--init-weights", help="start from pretrained weights: a safetensors file "
+                                            "or a torch state dict (.pth/.pt/.bin, e.g. "
+                                            "torchvision's or timm's own, read weights_only); "
+                                            "keys as in the model's state dict")
     run.add_argument("--init-skip-head", action="store_true",
                      help="with --init-weights: keep the model's fresh classifier head and "
                           "ignore the file's (e.g. ImageNet weights, 1000 classes)")
@@ -283,7 +285,9 @@ def _link_flags(p: argparse.ArgumentParser) -> None:
 def _train_flags(p: argparse.ArgumentParser) -> None:
     """The training (sent to every edge) flags."""
     train = p.add_argument_group("training (sent to every edge)")
-    train.add_argument("--model", help=f"one of: {', '.join(sorted(MODELS))}")
+    train.add_argument("--model", help=f"one of: {', '.join(sorted(MODELS))}; or timm:NAME, "
+                       "torchvision:NAME (random init), an installed fedattn.models name, "
+                       "package.module:callable (docs/your-model-and-data.md)")
     train.add_argument("--num-classes", type=int)
     train.add_argument("--in-channels", type=int)
     train.add_argument("--image-size", type=int)

@@ -49,6 +49,10 @@ class TrainConfig:
     num_classes: int = 10            # classes of the task; every edge maps labels 0..n-1
     # Image-folder data: class i is the folder named class_names[i] on every edge.
     class_names: list[str] = field(default_factory=list)
+    # Table data (a datasets folder, Parquet, CSV: fedattn_shared.data.tables): the columns
+    # holding each sample's image and its label.
+    image_column: str = "image"
+    label_column: str = "label"
     in_channels: int = 1             # image channels (1: grey, 3: colour)
     image_size: int = 28             # side of the input images in pixels
     local_epochs: int = 1           # 0: no local steps (measures the transport alone)

@@ -11,7 +11,9 @@ A new method gets these tests for free, as a new optimizer gets torch's.
 4. DP-SGD support and refusal agree with what actually runs under Opacus;
 5. secure aggregation accepts it exactly when its summable and clear sections cover its
    schema;
-6. a method is found by entry point like an installed one."""
+6. a method is found by entry point like an installed one;
+7. on models by reference (a timm model, a user's bare builder, a declared entry point), it
+   runs a round whose uploads match its schema, or refuses naming what the model lacks."""
 
 from __future__ import annotations
 
@@ -176,12 +178,16 @@ class Round:
     """One round of a method driven by hand over the real codec: the aggregator's downlinks
     to two edges, the real trainer, each upload checked against the schema and accepted."""
 
-    def __init__(self, name: str):
-        try:  # momentum: optimizer state for the edge to save
-            self.method = small_method(name, momentum=0.9)
-        except LookupError:  # a method that takes plain SGD only (SCAFFOLD) has none
-            self.method = small_method(name)
-        self.data = split(3 * BATCH, seed=3)
+    def __init__(self, name: str, method: Method | None = None):
+        if method is not None:
+            self.method = method
+        else:
+            try:  # momentum: optimizer state for the edge to save
+                self.method = small_method(name, momentum=0.9)
+            except LookupError:  # a method that takes plain SGD only (SCAFFOLD) has none
+                self.method = small_method(name)
+        t = self.method.train
+        self.data = split(3 * BATCH, channels=t.in_channels, size=t.image_size, seed=3)
         torch.manual_seed(0)
         self.server_models = self.method.build_models()
         self.aggregator = self.method.server(self.server_models)
@@ -477,6 +483,61 @@ def test_secagg_accepts_exactly_what_its_sections_cover(name):
     assert method.aggregator_kind != AggregatorKind.COLLECT
     assert all(driver.owns(p) == bool(method.privacy(p, models).summable)
                for p in method.phases if p != EVALUATE)
+
+
+# ---- 7. referenced models ------------------------------------------------------------------
+
+#: Models by reference (shared/models/reference.py): a timm model by name, a user's bare
+#: builder (module:callable, declaring nothing), the same network declared in full as a
+#: fedattn.models entry point of tests/plugins' distribution.
+REFERENCED_MODELS = ("timm:test_resnet", "fedattn_example_model:tiny_se_net", "example-tiny-se")
+#: What a method needs that a referenced model lacks: its refusal, which names the model
+#: and what to declare (or why the model does not fit). Every other pair must run.
+NOT_ANFR = "is not an ANFR network (weight-standardised convolutions with channel attention"
+REFUSALS = {
+    ("pfedla", "timm:test_resnet"): "no attention sites found in timm:test_resnet; declare "
+                                    "them with a ModelSpec(..., attention_sites)",
+    ("pfedla", "fedattn_example_model:tiny_se_net"):
+        "no attention sites found in fedattn_example_model:tiny_se_net; declare them with a "
+        "ModelSpec(..., attention_sites)",
+    ("pfedka", "fedattn_example_model:tiny_se_net"):
+        "no encoder tokens found in fedattn_example_model:tiny_se_net; declare them with a "
+        "ModelSpec(..., tokens)",
+    ("fedsap", "timm:test_resnet"): "fedsap: model 'timm:test_resnet' has no squeeze-excitation "
+                                    "modules",
+    **{("anfr", model): f"anfr: model {model!r} {NOT_ANFR}" for model in REFERENCED_MODELS},
+}
+#: timm's test_resnet downsamples 32x: at 64 px it leaves pFedKA 2x2 tokens.
+IMAGE_SIZE = {"timm:test_resnet": 64}
+
+
+def referenced_method(name: str, model: str) -> Method:
+    cls = load_method(name)
+    config = TrainConfig(model=model, lr=0.05, batch_size=BATCH,
+                         image_size=IMAGE_SIZE.get(model, 28))
+    return cls(MethodContext(config, cls.Params()))
+
+
+@pytest.mark.parametrize("model", REFERENCED_MODELS)
+@pytest.mark.parametrize("name", METHODS)
+def test_every_method_runs_or_refuses_by_name_on_a_referenced_model(name, model):
+    """Every method on every referenced model: a round over the real codec whose uploads
+    match the schema, carrying no private tensor's name; or, where the model lacks what the
+    method needs, a refusal at construction naming the model and what to declare."""
+    try:
+        method = referenced_method(name, model)
+    except ValueError as err:
+        assert (name, model) in REFUSALS, f"{name} refused {model}: {err}"
+        assert REFUSALS[name, model] in str(err)
+        return
+    assert (name, model) not in REFUSALS, f"{name} runs on {model}; the table says it refuses"
+    driven = Round(name, method)
+    models = driven.method.build_models()
+    private = set(private_state(driven.method, models))
+    for uploads in driven.uploads.values():
+        for upload in uploads:
+            for section in upload.sections:
+                assert not private & set(section.tensors), f"{name} uploads private tensors"
 
 
 # ---- 6. registration by entry point ---------------------------------------------------------

@@ -51,7 +51,7 @@ def test_host_parameters_pass_through_and_bad_input_names_the_field():
     ]:
         with pytest.raises(ValueError, match=message):
             make(params)
-    with pytest.raises(ValueError, match="has no attention sites"):
+    with pytest.raises(ValueError, match="no attention sites found in se-cnn; declare them with a ModelSpec"):
         make(model="se-cnn")
 
 

@@ -53,6 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, metavar="N",
                    help="train on the first N images of the bundled subset only (quick "
                         "checks; default: all 4,000)")
+    p.add_argument("--source", type=Path, default=None, metavar="DIR",
+                   help="partition this dataset instead (any fl-partition --source: npz, IDX, "
+                        "CIFAR-10, a datasets folder, Parquet, CSV); set its train.num_classes, "
+                        "in_channels, image_size with --set")
+    p.add_argument("--image-column", default="image", help="a table --source's image column")
+    p.add_argument("--label-column", default="label", help="a table --source's label column")
+    p.add_argument("--data-format", choices=("npz", "folders", "parquet"), default="npz",
+                   help="what the edges' data folders hold (fl-partition --format; default npz)")
     p.add_argument("--no-report", action="store_true",
                    help="skip fl-report's plots and summary (the history is still written)")
     p.add_argument("--lr", type=float, default=None,
@@ -299,9 +307,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from fedattn_shared.data.partition import main as partition
 
-    print(f"partitioning the bundled MNIST subset over {args.edges} edges "
-          f"(Dirichlet alpha={args.alpha})")
-    rc = partition(["--source", str(bundled_mnist()), "--edges", str(args.edges),
+    source = args.source or bundled_mnist()
+    print(f"partitioning {args.source or 'the bundled MNIST subset'} over {args.edges} edges "
+          f"(Dirichlet alpha={args.alpha}, {args.data_format})")
+    rc = partition(["--source", str(source), "--edges", str(args.edges), "--format", args.data_format,
+                    "--image-column", args.image_column, "--label-column", args.label_column,
                     "--scheme", "dirichlet", "--alpha", str(args.alpha), "--seed", str(args.seed),
                     "--out", str(out / "data"), "--global-test-per-class", "50",
                     *(["--limit", str(args.limit)] if args.limit else [])])
@@ -355,12 +365,15 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.1)
         port = json.loads(ready.read_text())["port"]
         print(f"fl-server ({args.method}) on 127.0.0.1:{port}; starting {len(edge_dirs)} edges")
+        from fedattn_shared.models import own_model_allowance
+
         edges = [spawn(["-m", "fl_edge", "--server", f"127.0.0.1:{port}",
                         *(["--tls-dir", str(edge_tls / d.name)] if edge_tls else ["--insecure"]),
                         "--data-dir", str(d), "--state-dir", str(out / "state" / d.name),
                         "--name", d.name, "--progress", "off", "--retry-for", "60",
                         # A module:Class method is this user's choice: its edges opt in.
-                        *(["--allow-method", args.method] if ":" in args.method else [])],
+                        *(["--allow-method", args.method] if ":" in args.method else []),
+                        *own_model_allowance(args.model)],
                        f"{d.name}.log") for d in edge_dirs]
         print(f"{'round':>5}  {'mean acc':>8}  {'global acc':>10}  {'per-edge acc':<{6 * len(edges)}}"
               f"  {'time':>7}  bytes on the wire")

@@ -27,6 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", default="fedavg",
                    help="a registered method, or package.module:Class (the simulated edges "
                         "are then allowed to import it: you chose it, not a remote server)")
+    p.add_argument("--model", help="fl-server --model: a built-in, timm:NAME, torchvision:NAME, "
+                                    "an installed fedattn.models name or package.module:callable "
+                                    "(the simulated edges may then import it; default: the "
+                                    "method's or fl-server's)")
     p.add_argument("--edges", type=int, default=100)
     p.add_argument("--fraction", type=float, default=0.1)
     p.add_argument("--rounds", type=int, default=10)
@@ -309,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
             server = spawn(["-m", "fl_server", *security, "--host", host, "--port", "0",
                             "--ready-file", str(ready), "--checkpoint-dir", str(out / "server"),
                             "--method", args.method, "--rounds", str(args.rounds),
+                            *(["--model", args.model] if args.model else []),
                             "--fraction", str(args.fraction), "--min-edges", str(args.edges),
                             "--seed", str(args.seed), *(["--resume"] * args.resume),
                             *[f"--set={s}" for s in args.set]],
@@ -320,7 +325,10 @@ def main(argv: list[str] | None = None) -> int:
                     return 1
                 time.sleep(0.1)
             address = f"{host}:{json.loads(ready.read_text())['port']}"
+        from fedattn_shared.models import own_model_allowance
+
         allow = ["--allow-method", args.method] if ":" in args.method else []
+        allow += own_model_allowance(args.model)
         if args.allow_seeded_dp_noise:
             allow.append("--allow-seeded-dp-noise")
         options = ["--server", address, "--device", args.device, *allow, *plan.worker_args()]

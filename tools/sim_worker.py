@@ -29,6 +29,8 @@ def worker_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-root", type=Path, help="one certificate folder per edge name")
     p.add_argument("--allow-method", action="append", default=[],
                    help="a module:Class method the edges may import (fl-edge --allow-method)")
+    p.add_argument("--allow-model", action="append", default=[],
+                   help="a module:callable model the edges may import (fl-edge --allow-model)")
     p.add_argument("--allow-seeded-dp-noise", action="store_true")
     p.add_argument("--throttle", type=float, default=1.0, help="fl-edge --throttle of --slow")
     p.add_argument("--slow", action="append", default=[], metavar="NAME")
@@ -79,6 +81,7 @@ def host_edges(args: argparse.Namespace, run_over: threading.Event) -> Hosted:
                               progress=False, retry_for=120,
                               tls_dir=args.tls_root / name if args.tls_root else None,
                               allow_methods=tuple(args.allow_method),
+                              allow_models=tuple(args.allow_model),
                               privacy=PrivacyPolicy(allow_seeded_noise=args.allow_seeded_dp_noise),
                               throttle=args.throttle if name in args.slow else 1.0,
                               disconnect=disconnect if name in args.flaky else 0.0,

@@ -42,6 +42,8 @@ class DataError(ValueError):
 def decode_images(x: torch.Tensor) -> torch.Tensor:
     """uint8 images as the model takes them: float32 in [-1, 1] ((v / 255 - 0.5) / 0.5,
     the readers' one normalisation); float images as they are."""
+    if not isinstance(x, torch.Tensor):  # images still encoded (encoded.py)
+        x = x.decoded()
     if x.dtype != torch.uint8:
         return x
     return x.contiguous().float().div_(255.0).sub_(0.5).div_(0.5)
@@ -165,4 +167,6 @@ def stratified_split(split: Split, test_fraction: float, seed: int) -> tuple[Spl
         train_idx.append(idx[n_test:])
     tr = torch.from_numpy(np.sort(np.concatenate(train_idx)))
     te = torch.from_numpy(np.sort(np.concatenate(test_idx)))
+    if not isinstance(split.x, torch.Tensor):  # images still encoded: the halves stay so
+        return (Split(split.x.subset(tr), split.y[tr]), Split(split.x.subset(te), split.y[te]))
     return Split(split.x[tr], split.y[tr]), Split(split.x[te], split.y[te])

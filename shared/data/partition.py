@@ -76,9 +76,10 @@ import numpy as np
 
 from .digits import DIGIT_DOMAINS, STAND_INS, build_domains
 from .sources import RawDataset, SourceError, load_source
+from .tables import Columns, write_parquet
 
 SCHEMES = ("iid", "dirichlet", "shards", "domains", "digits")
-FORMATS = ("npz", "folders")
+FORMATS = ("npz", "folders", "parquet")
 DOMAINS = ("original", "rotate+15", "rotate+30", "invert", "dim-0.5", "noise-32")
 MAX_TRIES = 100
 GLOBAL_TEST_SEED = 0
@@ -106,6 +107,9 @@ class PartitionConfig:
     dirichlet_cap: bool = False  # NIID-Bench's rule: a full edge gets no more classes
     class_names: str | None = None
     force: bool = False
+    # a table source (datasets folder, Parquet, CSV): its image and label columns
+    image_column: str = "image"
+    label_column: str = "label"
     domains: list[str] = field(default_factory=lambda: list(DIGIT_DOMAINS))  # digits only
     domain_test: int = 500  # digits: test images per domain
 
@@ -371,7 +375,7 @@ def build(cfg: PartitionConfig) -> tuple[list[EdgeShare], GlobalTest, dict]:
     validate(cfg)
     if cfg.scheme == "digits":
         return build_digits(cfg)
-    data = load_source(cfg.source, cfg.limit)
+    data = load_source(cfg.source, cfg.limit, Columns(cfg.image_column, cfg.label_column))
     if len(data.train_y) == 0:
         raise SourceError(f"{data.path}: no training samples")
     if data.has_test and data.test_x.shape[1:] != data.train_x.shape[1:]:
@@ -471,6 +475,12 @@ def _write_split(edge_dir: Path, split: str, x: np.ndarray, y: np.ndarray, fmt: 
     if fmt == "npz":
         # np.savez stores zip entries with a fixed 1980-01-01 date: same arrays, same bytes.
         np.savez(edge_dir / f"{split}.npz", x=x, y=y.astype(np.int64))
+    elif fmt == "parquet":  # global_test/ holds its file: a folder of any format is one
+        path = edge_dir / f"{split}.parquet"
+        if split == "global_test":
+            (edge_dir / split).mkdir()
+            path = edge_dir / split / "data.parquet"
+        write_parquet(path, x, y)
     else:
         _write_pngs(edge_dir / split, x, y, names)
 
@@ -556,8 +566,12 @@ output: OUT/edge_00, edge_01, ... each with train.npz, test.npz, global_test.npz
   OUT/partition.json (settings, per-edge class histogram, sha256 of each edge's train
   arrays). The same arguments give byte-identical output.""")
     parser.add_argument("--source", required=True, metavar="DIR",
-                        help="dataset directory (npz, MNIST-style IDX or CIFAR-10 binary), "
-                             "or 'sklearn-digits'")
+                        help="dataset directory (npz, MNIST-style IDX, CIFAR-10 binary, a "
+                             "datasets folder, Parquet or CSV), or 'sklearn-digits'")
+    parser.add_argument("--image-column", default="image", metavar="NAME",
+                        help="a table source's image column (default image; a CSV's may be path)")
+    parser.add_argument("--label-column", default="label", metavar="NAME",
+                        help="a table source's label column (default label)")
     parser.add_argument("--edges", type=int, required=True, metavar="N", help="number of edge folders")
     parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
     parser.add_argument("--seed", type=int, default=0, help="partition seed (default 0)")
@@ -574,7 +588,8 @@ output: OUT/edge_00, edge_01, ... each with train.npz, test.npz, global_test.npz
                         help="shards: classes (one shard each) per edge; edges*K must be a multiple of "
                              "the number of classes (default 2)")
     parser.add_argument("--format", choices=FORMATS, default="npz",
-                        help="npz arrays or PNG class folders (default npz)")
+                        help="npz arrays, PNG class folders, or Parquet files of PNG bytes "
+                             "and labels (pyarrow; default npz)")
     parser.add_argument("--test-fraction", type=float, default=0.2,
                         help="per-edge stratified local test split, in [0, 1); 0 writes no test split "
                              "(default 0.2)")
@@ -609,6 +624,7 @@ def main(argv: list[str] | None = None) -> int:
         test_fraction=args.test_fraction, global_test_per_class=args.global_test_per_class,
         limit=args.limit, min_per_edge=args.min_per_edge,
         dirichlet_cap=args.dirichlet_cap, class_names=args.class_names, force=args.force,
+        image_column=args.image_column, label_column=args.label_column,
         domains=[d.strip() for d in args.domains.split(",") if d.strip()], domain_test=args.domain_test)
     try:
         shares, gt, manifest = build(cfg)

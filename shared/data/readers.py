@@ -10,7 +10,10 @@ used (any other that also matches is logged and ignored):
 3. CIFAR-10 binary (``cifar.py``): ``data_batch_*.bin`` [+ ``test_batch*.bin``].
 4. CIFAR-10 python pickles (``cifar.py``): ``data_batch_1`` ... [+ ``test_batch``], read by
    an unpickler that allows numpy arrays and nothing else.
-5. Image folders (``images.py``): ``train/<class>/*.png|jpg|jpeg|bmp`` [+ ``test/<class>/``],
+5. Tables (``tables.py``): a Hugging Face ``datasets`` folder (``state.json`` or
+   ``dataset_dict.json``), ``*.parquet`` or ``train.csv``/``data.csv`` files, with the
+   columns ``train.image_column`` and ``train.label_column``.
+6. Image folders (``images.py``): ``train/<class>/*.png|jpg|jpeg|bmp`` [+ ``test/<class>/``],
    or class folders directly in the data dir. Last, because any sub-folder matches it.
 
 Without a test part (``test.npz``, ``t10k-*``, ``test_batch*``, ``test/``) the training data is
@@ -35,7 +38,8 @@ from pathlib import Path
 import torch
 
 from ..config import TrainConfig
-from . import cifar, idx, images
+from . import cifar, idx, images, tables
+from .encoded import materialized
 from .npz import DataError, EdgeData, Split, read_npz, stratified_split
 
 log = logging.getLogger(__name__)
@@ -82,6 +86,8 @@ FORMATS = (
            "train-images-idx3-ubyte[.gz] + train-labels-idx1-ubyte[.gz]"),
     Format("CIFAR-10 binary", cifar.detect_bin, cifar.read_parts_bin, "data_batch_*.bin"),
     Format("CIFAR-10 python", cifar.detect_pickle, cifar.read_parts_pickle, "data_batch_1, ..."),
+    Format("table", tables.detect, tables.read_parts,
+           "a datasets folder (save_to_disk), *.parquet or train.csv/data.csv"),
     Format("image-folder", images.detect, _read_image_parts, "train/<class>/ or <class>/ image folders"),
 )
 
@@ -100,6 +106,7 @@ def detect_format(folder: Path) -> Format:
 def _concat(splits: list[Split]) -> Split:
     if len(splits) == 1:
         return splits[0]
+    splits = [Split(materialized(s.x), s.y) for s in splits]  # encoded images decoded
     if len({s.x.dtype for s in splits}) > 1:  # kept uint8 beside float: all as floats
         splits = [s.decoded() for s in splits]
     return Split(torch.cat([s.x for s in splits]), torch.cat([s.y for s in splits]))

@@ -12,6 +12,12 @@ a source directory, tried in this order:
   records: one label byte, then 1,024 R, G and B bytes); a directory holding a
   ``cifar-10-batches-bin`` sub-folder is accepted as well.
 
+* a table (``tables.py``): a Hugging Face ``datasets`` folder written by ``save_to_disk``,
+  ``*.parquet`` files, or ``train.csv``/``data.csv`` (path,label), with an image and a
+  label column (``--image-column``, ``--label-column``); every image the first one's size
+  and mode. Integer labels are classes; text labels become classes in sorted order, and
+  the source's class names.
+
 The special source name ``sklearn-digits`` loads scikit-learn's bundled 8x8 digits.
 Images come back as uint8 (N,H,W) for one channel and (N,H,W,C) otherwise.
 """
@@ -26,6 +32,9 @@ from pathlib import Path
 
 import numpy as np
 
+from .npz import DataError
+from .tables import Columns, layout, read_table
+
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer",
                    "dog", "frog", "horse", "ship", "truck"]
 _CIFAR_RECORD = 1 + 3 * 32 * 32
@@ -37,7 +46,7 @@ class SourceError(ValueError):
 
 @dataclass
 class RawDataset:
-    kind: str  # "npz", "idx", "cifar10-bin" or "sklearn-digits"
+    kind: str  # "npz", "idx", "cifar10-bin", "sklearn-digits", "datasets", "parquet", "csv"
     path: str
     train_x: np.ndarray  # uint8 (N,H,W) or (N,H,W,C)
     train_y: np.ndarray  # int64 (N,)
@@ -163,8 +172,42 @@ def _load_sklearn_digits() -> RawDataset:
     return RawDataset("sklearn-digits", "sklearn-digits", x, digits.target.astype(np.int64))
 
 
-def load_source(source: str | Path, limit: int | None = None) -> RawDataset:
-    """Load a source dataset; ``limit`` keeps only the first ``limit`` training samples."""
+def _load_table(root: Path, parts: dict[str, list[Path]], columns: Columns,
+                limit: int | None) -> RawDataset:
+    try:
+        read = {part: read_table(files, columns) for part, files in parts.items()}
+        first = next(iter(read.values())).x
+        if any(t.x.shape[1:] != first.shape[1:] for t in read.values()):
+            raise SourceError(f"{root}: the parts' images differ in size or mode")
+    except DataError as err:
+        raise SourceError(str(err)) from None
+    labels = [label for table in read.values() for label in table.labels]
+    names = None
+    if all(isinstance(v, str) and not v.strip().isdigit() for v in labels):
+        names = sorted(set(labels))
+        index = {name: i for i, name in enumerate(names)}
+        as_int = {p: np.array([index[v] for v in t.labels], np.int64) for p, t in read.items()}
+    else:
+        try:
+            as_int = {p: np.array([int(v) for v in t.labels], np.int64) for p, t in read.items()}
+        except (TypeError, ValueError) as err:
+            raise SourceError(f"{root}: labels must be all integers or all class names ({err})") from None
+        if any((y < 0).any() for y in as_int.values()):
+            raise SourceError(f"{root}: negative labels")
+    train = "train" if "train" in read else "all"
+    tx, ty = read[train].x, as_int[train]
+    if limit is not None:
+        tx, ty = tx[:limit], ty[:limit]
+    test = (read["test"].x, as_int["test"]) if "test" in read else (None, None)
+    kind = "datasets" if (root / "state.json").exists() or (root / "dataset_dict.json").exists() else (
+        "parquet" if parts[train][0].suffix == ".parquet" else "csv")
+    return RawDataset(kind, str(root), tx, ty, *test, class_names=names)
+
+
+def load_source(source: str | Path, limit: int | None = None,
+                columns: Columns | None = None) -> RawDataset:
+    """Load a source dataset; ``limit`` keeps only the first ``limit`` training samples;
+    ``columns``: a table source's image and label columns (default image, label)."""
     if str(source) == "sklearn-digits":
         data = _load_sklearn_digits()
         if limit is not None:
@@ -195,6 +238,12 @@ def load_source(source: str | Path, limit: int | None = None) -> RawDataset:
         tests = [full_test] if full_test.is_file() else sorted(root.glob("test_batch*.bin"))
         test = _read_cifar(tests, None) if tests else (None, None)
         return RawDataset("cifar10-bin", str(root), tx, ty, *test, class_names=list(CIFAR10_CLASSES))
+    try:
+        parts = layout(root)
+    except DataError as err:
+        raise SourceError(str(err)) from None
+    if parts is not None:
+        return _load_table(root, parts, columns or Columns(), limit)
     raise SourceError(f"{root}: no recognised dataset (expected train.npz or data.npz, MNIST-style "
-                      f"train-images-idx3-ubyte[.gz] + train-labels-idx1-ubyte[.gz], or CIFAR-10 "
-                      f"data_batch_*.bin)")
+                      f"train-images-idx3-ubyte[.gz] + train-labels-idx1-ubyte[.gz], CIFAR-10 "
+                      f"data_batch_*.bin, a datasets folder, *.parquet or train.csv/data.csv)")

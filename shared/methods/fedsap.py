@@ -324,7 +324,9 @@ class FedSAP(Method):
             raise ValueError(f"fedsap.lam must be a finite number >= 0, got {p.lam}")
         if not squeeze_excitation_modules(self.probe_model()):
             raise ValueError(f"fedsap: model {self.train.model!r} has no squeeze-excitation "
-                             "modules (use mobilenet-v3-small, se-cnn, anfr-se-* or se-resnet-*)")
+                             "modules (use mobilenet-v3-small, se-cnn, anfr-se-*, se-resnet-*, a "
+                             "timm SE model such as timm:seresnet18, or a model of your own "
+                             "built with torchvision's SqueezeExcitation or timm's SEModule)")
 
     def method_rules(self) -> tuple[str, ...]:
         """Table I's strategy decides what stays on the edge."""

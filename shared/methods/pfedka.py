@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..models import build_model, model_spec
+from ..models.reference import DECLARE
 from ..schema import EVALUATE, TRAIN, Kind, Payload, PhasePrivacy, Section, SectionSpec, TensorSpec
 from .aggregators import StreamingMean
 from .base import EdgeAlgorithm, LoopSchedule, Method, MethodContext, qualified
@@ -200,8 +201,9 @@ def token_shape(model_name: str, in_channels: int, image_size: int) -> tuple[int
     """(N tokens, width d) of a model's last stage at the configured input size."""
     spec = model_spec(model_name)
     if spec.tokens is None:
-        raise ValueError(f"pfedka: model {model_name!r} exposes no encoder tokens "
-                         "(use resnet18-cifar or resnet10-cifar-compact)")
+        raise ValueError(f"pfedka: no encoder tokens found in {model_name}; "
+                         f"{DECLARE.format(what='tokens')} (built-ins with tokens: "
+                         "resnet18-cifar, resnet10-cifar-compact)")
     with torch.device("meta"):  # shapes only: no memory, no draw from the RNG
         probe = build_model(model_name, 2, in_channels, image_size).eval()
         tokens = spec.tokens(probe, torch.empty(1, in_channels, image_size, image_size))

@@ -39,6 +39,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ..config import apply_values, check_choices, parse_set
 from ..models import MODELS, build_model, model_spec
 from ..models.attention import KINDS, AttentionSpec, insert_attention
+from ..models.reference import DECLARE
 from .base import Method, MethodContext, MethodSpec, fingerprint_of
 from .registry import load_method
 
@@ -88,8 +89,9 @@ class PFedLA(Method):
         if spec.attention_sites is None:
             with_sites = ", ".join(sorted(name for name, s in MODELS.items()
                                           if s.attention_sites is not None))
-            raise ValueError(f"pfedla: model {context.train.model!r} has no attention sites "
-                             f"(use {with_sites})")
+            raise ValueError(f"pfedla: no attention sites found in {context.train.model}; "
+                             f"{DECLARE.format(what='attention_sites')} (built-ins with sites: "
+                             f"{with_sites})")
         self.attention = AttentionSpec(
             p.attention, se_reduction=p.se_reduction or spec.se_reduction,
             eca_min_kernel=p.eca_min_kernel, ca_reduction=p.ca_reduction,

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import importlib
-import re
 from collections.abc import Collection
 from importlib.metadata import entry_points
 
+from ..allowlist import MODULE_SPEC, check_module_spec_allowed, shown
 from .base import Method
 
 GROUP = "fedattn.methods"
-
-
-# ``package.module:Class``: dotted identifiers, a colon, one identifier.
-MODULE_SPEC = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*", re.ASCII)
+__all__ = ["GROUP", "MODULE_SPEC", "available_methods", "check_method_allowed", "load_method"]
 
 
 def available_methods() -> list[str]:
@@ -26,17 +23,9 @@ def check_method_allowed(name: str, allowed_specs: Collection[str] = ()) -> None
     registered name (the ``fedattn.methods`` entry points installed here; listing them
     imports nothing), or a ``module:Class`` spec listed in ``allowed_specs``. Importing a
     module a server names would run that server's choice of code on the device."""
-    if not isinstance(name, str):
-        raise ValueError(f"method must be a string, got {type(name).__name__}")
-    shown = repr(name) if len(name) <= 120 else repr(name[:120]) + "..."
-    if ":" in name:
-        if name in allowed_specs:
-            return
-        raise ValueError(f"method {shown}: a module:Class outside the installed methods; this "
-                         f"edge imports no module a server names unless started with "
-                         f"--allow-method {shown} (installed: {', '.join(available_methods())})")
-    if name not in available_methods():
-        raise ValueError(f"method {shown} is not installed on this edge (installed: "
+    check_module_spec_allowed("method", name, allowed_specs, "--allow-method", available_methods)
+    if ":" not in name and name not in available_methods():
+        raise ValueError(f"method {shown(name)} is not installed on this edge (installed: "
                          f"{', '.join(available_methods()) or '(none)'})")
 
 

@@ -7,12 +7,13 @@ builds with random initialisation only: nothing is ever downloaded.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from . import reference
 from .alexnet import AlexNetBN, alexnet_attention_sites
 from .anfr import (
     COMPACT_GROUPS,
@@ -26,6 +27,7 @@ from .anfr import (
 from .lenet import LeNetBN, lenet_attention_sites
 from .mobilenet_compact import MobileNetV3Compact
 from .niid_cnn import NiidBenchCNN
+from .reference import parse_reference, resolve_reference
 from .resnet import cifar_resnet18, compact_cifar_resnet, resnet_tokens
 from .secnn import SECNN, se_cnn_tail
 
@@ -182,17 +184,37 @@ def _with_groupnorm(build: Callable[[int, int, int], nn.Module]) -> Callable[[in
 
 
 def model_spec(name: str) -> ModelSpec:
-    base = name.removesuffix(GROUPNORM_SUFFIX)
-    try:
+    """The spec of a model name: a built-in (``MODELS``) or a reference (``timm:NAME``,
+    ``torchvision:NAME``, a ``fedattn.models`` entry point, ``package.module:callable``:
+    models/reference.py), each also as ``<name>+gn``. A ``module:callable`` is imported
+    here: an edge checks its server's name first (``check_model_allowed``)."""
+    base = name.removesuffix(GROUPNORM_SUFFIX) if isinstance(name, str) else name
+    ref = parse_reference(base, MODELS)
+    if ref.is_reference:
+        spec = resolve_reference(base, ref, ModelSpec)
+    elif base in MODELS:
         spec = MODELS[base]
-    except KeyError:
-        known = ", ".join(sorted(MODELS))
-        raise ValueError(f"unknown model {name!r} (known: {known}, each also as "
-                         f"<name>{GROUPNORM_SUFFIX})") from None
+    else:  # pragma: no cover - parse_reference returns builtin for MODELS names only
+        raise ValueError(f"unknown model {name!r}")
     if base == name:
         return spec
     return dataclasses.replace(spec, name=name, build=_with_groupnorm(spec.build),
                                description=f"{spec.description}; BatchNorm -> GroupNorm")
+
+
+def check_model_allowed(name: str, allowed_specs: Collection[str] = ()) -> None:
+    """The edge's check of a model its server names (models/reference.py), ``+gn`` aside."""
+    reference.check_model_allowed(name.removesuffix(GROUPNORM_SUFFIX) if isinstance(name, str)
+                                  else name, MODELS, allowed_specs)
+
+
+def own_model_allowance(name: str | None) -> list[str]:
+    """``--allow-model SPEC`` for a tool's own edges when the model it chose (not a remote
+    server) is a module:callable; [] otherwise (fl-demo, fl-sim)."""
+    if not name:
+        return []
+    base = name.removesuffix(GROUPNORM_SUFFIX)
+    return ["--allow-model", base] if parse_reference(base, MODELS).kind == "module" else []
 
 
 def build_model(name: str, num_classes: int, in_channels: int, image_size: int) -> nn.Module:
