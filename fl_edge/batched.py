@@ -65,6 +65,8 @@ class EdgeJob:
     inputs: InputPipeline = field(default_factory=InputPipeline)
     on_step: Callable[[], None] | None = None
     slot: int = 0
+    #: As ``train_local``'s ``augment_rng``: by default ``augment_generator(seed)``.
+    augment_rng: torch.Generator | None = None
 
 
 def batch_refusal(algo: EdgeAlgorithm, amp: bool = False, grad_accum: int = 1,
@@ -227,14 +229,14 @@ def _train(jobs: list[EdgeJob], width: int, device: torch.device, amp: bool) -> 
             frozen[k] = _where(mask, work[k], frozen[k])
         started = started | mask
 
-    for epoch in range(epochs):
-        iters = {}
-        for job in jobs:
-            drop_last = len(job.data) % job.batch_size == 1 and len(job.data) > 1
-            if epoch == 0:
-                job.generator = torch.Generator().manual_seed(job.seed)
-                job.augment = augment_generator(job.seed)
-            iters[job.slot] = iter(ShuffledBatches(job.data, job.batch_size, job.generator, drop_last))
+    # Each edge's own streams, as train_local draws them: its data order, its augmentation.
+    loaders = {job.slot: ShuffledBatches(
+        job.data, job.batch_size, torch.Generator().manual_seed(job.seed),
+        drop_last=len(job.data) % job.batch_size == 1 and len(job.data) > 1) for job in jobs}
+    augment = {job.slot: job.augment_rng if job.augment_rng is not None
+               else augment_generator(job.seed) for job in jobs}
+    for _ in range(epochs):
+        iters = {slot: iter(loader) for slot, loader in loaders.items()}
         for job in jobs:
             totals[job.slot][1] = 0.0
             totals[job.slot][2] = 0
@@ -248,7 +250,7 @@ def _train(jobs: list[EdgeJob], width: int, device: torch.device, amp: bool) -> 
                 x, y = item
                 x = decode_images(x.to(device, non_blocking=True))
                 if not at[slot].inputs.identity:
-                    x = at[slot].inputs.train_batch(x, at[slot].augment)
+                    x = at[slot].inputs.train_batch(x, augment[slot])
                 batch[slot] = (x, y.to(device, non_blocking=True))
             sizes: dict[int, list[int]] = {}
             for slot, (_, y) in batch.items():

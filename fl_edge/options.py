@@ -72,6 +72,10 @@ class EdgeOptions:
     cuda_nondeterministic_ok: bool = False
     channels_last: bool = True
     health_stall_seconds: float = 1800.0
+    # fl-sim --batch-edges only (no CLI flag): the process's ``fl_tools.sim_batch.EdgeBatcher``
+    # slot of this edge, whose ``train`` replaces ``train_local`` (same arguments), so
+    # that edges hosted together train as one batched computation where they can.
+    batcher: object | None = None
 
     @property
     def device_is_cuda(self) -> bool:
