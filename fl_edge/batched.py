@@ -195,6 +195,7 @@ def _train(jobs: list[EdgeJob], width: int, device: torch.device, amp: bool) -> 
                      for k in trained if f"model/{k}" in refs[0]}
     velocity: dict[str, torch.Tensor] = {}
     started = torch.zeros(width, dtype=torch.bool, device=device)
+    begun: set[int] = set()  # the slots that have stepped, as ``started`` (known on the host)
 
     skeleton = copy.deepcopy(model).to("meta")
 
@@ -207,9 +208,12 @@ def _train(jobs: list[EdgeJob], width: int, device: torch.device, amp: bool) -> 
     tally = {job.slot: [0, 0] for job in jobs}  # steps, examples
     epochs = lead.algo.schedule.epochs(lead.epochs)
 
-    def apply(mask: torch.Tensor, grads: dict, work: dict) -> None:
-        """One SGD step (torch.optim.SGD's formula) at the masked edges."""
+    def apply(mask: torch.Tensor | None, members: list[int], grads: dict, work: dict) -> None:
+        """One SGD step (torch.optim.SGD's formula) at the masked edges (None: at all,
+        the common step, without the selections: ``torch.where`` of an all-true mask is
+        its first operand, so the bits are the same)."""
         nonlocal started
+        pick = _where if mask is not None else (lambda _, new, old: new)
         for k in trained:
             d_p = grads[k].to(params[k].dtype)
             if reference is not None and k in reference:
@@ -220,14 +224,17 @@ def _train(jobs: list[EdgeJob], width: int, device: torch.device, amp: bool) -> 
                 old = velocity.get(k)
                 if old is None:
                     buf = d_p.clone()
+                elif len(begun) == width:  # every slot has its buffer (no device read)
+                    buf = old.mul(momentum).add_(d_p, alpha=1 - dampening)
                 else:
                     buf = _where(started, old.mul(momentum).add_(d_p, alpha=1 - dampening), d_p)
-                velocity[k] = buf if old is None else _where(mask, buf, old)
+                velocity[k] = buf if old is None else pick(mask, buf, old)
                 d_p = d_p.add(buf, alpha=momentum) if nesterov else buf
-            params[k] = _where(mask, params[k].add(d_p, alpha=-lr), params[k])
+            params[k] = pick(mask, params[k].add(d_p, alpha=-lr), params[k])
         for k in buffer_names:
-            frozen[k] = _where(mask, work[k], frozen[k])
-        started = started | mask
+            frozen[k] = pick(mask, work[k], frozen[k])
+        started = started | mask if mask is not None else torch.ones_like(started)
+        begun.update(members)
 
     # Each edge's own streams, as train_local draws them: its data order, its augmentation.
     loaders = {job.slot: ShuffledBatches(
@@ -260,10 +267,13 @@ def _train(jobs: list[EdgeJob], width: int, device: torch.device, amp: bool) -> 
                 first = batch[members[0]]
                 xs = torch.stack([batch[s][0] if s in members else first[0] for s in range(width)])
                 ys = torch.stack([batch[s][1] if s in members else first[1] for s in range(width)])
-                mask = torch.zeros(width, dtype=torch.bool)
-                mask[members] = True
-                mask = mask.to(device)
-                work = {k: (v.clone() if k in buffer_names else v) for k, v in frozen.items()}
+                mask = None  # every slot takes this step: no selection
+                work = frozen
+                if len(members) < width:
+                    mask = torch.zeros(width, dtype=torch.bool)
+                    mask[members] = True
+                    mask = mask.to(device)
+                    work = {k: (v.clone() if k in buffer_names else v) for k, v in frozen.items()}
                 with torch.autocast(device.type, dtype=dtype, enabled=amp):
                     grads, losses = step(params, work, xs, ys)
                 losses = losses.detach().cpu()
@@ -276,7 +286,7 @@ def _train(jobs: list[EdgeJob], width: int, device: torch.device, amp: bool) -> 
                     totals[s][2] += 1
                     tally[s][0] += 1
                     tally[s][1] += size
-                apply(mask, grads, work)
+                apply(mask, members, grads, work)
             for slot in batch:
                 if at[slot].on_step is not None:
                     at[slot].on_step()
