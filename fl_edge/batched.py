@@ -29,6 +29,7 @@ tensors and are discarded), so a run is bit-identical to a rerun with the same w
 from __future__ import annotations
 
 import copy
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -204,7 +205,10 @@ def _train(jobs: list[EdgeJob], width: int, device: torch.device, amp: bool) -> 
 
     step = vmap(grad_and_value(loss_of), randomness="error")
     dtype = autocast_dtype(device)
-    totals = {job.slot: [0.0, 0.0, 0] for job in jobs}  # summed epoch losses, this epoch's, batches
+    # Per slot: the summed epoch means, the last epoch's mean. The batch losses add up on
+    # the device in float64 (as train_local's LossBook, in the same order: equal sums),
+    # read once an epoch (a read per step would stall a GPU).
+    totals = {job.slot: [0.0, 0.0] for job in jobs}
     tally = {job.slot: [0, 0] for job in jobs}  # steps, examples
     epochs = lead.algo.schedule.epochs(lead.epochs)
 
@@ -244,9 +248,8 @@ def _train(jobs: list[EdgeJob], width: int, device: torch.device, amp: bool) -> 
                else augment_generator(job.seed) for job in jobs}
     for _ in range(epochs):
         iters = {slot: iter(loader) for slot, loader in loaders.items()}
-        for job in jobs:
-            totals[job.slot][1] = 0.0
-            totals[job.slot][2] = 0
+        sums = torch.zeros(width, dtype=torch.float64, device=device)
+        batches = dict.fromkeys(at, 0)
         while iters:
             batch: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
             for slot in list(iters):
@@ -276,23 +279,22 @@ def _train(jobs: list[EdgeJob], width: int, device: torch.device, amp: bool) -> 
                     work = {k: (v.clone() if k in buffer_names else v) for k, v in frozen.items()}
                 with torch.autocast(device.type, dtype=dtype, enabled=amp):
                     grads, losses = step(params, work, xs, ys)
-                losses = losses.detach().cpu()
+                losses = losses.detach().double()
+                sums += losses if mask is None else torch.where(mask, losses, 0.0)  # x + 0.0 == x
                 for s in members:
-                    loss = float(losses[s])
-                    if loss != loss or loss in (float("inf"), float("-inf")):
-                        raise FloatingPointError(f"training loss became {loss} at step "
-                                                 f"{tally[s][0]} (slot {s})")
-                    totals[s][1] += loss
-                    totals[s][2] += 1
+                    batches[s] += 1
                     tally[s][0] += 1
                     tally[s][1] += size
                 apply(mask, members, grads, work)
             for slot in batch:
                 if at[slot].on_step is not None:
                     at[slot].on_step()
-        for job in jobs:
-            total = totals[job.slot]
-            total[1] = total[1] / max(total[2], 1)
+        read = sums.tolist()
+        for slot, total in totals.items():
+            if not math.isfinite(read[slot]):
+                raise FloatingPointError(f"training loss became {read[slot]} by step "
+                                         f"{tally[slot][0]} (slot {slot}, non-finite)")
+            total[1] = read[slot] / max(batches[slot], 1)
             total[0] += total[1]
     seconds = time.perf_counter() - start
     for job in jobs:

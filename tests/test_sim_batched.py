@@ -35,9 +35,11 @@ term missing); the fl-sim tests check reruns bit for bit and the fallback.
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -53,6 +55,7 @@ from fedattn_shared.schema import TRAIN, Kind, Payload, Section
 from fedattn_shared.state import load_tensors
 from fl_edge.batched import EdgeJob, batch_refusal, train_batched
 from fl_edge.trainer import augment_generator, train_local
+from fl_tools.sim_batch import EdgeBatcher
 
 CPU = torch.device("cpu")
 SIZES = (40, 30, 13)  # 30 and 13 end each epoch on a short batch of 6 and 5
@@ -165,6 +168,64 @@ def test_a_failed_group_leaves_every_edge_as_it_was():
                        EdgeJob(edges[2][0], bad, 1, 8, 2, slot=1)], 2, CPU)
     for (edge, _), saved in zip(edges, before, strict=True):
         assert _identical(edge.models["model"].state_dict(), saved) == []
+
+
+def _threads(calls) -> list:
+    """Runs each call in a thread of its own (as fl-sim's edges); their results or errors."""
+    out: list = [None] * len(calls)
+
+    def run(i, call):
+        try:
+            out[i] = call()
+        except Exception as err:  # noqa: BLE001 - the test inspects it
+            out[i] = err
+
+    threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads)
+    return out
+
+
+def test_batcher_groups_edges_by_slot_as_they_come():
+    """Three edges, width 2: edges 0 and 2 share slot 0, so never a group; however the
+    threads meet, each edge ends bit for bit as trained alone at its slot."""
+    method = _method("fedavg")
+    hosted, alone = _edges(method), _edges(method)
+    batcher = EdgeBatcher(2, window=0.2)
+    results = _threads([
+        (lambda i=i, e=e, d=d: batcher.slot(i).train(e, d, 1, 8, 50 + i, CPU, progress=False,
+                                                     lr=0.02))
+        for i, (e, d) in enumerate(hosted)])
+    assert all(r.steps > 0 for r in results), results
+    for i, ((edge, data), (ref, _)) in enumerate(zip(hosted, alone, strict=True)):
+        train_batched([EdgeJob(ref, data, 1, 8, 50 + i, lr=0.02, slot=i % 2)], 2, CPU)
+        assert _identical(edge.models["model"].state_dict(),
+                          ref.models["model"].state_dict()) == [], i
+
+
+def test_batcher_falls_back_whole_when_a_group_fails(caplog):
+    """An edge whose labels are out of range fails the group: nothing was written, both
+    edges train through train_local, the good one bit for bit as without the option, the
+    bad one failing by itself."""
+    method = _method("fedavg")
+    hosted, plain = _edges(method, (40, 30)), _edges(method, (40, 30))
+    bad = Split(hosted[1][1].x, torch.full_like(hosted[1][1].y, 99))
+    batcher = EdgeBatcher(2, window=5.0)
+    with caplog.at_level(logging.WARNING, logger="fl_sim"):
+        good, failed = _threads([
+            lambda: batcher.slot(0).train(hosted[0][0], hosted[0][1], 1, 8, 3, CPU,
+                                          progress=False, lr=0.02),
+            lambda: batcher.slot(1).train(hosted[1][0], bad, 1, 8, 4, CPU, progress=False,
+                                          lr=0.02)])
+    assert isinstance(failed, (IndexError, RuntimeError)), failed
+    assert "the batched run failed" in caplog.text
+    reference = train_local(plain[0][0], plain[0][1], 1, 8, 3, CPU, progress=False, lr=0.02)
+    assert (good.steps, good.mean_loss) == (reference.steps, reference.mean_loss)
+    assert _identical(hosted[0][0].models["model"].state_dict(),
+                      plain[0][0].models["model"].state_dict()) == []
 
 
 def test_methods_join_through_their_declared_hooks_only():

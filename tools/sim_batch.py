@@ -87,8 +87,10 @@ class EdgeBatcher:
         try:
             results: list[TrainResult | str] = list(
                 train_batched([w.job for w in group], self.width, device, amp))
-        except (RuntimeError, ValueError) as err:  # vmap refused an op: nothing was written
-            results = [f"the batched run failed ({err})"] * len(group)
+        except Exception as err:  # noqa: BLE001 - vmap refused an op, a loss diverged, ...:
+            # nothing was written, so every edge of the group trains sequentially, where an
+            # edge that fails fails by itself, as without the option
+            results = [f"the batched run failed ({type(err).__name__}: {err})"] * len(group)
         with self._lock:
             for entry, outcome in zip(group, results, strict=True):
                 entry.outcome = outcome
