@@ -85,15 +85,19 @@ def edges(model: str, count: int, device: torch.device) -> list:
     return out
 
 
-def images(model: str, total: int, parts: int, device: torch.device) -> list[Split]:
-    """``total`` random uint8 images of the model's shape on ``device``, in ``parts``."""
+def images(model: str, total: int, parts: int, device: torch.device,
+           unequal: bool = False) -> list[Split]:
+    """``total`` random uint8 images of the model's shape on ``device``, in ``parts``:
+    equal, or (``unequal``) edge i holding a share proportional to i + 1 (as a skewed
+    partition: a batched group steps as long as its largest edge, the others masked)."""
     channels, side = SHAPES.get(model, (3, 32))
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 256, (total, channels, side, side), dtype=torch.uint8, generator=g)
     y = torch.randint(0, 10, (total,), generator=g)
     x, y = x.to(device), y.to(device)
-    size = total // parts
-    return [Split(x[i * size:(i + 1) * size], y[i * size:(i + 1) * size]) for i in range(parts)]
+    weights = [i + 1 if unequal else 1 for i in range(parts)]
+    bounds = [total * sum(weights[:i]) // sum(weights) for i in range(parts + 1)]
+    return [Split(x[a:b], y[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
 def plain(algo, split: Split, batch: int, epochs: int, device: torch.device, amp: bool) -> float:
@@ -144,7 +148,7 @@ def sequential(algos: list, splits: list[Split], batch: int, epochs: int, device
 def measure(model: str, count: int, args: argparse.Namespace, device: torch.device) -> dict:
     """Best-of-reps images/s of the three sides for ``count`` edges."""
     total = args.images - args.images % (count * args.batch_size)
-    splits = images(model, total, count, device)
+    splits = images(model, total, count, device, args.unequal)
     whole = Split(torch.cat([s.x for s in splits]), torch.cat([s.y for s in splits]))
     fed = edges(model, count, device)
     refusal = batch_refusal(fed[0], amp=args.amp, device=device)
@@ -181,6 +185,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--amp", action="store_true", help="autocast (bf16; fp16 GPUs: refused)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (CPU)")
     p.add_argument("--skip-sequential", action="store_true", help="plain and batched only")
+    p.add_argument("--unequal", action="store_true",
+                   help="edge i holds a share of the images proportional to i + 1 (else equal)")
     p.add_argument("--out", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -193,7 +199,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
              f"thread(s), {os.cpu_count()} CPUs, load average {load[0]:.2f} {load[1]:.2f} "
              f"{load[2]:.2f} at start",
              f"# batch {args.batch_size} per edge (plain loop: edges x batch), "
-             f"{args.epochs} epoch(s), amp {args.amp}, best of {args.reps}",
+             f"{args.epochs} epoch(s), amp {args.amp}, best of {args.reps}, "
+             f"{'unequal (edge i: share i + 1)' if args.unequal else 'equal'} partitions",
              f"{'model':<16} {'edges':>5} {'images':>7} {'plain img/s':>12} {'batched img/s':>14} "
              f"{'sequential img/s':>17} {'batched/plain':>14} {'sequential/plain':>17}"]
     for line in lines:

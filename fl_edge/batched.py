@@ -13,7 +13,8 @@ generator, seeded with its ``loader_seed``), its augmentation stream
 (``augment_generator``), its BatchNorm running statistics (buffers stacked per edge and
 updated by the vmapped batch norm, never shared, never replaced by
 ``replace_all_batch_norm_modules_``), its steps (an edge with fewer batches is masked out
-of the steps it does not take: ``torch.where`` keeps its tensors bit for bit), its SGD
+of the steps it does not take: ``torch.where`` keeps its tensors bit for bit; an epoch's
+short last batch trains its edge alone, in a stack of width 1), its SGD
 update (the formula of ``torch.optim.SGD``, elementwise), its reported losses. Random ops in
 the model (dropout) cannot keep one stream per edge under vmap: such a model is refused
 (and vmap's ``randomness="error"`` guards what the check misses).
@@ -240,6 +241,38 @@ def _train(jobs: list[EdgeJob], width: int, device: torch.device, amp: bool) -> 
         started = started | mask if mask is not None else torch.ones_like(started)
         begun.update(members)
 
+    def lone(slot: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """A short batch (an epoch's last, smaller than the batch size) trains this slot
+        alone, in a stack of width 1: a whole-width pass for it would cost a full step of
+        every slot, and width 1 is the same computation whichever edges share the group.
+        Returns its loss."""
+        sub = slice(slot, slot + 1)
+        p = {k: v[sub] for k, v in params.items()}
+        b = {k: (v[sub].clone() if k in buffer_names else v[sub]) for k, v in frozen.items()}
+        with torch.autocast(device.type, dtype=dtype, enabled=amp):
+            grads, losses = step(p, b, x[None], y[None])
+        for k in trained:
+            d_p = grads[k].to(p[k].dtype)
+            if reference is not None and k in reference:
+                d_p = d_p.add(p[k] - reference[k][sub], alpha=mu)
+            if decay:
+                d_p = d_p.add(p[k], alpha=decay)
+            if momentum:
+                if k not in velocity:
+                    velocity[k] = torch.zeros_like(params[k])
+                if slot in begun:
+                    buf = velocity[k][sub].mul(momentum).add_(d_p, alpha=1 - dampening)
+                else:
+                    buf = d_p.clone()
+                velocity[k][sub].copy_(buf)
+                d_p = d_p.add(buf, alpha=momentum) if nesterov else buf
+            params[k][sub].copy_(p[k].add(d_p, alpha=-lr))
+        for k in buffer_names:
+            frozen[k][sub].copy_(b[k])
+        started[slot] = True
+        begun.add(slot)
+        return losses[0].detach().double()
+
     # Each edge's own streams, as train_local draws them: its data order, its augmentation.
     loaders = {job.slot: ShuffledBatches(
         job.data, job.batch_size, torch.Generator().manual_seed(job.seed),
@@ -267,6 +300,13 @@ def _train(jobs: list[EdgeJob], width: int, device: torch.device, amp: bool) -> 
                 sizes.setdefault(int(y.shape[0]), []).append(slot)
             for size in sorted(sizes, reverse=True):
                 members = sizes[size]
+                if size < lead.batch_size:
+                    for s in members:
+                        sums[s] += lone(s, *batch[s])
+                        batches[s] += 1
+                        tally[s][0] += 1
+                        tally[s][1] += size
+                    continue
                 first = batch[members[0]]
                 xs = torch.stack([batch[s][0] if s in members else first[0] for s in range(width)])
                 ys = torch.stack([batch[s][1] if s in members else first[1] for s in range(width)])
