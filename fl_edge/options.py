@@ -83,6 +83,10 @@ class EdgeOptions:
     max_rate: float = 0.0
     max_bytes_per_day: int = 0
     max_bytes_per_month: int = 0
+    # fl-sim --batch-edges only (no CLI flag): the process's ``fl_tools.sim_batch.EdgeBatcher``
+    # slot of this edge, whose ``train`` replaces ``train_local`` (same arguments), so
+    # that edges hosted together train as one batched computation where they can.
+    batcher: object | None = None
 
     @property
     def budgets(self) -> dict[str, int]:

@@ -135,7 +135,8 @@ class TaskRunner:
         """The one training loop with this edge's options (local training and fine-tuning
         alike: both train on the train split, clipped and augmented)."""
         train = self.run.train
-        return train_local(algo, self.run.data.train, epochs, self.run.batch_size, task.seed,
+        local = train_local if self.opts.batcher is None else self.opts.batcher.train
+        return local(algo, self.run.data.train, epochs, self.run.batch_size, task.seed,
                            self.device, self.opts.progress, lr=task.lr, amp=self.run.amp,
                            grad_accum=self.run.grad_accum, privacy=privacy,
                            clip_grad_norm=train.clip_grad_norm,

@@ -37,6 +37,8 @@ def worker_parser() -> argparse.ArgumentParser:
     p.add_argument("--disconnect", default="0", help="fl-edge --disconnect of --flaky")
     p.add_argument("--disconnect-seed", type=int, default=0)
     p.add_argument("--flaky", action="append", default=[], metavar="NAME")
+    p.add_argument("--batch-edges", type=int, default=0,
+                   help="fl-sim --batch-edges: edges trained as one batched computation")
     p.add_argument("data_dirs", nargs="+", type=Path)
     return p
 
@@ -72,6 +74,12 @@ def host_edges(args: argparse.Namespace, run_over: threading.Event) -> Hosted:
     torch.set_num_threads(1)
     codes: dict[str, int] = {}
     disconnect, offline = parse_disconnect(args.disconnect)
+    batcher = None
+    if args.batch_edges:
+        from fl_tools.sim_batch import EdgeBatcher
+
+        batcher = EdgeBatcher(args.batch_edges)
+    slots = {d.name: i for i, d in enumerate(args.data_dirs)}
 
     def run(data_dir: Path) -> None:
         name = data_dir.name
@@ -85,7 +93,8 @@ def host_edges(args: argparse.Namespace, run_over: threading.Event) -> Hosted:
                               privacy=PrivacyPolicy(allow_seeded_noise=args.allow_seeded_dp_noise),
                               throttle=args.throttle if name in args.slow else 1.0,
                               disconnect=disconnect if name in args.flaky else 0.0,
-                              offline_seconds=offline, disconnect_seed=args.disconnect_seed)
+                              offline_seconds=offline, disconnect_seed=args.disconnect_seed,
+                              batcher=batcher.slot(slots[name]) if batcher else None)
         try:
             codes[data_dir.name] = EdgeDaemon(options).run()
         except EdgeExit as err:

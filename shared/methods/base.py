@@ -502,6 +502,13 @@ class EdgeAlgorithm:
     #: The loop's shape (see ``LoopSchedule``); a method that changes it sets its own.
     schedule: LoopSchedule = LoopSchedule()
 
+    #: Loop hooks this class overrides that ``fl_edge.batched`` (fl-sim --batch-edges:
+    #: several edges' steps as one vmapped computation) still reproduces: today only
+    #: ``post_backward``, declared by an edge whose ``post_backward`` is exactly the pull
+    #: of ``proximal_term`` (FedProx). An override not declared here keeps the edge on the
+    #: sequential loop (``fl_edge.batched.batch_refusal`` says why).
+    batched_hooks: ClassVar[tuple[str, ...]] = ()
+
     #: Hooks of earlier versions and where they live now: a subclass defining one would
     #: otherwise be silently ignored.
     _MOVED: ClassVar[dict[str, str]] = {
@@ -620,6 +627,12 @@ class EdgeAlgorithm:
 
     def post_backward(self) -> None:
         """Gradient post-processing for parameter-only terms (proximal pulls, corrections)."""
+
+    def proximal_term(self) -> tuple[Mapping[str, torch.Tensor], float] | None:
+        """(reference tensors, mu) when ``post_backward`` adds mu (w - reference) to each
+        gradient and nothing else (FedProx): the declaration the batched path reads to
+        apply that pull to stacked parameters. None: no such term."""
+        return None
 
     def after_train(self, steps: int) -> Payload:
         """The training upload: by default the shared tensors, as views of the live model

@@ -24,8 +24,15 @@ def add_proximal_gradient(edge: EdgeAlgorithm, reference: dict, mu: float) -> No
 
 
 class FedProxEdge(EdgeAlgorithm):
+    # Its post_backward is proximal_term's pull: fl-sim --batch-edges applies it batched.
+    batched_hooks = ("post_backward",)
+
+    def proximal_term(self):
+        return self.global_tensors, self.method.params.mu
+
     def post_backward(self) -> None:
-        add_proximal_gradient(self, self.global_tensors, self.method.params.mu)
+        reference, mu = self.proximal_term()
+        add_proximal_gradient(self, reference, mu)
 
 
 class FedProx(Method):
