@@ -140,8 +140,10 @@ def fedattn_round(model: str, edges: int, rounds: int, workdir: Path, local_epoc
     idle_rss = rss_kib(server.pid, "VmRSS")
     port = json.loads(ready.read_text())["port"]
     spy = None if profile is None else subprocess.Popen(
-        [shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(server.pid), "--rate", "250", "--format", "raw",
-         "--nonblocking", "--output", str(profile)],
+        # py-spy beside this interpreter when it is not on PATH (a venv not activated)
+        [shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy")), "record",
+         "--pid", str(server.pid), "--rate", "250", "--format", "raw", "--nonblocking",
+         "--output", str(profile)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     lo_before = loopback_bytes()
     clients = [subprocess.Popen(
