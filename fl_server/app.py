@@ -80,11 +80,10 @@ class ServerApp:
         self._grpc = grpc.aio.server(
             options=server_options(max_edges=cfg.max_edges) + memory.grpc_options())
         enrollment = Enrollment(Path(cfg.tls_dir) / ENROLLED) if cfg.tls_dir else None
-        sessions = Sessions(engine, cfg, enrollment)
+        uploads = Uploads(engine, self.meter, cfg, memory.slots)
+        sessions = Sessions(engine, cfg, enrollment, holds=uploads.holds)
         downloads = Downloads(engine, self.meter, cfg)
-        service = FederatedLearningService(engine, sessions,
-                                           Uploads(engine, self.meter, cfg, memory.slots),
-                                           downloads, cfg)
+        service = FederatedLearningService(engine, sessions, uploads, downloads, cfg)
         self.engine.metrics.watch_downloads(downloads.room)
         self._watch = asyncio.create_task(sessions.watch_enrollment())
         self._grpc.add_generic_rpc_handlers(

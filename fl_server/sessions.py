@@ -28,8 +28,13 @@ ENROLLMENT_POLL = 1.0  # how often a changed enrolment list (a revocation) is lo
 class Sessions:
     """Joins, presence and leaves of the edges of one server."""
 
-    def __init__(self, engine: Engine, cfg: ServerConfig, enrollment: Enrollment | None):
+    def __init__(self, engine: Engine, cfg: ServerConfig, enrollment: Enrollment | None,
+                 holds: Callable[[str], bool] = lambda edge: False):
+        """``holds(edge)``: whether an upload of the edge's is in flight or held for
+        resuming (``Uploads.holds``): its task then outlives a disconnect or a rejoin, for
+        the edge to resume the upload; the partial's expiry bounds that."""
         self.engine, self.cfg, self.enrollment = engine, cfg, enrollment
+        self.holds = holds
         self.edges = engine.edges
         self.metrics = engine.metrics
 
@@ -81,7 +86,7 @@ class Sessions:
         record.upload_mac_key = upload_mac_key(shared, record.edge_id, record.session)
         record.needs_init = not request.state_fingerprint
         self.metrics.joins.inc()
-        self.engine.schedule.lose(edge_id, "rejoined")
+        self._lose(edge_id, "rejoined")
         if declaring:
             log.info("edge %s declared its training split: %s examples", edge_id,
                      record.info["num_examples"])
@@ -100,9 +105,16 @@ class Sessions:
         """Its presence stream ended: when still its session, its task is dropped."""
         if record.session == session:
             record.connected = False
-            self.engine.schedule.lose(record.edge_id, "disconnected")
+            self._lose(record.edge_id, "disconnected")
             log.info("edge %s disconnected", record.edge_id)
         self._count_connected()
+
+    def _lose(self, edge: str, reason: str) -> None:
+        """The edge's task goes with its session, unless its upload is held for resuming."""
+        if self.holds(edge):
+            log.info("edge %s %s: its task stands, its upload held for resuming", edge, reason)
+            return
+        self.engine.schedule.lose(edge, reason)
 
     def end(self, record: EdgeRecord, reason: str) -> None:
         """Ends an edge's session from the server's side (a leave or a revocation)."""
