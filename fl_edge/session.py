@@ -27,7 +27,7 @@ from fedattn_shared.schema import Payload
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire.accounting import ByteMeter
 from fedattn_shared.wire.payload import WireError
-from fedattn_shared.wire.serialize import encode
+from fedattn_shared.wire.serialize import EncodedPayload, encode
 from fedattn_shared.wire.signing import (
     BodyMac,
     exchange,
@@ -40,13 +40,15 @@ from fedattn_shared.wire.transport import MAX_MESSAGE_BYTES, BufferPool, Payload
 from .metrics import EdgeMetrics
 from .options import EdgeExit, EdgeOptions
 from .store import Identity
-from .transport import RETRYABLE, EdgeTransport, GrpcTransport, JoinRefused, Rejoin
+from .transport import RETRYABLE, EdgeTransport, GrpcTransport, JoinRefused, Rejoin, UploadCut
 
 log = logging.getLogger("fl_edge")
 
 # The downlink cap before the run's models are known: a bound for any model fedattn ships.
 DOWNLINK_CAP_BEFORE_SETUP = 1 << 30
 BEFORE_SETUP = "the bound before the run's models are known"
+# Times one upload is resumed after its stream broke, each from the bytes the server holds.
+UPLOAD_RESUMES = 8
 
 
 @dataclass
@@ -230,15 +232,12 @@ class Session:
             label, raw = by_kind.get(kind.label, (encoded.label, 0))
             by_kind[kind.label] = (label, raw + encoded.raw_bytes)
         encoded = encode(upload, checksum=False)  # the signed body MAC covers the bytes
-        header = pb.SubmitMessage(header=pb.SubmitHeader(
+        result = pb.SubmitHeader(
             protocol_version=PROTOCOL_VERSION, edge_id=self.identity.edge_id,
-            session=self.session, round=task.round, task_id=task.task_id, phase=task.phase,
+            round=task.round, task_id=task.task_id, phase=task.phase,
             num_examples=num_examples, payload=encoded.manifest, evaluation=evaluation,
-            metrics=metrics, task_nonce=task.task_nonce, body_mac_iv=BodyMac.new_iv()))
-        header.header.signature = sign_submission(
-            self.signing_key, header.header,
-            encoded.body_mac(self.upload_mac_key, header.header.body_mac_iv))
-        reply = self.transport.upload(header, encoded, by_kind)
+            metrics=metrics, task_nonce=task.task_nonce)
+        reply = self.send(result, encoded, by_kind)
         self.metrics.submissions.labels(task.phase, "accepted" if reply.accepted else "refused").inc()
         if reply.accepted:
             self.metrics.last_success_round.set(task.round)
@@ -249,6 +248,49 @@ class Session:
                         task.round, task.phase)
         else:
             log.warning("round %d %s result refused: %s", task.round, task.phase, reply.reason)
+
+    def _signed(self, result: pb.SubmitHeader, encoded: EncodedPayload, offset: int
+                ) -> pb.SubmitMessage:
+        """``result``'s header for this session, sending from ``offset``: a fresh IV, the
+        body MAC over the whole body (whatever part of it travels) and the signature."""
+        header = pb.SubmitMessage(header=result)
+        header.header.session = self.session
+        header.header.resume_offset = offset
+        header.header.body_mac_iv = BodyMac.new_iv()
+        header.header.signature = sign_submission(
+            self.signing_key, header.header,
+            encoded.body_mac(self.upload_mac_key, header.header.body_mac_iv))
+        return header
+
+    def send(self, result: pb.SubmitHeader, encoded: EncodedPayload,
+             coded: dict[str, tuple[str, int]], offset: int = 0) -> pb.SubmitReply:
+        """Sends a result from data byte ``offset``; a stream that breaks (or an answer
+        that is not an acceptance) is followed by UploadOffset, and an upload the server
+        holds goes on from the bytes it holds (at most the chunk in flight at the cut
+        travels twice), up to ``UPLOAD_RESUMES`` times. Raises the transport's error when
+        the stream broke and nothing is held."""
+        for attempt in range(UPLOAD_RESUMES + 1):
+            cut: UploadCut | None = None
+            try:
+                reply = self.transport.upload(self._signed(result, encoded, offset), encoded,
+                                              coded, offset)
+            except UploadCut as err:
+                cut, reply = err, None
+            if reply is not None and reply.accepted:
+                return reply
+            held = self.transport.upload_offset(pb.UploadOffsetRequest(
+                edge_id=self.identity.edge_id, session=self.session, round=result.round,
+                phase=result.phase, task_id=result.task_id))
+            if held is None or not held.held or attempt == UPLOAD_RESUMES:
+                if cut is not None:
+                    raise cut.error
+                return reply
+            offset = held.offset
+            self.metrics.upload_resumes.inc()
+            log.info("round %d %s upload %s at byte %d of %d: resuming from there",
+                     result.round, result.phase, "broke" if cut else "was cut", offset,
+                     held.total_bytes)
+        raise AssertionError("unreachable")
 
 
 __all__ = ["DOWNLINK_CAP_BEFORE_SETUP", "RETRYABLE", "Received", "Rejoin", "Session"]

@@ -40,7 +40,7 @@ from fedattn_shared.wire.transport import (
     DownloadTerms,
     PayloadAssembler,
     channel_options,
-    data_frames,
+    data_frames_from,
     deserializer,
     serialize,
 )
@@ -65,6 +65,15 @@ Receivers = Callable[[pb.TaskHeader], list[PayloadAssembler]]
 
 class Rejoin(Exception):
     """The server no longer knows this session (it restarted): join again at once."""
+
+
+class UploadCut(Exception):
+    """An upload's stream broke (``error``: the transport's own): the server may hold
+    what arrived, for the edge to resume (``EdgeTransport.upload_offset``)."""
+
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
 
 
 class JoinRefused(Exception):
@@ -100,9 +109,14 @@ class EdgeTransport(Protocol):
         edge's) with no receivers."""
 
     def upload(self, header: pb.SubmitMessage, encoded: EncodedPayload,
-               coded: dict[str, tuple[str, int]]) -> pb.SubmitReply:
-        """Sends a result (its header, then its body) and returns the server's answer;
-        ``coded``: kind label -> (codec label, decoded bytes) of sections sent coded."""
+               coded: dict[str, tuple[str, int]], offset: int = 0) -> pb.SubmitReply:
+        """Sends a result (its header, then its body from data byte ``offset``, a chunk
+        boundary) and returns the server's answer; ``coded``: kind label -> (codec label,
+        decoded bytes) of sections sent coded. ``UploadCut`` when the stream broke."""
+
+    def upload_offset(self, request: pb.UploadOffsetRequest) -> pb.UploadOffsetReply | None:
+        """Where the server stands on a cut upload of a task (None: it cannot resume
+        uploads)."""
 
 
 class GrpcTransport:
@@ -321,14 +335,15 @@ class GrpcTransport:
 
     # ---- uploads --------------------------------------------------------------------------
     def upload(self, header: pb.SubmitMessage, encoded: EncodedPayload,
-               coded: dict[str, tuple[str, int]]) -> pb.SubmitReply:
-        """The header, then the body in pre-built frames of the server's chunk size; a coded
-        kind's chunks counted with their wire bytes, its decoded bytes once at the end."""
+               coded: dict[str, tuple[str, int]], offset: int = 0) -> pb.SubmitReply:
+        """The header, then the body from data byte ``offset`` in pre-built frames of the
+        server's chunk size; a coded kind's chunks counted with their wire bytes, its
+        decoded bytes once at the end. A stream that broke is an ``UploadCut``."""
 
         def messages():
             self._count(UP, header)
             yield header
-            for kind, frame, size in data_frames(encoded, self.chunk_bytes):
+            for kind, frame, size in data_frames_from(encoded, self.chunk_bytes, offset):
                 codec = coded.get(kind.label)
                 self.meter.count(UP, kind.label, len(frame) + GRPC_FRAME_PREFIX,
                                  0 if codec else size, self.edge_id,
@@ -336,9 +351,31 @@ class GrpcTransport:
                 yield frame
             count_coded(self.meter, UP, coded, self.edge_id)
 
-        reply = self._call(self.stub.Submit, messages(), timeout=UPLOAD_SECONDS)
+        try:
+            reply = self._call(self.stub.Submit, messages(), timeout=UPLOAD_SECONDS)
+        except grpc.RpcError as err:
+            if err.code() in RETRYABLE:
+                raise UploadCut(err) from None
+            raise
+        self._count(DOWN, reply)
+        return reply
+
+    def upload_offset(self, request: pb.UploadOffsetRequest) -> pb.UploadOffsetReply | None:
+        """UploadOffset, once the channel is back (it waits for the connection the cut
+        broke, up to the idle period the server allows a download); None from a server
+        without it."""
+        try:
+            reply = self._call(self.stub.UploadOffset, request, wait_for_ready=True,
+                               timeout=self.terms.idle_timeout + 30)
+        except grpc.RpcError as err:
+            self._count_sent(request, err)
+            if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return None
+            raise
+        self._count_sent(request)
         self._count(DOWN, reply)
         return reply
 
 
-__all__ = ["RETRYABLE", "EdgeTransport", "GrpcTransport", "JoinRefused", "Receivers", "Rejoin"]
+__all__ = ["RETRYABLE", "EdgeTransport", "GrpcTransport", "JoinRefused", "Receivers", "Rejoin",
+           "UploadCut"]

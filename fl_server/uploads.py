@@ -314,8 +314,8 @@ class Uploads:
             return
         self._let_go(edge, partial)
         if expired and not phase.closed and phase.is_pending(edge):
-            self.engine.context.drop(phase, edge, f"its cut upload was not resumed within "
-                                                  f"{expiry:g}s")
+            self.engine.context.drop(phase, edge, f"upload not resumed: its cut upload was "
+                                                  f"not resumed within {expiry:g}s")
 
     async def _take(self, admission: Admission, header: pb.SubmitHeader,
                     stream: UploadStream, transfer: Transfer,

@@ -136,7 +136,7 @@ def test_stalled_streams_cannot_hold_the_upload_slots(fleet):
         assert re.search(r"no data for [\d.]+s \(stalled after", replies["first"].reason)
         # Cut, it was held for resuming (no slot: the honest upload above went through),
         # and not resumed: the partial expired with the task.
-        fleet.logged(mark, f"dropped {fleet.attacker.edge_id} (its cut upload was not resumed")
+        fleet.logged(mark, f"dropped {fleet.attacker.edge_id} (upload not resumed")
     finally:
         release.set()
     # The round closed with the honest upload alone: it is the next global.
