@@ -96,7 +96,8 @@ class EdgeDaemon:
             torch.cuda.set_per_process_memory_fraction(options.gpu_memory_fraction, self.device)
         self.writer = StateWriter(self.store, options.state_dir, self.metrics)
         self.session = Session(options, self.credentials, self.device, self.identity,
-                               self.signing_key, self.meter, self.metrics, self._keep_common)
+                               self.signing_key, self.meter, self.metrics, self._keep_common,
+                               critical=lambda: self.writer.critical())
         self.run_state: EdgeRun | None = None
         self.runner: TaskRunner | None = None
         self.metrics_port: int | None = None
@@ -198,6 +199,8 @@ class EdgeDaemon:
             self.idle = False
             try:
                 with self.session.presence():
+                    self.health.set("uploading")
+                    self.session.resume_pending()  # what a previous process left
                     while True:
                         received = self._next_task()
                         status = received.header.status

@@ -16,7 +16,7 @@ import logging
 import socket
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +24,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from fedattn_shared import PROTOCOL_VERSION
 from fedattn_shared.schema import Payload
+from fedattn_shared.state import StateError
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire.accounting import ByteMeter
 from fedattn_shared.wire.payload import WireError
@@ -39,6 +40,7 @@ from fedattn_shared.wire.transport import MAX_MESSAGE_BYTES, BufferPool, Payload
 
 from .metrics import EdgeMetrics
 from .options import EdgeExit, EdgeOptions
+from .pending import PendingUpload, clear_pending, load_pending, pending_path, save_pending
 from .store import Identity
 from .transport import RETRYABLE, EdgeTransport, GrpcTransport, JoinRefused, Rejoin, UploadCut
 
@@ -70,7 +72,8 @@ class Session:
     def __init__(self, opts: EdgeOptions, credentials, device: torch.device, identity: Identity,
                  signing_key: Ed25519PrivateKey, meter: ByteMeter, metrics: EdgeMetrics,
                  keep_common: Callable[[pb.PayloadManifest, bytearray], None],
-                 transport: EdgeTransport | None = None):
+                 transport: EdgeTransport | None = None,
+                 critical: Callable[[], AbstractContextManager] = nullcontext):
         self.opts = opts
         self.device = device
         self.identity = identity
@@ -78,6 +81,7 @@ class Session:
         self.metrics = metrics
         self.keep_common = keep_common
         self.transport = transport or GrpcTransport(opts, credentials, meter, identity.edge_id)
+        self.critical = critical  # a section a stop signal waits for (the pending write)
         self.session = ""
         self.upload_mac_key = b""  # agreed with the server at join, for this session only
         self.downlink_cap = DOWNLINK_CAP_BEFORE_SETUP
@@ -237,17 +241,63 @@ class Session:
             round=task.round, task_id=task.task_id, phase=task.phase,
             num_examples=num_examples, payload=encoded.manifest, evaluation=evaluation,
             metrics=metrics, task_nonce=task.task_nonce)
-        reply = self.send(result, encoded, by_kind)
-        self.metrics.submissions.labels(task.phase, "accepted" if reply.accepted else "refused").inc()
+        self._keep(PendingUpload(result, encoded, by_kind))
+        self._answered(result, self.send(result, encoded, by_kind))
+
+    def _keep(self, pending: PendingUpload) -> None:
+        """Writes the upload to the state dir before it leaves, so that a restarted
+        process resumes it (``resume_pending``); a disk that refuses costs only that."""
+        try:
+            with self.critical():
+                save_pending(pending_path(self.opts.state_dir), pending)
+        except OSError as err:
+            log.warning("round %d %s: the upload could not be kept on disk (%s): a restart "
+                        "before it is accepted loses it", pending.header.round,
+                        pending.header.phase, err)
+
+    def resume_pending(self) -> None:
+        """After a join: the upload a previous process of this edge left unanswered
+        (``pending.py``), sent on from the bytes the server holds, when it holds them (its
+        task then still stands); else forgotten (the task is gone: the server hands out
+        what it wants next)."""
+        path = pending_path(self.opts.state_dir)
+        try:
+            pending = load_pending(path)
+        except StateError as err:
+            log.warning("a pending upload that cannot be read is let go: %s", err)
+            clear_pending(path)
+            return
+        if pending is None:
+            return
+        result = pending.header
+        held = self.transport.upload_offset(pb.UploadOffsetRequest(
+            edge_id=self.identity.edge_id, session=self.session, round=result.round,
+            phase=result.phase, task_id=result.task_id))
+        if held is None or not held.held:
+            log.info("round %d %s: the server holds nothing of the upload this edge left "
+                     "(its task is gone): not sent again", result.round, result.phase)
+            clear_pending(path)
+            return
+        log.info("round %d %s: resuming the upload a previous run of this edge left, at "
+                 "byte %d of %d", result.round, result.phase, held.offset, held.total_bytes)
+        self.metrics.upload_resumes.inc()
+        self._answered(result, self.send(result, pending.encoded, pending.coded, held.offset))
+
+    def _answered(self, result: pb.SubmitHeader, reply: pb.SubmitReply) -> None:
+        """The server's answer to a result: counted and logged, the pending copy gone."""
+        clear_pending(pending_path(self.opts.state_dir))
+        self.metrics.submissions.labels(result.phase,
+                                        "accepted" if reply.accepted else "refused").inc()
         if reply.accepted:
-            self.metrics.last_success_round.set(task.round)
+            self.metrics.last_success_round.set(result.round)
             self.metrics.last_success_time.set_to_current_time()
         elif reply.reason.endswith("bad or expired session"):  # fl_server.edges' words
             log.warning("round %d %s result not taken: the server no longer knows this "
                         "session (it restarted, or ended the session)",
-                        task.round, task.phase)
+                        result.round, result.phase)
         else:
-            log.warning("round %d %s result refused: %s", task.round, task.phase, reply.reason)
+            log.warning("round %d %s result refused: %s", result.round, result.phase,
+                        reply.reason)
 
     def _signed(self, result: pb.SubmitHeader, encoded: EncodedPayload, offset: int
                 ) -> pb.SubmitMessage:

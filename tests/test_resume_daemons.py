@@ -61,3 +61,46 @@ def test_an_upload_cut_mid_body_resumes_and_the_result_is_the_uncut_runs(tmp_pat
     # At most the chunk in flight at the cut traveled twice, counted by the server.
     assert whole_bytes <= cut_bytes <= whole_bytes + CHUNK, (whole_bytes, cut_bytes)
     assert _identical(whole, cut) == []
+
+
+def test_an_edge_restarted_mid_upload_resumes_it_from_disk(tmp_path):
+    # The link goes silent in the middle of the upload and the edge process is killed
+    # (kill -9: nothing of it runs on the way out); started again on its state dir, it
+    # rejoins, finds its upload on disk and the server still holding its task and the
+    # bytes that arrived, and sends only the rest: no second training, the same result.
+    (data,) = write_edge_dirs(tmp_path, 1)
+    whole, whole_bytes, _, _ = federation(tmp_path / "whole", data, 0)
+    root = tmp_path / "restart"
+    cluster = Cluster(root)
+    root.mkdir(parents=True)
+    proxy = None
+    try:
+        server = cluster.server("--method", "fedavg", "--rounds", "1", "--min-edges", "1",
+                                "--local-epochs", "1", "--seed", "7", "--eval-every", "0",
+                                "--chunk-bytes", str(CHUNK), "--metrics-port", "0",
+                                "--metrics-linger", "120")
+        proxy = CutProxy(cluster.port, CUT_AFTER, stall=True)
+        first = cluster.edge(data, "e0", port=proxy.port)
+        assert proxy.cut_done.wait(120), first.log()
+        assert (root / "state-e0" / "upload.pending").exists()
+        mark = server.mark()
+        first.popen.kill()
+        first.popen.wait(30)
+        server.logged(mark, "refused: upload ended after", "held", timeout=30)
+        again = cluster.edge(data, "e0", port=proxy.port)
+        assert again.wait() == 0, again.log()
+        log = again.log().split("joined ")[-1]  # the second process's lines
+        assert "resuming the upload a previous run of this edge left" in again.log()
+        assert "trained " not in log, "the restarted edge trained again"
+        assert not (root / "state-e0" / "upload.pending").exists()
+        resumed = [line for line in server.log().splitlines()
+                   if "resumes its upload at byte" in line]
+        assert resumed and int(resumed[0].split("at byte ")[1].split()[0]) > 0, server.log()
+        wait_for(lambda: (root / "server-state" / "manifest.json").exists(), 30, "checkpoint")
+        counted = raw_up(server.metrics_port, "e0")
+        assert whole_bytes <= counted <= whole_bytes + CHUNK, (whole_bytes, counted)
+        assert _identical(whole, _final_global(root / "server-state")) == []
+    finally:
+        if proxy is not None:
+            proxy.close()
+        cluster.close()
