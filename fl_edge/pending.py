@@ -1,6 +1,6 @@
 """The upload the edge has not yet seen accepted, on disk (``STATE_DIR/upload.pending``),
 so that a restarted edge process resumes it instead of training again: the server holds a
-cut upload, and keeps its task, for ``upload_resume_expiry`` seconds (see
+cut upload, and keeps its task, for ``transfer_resume_expiry`` seconds (see
 docs/architecture.md, "Resumable uploads").
 
 What is kept is the result's header as the server must see it again (round, phase, task

@@ -127,6 +127,10 @@ class GrpcTransport:
         self.stub = None
         self.chunk_bytes = 1 << 20
         self.terms = DownloadTerms()
+        # A task download a broken connection interrupted: (header, receivers, the cached
+        # common id it was asked with). The next ``download`` continues it from the bytes
+        # held, in whatever session, while the server still has the task for this edge.
+        self.partial: tuple[pb.TaskHeader, list[PayloadAssembler], str] | None = None
 
     # ---- byte accounting ------------------------------------------------------------------
     def _count(self, direction: str, message, kind: str = META) -> None:
@@ -242,11 +246,37 @@ class GrpcTransport:
                  ) -> tuple[pb.TaskHeader, list[PayloadAssembler]]:
         """The first call brings the header and the first window, each continuation call
         the next from the byte the edge holds (a broken window is asked for again from
-        there, up to ``WINDOW_RETRIES`` times). Every call carries the deadline the
-        server's terms allow for it."""
+        there, up to ``WINDOW_RETRIES`` times; one the connection's end interrupted goes
+        on from there at the next call, after the reconnect). Every call carries the
+        deadline the server's terms allow for it."""
+        resumed = self._resume(request)
+        if resumed is not None:
+            return resumed
         header, assemblers = self._first_window(request, receivers)
         if header.status != pb.TaskHeader.TASK:
             return header, []
+        return self._rest(request, header, assemblers)
+
+    def _resume(self, request: pb.TaskRequest
+                ) -> tuple[pb.TaskHeader, list[PayloadAssembler]] | None:
+        """The interrupted download, whole, when the server still has its task for this
+        edge; None (ask afresh) otherwise."""
+        if self.partial is None:
+            return None
+        header, assemblers, cached = self.partial
+        self.partial = None
+        if cached != request.cached_common:
+            return None
+        log.info("task %d download goes on at byte %d of %d after the reconnect",
+                 header.task_id, sum(a.received for a in assemblers),
+                 sum(len(a.buffer) for a in assemblers))
+        header, assemblers = self._rest(request, header, assemblers)
+        return (header, assemblers) if assemblers else None
+
+    def _rest(self, request: pb.TaskRequest, header: pb.TaskHeader,
+              assemblers: list[PayloadAssembler]
+              ) -> tuple[pb.TaskHeader, list[PayloadAssembler]]:
+        """The windows after the first, each from the bytes held."""
         retries = 0
         while not all(a.complete for a in assemblers):
             offset = sum(a.received for a in assemblers)
@@ -257,6 +287,8 @@ class GrpcTransport:
                 gone = self._window(more, assemblers)
             except grpc.RpcError as err:
                 if err.code() not in RESUMABLE or retries >= WINDOW_RETRIES:
+                    if err.code() in RETRYABLE:  # the daemon reconnects: go on from here
+                        self.partial = (header, assemblers, request.cached_common)
                     raise
                 retries += 1
                 log.info("task %d download broke at byte %d (%s): asking again from there",
@@ -293,6 +325,8 @@ class GrpcTransport:
         except grpc.RpcError as err:
             if header is None:
                 self._count_sent(request, err)
+            elif header.status == pb.TaskHeader.TASK and err.code() in RETRYABLE:
+                self.partial = (header, assemblers, request.cached_common)
             if err.code() == grpc.StatusCode.UNAUTHENTICATED:
                 raise Rejoin() from None
             raise

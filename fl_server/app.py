@@ -81,8 +81,9 @@ class ServerApp:
             options=server_options(max_edges=cfg.max_edges) + memory.grpc_options())
         enrollment = Enrollment(Path(cfg.tls_dir) / ENROLLED) if cfg.tls_dir else None
         uploads = Uploads(engine, self.meter, cfg, memory.slots)
-        sessions = Sessions(engine, cfg, enrollment, holds=uploads.holds)
         downloads = Downloads(engine, self.meter, cfg)
+        sessions = Sessions(engine, cfg, enrollment,
+                            holds=lambda edge: uploads.holds(edge) or downloads.holds(edge))
         service = FederatedLearningService(engine, sessions, uploads, downloads, cfg)
         self.engine.metrics.watch_downloads(downloads.room)
         self._watch = asyncio.create_task(sessions.watch_enrollment())

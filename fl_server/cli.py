@@ -66,7 +66,7 @@ FLAG_TARGETS = {
     "max_edges": ("server", "max_edges"),
     "upload_idle_timeout": ("server", "upload_idle_timeout"),
     "upload_min_rate": ("server", "upload_min_rate"),
-    "upload_resume_expiry": ("server", "upload_resume_expiry"),
+    "transfer_resume_expiry": ("server", "transfer_resume_expiry"),
     "download_idle_timeout": ("server", "download_idle_timeout"),
     "download_min_rate": ("server", "download_min_rate"),
     "download_window": ("server", "download_window"),
@@ -248,10 +248,11 @@ def _transfer_flags(net) -> None:
     net.add_argument("--upload-min-rate", type=float,
                      help="bytes/s an upload must average: its deadline is the idle timeout "
                           "+ its size / this rate (32768)")
-    net.add_argument("--upload-resume-expiry", type=float,
+    net.add_argument("--transfer-resume-expiry", type=float,
                      help="hold an upload cut short for this many seconds, for the edge to "
-                          "resume from the bytes held; its task stands meanwhile (120; 0: a "
-                          "cut upload costs the edge its task)")
+                          "resume from the bytes held, and keep the task of an edge that went "
+                          "mid-download this long (120; 0: a cut transfer costs the edge its "
+                          "task)")
     net.add_argument("--download-idle-timeout", type=float,
                      help="cut a task download the edge takes nothing of for this many "
                           "seconds (30)")

@@ -127,6 +127,24 @@ class Downloads:
         self.terms = DownloadTerms(cfg.download_idle_timeout, cfg.download_min_rate,
                                    cfg.download_window, cfg.poll_timeout)
         self.tasking: dict[str, str] = {}  # edge -> the session whose task call is open
+        # edge -> (task id, when its last byte went to the transport) of its latest task
+        # download: one per edge. Kept once the last byte went too: gRPC takes a whole
+        # window into its buffers long before the edge has it, so the server cannot tell
+        # a download the edge holds from one a broken link cut.
+        self.partial: dict[str, tuple[int, float]] = {}
+
+    def holds(self, edge: str) -> bool:
+        """Whether ``edge`` may be in the middle of downloading its task (a byte of it
+        went within ``transfer_resume_expiry`` seconds): a disconnect or a rejoin then
+        leaves the task standing, for the edge to continue the download from the byte it
+        holds (``TaskRequest.task_id``, ``offset``) once it is back."""
+        held = self.partial.get(edge)
+        if held is None:
+            return False
+        task_id, since = held
+        if time.monotonic() - since > self.cfg.transfer_resume_expiry:
+            return False
+        return self.engine.schedule.task_of(edge, task_id) is not None
 
     async def serve(self, record: EdgeRecord, request: pb.TaskRequest,
                     stream: DownloadStream) -> None:
@@ -236,6 +254,7 @@ class Downloads:
                     await self._cut(phase, edge, download)
                     return
                 end, went = end + raw, True
+                self.partial[edge] = (task.task_id, time.monotonic())
         except StreamEnded as err:  # a send failed: the call is over
             log.info("round %d %s: %s's task download ended: %s", phase.round, phase.name,
                      edge, err)

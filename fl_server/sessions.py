@@ -110,11 +110,23 @@ class Sessions:
         self._count_connected()
 
     def _lose(self, edge: str, reason: str) -> None:
-        """The edge's task goes with its session, unless its upload is held for resuming."""
+        """The edge's task goes with its session, unless one of its transfers is held for
+        resuming; then it is looked at again once that may have lapsed, and goes if the
+        edge did not come back (an upload's partial drops its task itself at its expiry)."""
         if self.holds(edge):
-            log.info("edge %s %s: its task stands, its upload held for resuming", edge, reason)
+            log.info("edge %s %s: its task stands, its transfer held for resuming", edge,
+                     reason)
+            asyncio.get_running_loop().call_later(self.cfg.transfer_resume_expiry + 1,
+                                                  self._recheck, edge, reason)
             return
         self.engine.schedule.lose(edge, reason)
+
+    def _recheck(self, edge: str, reason: str) -> None:
+        """A held task of an edge that went: it goes now, unless the edge is back or its
+        transfer is still held."""
+        record = self.edges.records.get(edge)
+        if record is not None and not record.connected:
+            self._lose(edge, reason)
 
     def end(self, record: EdgeRecord, reason: str) -> None:
         """Ends an edge's session from the server's side (a leave or a revocation)."""

@@ -16,7 +16,7 @@ adapter such as ``calls.Call`` gives it) and takes it through, in order:
 
 A transfer is addressed by (payload id, offset) (``Transfer``). An upload cut short (its
 stream cancelled, closed, stalled or past its deadline: ``Cut``) is held (``Partial``: its
-spool file, its assembler's and value scan's positions) for ``upload_resume_expiry``
+spool file, its assembler's and value scan's positions) for ``transfer_resume_expiry``
 seconds, at most one per edge identity, and its task stands meanwhile (``holds``: a
 disconnect or a rejoin does not drop it); the edge asks where it stands (``offset``, the
 UploadOffset call) and sends a header with ``resume_offset`` and only the bytes from there.
@@ -301,10 +301,10 @@ class Uploads:
         partial.watch = asyncio.ensure_future(self._expire(edge, partial))
 
     async def _expire(self, edge: str, partial: Partial) -> None:
-        """Lets a partial go when its phase closes, or, once ``upload_resume_expiry``
+        """Lets a partial go when its phase closes, or, once ``transfer_resume_expiry``
         passed without a resume, with its task (an identity cannot keep a task alive by
         cutting its upload)."""
-        phase, expiry = partial.phase, self.cfg.upload_resume_expiry
+        phase, expiry = partial.phase, self.cfg.transfer_resume_expiry
         try:
             await asyncio.wait_for(phase.closing.wait(), expiry)
             expired = False
@@ -457,11 +457,11 @@ class Uploads:
         """A cut upload: held for resuming (raises the ``Refused`` that says so, which
         costs no task), unless resuming is off or its phase closed (then it returns, and
         the caller lets the bytes go: the cut costs the task as any wire error)."""
-        if self.cfg.upload_resume_expiry <= 0 or partial.phase.closed:
+        if self.cfg.transfer_resume_expiry <= 0 or partial.phase.closed:
             return
         self._hold(edge, partial)
         raise Refused(f"{err}: the {partial.offset} bytes received are held "
-                      f"{self.cfg.upload_resume_expiry:g}s for the edge to resume from") from None
+                      f"{self.cfg.transfer_resume_expiry:g}s for the edge to resume from") from None
 
     def _mac_held(self, assembler: PayloadAssembler, body: BodyMac) -> None:
         """MACs a resumed upload's held prefix, read back from its spool file (on a worker

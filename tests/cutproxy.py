@@ -17,8 +17,12 @@ class CutProxy:
     the edge-to-server bytes pass ``cut_after`` (0: never), every open connection is shut
     down, once (``cuts`` counts it). Connections made afterwards are forwarded whole."""
 
-    def __init__(self, target_port: int, cut_after: int = 0, stall: bool = False):
+    def __init__(self, target_port: int, cut_after: int = 0, stall: bool = False,
+                 downstream: bool = False):
+        """``downstream``: ``cut_after`` counts the server's bytes to the edge instead (a
+        cut in the middle of a task download)."""
         self.target_port, self.cut_after, self.stall = target_port, cut_after, stall
+        self.downstream = downstream
         self.upstream_bytes = 0
         self.cuts = 0
         self.cut_done = threading.Event()
@@ -56,7 +60,7 @@ class CutProxy:
                 if upstream and source in self._silent:
                     continue  # the link went silent: the edge's bytes go nowhere
                 sink.sendall(data)
-                if upstream:
+                if upstream != self.downstream:
                     self._count(len(data))
         except OSError:
             pass

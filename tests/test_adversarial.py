@@ -34,7 +34,7 @@ from fl_server.cli import main as server_main
 IDLE = 8.0  # --upload-idle-timeout: long enough that an honest upload is in well before it
 MAX_EDGES = 6
 MAX_DELIVERIES = 3
-RESUME_EXPIRY = 2.0  # --upload-resume-expiry: a stalled upload is held this long, then dropped
+RESUME_EXPIRY = 2.0  # --transfer-resume-expiry: a stalled upload is held this long, then dropped
 
 
 class Fleet:
@@ -78,7 +78,7 @@ def fleet(tmp_path_factory):
             "--method", "fedavg", "--model", "lenet-bn", "--rounds", "100", "--min-edges", "2",
             "--quorum", "0", "--round-timeout", "60", "--eval-every", "0",
             "--upload-idle-timeout", str(IDLE), "--max-concurrent-uploads", "2",
-            "--upload-resume-expiry", str(RESUME_EXPIRY),
+            "--transfer-resume-expiry", str(RESUME_EXPIRY),
             "--max-task-deliveries", str(MAX_DELIVERIES), "--max-edges", str(MAX_EDGES),
             "--metrics-port", "0")
         edges = [RawEdge(cluster.port, "attacker"), RawEdge(cluster.port, "honest")]

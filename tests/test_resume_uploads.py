@@ -23,7 +23,7 @@ from test_bad_input import assert_single_upload_mean
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire.signing import BodyMac, sign_submission
 
-EXPIRY = 3.0  # --upload-resume-expiry of the expiry test
+EXPIRY = 3.0  # --transfer-resume-expiry of the expiry test
 
 
 def offset_of(edge: RawEdge, task: Task, edge_id: str | None = None) -> pb.UploadOffsetReply:
@@ -187,7 +187,7 @@ def test_a_partial_expires_with_its_task(tmp_path):
     # Cutting its upload keeps an edge's task only until the expiry: then the partial
     # goes (its spool file closed), the task is dropped, and a resume is refused.
     with raw_fleet(tmp_path, ("lingerer", "honest"), "--min-edges", "2", "--rounds", "3",
-                   "--round-timeout", "120", "--upload-resume-expiry", str(EXPIRY)
+                   "--round-timeout", "120", "--transfer-resume-expiry", str(EXPIRY)
                    ) as (cluster, (edge, honest)):
         task, honest_task = edge.next_task(), honest.next_task()
         header, chunks = raw_layout(edge, task, shifted(task.globals, 1.0))
@@ -210,3 +210,23 @@ def test_a_partial_expires_with_its_task(tmp_path):
         assert honest.submit(messages).accepted
         after = honest.next_task()
         assert_single_upload_mean(after.globals, upload)
+
+
+def test_a_task_held_for_a_broken_download_goes_at_the_expiry(tmp_path):
+    # An edge that goes right after its task download keeps its task for a while (it may
+    # have lost the end of the download with its link), but not for ever: the task is
+    # dropped once the expiry passed without the edge coming back.
+    with raw_fleet(tmp_path, ("leaver", "honest"), "--min-edges", "2", "--rounds", "3",
+                   "--round-timeout", "120", "--transfer-resume-expiry", str(EXPIRY)
+                   ) as (cluster, (edge, honest)):
+        edge.next_task()
+        honest_task = honest.next_task()
+        mark = cluster.procs[0].mark()
+        edge.close()  # presence, and the connection, gone
+        cluster.procs[0].logged(mark, f"edge {edge.edge_id} disconnected: its task stands")
+        cluster.procs[0].logged(mark, f"dropped {edge.edge_id} (disconnected)",
+                                timeout=EXPIRY + 30)
+        upload = shifted(honest_task.globals, 2.0)
+        header, chunks = raw_layout(honest, honest_task, upload)
+        assert honest.submit(stream(header, chunks)).accepted
+        cluster.procs[0].logged(mark, "round 1 done", "1/2 results")
