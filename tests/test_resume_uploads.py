@@ -230,3 +230,20 @@ def test_a_task_held_for_a_broken_download_goes_at_the_expiry(tmp_path):
         header, chunks = raw_layout(honest, honest_task, upload)
         assert honest.submit(stream(header, chunks)).accepted
         cluster.procs[0].logged(mark, "round 1 done", "1/2 results")
+
+
+def test_a_partial_goes_when_its_phase_closes(tmp_path):
+    # A cut upload is held only while its phase is open: the phase closing at its quorum
+    # lets the spool file go at once, not at the expiry.
+    with raw_fleet(tmp_path, ("cut", "fast"), "--min-edges", "2", "--quorum", "1",
+                   "--rounds", "3", "--round-timeout", "120") as (cluster, (edge, fast)):
+        task, fast_task = edge.next_task(), fast.next_task()
+        header, chunks = raw_layout(edge, task, shifted(task.globals, 1.0))
+        pid, checkpoint = server_pid(cluster), tmp_path / "server-state"
+        cut(edge, header, chunks, 2, task, cluster.procs[0].metrics_port)
+        assert spool_files(pid, checkpoint) == 1
+        upload = shifted(fast_task.globals, 2.0)
+        fast_header, fast_chunks = raw_layout(fast, fast_task, upload)
+        assert fast.submit(stream(fast_header, fast_chunks)).accepted
+        wait_for(lambda: spool_files(pid, checkpoint) == 0, 15, "the partial let go")
+        assert not offset_of(edge, task).held
