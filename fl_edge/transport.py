@@ -58,6 +58,7 @@ JOIN_REFUSED = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICAT
 RESUMABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 WINDOW_RETRIES = 3
 UPLOAD_SECONDS = 600
+OFFSET_WAIT = 10.0  # seconds an UploadOffset after a broken upload waits for the channel
 
 #: Receivers for the downlinks a task header declares (the session's cap and cache).
 Receivers = Callable[[pb.TaskHeader], list[PayloadAssembler]]
@@ -395,12 +396,13 @@ class GrpcTransport:
         return reply
 
     def upload_offset(self, request: pb.UploadOffsetRequest) -> pb.UploadOffsetReply | None:
-        """UploadOffset, once the channel is back (it waits for the connection the cut
-        broke, up to the idle period the server allows a download); None from a server
-        without it."""
+        """UploadOffset, once the channel is back (it waits ``OFFSET_WAIT`` seconds for
+        the connection a cut broke to come back; a server away longer is the daemon's
+        retry loop's, which resumes the pending upload after its next join); None from a
+        server without it."""
         try:
             reply = self._call(self.stub.UploadOffset, request, wait_for_ready=True,
-                               timeout=self.terms.idle_timeout + 30)
+                               timeout=OFFSET_WAIT)
         except grpc.RpcError as err:
             self._count_sent(request, err)
             if err.code() == grpc.StatusCode.UNIMPLEMENTED:

@@ -135,14 +135,16 @@ class Downloads:
 
     def holds(self, edge: str) -> bool:
         """Whether ``edge`` may be in the middle of downloading its task (a byte of it
-        went within ``transfer_resume_expiry`` seconds): a disconnect or a rejoin then
+        went to the transport within ``download_idle_timeout`` seconds: what the
+        transport buffered may not have reached the edge): a disconnect or a rejoin then
         leaves the task standing, for the edge to continue the download from the byte it
-        holds (``TaskRequest.task_id``, ``offset``) once it is back."""
+        holds (``TaskRequest.task_id``, ``offset``) once it is back. Only that long, so an
+        edge that crashed while training is dropped soon after, as before."""
         held = self.partial.get(edge)
-        if held is None:
+        if held is None or self.cfg.transfer_resume_expiry <= 0:
             return False
         task_id, since = held
-        if time.monotonic() - since > self.cfg.transfer_resume_expiry:
+        if time.monotonic() - since > self.cfg.download_idle_timeout:
             return False
         return self.engine.schedule.task_of(edge, task_id) is not None
 

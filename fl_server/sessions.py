@@ -44,8 +44,9 @@ class Sessions:
         """Checks a join in order (protocol, ``certificate(token)``'s refusal, the join
         token, the state fingerprint, the upload key share), registers the edge and starts
         its session (a new session replaces any older one, and its outstanding task is
-        gone with it). Returns the record and the server's key share; raises ``Refused``
-        (with the status to answer) naming what failed."""
+        gone with it, unless a transfer of it is held for resuming: ``holds``). Returns
+        the record and the server's key share; raises ``Refused`` (with the status to
+        answer) naming what failed."""
         edge_id = request.edge_id
         if request.protocol_version != PROTOCOL_VERSION:
             raise Refused(f"protocol version {request.protocol_version} is not supported "
@@ -116,8 +117,10 @@ class Sessions:
         if self.holds(edge):
             log.info("edge %s %s: its task stands, its transfer held for resuming", edge,
                      reason)
-            asyncio.get_running_loop().call_later(self.cfg.transfer_resume_expiry + 1,
-                                                  self._recheck, edge, reason)
+            # A download's hold lapses after its idle timeout, an upload's partial at its
+            # expiry (and drops its task itself): looked at again after the shorter.
+            again = min(self.cfg.transfer_resume_expiry, self.cfg.download_idle_timeout) + 1
+            asyncio.get_running_loop().call_later(again, self._recheck, edge, reason)
             return
         self.engine.schedule.lose(edge, reason)
 

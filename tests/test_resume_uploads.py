@@ -215,9 +215,9 @@ def test_a_partial_expires_with_its_task(tmp_path):
 def test_a_task_held_for_a_broken_download_goes_at_the_expiry(tmp_path):
     # An edge that goes right after its task download keeps its task for a while (it may
     # have lost the end of the download with its link), but not for ever: the task is
-    # dropped once the expiry passed without the edge coming back.
+    # dropped once the download's idle timeout passed without the edge coming back.
     with raw_fleet(tmp_path, ("leaver", "honest"), "--min-edges", "2", "--rounds", "3",
-                   "--round-timeout", "120", "--transfer-resume-expiry", str(EXPIRY)
+                   "--round-timeout", "120", "--download-idle-timeout", str(EXPIRY)
                    ) as (cluster, (edge, honest)):
         edge.next_task()
         honest_task = honest.next_task()
