@@ -127,10 +127,10 @@ class Downloads:
         self.terms = DownloadTerms(cfg.download_idle_timeout, cfg.download_min_rate,
                                    cfg.download_window, cfg.poll_timeout)
         self.tasking: dict[str, str] = {}  # edge -> the session whose task call is open
-        # edge -> (task id, when its last byte went to the transport) of its latest task
-        # download: one per edge. Kept once the last byte went too: gRPC takes a whole
-        # window into its buffers long before the edge has it, so the server cannot tell
-        # a download the edge holds from one a broken link cut.
+        # edge -> (task id, when its last byte went to the transport) of a task download
+        # not yet wholly handed to the transport: one per edge. (What gRPC buffered when a
+        # link broke is lost with it too, but a hold past the last byte would keep the
+        # task of every edge that crashed while training.)
         self.partial: dict[str, tuple[int, float]] = {}
 
     def holds(self, edge: str) -> bool:
@@ -262,6 +262,7 @@ class Downloads:
                      edge, err)
             return
         if end >= total:
+            self.partial.pop(edge, None)
             if phase.delivered(task):
                 trim_heap()  # the frames' memory back before the uploads come in
 

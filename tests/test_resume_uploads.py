@@ -212,26 +212,6 @@ def test_a_partial_expires_with_its_task(tmp_path):
         assert_single_upload_mean(after.globals, upload)
 
 
-def test_a_task_held_for_a_broken_download_goes_at_the_expiry(tmp_path):
-    # An edge that goes right after its task download keeps its task for a while (it may
-    # have lost the end of the download with its link), but not for ever: the task is
-    # dropped once the download's idle timeout passed without the edge coming back.
-    with raw_fleet(tmp_path, ("leaver", "honest"), "--min-edges", "2", "--rounds", "3",
-                   "--round-timeout", "120", "--download-idle-timeout", str(EXPIRY)
-                   ) as (cluster, (edge, honest)):
-        edge.next_task()
-        honest_task = honest.next_task()
-        mark = cluster.procs[0].mark()
-        edge.close()  # presence, and the connection, gone
-        cluster.procs[0].logged(mark, f"edge {edge.edge_id} disconnected: its task stands")
-        cluster.procs[0].logged(mark, f"dropped {edge.edge_id} (disconnected)",
-                                timeout=EXPIRY + 30)
-        upload = shifted(honest_task.globals, 2.0)
-        header, chunks = raw_layout(honest, honest_task, upload)
-        assert honest.submit(stream(header, chunks)).accepted
-        cluster.procs[0].logged(mark, "round 1 done", "1/2 results")
-
-
 def test_a_partial_goes_when_its_phase_closes(tmp_path):
     # A cut upload is held only while its phase is open: the phase closing at its quorum
     # lets the spool file go at once, not at the expiry.
