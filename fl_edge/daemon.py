@@ -106,7 +106,8 @@ class EdgeDaemon:
         self.session = Session(options, self.credentials, self.device, self.identity,
                                self.signing_key, self.meter, self.metrics, self._keep_common,
                                # the transport's hot path is untouched without a cap
-                               caps=self.caps if self.caps.active else None)
+                               caps=self.caps if self.caps.active else None,
+                               critical=lambda: self.writer.critical())
         self.run_state: EdgeRun | None = None
         self.runner: TaskRunner | None = None
         self.metrics_port: int | None = None
@@ -208,7 +209,9 @@ class EdgeDaemon:
             self.idle = False
             try:
                 with self.session.presence():
-                    self._send_kept()
+                    self.health.set("uploading")
+                    resumed = self.session.resume_pending()  # what a previous process left
+                    self._send_kept(resumed)
                     while True:
                         received = self._next_task()
                         status = received.header.status
@@ -365,10 +368,12 @@ class EdgeDaemon:
                     err.code().name if hasattr(err, "code") else "the server restarted",
                     self.opts.state_dir)
 
-    def _send_kept(self) -> None:
+    def _send_kept(self, resumed: pb.SubmitHeader | None = None) -> None:
         """After a join: the result the link lost, if one is kept for this run, goes up
         before any new task is asked for; whatever the server answers, it is offered once
-        (a refusal, "too stale", is logged with its reason). A call that fails keeps it."""
+        (a refusal, "too stale", is logged with its reason). A call that fails keeps it.
+        ``resumed``: the result ``Session.resume_pending`` just sent on from the bytes the
+        server held (the same result is not sent again whole)."""
         run = self.run_state
         if run is None:
             return
@@ -381,11 +386,14 @@ class EdgeDaemon:
         if kept is None:
             return
         task = kept.task
+        if resumed is not None and (resumed.round, resumed.task_id) == (task.round, task.task_id):
+            self.outbox.clear()  # it went up from the bytes the server held
+            return
         log.info("round %d %s: sending the result kept %.0fs ago, when the link went",
                  task.round, task.phase, time.time() - kept.kept_at)
         self.health.set("uploading")
-        reply = self.session.send(task, kept.upload, kept.num_examples, kept.evaluation,
-                                  kept.metrics, kept.coded)
+        reply = self.session.send_result(task, kept.upload, kept.num_examples,
+                                         kept.evaluation, kept.metrics, kept.coded)
         self.outbox.clear()
         self.caps.task_done()
         if reply.accepted:

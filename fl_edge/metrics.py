@@ -69,6 +69,9 @@ class EdgeMetrics:
                                    ["phase", "result"], registry=registry)
         self.retries = Counter("fedattn_edge_rpc_retries", "Server calls failed and retried",
                                ["code"], registry=registry)
+        self.upload_resumes = Counter("fedattn_edge_upload_resumes",
+                                      "Uploads resumed from the bytes the server held after "
+                                      "their stream broke", registry=registry)
         self.private_state_bytes = Gauge("fedattn_edge_private_state_bytes",
                                          "Size of the private state file", registry=registry)
         self.peak_rss_bytes = Gauge("fedattn_edge_peak_rss_bytes",

@@ -16,7 +16,7 @@ import logging
 import socket
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -24,10 +24,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from fedattn_shared import PROTOCOL_VERSION
 from fedattn_shared.schema import Payload
+from fedattn_shared.state import StateError
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire.accounting import ByteMeter
 from fedattn_shared.wire.payload import WireError
-from fedattn_shared.wire.serialize import encode
+from fedattn_shared.wire.serialize import EncodedPayload, encode
 from fedattn_shared.wire.signing import (
     BodyMac,
     exchange,
@@ -40,14 +41,17 @@ from fedattn_shared.wire.transport import MAX_MESSAGE_BYTES, BufferPool, Payload
 from .caps import LinkCaps
 from .metrics import EdgeMetrics
 from .options import EdgeExit, EdgeOptions
+from .pending import PendingUpload, clear_pending, load_pending, pending_path, save_pending
 from .store import Identity
-from .transport import RETRYABLE, EdgeTransport, GrpcTransport, JoinRefused, Rejoin
+from .transport import RETRYABLE, EdgeTransport, GrpcTransport, JoinRefused, Rejoin, UploadCut
 
 log = logging.getLogger("fl_edge")
 
 # The downlink cap before the run's models are known: a bound for any model fedattn ships.
 DOWNLINK_CAP_BEFORE_SETUP = 1 << 30
 BEFORE_SETUP = "the bound before the run's models are known"
+# Times one upload is resumed after its stream broke, each from the bytes the server holds.
+UPLOAD_RESUMES = 8
 
 
 @dataclass
@@ -70,7 +74,8 @@ class Session:
     def __init__(self, opts: EdgeOptions, credentials, device: torch.device, identity: Identity,
                  signing_key: Ed25519PrivateKey, meter: ByteMeter, metrics: EdgeMetrics,
                  keep_common: Callable[[pb.PayloadManifest, bytearray], None],
-                 transport: EdgeTransport | None = None, caps: LinkCaps | None = None):
+                 transport: EdgeTransport | None = None, caps: LinkCaps | None = None,
+                 critical: Callable[[], AbstractContextManager] = nullcontext):
         self.opts = opts
         self.device = device
         self.identity = identity
@@ -79,6 +84,7 @@ class Session:
         self.keep_common = keep_common
         self.transport = transport or GrpcTransport(opts, credentials, meter, identity.edge_id,
                                                     caps)
+        self.critical = critical  # a section a stop signal waits for (the pending write)
         self.session = ""
         self.upload_mac_key = b""  # agreed with the server at join, for this session only
         self.downlink_cap = DOWNLINK_CAP_BEFORE_SETUP
@@ -230,35 +236,124 @@ class Session:
         answer is counted, logged and returned, never retried (the task is over either
         way). ``coded``: the sections that travel compressed, (Kind, name) -> ``Encoded``
         (counted under their codec, raw bytes as decoded)."""
-        return self.send(task, upload, num_examples, evaluation, metrics, coded_labels(coded))
+        return self.send_result(task, upload, num_examples, evaluation, metrics,
+                                coded_labels(coded))
 
-    def send(self, task: pb.TaskHeader, upload: Payload, num_examples: int,
-             evaluation: list, metrics: dict[str, float],
-             by_kind: dict[str, tuple[str, int]]) -> pb.SubmitReply:
+    def send_result(self, task: pb.TaskHeader, upload: Payload, num_examples: int,
+                    evaluation: list, metrics: dict[str, float],
+                    by_kind: dict[str, tuple[str, int]]) -> pb.SubmitReply:
         """``submit`` with the coded sections as kind label -> (codec label, decoded
         bytes): also the way a kept result goes up (``fl_edge.outbox``), signed anew
         under this session."""
         encoded = encode(upload, checksum=False)  # the signed body MAC covers the bytes
-        header = pb.SubmitMessage(header=pb.SubmitHeader(
+        result = pb.SubmitHeader(
             protocol_version=PROTOCOL_VERSION, edge_id=self.identity.edge_id,
-            session=self.session, round=task.round, task_id=task.task_id, phase=task.phase,
+            round=task.round, task_id=task.task_id, phase=task.phase,
             num_examples=num_examples, payload=encoded.manifest, evaluation=evaluation,
-            metrics=metrics, task_nonce=task.task_nonce, body_mac_iv=BodyMac.new_iv()))
-        header.header.signature = sign_submission(
-            self.signing_key, header.header,
-            encoded.body_mac(self.upload_mac_key, header.header.body_mac_iv))
-        reply = self.transport.upload(header, encoded, by_kind)
-        self.metrics.submissions.labels(task.phase, "accepted" if reply.accepted else "refused").inc()
+            metrics=metrics, task_nonce=task.task_nonce)
+        self._keep(PendingUpload(result, encoded, by_kind))
+        reply = self.send(result, encoded, by_kind)
+        self._answered(result, reply)
+        return reply
+
+    def _keep(self, pending: PendingUpload) -> None:
+        """Writes the upload to the state dir before it leaves, so that a restarted
+        process resumes it (``resume_pending``); a disk that refuses costs only that."""
+        try:
+            with self.critical():
+                save_pending(pending_path(self.opts.state_dir), pending)
+        except OSError as err:
+            log.warning("round %d %s: the upload could not be kept on disk (%s): a restart "
+                        "before it is accepted loses it", pending.header.round,
+                        pending.header.phase, err)
+
+    def resume_pending(self) -> pb.SubmitHeader | None:
+        """After a join: the upload a previous process of this edge left unanswered
+        (``pending.py``), sent on from the bytes the server holds, when it holds them (its
+        task then still stands); else forgotten (the task is gone: the server hands out
+        what it wants next). Returns the header of the result it sent on, if any."""
+        path = pending_path(self.opts.state_dir)
+        try:
+            pending = load_pending(path)
+        except StateError as err:
+            log.warning("a pending upload that cannot be read is let go: %s", err)
+            clear_pending(path)
+            return None
+        if pending is None:
+            return None
+        result = pending.header
+        held = self.transport.upload_offset(pb.UploadOffsetRequest(
+            edge_id=self.identity.edge_id, session=self.session, round=result.round,
+            phase=result.phase, task_id=result.task_id))
+        if held is None or not held.held:
+            log.info("round %d %s: the server holds nothing of the upload this edge left "
+                     "(its task is gone): not sent again", result.round, result.phase)
+            clear_pending(path)
+            return None
+        log.info("round %d %s: resuming the upload a previous run of this edge left, at "
+                 "byte %d of %d", result.round, result.phase, held.offset, held.total_bytes)
+        self.metrics.upload_resumes.inc()
+        self._answered(result, self.send(result, pending.encoded, pending.coded, held.offset))
+        return result
+
+    def _answered(self, result: pb.SubmitHeader, reply: pb.SubmitReply) -> None:
+        """The server's answer to a result: counted and logged, the pending copy gone."""
+        clear_pending(pending_path(self.opts.state_dir))
+        self.metrics.submissions.labels(result.phase,
+                                        "accepted" if reply.accepted else "refused").inc()
         if reply.accepted:
-            self.metrics.last_success_round.set(task.round)
+            self.metrics.last_success_round.set(result.round)
             self.metrics.last_success_time.set_to_current_time()
         elif reply.reason.endswith("bad or expired session"):  # fl_server.edges' words
             log.warning("round %d %s result not taken: the server no longer knows this "
                         "session (it restarted, or ended the session)",
-                        task.round, task.phase)
+                        result.round, result.phase)
         else:
-            log.warning("round %d %s result refused: %s", task.round, task.phase, reply.reason)
-        return reply
+            log.warning("round %d %s result refused: %s", result.round, result.phase,
+                        reply.reason)
+
+    def _signed(self, result: pb.SubmitHeader, encoded: EncodedPayload, offset: int
+                ) -> pb.SubmitMessage:
+        """``result``'s header for this session, sending from ``offset``: a fresh IV, the
+        body MAC over the whole body (whatever part of it travels) and the signature."""
+        header = pb.SubmitMessage(header=result)
+        header.header.session = self.session
+        header.header.resume_offset = offset
+        header.header.body_mac_iv = BodyMac.new_iv()
+        header.header.signature = sign_submission(
+            self.signing_key, header.header,
+            encoded.body_mac(self.upload_mac_key, header.header.body_mac_iv))
+        return header
+
+    def send(self, result: pb.SubmitHeader, encoded: EncodedPayload,
+             coded: dict[str, tuple[str, int]], offset: int = 0) -> pb.SubmitReply:
+        """Sends a result from data byte ``offset``; a stream that breaks (or an answer
+        that is not an acceptance) is followed by UploadOffset, and an upload the server
+        holds goes on from the bytes it holds (at most the chunk in flight at the cut
+        travels twice), up to ``UPLOAD_RESUMES`` times. Raises the transport's error when
+        the stream broke and nothing is held."""
+        for attempt in range(UPLOAD_RESUMES + 1):
+            cut: UploadCut | None = None
+            try:
+                reply = self.transport.upload(self._signed(result, encoded, offset), encoded,
+                                              coded, offset)
+            except UploadCut as err:
+                cut, reply = err, None
+            if reply is not None and reply.accepted:
+                return reply
+            held = self.transport.upload_offset(pb.UploadOffsetRequest(
+                edge_id=self.identity.edge_id, session=self.session, round=result.round,
+                phase=result.phase, task_id=result.task_id))
+            if held is None or not held.held or attempt == UPLOAD_RESUMES:
+                if cut is not None:
+                    raise cut.error
+                return reply
+            offset = held.offset
+            self.metrics.upload_resumes.inc()
+            log.info("round %d %s upload %s at byte %d of %d: resuming from there",
+                     result.round, result.phase, "broke" if cut else "was cut", offset,
+                     held.total_bytes)
+        raise AssertionError("unreachable")
 
 
 def coded_labels(coded: dict | None) -> dict[str, tuple[str, int]]:

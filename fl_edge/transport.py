@@ -48,7 +48,7 @@ from fedattn_shared.wire.transport import (
     DownloadTerms,
     PayloadAssembler,
     channel_options,
-    data_frames,
+    data_frames_from,
     deserializer,
     serialize,
 )
@@ -78,6 +78,8 @@ PRESENCE_STALL_INTERVALS = 3
 PRESENCE_QUICK_END = 1.0
 PRESENCE_MAX_PAUSE = 4.0
 
+OFFSET_WAIT = 10.0  # seconds an UploadOffset after a broken upload waits for the channel
+
 
 #: Receivers for the downlinks a task header declares (the session's cap and cache).
 Receivers = Callable[[pb.TaskHeader], list[PayloadAssembler]]
@@ -85,6 +87,15 @@ Receivers = Callable[[pb.TaskHeader], list[PayloadAssembler]]
 
 class Rejoin(Exception):
     """The server no longer knows this session (it restarted): join again at once."""
+
+
+class UploadCut(Exception):
+    """An upload's stream broke (``error``: the transport's own): the server may hold
+    what arrived, for the edge to resume (``EdgeTransport.upload_offset``)."""
+
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
 
 
 class JoinRefused(Exception):
@@ -121,9 +132,14 @@ class EdgeTransport(Protocol):
         edge's) with no receivers."""
 
     def upload(self, header: pb.SubmitMessage, encoded: EncodedPayload,
-               coded: dict[str, tuple[str, int]]) -> pb.SubmitReply:
-        """Sends a result (its header, then its body) and returns the server's answer;
-        ``coded``: kind label -> (codec label, decoded bytes) of sections sent coded."""
+               coded: dict[str, tuple[str, int]], offset: int = 0) -> pb.SubmitReply:
+        """Sends a result (its header, then its body from data byte ``offset``, a chunk
+        boundary) and returns the server's answer; ``coded``: kind label -> (codec label,
+        decoded bytes) of sections sent coded. ``UploadCut`` when the stream broke."""
+
+    def upload_offset(self, request: pb.UploadOffsetRequest) -> pb.UploadOffsetReply | None:
+        """Where the server stands on a cut upload of a task (None: it cannot resume
+        uploads)."""
 
 
 def presence_interval_of(reply: pb.JoinReply) -> float:
@@ -163,6 +179,10 @@ class GrpcTransport:
         self.terms = DownloadTerms()
         self.presence_interval = PRESENCE_INTERVAL  # the server's, once joined
         self.transfers = 0  # downloads and uploads running (``_transfer``)
+        # A task download a broken connection interrupted: (header, receivers, the cached
+        # common id it was asked with). The next ``download`` continues it from the bytes
+        # held, in whatever session, while the server still has the task for this edge.
+        self.partial: tuple[pb.TaskHeader, list[PayloadAssembler], str] | None = None
 
     # ---- byte accounting ------------------------------------------------------------------
     def _count(self, direction: str, message, kind: str = META) -> None:
@@ -262,11 +282,37 @@ class GrpcTransport:
                  ) -> tuple[pb.TaskHeader, list[PayloadAssembler]]:
         """The first call brings the header and the first window, each continuation call
         the next from the byte the edge holds (a broken window is asked for again from
-        there, up to ``WINDOW_RETRIES`` times). Every call carries the deadline the
-        server's terms allow for it."""
+        there, up to ``WINDOW_RETRIES`` times; one the connection's end interrupted goes
+        on from there at the next call, after the reconnect). Every call carries the
+        deadline the server's terms allow for it."""
+        resumed = self._resume(request)
+        if resumed is not None:
+            return resumed
         header, assemblers = self._first_window(request, receivers)
         if header.status != pb.TaskHeader.TASK:
             return header, []
+        return self._rest(request, header, assemblers)
+
+    def _resume(self, request: pb.TaskRequest
+                ) -> tuple[pb.TaskHeader, list[PayloadAssembler]] | None:
+        """The interrupted download, whole, when the server still has its task for this
+        edge; None (ask afresh) otherwise."""
+        if self.partial is None:
+            return None
+        header, assemblers, cached = self.partial
+        self.partial = None
+        if cached != request.cached_common:
+            return None
+        log.info("task %d download goes on at byte %d of %d after the reconnect",
+                 header.task_id, sum(a.received for a in assemblers),
+                 sum(len(a.buffer) for a in assemblers))
+        header, assemblers = self._rest(request, header, assemblers)
+        return (header, assemblers) if assemblers else None
+
+    def _rest(self, request: pb.TaskRequest, header: pb.TaskHeader,
+              assemblers: list[PayloadAssembler]
+              ) -> tuple[pb.TaskHeader, list[PayloadAssembler]]:
+        """The windows after the first, each from the bytes held."""
         retries = 0
         while not all(a.complete for a in assemblers):
             offset = sum(a.received for a in assemblers)
@@ -277,6 +323,8 @@ class GrpcTransport:
                 gone = self._window(more, assemblers)
             except grpc.RpcError as err:
                 if err.code() not in RESUMABLE or retries >= WINDOW_RETRIES:
+                    if err.code() in RETRYABLE:  # the daemon reconnects: go on from here
+                        self.partial = (header, assemblers, request.cached_common)
                     raise
                 retries += 1
                 log.info("task %d download broke at byte %d (%s): asking again from there",
@@ -313,6 +361,8 @@ class GrpcTransport:
         except grpc.RpcError as err:
             if header is None:
                 self._count_sent(request, err)
+            elif header.status == pb.TaskHeader.TASK and err.code() in RETRYABLE:
+                self.partial = (header, assemblers, request.cached_common)
             if err.code() == grpc.StatusCode.UNAUTHENTICATED:
                 raise Rejoin() from None
             raise
@@ -358,14 +408,15 @@ class GrpcTransport:
     # ---- uploads --------------------------------------------------------------------------
     @_transfer
     def upload(self, header: pb.SubmitMessage, encoded: EncodedPayload,
-               coded: dict[str, tuple[str, int]]) -> pb.SubmitReply:
-        """The header, then the body in pre-built frames of the server's chunk size; a coded
-        kind's chunks counted with their wire bytes, its decoded bytes once at the end."""
+               coded: dict[str, tuple[str, int]], offset: int = 0) -> pb.SubmitReply:
+        """The header, then the body from data byte ``offset`` in pre-built frames of the
+        server's chunk size; a coded kind's chunks counted with their wire bytes, its
+        decoded bytes once at the end. A stream that broke is an ``UploadCut``."""
 
         def messages():
             self._count(UP, header)
             yield header
-            for kind, frame, size in data_frames(encoded, self.chunk_bytes):
+            for kind, frame, size in data_frames_from(encoded, self.chunk_bytes, offset):
                 codec = coded.get(kind.label)
                 self.meter.count(UP, kind.label, len(frame) + GRPC_FRAME_PREFIX,
                                  0 if codec else size, self.edge_id,
@@ -375,7 +426,29 @@ class GrpcTransport:
                 yield frame
             count_coded(self.meter, UP, coded, self.edge_id)
 
-        reply = self._call(self.stub.Submit, messages(), timeout=UPLOAD_SECONDS)
+        try:
+            reply = self._call(self.stub.Submit, messages(), timeout=UPLOAD_SECONDS)
+        except grpc.RpcError as err:
+            if err.code() in RETRYABLE:
+                raise UploadCut(err) from None
+            raise
+        self._count(DOWN, reply)
+        return reply
+
+    def upload_offset(self, request: pb.UploadOffsetRequest) -> pb.UploadOffsetReply | None:
+        """UploadOffset, once the channel is back (it waits ``OFFSET_WAIT`` seconds for
+        the connection a cut broke to come back; a server away longer is the daemon's
+        retry loop's, which resumes the pending upload after its next join); None from a
+        server without it."""
+        try:
+            reply = self._call(self.stub.UploadOffset, request, wait_for_ready=True,
+                               timeout=OFFSET_WAIT)
+        except grpc.RpcError as err:
+            self._count_sent(request, err)
+            if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return None
+            raise
+        self._count_sent(request)
         self._count(DOWN, reply)
         return reply
 
@@ -489,4 +562,4 @@ class PresenceHolder:
 
 
 __all__ = ["RETRYABLE", "EdgeTransport", "GrpcTransport", "JoinRefused", "PresenceHolder",
-           "Receivers", "Rejoin", "presence_interval_of"]
+           "Receivers", "Rejoin", "UploadCut", "presence_interval_of"]

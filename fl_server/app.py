@@ -82,11 +82,11 @@ class ServerApp:
                                    keepalive_ms=int(cfg.keepalive_interval * 1000))
             + memory.grpc_options())
         enrollment = Enrollment(Path(cfg.tls_dir) / ENROLLED) if cfg.tls_dir else None
-        sessions = Sessions(engine, cfg, enrollment)
+        uploads = Uploads(engine, self.meter, cfg, memory.slots)
         downloads = Downloads(engine, self.meter, cfg)
-        service = FederatedLearningService(engine, sessions,
-                                           Uploads(engine, self.meter, cfg, memory.slots),
-                                           downloads, cfg)
+        sessions = Sessions(engine, cfg, enrollment,
+                            holds=lambda edge: uploads.holds(edge) or downloads.holds(edge))
+        service = FederatedLearningService(engine, sessions, uploads, downloads, cfg)
         self.engine.metrics.watch_downloads(downloads.room)
         self._watch = asyncio.create_task(sessions.watch_enrollment())
         self._grpc.add_generic_rpc_handlers(

@@ -256,6 +256,9 @@ def handlers(service, meter: ByteMeter, identity: Identity) -> grpc.GenericRpcHa
             server_stream(service.NextTask), parse(pb.TaskRequest), serialize),
         "Submit": grpc.stream_unary_rpc_method_handler(
             upload, lenient(deserializer(pb.SubmitMessage)), serialize),
+        "UploadOffset": grpc.unary_unary_rpc_method_handler(
+            unary(service.UploadOffset, session=True), parse(pb.UploadOffsetRequest),
+            serialize),
         "Leave": grpc.unary_unary_rpc_method_handler(
             unary(service.Leave, session=True), parse(pb.LeaveRequest), serialize),
     })

@@ -70,6 +70,7 @@ FLAG_TARGETS = {
     "max_edges": ("server", "max_edges"),
     "upload_idle_timeout": ("server", "upload_idle_timeout"),
     "upload_min_rate": ("server", "upload_min_rate"),
+    "transfer_resume_expiry": ("server", "transfer_resume_expiry"),
     "download_idle_timeout": ("server", "download_idle_timeout"),
     "download_min_rate": ("server", "download_min_rate"),
     "download_window": ("server", "download_window"),
@@ -241,11 +242,23 @@ def _network_flags(p: argparse.ArgumentParser) -> None:
     net.add_argument("--max-edges", type=int,
                      help="edge ids that may register (default 10000); with --insecure and "
                           "no --token anyone may register ids, up to this many")
+    _transfer_flags(net)
+    net.add_argument("--ready-file", type=Path,
+                     help="write {port, metrics_port} as JSON here once serving")
+
+
+def _transfer_flags(net) -> None:
+    """The network flags of the transfers: deadlines, resuming, delivery limits."""
     net.add_argument("--upload-idle-timeout", type=float,
                      help="cut an upload that sends nothing for this many seconds (30)")
     net.add_argument("--upload-min-rate", type=float,
                      help="bytes/s an upload must average: its deadline is the idle timeout "
                           "+ its size / this rate (32768)")
+    net.add_argument("--transfer-resume-expiry", type=float,
+                     help="hold an upload cut short for this many seconds, for the edge to "
+                          "resume from the bytes held; the task of an edge that went "
+                          "mid-download stands for the download idle timeout (120; 0: a cut "
+                          "transfer costs the edge its task)")
     net.add_argument("--download-idle-timeout", type=float,
                      help="cut a task download the edge takes nothing of for this many "
                           "seconds (30)")
@@ -259,8 +272,6 @@ def _network_flags(p: argparse.ArgumentParser) -> None:
     net.add_argument("--max-task-deliveries", type=int,
                      help="times a task's bytes may be sent to one edge in one phase, "
                           "across rejoins (a broken download retries; 3)")
-    net.add_argument("--ready-file", type=Path,
-                     help="write {port, metrics_port} as JSON here once serving")
 
 
 def _link_flags(p: argparse.ArgumentParser) -> None:

@@ -131,6 +131,26 @@ class Downloads:
         self.terms = DownloadTerms(cfg.download_idle_timeout, cfg.download_min_rate,
                                    cfg.download_window, cfg.poll_timeout)
         self.tasking: dict[str, str] = {}  # edge -> the session whose task call is open
+        # edge -> (task id, when its last byte went to the transport) of a task download
+        # not yet wholly handed to the transport: one per edge. (What gRPC buffered when a
+        # link broke is lost with it too, but a hold past the last byte would keep the
+        # task of every edge that crashed while training.)
+        self.partial: dict[str, tuple[int, float]] = {}
+
+    def holds(self, edge: str) -> bool:
+        """Whether ``edge`` may be in the middle of downloading its task (a byte of it
+        went to the transport within ``download_idle_timeout`` seconds: what the
+        transport buffered may not have reached the edge): a disconnect or a rejoin then
+        leaves the task standing, for the edge to continue the download from the byte it
+        holds (``TaskRequest.task_id``, ``offset``) once it is back. Only that long, so an
+        edge that crashed while training is dropped soon after, as before."""
+        held = self.partial.get(edge)
+        if held is None or self.cfg.transfer_resume_expiry <= 0:
+            return False
+        task_id, since = held
+        if time.monotonic() - since > self.cfg.download_idle_timeout:
+            return False
+        return self.engine.schedule.task_of(edge, task_id) is not None
 
     async def serve(self, record: EdgeRecord, request: pb.TaskRequest,
                     stream: DownloadStream) -> None:
@@ -259,11 +279,13 @@ class Downloads:
                     await self._cut(phase, edge, download)
                     return
                 end, went = end + raw, True
+                self.partial[edge] = (task.task_id, time.monotonic())
         except StreamEnded as err:  # a send failed: the call is over
             log.info("round %d %s: %s's task download ended: %s", phase.round, phase.name,
                      edge, err)
             return
         if end >= total:
+            self.partial.pop(edge, None)
             if phase.delivered(task):
                 trim_heap()  # the frames' memory back before the uploads come in
 

@@ -54,6 +54,7 @@ DROP_REASONS = {
     "revoked": "revoked",
     "re-delivery limit": "redelivery_limit",
     "bad upload": "bad_upload",
+    "upload not resumed": "upload_not_resumed",  # its cut upload expired (resumable uploads)
     "phase closed at quorum": "closed_at_quorum",
     "too stale": "too_stale",          # --mode async: past --max-staleness
     "superseded": "superseded",        # --mode async: the edge asked for newer work

@@ -158,6 +158,13 @@ class FederatedLearningService:
         accepted, reason = outcome
         return call.sent(pb.SubmitReply(accepted=accepted, reason=reason))
 
+    # ---- UploadOffset -----------------------------------------------------------------
+    async def UploadOffset(self, request: pb.UploadOffsetRequest, call: Call
+                           ) -> pb.UploadOffsetReply:
+        """Where the caller's cut upload of a task stands (``Uploads.offset``); the call
+        layer checked the caller's session, so an edge sees only its own."""
+        return self.uploads.offset(call.record.edge_id, request)
+
     # ---- Leave ------------------------------------------------------------------------
     async def Leave(self, request: pb.LeaveRequest, call: Call) -> pb.LeaveReply:
         """Ends the edge's session at its request; its task, if any, is dropped."""

@@ -47,8 +47,13 @@ class Lapsed:
 class Sessions:
     """Joins, presence and leaves of the edges of one server."""
 
-    def __init__(self, engine: Engine, cfg: ServerConfig, enrollment: Enrollment | None):
+    def __init__(self, engine: Engine, cfg: ServerConfig, enrollment: Enrollment | None,
+                 holds: Callable[[str], bool] = lambda edge: False):
+        """``holds(edge)``: whether an upload of the edge's is in flight or held for
+        resuming (``Uploads.holds``): its task then outlives a disconnect or a rejoin, for
+        the edge to resume the upload; the partial's expiry bounds that."""
         self.engine, self.cfg, self.enrollment = engine, cfg, enrollment
+        self.holds = holds
         self.edges = engine.edges
         self.metrics = engine.metrics
 
@@ -58,8 +63,9 @@ class Sessions:
         """Checks a join in order (protocol, ``certificate(token)``'s refusal, the join
         token, the state fingerprint, the upload key share), registers the edge and starts
         its session (a new session replaces any older one, and its outstanding task is
-        gone with it). Returns the record and the server's key share; raises ``Refused``
-        (with the status to answer) naming what failed."""
+        gone with it, unless a transfer of it is held for resuming: ``holds``). Returns
+        the record and the server's key share; raises ``Refused`` (with the status to
+        answer) naming what failed."""
         edge_id = request.edge_id
         if request.protocol_version != PROTOCOL_VERSION:
             raise Refused(f"protocol version {request.protocol_version} is not supported "
@@ -100,7 +106,7 @@ class Sessions:
         record.upload_mac_key = upload_mac_key(shared, record.edge_id, record.session)
         record.needs_init = not request.state_fingerprint
         self.metrics.joins.inc()
-        self.engine.schedule.lose(edge_id, "rejoined")
+        self._lose(edge_id, "rejoined")
         if declaring:
             log.info("edge %s declared its training split: %s examples", edge_id,
                      record.info["num_examples"])
@@ -119,7 +125,7 @@ class Sessions:
         """Its presence stream ended: when still its session, its task is dropped."""
         if record.session == session:
             record.connected = False
-            self.engine.schedule.lose(record.edge_id, "disconnected")
+            self._lose(record.edge_id, "disconnected")
             log.info("edge %s disconnected", record.edge_id)
         self._count_connected()
 
@@ -142,6 +148,27 @@ class Sessions:
                 self.absent(record, session)
 
         lapsed.timer = asyncio.get_running_loop().call_later(grace, expire)
+
+    def _lose(self, edge: str, reason: str) -> None:
+        """The edge's task goes with its session, unless one of its transfers is held for
+        resuming; then it is looked at again once that may have lapsed, and goes if the
+        edge did not come back (an upload's partial drops its task itself at its expiry)."""
+        if self.holds(edge):
+            log.info("edge %s %s: its task stands, its transfer held for resuming", edge,
+                     reason)
+            # A download's hold lapses after its idle timeout, an upload's partial at its
+            # expiry (and drops its task itself): looked at again after the shorter.
+            again = min(self.cfg.transfer_resume_expiry, self.cfg.download_idle_timeout) + 1
+            asyncio.get_running_loop().call_later(again, self._recheck, edge, reason)
+            return
+        self.engine.schedule.lose(edge, reason)
+
+    def _recheck(self, edge: str, reason: str) -> None:
+        """A held task of an edge that went: it goes now, unless the edge is back or its
+        transfer is still held."""
+        record = self.edges.records.get(edge)
+        if record is not None and not record.connected:
+            self._lose(edge, reason)
 
     def end(self, record: EdgeRecord, reason: str) -> None:
         """Ends an edge's session from the server's side (a leave or a revocation)."""

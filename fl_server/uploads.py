@@ -14,9 +14,16 @@ adapter such as ``calls.Call`` gives it) and takes it through, in order:
    phase (``take``, run to its end even when the call is cancelled);
 5. a refusal counted, and the task dropped when the refusal costs it.
 
-A transfer is addressed by (payload id, offset) (``Transfer``): the wire starts every
-upload at offset 0 today, and a resumable upload adds its offsets here, without touching
-the round logic.
+A transfer is addressed by (payload id, offset) (``Transfer``). An upload cut short (its
+stream cancelled, closed, stalled or past its deadline: ``Cut``) is held (``Partial``: its
+spool file, its assembler's and value scan's positions) for ``transfer_resume_expiry``
+seconds, at most one per edge identity, and its task stands meanwhile (``holds``: a
+disconnect or a rejoin does not drop it); the edge asks where it stands (``offset``, the
+UploadOffset call) and sends a header with ``resume_offset`` and only the bytes from there.
+The new header's MAC is computed over the held prefix read back from the spool file, then
+the new bytes, so the signature binds the whole body end to end whatever key or IV the
+first attempt used. A partial goes when its phase closes, when it expires (its task is then
+dropped) and when the edge starts the upload over from byte 0 (for any task).
 """
 
 from __future__ import annotations
@@ -64,6 +71,36 @@ class UploadStream(Protocol):
 
     def peer(self) -> str:
         """Who is on the other end, for log lines."""
+
+
+class Cut(WireError):
+    """An upload's stream ended short (cancelled, closed early, stalled, past its
+    deadline): what arrived is whole chunks, which the edge may resume after."""
+
+
+@dataclass
+class Partial:
+    """A cut upload the server holds for its edge to resume: its payload id, manifest
+    (serialized: a resume must declare the very same), phase, the assembler (its spool file
+    and the position it reached) and the value scan's position; ``watch`` ends it at its
+    expiry or its phase's close."""
+
+    payload_id: str
+    manifest: bytes
+    phase: Phase
+    assembler: PayloadAssembler
+    scan: FiniteScan
+    watch: asyncio.Future | None = None
+
+    @property
+    def offset(self) -> int:
+        """The bytes held: the edge sends from here."""
+        return self.assembler.written
+
+
+def manifest_bytes(manifest: pb.PayloadManifest) -> bytes:
+    """A manifest as compared on a resume: serialized deterministically."""
+    return manifest.SerializeToString(deterministic=True)
 
 
 @dataclass(frozen=True)
@@ -114,7 +151,8 @@ class BodyReader:
         self.stream, self.closing, self.assembler = stream, closing, assembler
         self.idle, self.min_rate = cfg.upload_idle_timeout, cfg.upload_min_rate
         self.chunk_bytes = cfg.chunk_bytes
-        self.total = self.idle + len(assembler.buffer) / self.min_rate
+        # Sized from the bytes still to come (a resumed upload's rest).
+        self.total = self.idle + (len(assembler.buffer) - assembler.received) / self.min_rate
         self.loop = asyncio.get_running_loop()
         self.ends = self.loop.time() + self.total
 
@@ -139,17 +177,17 @@ class BodyReader:
             # or sent a message over the transport's cap): the upload ends here, and
             # refusing it by name costs the edge its task at once.
             message.cancel()
-            raise WireError(f"upload ended after {self._progress()} (the stream was "
-                            "cancelled)") from None
+            raise Cut(f"upload ended after {self._progress()} (the stream was "
+                      "cancelled)") from None
         if message.done():
             return message.result()
         message.cancel()
         if self.closing.done():
             raise Refused("the phase closed before the upload completed")
         if self.loop.time() >= self.ends:
-            raise WireError(f"upload not complete within its deadline of {self.total:.0f}s "
-                            f"({self._progress()})")
-        raise WireError(f"no data for {allowed:.3g}s (stalled after {self._progress()})")
+            raise Cut(f"upload not complete within its deadline of {self.total:.0f}s "
+                      f"({self._progress()})")
+        raise Cut(f"no data for {allowed:.3g}s (stalled after {self._progress()})")
 
 
 class Uploads:
@@ -162,6 +200,24 @@ class Uploads:
         self.slots = asyncio.Semaphore(slots)
         self.spool = Path(cfg.checkpoint_dir) / SPILL_DIR  # where bodies stream to
         self.receiving: set[str] = set()  # edges with an upload stream in flight
+        self.partials: dict[str, Partial] = {}  # edge -> its cut upload, one at most
+
+    def holds(self, edge: str) -> bool:
+        """Whether an upload of ``edge``'s is in flight or held for resuming: its task then
+        survives a disconnect or a rejoin (a restarted edge resumes it), until the partial
+        expires."""
+        return edge in self.receiving or edge in self.partials
+
+    def offset(self, edge: str, request: pb.UploadOffsetRequest) -> pb.UploadOffsetReply:
+        """Where ``edge``'s (an identity the call layer checked) cut upload of the task
+        ``request`` names stands: not held, or its bytes held and its size."""
+        partial = self.partials.get(edge)
+        named = f"{edge}/{request.round}/{request.phase}/{request.task_id}"
+        if (partial is None or partial.payload_id != named or partial.phase.closed
+                or not partial.phase.is_pending(edge)):
+            return pb.UploadOffsetReply(held=False)
+        return pb.UploadOffsetReply(held=True, offset=partial.offset,
+                                    total_bytes=len(partial.assembler.buffer))
 
     async def receive(self, stream: UploadStream) -> tuple[bool, str] | None:
         """One upload, header to phase: (accepted, the refusal's reason), or None when
@@ -195,15 +251,75 @@ class Uploads:
                               "on another stream")
             self.receiving.add(edge)
             try:
-                await self._take(admission, header, stream, Transfer(upload_id(header)))
+                transfer, partial = self._resuming(header)
+                await self._take(admission, header, stream, transfer, partial)
             finally:
                 self.receiving.discard(edge)
         except (Refused, WireError) as err:
             return False, self.refused(stream.caller, stream.edge, err, phase)
         return True, ""
 
+    def _resuming(self, header: pb.SubmitHeader) -> tuple[Transfer, Partial | None]:
+        """The transfer a header starts, and the partial it continues: none from byte 0
+        (whatever the edge held before is let go: one partial per identity), else the very
+        upload held (same task, same manifest) at exactly the byte held, or a refusal that
+        keeps what is held (the claim of an offset the server does not hold is the edge's
+        mistake, not a reason to drop its task)."""
+        edge, named, offset = header.edge_id, upload_id(header), header.resume_offset
+        partial = self.partials.get(edge)
+        if not offset:
+            if partial is not None:
+                self._let_go(edge, partial)
+            return Transfer(named), None
+        if partial is None or partial.payload_id != named:
+            raise Refused(f"resume_offset {offset}: the server holds no cut upload of task "
+                          f"{header.task_id} from this edge")
+        if partial.manifest != manifest_bytes(header.payload):
+            raise Refused(f"resume_offset {offset}: the manifest is not the held upload's")
+        if offset != partial.offset:
+            raise Refused(f"resume_offset {offset}: the server holds {partial.offset} bytes "
+                          "of this upload (ask UploadOffset)")
+        del self.partials[edge]
+        if partial.watch is not None:
+            partial.watch.cancel()
+        log.info("round %d %s: %s resumes its upload at byte %d of %d", partial.phase.round,
+                 partial.phase.name, edge, offset, len(partial.assembler.buffer))
+        return Transfer(named, offset), partial
+
+    def _let_go(self, edge: str, partial: Partial) -> None:
+        """Forgets a partial: its watch stops, its spool file goes."""
+        if self.partials.get(edge) is partial:
+            del self.partials[edge]
+        if partial.watch is not None:
+            partial.watch.cancel()
+        partial.assembler.buffer.close()
+
+    def _hold(self, edge: str, partial: Partial) -> None:
+        """Keeps a cut upload for its edge to resume, until it expires or its phase
+        closes."""
+        self.partials[edge] = partial
+        partial.watch = asyncio.ensure_future(self._expire(edge, partial))
+
+    async def _expire(self, edge: str, partial: Partial) -> None:
+        """Lets a partial go when its phase closes, or, once ``transfer_resume_expiry``
+        passed without a resume, with its task (an identity cannot keep a task alive by
+        cutting its upload)."""
+        phase, expiry = partial.phase, self.cfg.transfer_resume_expiry
+        try:
+            await asyncio.wait_for(phase.closing.wait(), expiry)
+            expired = False
+        except asyncio.TimeoutError:
+            expired = True
+        if self.partials.get(edge) is not partial:
+            return
+        self._let_go(edge, partial)
+        if expired and not phase.closed and phase.is_pending(edge):
+            self.engine.context.drop(phase, edge, f"upload not resumed: its cut upload was "
+                                                  f"not resumed within {expiry:g}s")
+
     async def _take(self, admission: Admission, header: pb.SubmitHeader,
-                    stream: UploadStream, transfer: Transfer) -> None:
+                    stream: UploadStream, transfer: Transfer,
+                    partial: Partial | None = None) -> None:
         """3. and 4.: the body under an upload slot, then the gate's body checks and the
         phase."""
         # A slot covers an upload from its first byte until it is aggregated: the body
@@ -218,7 +334,7 @@ class Uploads:
             try:
                 assembler, body_mac, nonfinite = await self._body(
                     phase, header, stream, transfer,
-                    BodyMac(record.upload_mac_key, header.body_mac_iv))
+                    BodyMac(record.upload_mac_key, header.body_mac_iv), partial)
             except OSError as err:  # the spool's disk: the server's fault, named
                 log.error("round %d %s: %s's upload could not be written to %s: %s",
                           phase.round, phase.name, header.edge_id, self.spool, err)
@@ -263,15 +379,12 @@ class Uploads:
         self.slots.release()
 
     async def _body(self, phase: Phase, header: pb.SubmitHeader, stream: UploadStream,
-                    transfer: Transfer, body: BodyMac
+                    transfer: Transfer, body: BodyMac, partial: Partial | None = None
                     ) -> tuple[PayloadAssembler, bytes, list[str]]:
-        """Reads an upload's chunks from ``transfer.offset`` into its spool file, MACing
-        them and scanning their values on a worker thread; returns the assembler, the
-        body's MAC tag and the tensors holding NaN or Inf. The stream is cut by its idle
-        and total deadlines and by its phase closing."""
-        if transfer.offset:
-            raise WireError(f"upload {transfer.payload_id}: resuming at byte "
-                            f"{transfer.offset} is not supported")
+        """Reads an upload's chunks from ``transfer.offset`` (``partial``'s) into its spool
+        file, MACing them and scanning their values on a worker thread; returns the
+        assembler, the body's MAC tag and the tensors holding NaN or Inf. The stream is cut
+        by its idle and total deadlines and by its phase closing; a ``Cut`` is held."""
         edge = header.edge_id
         loop = asyncio.get_running_loop()
 
@@ -280,8 +393,7 @@ class Uploads:
             body.update(chunk)
             scan.feed(offset, chunk)
 
-        assembler = self._assembler(phase, header)
-        scan = FiniteScan(header.payload)
+        assembler, scan = await self._receiver(phase, header, body, partial)
         # The signed body MAC binds every byte, so an upload carries no CRC-32. Each chunk's
         # write, MAC and scan run on a worker thread (all release the GIL) while the loop
         # reads the next chunk and serves the other edges: on the loop they would
@@ -295,8 +407,8 @@ class Uploads:
             while not assembler.complete:
                 message = await read()
                 if message is END:
-                    raise WireError(f"upload ended after {assembler.received} of "
-                                    f"{len(assembler.buffer)} bytes")
+                    raise Cut(f"upload ended after {assembler.received} of "
+                              f"{len(assembler.buffer)} bytes")
                 if not isinstance(message, memoryview):
                     raise WireError(message.reason if isinstance(message, Malformed)
                                     else "a second header inside one upload")
@@ -310,16 +422,53 @@ class Uploads:
             if await read() is not END:
                 raise WireError("data beyond the declared payload")
             counted.complete()
-        except BaseException:
+        except BaseException as err:
             counted.abandon()
             if writing is not None and not writing.done():
                 # Never close the file while a worker writes to it.
                 await asyncio.wait([writing])
+            written = writing is None or (not writing.cancelled()
+                                          and writing.exception() is None)
+            if isinstance(err, Cut) and written:
+                self._held_or_closed(err, Partial(transfer.payload_id,
+                                                  manifest_bytes(header.payload), phase,
+                                                  assembler, scan), edge)
             assembler.buffer.close()
             raise
         finally:
             closing.cancel()
         return assembler, body.tag(), scan.bad
+
+    async def _receiver(self, phase: Phase, header: pb.SubmitHeader, body: BodyMac,
+                        partial: Partial | None) -> tuple[PayloadAssembler, FiniteScan]:
+        """A new upload's assembler and value scan, or a resumed one's, its held prefix
+        MACed under the new header's key and IV first (read back on a worker thread)."""
+        if partial is None:
+            return self._assembler(phase, header), FiniteScan(header.payload)
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self._mac_held,
+                                                             partial.assembler, body)
+        except BaseException:
+            partial.assembler.buffer.close()
+            raise
+        return partial.assembler, partial.scan
+
+    def _held_or_closed(self, err: Cut, partial: Partial, edge: str) -> None:
+        """A cut upload: held for resuming (raises the ``Refused`` that says so, which
+        costs no task), unless resuming is off or its phase closed (then it returns, and
+        the caller lets the bytes go: the cut costs the task as any wire error)."""
+        if self.cfg.transfer_resume_expiry <= 0 or partial.phase.closed:
+            return
+        self._hold(edge, partial)
+        raise Refused(f"{err}: the {partial.offset} bytes received are held "
+                      f"{self.cfg.transfer_resume_expiry:g}s for the edge to resume from") from None
+
+    def _mac_held(self, assembler: PayloadAssembler, body: BodyMac) -> None:
+        """MACs a resumed upload's held prefix, read back from its spool file (on a worker
+        thread): the new header's key and IV cover the whole body."""
+        step = max(self.cfg.chunk_bytes, 1 << 20)
+        for start in range(0, assembler.written, step):
+            body.update(assembler.buffer.read(start, min(step, assembler.written - start)))
 
     def _assembler(self, phase: Phase, header: pb.SubmitHeader) -> PayloadAssembler:
         """The body's receiver, into a spool file; the gate matched the manifest to the
@@ -351,4 +500,5 @@ class Uploads:
         return reason
 
 
-__all__ = ["BodyReader", "Transfer", "UploadStream", "Uploads", "run_to_end", "upload_id"]
+__all__ = ["BodyReader", "Cut", "Partial", "Transfer", "UploadStream", "Uploads", "run_to_end",
+           "upload_id"]

@@ -210,6 +210,12 @@ class ServerConfig:
     upload_idle_timeout: float = 30.0  # an upload that sends nothing for this long is cut off
     upload_min_rate: float = 32768.0   # bytes/s: an upload's total deadline is
     #                                    idle timeout + its size / this rate
+    # A result upload cut short (the link broke, the edge restarted) is held, its bytes in
+    # its spool file, for this many seconds after the cut: the edge resumes from there
+    # (UploadOffset) and its task stands meanwhile; so does the task of an edge that went
+    # in the middle of its task download (within download_idle_timeout of its last byte).
+    # 0: a cut transfer costs its task.
+    transfer_resume_expiry: float = 120.0
     download_idle_timeout: float = 30.0  # a task download the edge takes nothing of for
     #                                      this long is cut off (it holds a frame in gRPC)
     download_min_rate: float = 32768.0   # bytes/s: a download's total deadline is
@@ -318,6 +324,9 @@ class ServerConfig:
                               f"{self.upload_idle_timeout}")
         if not self.upload_min_rate > 0:
             raise ConfigError(f"server.upload_min_rate must be > 0, got {self.upload_min_rate}")
+        if not self.transfer_resume_expiry >= 0:
+            raise ConfigError(f"server.transfer_resume_expiry must be >= 0 (0: no resuming), "
+                              f"got {self.transfer_resume_expiry}")
         if not self.download_idle_timeout > 0:
             raise ConfigError(f"server.download_idle_timeout must be > 0, got "
                               f"{self.download_idle_timeout}")

@@ -34,6 +34,7 @@ from fl_server.cli import main as server_main
 IDLE = 8.0  # --upload-idle-timeout: long enough that an honest upload is in well before it
 MAX_EDGES = 6
 MAX_DELIVERIES = 3
+RESUME_EXPIRY = 2.0  # --transfer-resume-expiry: a stalled upload is held this long, then dropped
 
 
 class Fleet:
@@ -77,6 +78,7 @@ def fleet(tmp_path_factory):
             "--method", "fedavg", "--model", "lenet-bn", "--rounds", "100", "--min-edges", "2",
             "--quorum", "0", "--round-timeout", "60", "--eval-every", "0",
             "--upload-idle-timeout", str(IDLE), "--max-concurrent-uploads", "2",
+            "--transfer-resume-expiry", str(RESUME_EXPIRY),
             "--max-task-deliveries", str(MAX_DELIVERIES), "--max-edges", str(MAX_EDGES),
             "--metrics-port", "0")
         edges = [RawEdge(cluster.port, "attacker"), RawEdge(cluster.port, "honest")]
@@ -132,7 +134,9 @@ def test_stalled_streams_cannot_hold_the_upload_slots(fleet):
         first.join(timeout=IDLE + 30)
         assert not replies["first"].accepted
         assert re.search(r"no data for [\d.]+s \(stalled after", replies["first"].reason)
-        fleet.logged(mark, f"dropped {fleet.attacker.edge_id} (bad upload", "no data for")
+        # Cut, it was held for resuming (no slot: the honest upload above went through),
+        # and not resumed: the partial expired with the task.
+        fleet.logged(mark, f"dropped {fleet.attacker.edge_id} (upload not resumed")
     finally:
         release.set()
     # The round closed with the honest upload alone: it is the next global.

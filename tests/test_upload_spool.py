@@ -99,15 +99,16 @@ def test_hostile_uploads_leave_no_spool_file_and_the_honest_one_is_the_mean(tmp_
     # An attacker's uploads, each refused at a different point of the body: a NaN in its
     # last chunk (found by the scan as it arrived, named by tensor), a stream that ends
     # half way, one that stalls until its idle deadline, one whose MAC does not match
-    # its body. None leaves its spool file open, and the honest upload of the same
-    # rounds is taken alone.
+    # its body. None leaves its spool file open (the two cut short are held for resuming
+    # until --transfer-resume-expiry, then let go with their task), and the honest upload of
+    # the same rounds is taken alone.
     cluster = Cluster(tmp_path)
     attacker = honest = None
     try:
         server = cluster.server(
             "--method", "fedavg", "--model", "lenet-bn", "--rounds", "100", "--min-edges", "2",
             "--quorum", "0", "--round-timeout", "60", "--eval-every", "0",
-            "--upload-idle-timeout", "3", "--metrics-port", "0")
+            "--upload-idle-timeout", "3", "--transfer-resume-expiry", "2", "--metrics-port", "0")
         spool = tmp_path / "server-state" / "uploads"
         attacker, honest = RawEdge(cluster.port, "attacker"), RawEdge(cluster.port, "honest")
         for edge in (attacker, honest):

@@ -238,7 +238,7 @@ class EvaluationResult(_message.Message):
     def __init__(self, split: _Optional[str] = ..., num_classes: _Optional[int] = ..., counts: _Optional[_Iterable[int]] = ..., loss_sum: _Optional[float] = ..., brier_sum: _Optional[float] = ..., correct: _Optional[int] = ..., total: _Optional[int] = ...) -> None: ...
 
 class SubmitHeader(_message.Message):
-    __slots__ = ("protocol_version", "edge_id", "session", "round", "task_id", "phase", "num_examples", "payload", "evaluation", "metrics", "task_nonce", "signature", "body_mac_iv")
+    __slots__ = ("protocol_version", "edge_id", "session", "round", "task_id", "phase", "num_examples", "payload", "evaluation", "metrics", "task_nonce", "signature", "body_mac_iv", "resume_offset")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +259,7 @@ class SubmitHeader(_message.Message):
     TASK_NONCE_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     BODY_MAC_IV_FIELD_NUMBER: _ClassVar[int]
+    RESUME_OFFSET_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     edge_id: str
     session: str
@@ -272,7 +273,8 @@ class SubmitHeader(_message.Message):
     task_nonce: bytes
     signature: bytes
     body_mac_iv: bytes
-    def __init__(self, protocol_version: _Optional[int] = ..., edge_id: _Optional[str] = ..., session: _Optional[str] = ..., round: _Optional[int] = ..., task_id: _Optional[int] = ..., phase: _Optional[str] = ..., num_examples: _Optional[int] = ..., payload: _Optional[_Union[PayloadManifest, _Mapping]] = ..., evaluation: _Optional[_Iterable[_Union[EvaluationResult, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., task_nonce: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., body_mac_iv: _Optional[bytes] = ...) -> None: ...
+    resume_offset: int
+    def __init__(self, protocol_version: _Optional[int] = ..., edge_id: _Optional[str] = ..., session: _Optional[str] = ..., round: _Optional[int] = ..., task_id: _Optional[int] = ..., phase: _Optional[str] = ..., num_examples: _Optional[int] = ..., payload: _Optional[_Union[PayloadManifest, _Mapping]] = ..., evaluation: _Optional[_Iterable[_Union[EvaluationResult, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., task_nonce: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., body_mac_iv: _Optional[bytes] = ..., resume_offset: _Optional[int] = ...) -> None: ...
 
 class SubmitMessage(_message.Message):
     __slots__ = ("header", "data")
@@ -289,6 +291,30 @@ class SubmitReply(_message.Message):
     accepted: bool
     reason: str
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class UploadOffsetRequest(_message.Message):
+    __slots__ = ("edge_id", "session", "round", "phase", "task_id")
+    EDGE_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    edge_id: str
+    session: str
+    round: int
+    phase: str
+    task_id: int
+    def __init__(self, edge_id: _Optional[str] = ..., session: _Optional[str] = ..., round: _Optional[int] = ..., phase: _Optional[str] = ..., task_id: _Optional[int] = ...) -> None: ...
+
+class UploadOffsetReply(_message.Message):
+    __slots__ = ("held", "offset", "total_bytes")
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    held: bool
+    offset: int
+    total_bytes: int
+    def __init__(self, held: _Optional[bool] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("edge_id", "session", "reason")

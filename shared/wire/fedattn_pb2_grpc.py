@@ -56,6 +56,11 @@ class FederatedLearningStub:
                 request_serializer=fedattn_dot_v1_dot_fedattn__pb2.SubmitMessage.SerializeToString,
                 response_deserializer=fedattn_dot_v1_dot_fedattn__pb2.SubmitReply.FromString,
                 _registered_method=True)
+        self.UploadOffset = channel.unary_unary(
+                '/fedattn.v1.FederatedLearning/UploadOffset',
+                request_serializer=fedattn_dot_v1_dot_fedattn__pb2.UploadOffsetRequest.SerializeToString,
+                response_deserializer=fedattn_dot_v1_dot_fedattn__pb2.UploadOffsetReply.FromString,
+                _registered_method=True)
         self.Leave = channel.unary_unary(
                 '/fedattn.v1.FederatedLearning/Leave',
                 request_serializer=fedattn_dot_v1_dot_fedattn__pb2.LeaveRequest.SerializeToString,
@@ -98,6 +103,14 @@ class FederatedLearningServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UploadOffset(self, request, context):
+        """Where a broken upload of this edge's task stands: the bytes the server holds of it
+        (a Submit whose header says resume_offset = offset sends only the rest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Leave(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -126,6 +139,11 @@ def add_FederatedLearningServicer_to_server(servicer, server):
                     servicer.Submit,
                     request_deserializer=fedattn_dot_v1_dot_fedattn__pb2.SubmitMessage.FromString,
                     response_serializer=fedattn_dot_v1_dot_fedattn__pb2.SubmitReply.SerializeToString,
+            ),
+            'UploadOffset': grpc.unary_unary_rpc_method_handler(
+                    servicer.UploadOffset,
+                    request_deserializer=fedattn_dot_v1_dot_fedattn__pb2.UploadOffsetRequest.FromString,
+                    response_serializer=fedattn_dot_v1_dot_fedattn__pb2.UploadOffsetReply.SerializeToString,
             ),
             'Leave': grpc.unary_unary_rpc_method_handler(
                     servicer.Leave,
@@ -243,6 +261,33 @@ class FederatedLearning:
             '/fedattn.v1.FederatedLearning/Submit',
             fedattn_dot_v1_dot_fedattn__pb2.SubmitMessage.SerializeToString,
             fedattn_dot_v1_dot_fedattn__pb2.SubmitReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadOffset(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedattn.v1.FederatedLearning/UploadOffset',
+            fedattn_dot_v1_dot_fedattn__pb2.UploadOffsetRequest.SerializeToString,
+            fedattn_dot_v1_dot_fedattn__pb2.UploadOffsetReply.FromString,
             options,
             channel_credentials,
             insecure,

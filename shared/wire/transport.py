@@ -285,6 +285,11 @@ class Spool:
         while done < len(view):
             done += os.pwrite(self.fd, view[done:], offset + done)
 
+    def read(self, offset: int, size: int) -> bytes:
+        """``size`` bytes from ``offset`` (``pread``: a resumed upload's held prefix, read
+        back to MAC it under the new header; releases the GIL)."""
+        return os.pread(self.fd, size, offset)
+
     def mapped(self) -> mmap.mmap | bytearray:
         """The bytes, as a private writable map of the file (an empty bytearray when
         there are none)."""
