@@ -35,10 +35,9 @@ from .memory import DeviceMemoryError
 from .metrics import EdgeMetrics
 from .middleware import edge_middleware
 from .options import EdgeExit, EdgeOptions
-from .outbox import Outbox
 from .run import RUN_CAP_WHY, EdgeRun, build_run
 from .secagg import EdgeSecAgg
-from .session import RETRYABLE, Received, Rejoin, Session, coded_labels
+from .session import RETRYABLE, Received, Rejoin, Session
 from .store import PrivateStore, load_or_create_identity, load_or_create_signing_key
 from .supervision import Stopped
 from .tasks import TaskRunner
@@ -85,7 +84,6 @@ class EdgeDaemon:
         except (StateError, OSError) as err:
             raise EdgeExit(2, f"state dir {options.state_dir}: {err}") from None
         self.store = PrivateStore(options.state_dir)
-        self.outbox = Outbox(options.state_dir)  # --mode async: a result the link lost
         self.secagg = EdgeSecAgg(options.state_dir, self.identity.edge_id, self.signing_key)
         self.registry = CollectorRegistry()
         self.meter = ByteMeter(self.registry)
@@ -210,8 +208,11 @@ class EdgeDaemon:
             try:
                 with self.session.presence():
                     self.health.set("uploading")
-                    resumed = self.session.resume_pending()  # what a previous process left
-                    self._send_kept(resumed)
+                    # What a previous connection or process left: on from the bytes the
+                    # server holds, or whole when only an async version can still take it.
+                    run = self.run_state
+                    if self.session.resume_pending(run is not None and run.asynchronous):
+                        self.caps.task_done()
                     while True:
                         received = self._next_task()
                         status = received.header.status
@@ -346,58 +347,12 @@ class EdgeDaemon:
             self.session.submit(received.header, result.upload, result.num_examples,
                                 result.evaluation, result.metrics, result.coded)
         except (grpc.RpcError, Rejoin) as err:
-            self._keep(received, result, err)
+            # The upload stays on disk (``fl_edge.pending``): after the next join it goes
+            # on from the bytes the server holds, or whole under --mode async.
+            log.warning("round %d %s: the upload failed (%s); the result is kept in %s and "
+                        "goes up when the server is back", received.header.round,
+                        received.header.phase,
+                        err.code().name if hasattr(err, "code") else "the server restarted",
+                        self.opts.state_dir)
             raise
         self.caps.task_done()
-
-    def _keep(self, received: Received, result, err: Exception) -> None:
-        """--mode async: an upload the link lost (a retryable status, or a server that no
-        longer knows the session) is kept on disk and sent when the edge is back
-        (``fl_edge.outbox``); a sync round does not wait for it."""
-        run = self.run_state
-        lost = isinstance(err, Rejoin) or (hasattr(err, "code") and err.code() in RETRYABLE)
-        if run is None or not run.asynchronous or not lost:
-            return
-        header = received.header
-        self.writer.write(self.outbox.keep, run.fingerprint, header, result.upload,
-                          result.num_examples, result.evaluation, result.metrics,
-                          coded_labels(result.coded))
-        log.warning("round %d %s: the upload failed (%s); the result is kept in %s and goes "
-                    "up when the server is back (if still within its --max-staleness)",
-                    header.round, header.phase,
-                    err.code().name if hasattr(err, "code") else "the server restarted",
-                    self.opts.state_dir)
-
-    def _send_kept(self, resumed: pb.SubmitHeader | None = None) -> None:
-        """After a join: the result the link lost, if one is kept for this run, goes up
-        before any new task is asked for; whatever the server answers, it is offered once
-        (a refusal, "too stale", is logged with its reason). A call that fails keeps it.
-        ``resumed``: the result ``Session.resume_pending`` just sent on from the bytes the
-        server held (the same result is not sent again whole)."""
-        run = self.run_state
-        if run is None:
-            return
-        try:
-            kept = self.outbox.load(run.fingerprint)
-        except StateError as err:
-            log.warning("%s; removed", err)
-            self.outbox.clear()
-            return
-        if kept is None:
-            return
-        task = kept.task
-        if resumed is not None and (resumed.round, resumed.task_id) == (task.round, task.task_id):
-            self.outbox.clear()  # it went up from the bytes the server held
-            return
-        log.info("round %d %s: sending the result kept %.0fs ago, when the link went",
-                 task.round, task.phase, time.time() - kept.kept_at)
-        self.health.set("uploading")
-        reply = self.session.send_result(task, kept.upload, kept.num_examples,
-                                         kept.evaluation, kept.metrics, kept.coded)
-        self.outbox.clear()
-        self.caps.task_done()
-        if reply.accepted:
-            log.info("round %d %s: the kept result was accepted", task.round, task.phase)
-        else:
-            log.warning("round %d %s: the kept result was dropped by the server: %s",
-                        task.round, task.phase, reply.reason)

@@ -6,7 +6,8 @@ docs/architecture.md, "Resumable uploads").
 What is kept is the result's header as the server must see it again (round, phase, task
 id and nonce, weight, evaluation, metrics, manifest; never a session, IV or signature:
 those are the next session's), the encoded body's bytes exactly as they travel, and the
-codecs its sections travel under (for the byte accounting). Written atomically (temp file
+codecs its sections travel under (for the byte accounting), and the body's CRC-32: a body
+the disk damaged is refused here, not signed and sent as this edge's result. Written atomically (temp file
 + fsync + rename, mode 0600) before the upload leaves; removed once the server answered
 it or no longer holds it. The bytes are what the server sees anyway, never private state.
 """
@@ -23,10 +24,10 @@ from google.protobuf.message import DecodeError
 from fedattn_shared.schema import Kind
 from fedattn_shared.state import StateError, atomic_write
 from fedattn_shared.wire import fedattn_pb2 as pb
-from fedattn_shared.wire.serialize import EncodedPayload, section_sizes
+from fedattn_shared.wire.serialize import EncodedPayload, crc32, section_sizes
 
 PENDING_FILE = "upload.pending"
-MAGIC = b"fedattn-pending-upload/1\n"
+MAGIC = b"fedattn-pending-upload/2\n"
 _LENGTH = struct.Struct("<I")
 
 
@@ -48,7 +49,12 @@ def save_pending(path: Path, pending: PendingUpload) -> None:
     """Writes ``pending`` atomically (the body straight from tensor memory)."""
     head = pending.header.SerializeToString(deterministic=True)
     coded = json.dumps({k: list(v) for k, v in pending.coded.items()}).encode()
-    parts: list = [MAGIC, _LENGTH.pack(len(head)), head, _LENGTH.pack(len(coded)), coded]
+    crc = 0
+    for views in pending.encoded.section_views:
+        for view in views:
+            crc = crc32(view, crc)
+    parts: list = [MAGIC, _LENGTH.pack(len(head)), head, _LENGTH.pack(len(coded)), coded,
+                   _LENGTH.pack(crc)]
     for views in pending.encoded.section_views:
         parts.extend(views)
     atomic_write(path, parts)
@@ -72,9 +78,13 @@ def load_pending(path: Path) -> PendingUpload | None:
         coded = {k: (v[0], int(v[1])) for k, v in
                  json.loads(bytes(raw[pos + 4 : pos + 4 + size])).items()}
         pos += 4 + size
+        (crc,) = _LENGTH.unpack_from(raw, pos)
+        pos += 4
         sizes = section_sizes(header.payload)
         if pos + sum(sizes) != len(raw) or sum(sizes) != header.payload.total_bytes:
             raise ValueError(f"{len(raw) - pos} body bytes, the manifest declares {sum(sizes)}")
+        if crc32(raw[pos:]) != crc:
+            raise ValueError("the body does not match its CRC-32 (damaged on disk)")
         views = []
         for size in sizes:
             views.append([raw[pos : pos + size]])

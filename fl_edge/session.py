@@ -243,8 +243,7 @@ class Session:
                     evaluation: list, metrics: dict[str, float],
                     by_kind: dict[str, tuple[str, int]]) -> pb.SubmitReply:
         """``submit`` with the coded sections as kind label -> (codec label, decoded
-        bytes): also the way a kept result goes up (``fl_edge.outbox``), signed anew
-        under this session."""
+        bytes): the result is kept on disk before it leaves (``resume_pending``)."""
         encoded = encode(upload, checksum=False)  # the signed body MAC covers the bytes
         result = pb.SubmitHeader(
             protocol_version=PROTOCOL_VERSION, edge_id=self.identity.edge_id,
@@ -267,11 +266,16 @@ class Session:
                         "before it is accepted loses it", pending.header.round,
                         pending.header.phase, err)
 
-    def resume_pending(self) -> pb.SubmitHeader | None:
-        """After a join: the upload a previous process of this edge left unanswered
-        (``pending.py``), sent on from the bytes the server holds, when it holds them (its
-        task then still stands); else forgotten (the task is gone: the server hands out
-        what it wants next). Returns the header of the result it sent on, if any."""
+    def resume_pending(self, asynchronous: bool = False) -> pb.SubmitHeader | None:
+        """After a join: the upload a previous connection or process of this edge left
+        unanswered (``pending.py``: it is written before every upload leaves). Sent on from
+        the bytes the server holds when it holds them (its task then still stands); else,
+        under --mode async, sent whole, signed under this session: a result stays useful
+        for ``--max-staleness`` versions and the server takes back a task it dropped for a
+        lost link (``Phase.revive``) or refuses it naming why ("too stale: ..."), logged
+        here (train now, upload later); else forgotten (a synchronous round did not wait:
+        the server hands out what it wants next). Offered once either way. Returns the
+        header of the result it sent, if any."""
         path = pending_path(self.opts.state_dir)
         try:
             pending = load_pending(path)
@@ -285,15 +289,27 @@ class Session:
         held = self.transport.upload_offset(pb.UploadOffsetRequest(
             edge_id=self.identity.edge_id, session=self.session, round=result.round,
             phase=result.phase, task_id=result.task_id))
-        if held is None or not held.held:
+        if held is not None and held.held:
+            log.info("round %d %s: resuming the upload this edge left, at byte %d of %d",
+                     result.round, result.phase, held.offset, held.total_bytes)
+            self.metrics.upload_resumes.inc()
+            self._answered(result, self.send(result, pending.encoded, pending.coded,
+                                             held.offset))
+            return result
+        if not asynchronous:
             log.info("round %d %s: the server holds nothing of the upload this edge left "
                      "(its task is gone): not sent again", result.round, result.phase)
             clear_pending(path)
             return None
-        log.info("round %d %s: resuming the upload a previous run of this edge left, at "
-                 "byte %d of %d", result.round, result.phase, held.offset, held.total_bytes)
-        self.metrics.upload_resumes.inc()
-        self._answered(result, self.send(result, pending.encoded, pending.coded, held.offset))
+        log.info("round %d %s: sending the result kept when the link went", result.round,
+                 result.phase)
+        reply = self.send(result, pending.encoded, pending.coded)
+        self._answered(result, reply)
+        if reply.accepted:
+            log.info("round %d %s: the kept result was accepted", result.round, result.phase)
+        else:
+            log.warning("round %d %s: the kept result was dropped by the server: %s",
+                        result.round, result.phase, reply.reason)
         return result
 
     def _answered(self, result: pb.SubmitHeader, reply: pb.SubmitReply) -> None:

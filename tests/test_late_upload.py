@@ -1,6 +1,6 @@
 """Train now, upload later (``--mode async``, issue #42): a real fl-edge loses its link to
 a real fl-server between training and upload (a TCP relay the test cuts, ``relay.py``),
-keeps its result on disk (``fl_edge.outbox``), and sends it when the link is back. While
+keeps its result on disk (``fl_edge.pending``), and sends it when the link is back. While
 its version is within ``--max-staleness`` the server takes it back (the task it had
 dropped as disconnected) into the buffer; beyond, the server refuses it naming why and
 the edge logs that. The other edge is a raw one the test drives, so that exactly two
@@ -24,7 +24,7 @@ from fedattn_shared.schema import Kind, Payload, Section
 from fedattn_shared.state import StateError
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire.serialize import encode
-from fl_edge.outbox import Outbox
+from fl_edge.pending import PendingUpload, load_pending, pending_path, save_pending
 
 
 @pytest.mark.parametrize("staleness, taken", [(5, True), (1, False)])
@@ -61,13 +61,13 @@ def test_a_result_the_link_lost_goes_up_when_the_edge_is_back(tmp_path, stalenes
         reply = raw.submit(train_messages(raw, second, _change(second, 0.01), num_examples=5))
         assert reply.accepted, reply.reason
         late.wait_log("the result is kept in", timeout=300)
-        assert (tmp_path / "state-late" / "pending-result.bin").exists()
+        assert (tmp_path / "state-late" / "upload.pending").exists()
         relay.restore()
         if taken:
             late.wait_log("the kept result was accepted", timeout=120)
         else:
             late.wait_log("the kept result was dropped by the server: too stale", timeout=120)
-        assert not (tmp_path / "state-late" / "pending-result.json").exists()
+        assert not (tmp_path / "state-late" / "upload.pending").exists()
         assert late.wait(timeout=300) == 0
         assert server.wait(timeout=60) == 0
     finally:
@@ -87,33 +87,28 @@ def test_a_result_the_link_lost_goes_up_when_the_edge_is_back(tmp_path, stalenes
         assert "too stale: the result started from version 0" in server.log()
 
 
-def test_the_outbox_keeps_exactly_what_the_upload_carries(tmp_path):
-    """A kept result loads bit for bit (body, header fields, sums, labels); one of
-    another run is removed, a damaged body is refused naming the file."""
+def test_the_kept_upload_loads_exactly_what_the_upload_carries(tmp_path):
+    """A kept result loads bit for bit (body, header fields, sums, labels); a body the disk
+    damaged is refused naming the file, never signed and sent."""
     upload = Payload([Section(Kind.SHARED_TENSORS, "", {
         "w": torch.arange(12, dtype=torch.float32).reshape(3, 4),
         "n": torch.tensor([7], dtype=torch.int64)})])
-    task = pb.TaskHeader(status=pb.TaskHeader.TASK, round=4, task_id=17, phase="train",
-                         task_nonce=b"n" * 16, spec_json="{}")
+    encoded = encode(upload, checksum=False)
     evaluation = [pb.EvaluationResult(split="test", num_classes=2, correct=3, total=5)]
-    outbox = Outbox(tmp_path)
-    outbox.keep("fp", task, upload, 31, evaluation, {"train_loss": 0.5},
-                {"shared_tensors": ("int8", 48)})
-    kept = outbox.load("fp")
-    assert (kept.task.round, kept.task.task_id, kept.task.phase, kept.task.task_nonce) == (
-        4, 17, "train", b"n" * 16)
-    assert kept.num_examples == 31 and kept.metrics == {"train_loss": 0.5}
-    assert list(kept.evaluation) == evaluation and kept.coded == {"shared_tensors": ("int8", 48)}
-    assert encode(kept.upload, checksum=False).manifest == encode(upload, checksum=False).manifest
-    for name, tensor in upload.tensors(Kind.SHARED_TENSORS).items():
-        assert torch.equal(kept.upload.tensors(Kind.SHARED_TENSORS)[name], tensor)
-    body = bytearray((tmp_path / "pending-result.bin").read_bytes())
-    body[0] ^= 1
-    (tmp_path / "pending-result.bin").write_bytes(body)
-    with pytest.raises(StateError, match="does not match"):
-        outbox.load("fp")
-    assert outbox.load("another run") is None
-    assert not (tmp_path / "pending-result.json").exists()
+    header = pb.SubmitHeader(round=4, task_id=17, phase="train", task_nonce=b"n" * 16,
+                             num_examples=31, payload=encoded.manifest, evaluation=evaluation,
+                             metrics={"train_loss": 0.5})
+    path = pending_path(tmp_path)
+    save_pending(path, PendingUpload(header, encoded, {"shared_tensors": ("int8", 48)}))
+    kept = load_pending(path)
+    assert kept.header == header and kept.coded == {"shared_tensors": ("int8", 48)}
+    body = b"".join(bytes(v) for views in kept.encoded.section_views for v in views)
+    assert body == b"".join(bytes(v) for views in encoded.section_views for v in views)
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 1
+    path.write_bytes(raw)
+    with pytest.raises(StateError, match="CRC-32"):
+        load_pending(path)
 
 
 def test_only_a_task_lost_with_the_link_comes_back_and_only_once(tmp_path):
