@@ -290,8 +290,8 @@ class Session:
             edge_id=self.identity.edge_id, session=self.session, round=result.round,
             phase=result.phase, task_id=result.task_id))
         if held is not None and held.held:
-            log.info("round %d %s: resuming the upload this edge left, at byte %d of %d",
-                     result.round, result.phase, held.offset, held.total_bytes)
+            log.info("round %d %s: resuming the upload a previous run of this edge left, at "
+                     "byte %d of %d", result.round, result.phase, held.offset, held.total_bytes)
             self.metrics.upload_resumes.inc()
             self._answered(result, self.send(result, pending.encoded, pending.coded,
                                              held.offset))

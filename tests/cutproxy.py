@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Callable
 
 
 class CutProxy:
@@ -18,9 +19,12 @@ class CutProxy:
     down, once (``cuts`` counts it). Connections made afterwards are forwarded whole."""
 
     def __init__(self, target_port: int, cut_after: int = 0, stall: bool = False,
-                 downstream: bool = False):
+                 downstream: bool = False, before_cut: Callable[[], object] | None = None):
         """``downstream``: ``cut_after`` counts the server's bytes to the edge instead (a
-        cut in the middle of a task download)."""
+        cut in the middle of a task download). ``before_cut``: called once the bytes are
+        due, before the cut, while the edge's bytes wait (e.g. until the server has taken
+        in what arrived: a loaded server's handler can lag its socket by a window)."""
+        self.before_cut = before_cut
         self.target_port, self.cut_after, self.stall = target_port, cut_after, stall
         self.downstream = downstream
         self.upstream_bytes = 0
@@ -80,6 +84,8 @@ class CutProxy:
             sockets = list(self._sockets) if due and not self.stall else []
             if due and self.stall:
                 self._silent = set(self._sockets)
+        if due and self.before_cut is not None:
+            self.before_cut()
         for sock in sockets:
             try:
                 sock.shutdown(socket.SHUT_RDWR)

@@ -35,7 +35,11 @@ def federation(root: Path, data: Path, cut_after: int) -> tuple[dict, int, str, 
                                 "--local-epochs", "1", "--seed", "7", "--eval-every", "0",
                                 "--chunk-bytes", str(CHUNK), "--metrics-port", "0",
                                 "--metrics-linger", "120")
-        proxy = CutProxy(cluster.port, cut_after)
+        # The cut waits until the server counts the upload's bytes: it then holds the
+        # upload, whatever order it learns of the broken calls in (a loaded server's
+        # handler can still be a window behind its socket at the byte count).
+        proxy = CutProxy(cluster.port, cut_after, before_cut=lambda: wait_for(
+            lambda: raw_up(server.metrics_port, "e0") > 0, 60, "the upload's first bytes"))
         edge = cluster.edge(data, "e0", port=proxy.port)
         assert edge.wait() == 0, edge.log()
         wait_for(lambda: (root / "server-state" / "manifest.json").exists(), 30, "checkpoint")
