@@ -9,7 +9,7 @@ momentum 0.9, for the same number of steps:
   plain:      one model, batch E x B: ``for idx in randperm(n).split(E*B): decode;
               CE(model(x), y); backward; step; zero_grad`` - nothing else;
   batched:    E edges of n/E images, batch B each, as one group of
-              ``fl_edge.batched.train_batched`` (stacked weights, vmap over edges): what
+              ``fl_tools.sim_batched.train_batched`` (stacked weights, vmap over edges): what
               fl-sim --batch-edges E runs for the edges of one worker;
   sequential: the same E edges one after another through ``train_local``: what fl-sim
               runs without the option (its edges take turns).
@@ -45,8 +45,8 @@ from fedattn_shared.config import TrainConfig
 from fedattn_shared.data.npz import Split, decode_images
 from fedattn_shared.methods import MethodContext, load_method
 from fedattn_shared.schema import TRAIN, Kind, Payload, Section
-from fl_edge.batched import EdgeJob, batch_refusal, train_batched
 from fl_edge.trainer import autocast_dtype, configure_determinism, train_local
+from fl_tools.sim_batched import EdgeJob, batch_refusal, train_batched
 
 SHAPES = {"lenet-bn": (1, 28), "se-cnn": (1, 28)}  # MNIST models; CIFAR's (3, 32) else
 LR = 0.05

@@ -199,6 +199,12 @@ async def headers_now(context) -> None:
         return
 
 
+def parse(message_type: type) -> Callable[[bytes], object]:
+    """A request's deserializer: protobuf, and a message that does not parse is kept as
+    ``Malformed`` for the handler to refuse (counted), never an exception in grpc."""
+    return lenient(message_type.FromString)
+
+
 def handlers(service, meter: ByteMeter, identity: Identity) -> grpc.GenericRpcHandler:
     """The service's methods with fedattn's (de)serializers and the call layer around each:
     a ``Call`` for its context, the session check before Presence, NextTask and Leave,
@@ -244,9 +250,6 @@ def handlers(service, meter: ByteMeter, identity: Identity) -> grpc.GenericRpcHa
         await headers_now(context)  # a slot's wait and the checks are silent
         return await service.Submit(request_iterator, Call(context, meter, identity))
 
-    def parse(message_type):
-        return lenient(message_type.FromString)
-
     return grpc.method_handlers_generic_handler(SERVICE, {
         "Join": grpc.unary_unary_rpc_method_handler(
             unary(service.Join, session=False), parse(pb.JoinRequest), serialize),
@@ -257,8 +260,7 @@ def handlers(service, meter: ByteMeter, identity: Identity) -> grpc.GenericRpcHa
         "Submit": grpc.stream_unary_rpc_method_handler(
             upload, lenient(deserializer(pb.SubmitMessage)), serialize),
         "UploadOffset": grpc.unary_unary_rpc_method_handler(
-            unary(service.UploadOffset, session=True), parse(pb.UploadOffsetRequest),
-            serialize),
+            unary(service.UploadOffset, session=True), parse(pb.UploadOffsetRequest), serialize),
         "Leave": grpc.unary_unary_rpc_method_handler(
             unary(service.Leave, session=True), parse(pb.LeaveRequest), serialize),
     })

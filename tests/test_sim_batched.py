@@ -1,5 +1,5 @@
 """fl-sim --batch-edges: several edges' local training as one vmapped computation
-(``fl_edge.batched``) against the sequential loop (``train_local``), on CPU.
+(``fl_tools.sim_batched``) against the sequential loop (``train_local``), on CPU.
 
 What is bit-identical, because the maths is the same operation for operation: each edge's
 data order, augmentation draws, number of steps and examples (edges of different sizes:
@@ -53,9 +53,9 @@ from fedattn_shared.data.npz import Split
 from fedattn_shared.methods import MethodContext, load_method
 from fedattn_shared.schema import TRAIN, Kind, Payload, Section
 from fedattn_shared.state import load_tensors
-from fl_edge.batched import EdgeJob, batch_refusal, train_batched
 from fl_edge.trainer import augment_generator, train_local
 from fl_tools.sim_batch import EdgeBatcher
+from fl_tools.sim_batched import EdgeJob, batch_refusal, train_batched
 
 CPU = torch.device("cpu")
 SIZES = (40, 30, 13)  # 30 and 13 end each epoch on a short batch of 6 and 5

@@ -2,7 +2,7 @@
 
 Each hosted edge is still a full ``EdgeDaemon`` thread; its ``TaskRunner`` calls
 ``EdgeSlot.train`` instead of ``train_local``. An edge whose method and options allow a
-batched step (``fl_edge.batched.batch_refusal``) waits here for the round's other edges
+batched step (``fl_tools.sim_batched.batch_refusal``) waits here for the round's other edges
 of the same kind (``group_key``): a group starts once every slot is taken or no edge has
 joined it for ``window`` seconds, and one vmapped computation (``train_batched``) trains
 it. Any other edge, and a group whose batched run fails, trains through ``train_local``,
@@ -11,7 +11,7 @@ the reason logged once per reason.
 Each edge has a fixed slot (its index among the worker's edges, modulo the width): an
 edge's rounding depends on its slot and the width only, never on which other edges
 shared its group or when they arrived, so a run is bit-identical to a rerun with the same
-``--batch-edges`` and ``--procs`` (``fl_edge.batched``). Two edges of one slot never share
+``--batch-edges`` and ``--procs`` (``fl_tools.sim_batched``). Two edges of one slot never share
 a group: the later one waits for the next.
 """
 
@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from fedattn_shared.augment import InputPipeline
-from fl_edge.batched import EdgeJob, batch_refusal, group_key, train_batched
 from fl_edge.trainer import TrainResult, train_local
+from fl_tools.sim_batched import EdgeJob, batch_refusal, group_key, train_batched
 
 log = logging.getLogger("fl_sim")
 

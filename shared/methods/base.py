@@ -502,11 +502,11 @@ class EdgeAlgorithm:
     #: The loop's shape (see ``LoopSchedule``); a method that changes it sets its own.
     schedule: LoopSchedule = LoopSchedule()
 
-    #: Loop hooks this class overrides that ``fl_edge.batched`` (fl-sim --batch-edges:
+    #: Loop hooks this class overrides that ``fl_tools.sim_batched`` (fl-sim --batch-edges:
     #: several edges' steps as one vmapped computation) still reproduces: today only
     #: ``post_backward``, declared by an edge whose ``post_backward`` is exactly the pull
     #: of ``proximal_term`` (FedProx). An override not declared here keeps the edge on the
-    #: sequential loop (``fl_edge.batched.batch_refusal`` says why).
+    #: sequential loop (``fl_tools.sim_batched.batch_refusal`` says why).
     batched_hooks: ClassVar[tuple[str, ...]] = ()
 
     #: Hooks of earlier versions and where they live now: a subclass defining one would

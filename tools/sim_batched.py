@@ -44,8 +44,7 @@ from fedattn_shared.augment import InputPipeline
 from fedattn_shared.data.npz import Split, decode_images
 from fedattn_shared.methods.base import EdgeAlgorithm, LoopSchedule
 from fedattn_shared.rng import GLOBAL_RNG_LOCK
-
-from .trainer import ShuffledBatches, TrainResult, augment_generator, autocast_dtype
+from fl_edge.trainer import ShuffledBatches, TrainResult, augment_generator, autocast_dtype
 
 #: The hooks that shape the local step. A method's edge that overrides one is batched only
 #: where it declares it in ``EdgeAlgorithm.batched_hooks`` (what that declaration means
