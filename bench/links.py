@@ -100,7 +100,7 @@ class Cutter(threading.Thread):
 
 
 def one_round(model: str, codec: str, profile: Profile, cuts: bool, cut_seconds: float,
-              budget: float, workdir: Path) -> dict:
+              budget: float, workdir: Path, server_args: tuple[str, ...] = ()) -> dict:
     """One FedAvg round over ``profile``: seconds (None when over ``budget``), bytes the
     link carried and the payload bytes the round needed."""
     channels, size = MODEL_INPUT[model]
@@ -116,7 +116,7 @@ def one_round(model: str, codec: str, profile: Profile, cuts: bool, cut_seconds:
             "--image-size", str(size), "--rounds", "1", "--min-edges", "1", "--eval-every",
             "0", "--local-epochs", "1", "--batch-size", "8", "--round-timeout", str(budget),
             "--download-min-rate", byte_rate, "--upload-min-rate", byte_rate,
-            *CODECS[codec]]), stdout=subprocess.DEVNULL,
+            *CODECS[codec], *server_args]), stdout=subprocess.DEVNULL,
             stderr=(workdir / "server.log").open("wb"), cwd=workdir)
         edge = cutter = None
         try:
@@ -189,6 +189,9 @@ def main() -> int:
     parser.add_argument("--codecs", nargs="+", default=["none", "int8"], choices=list(CODECS))
     parser.add_argument("--rtt-ms", type=int, default=200)
     parser.add_argument("--cut-seconds", type=float, default=20.0)
+    parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                        help="one more fl-server argument (repeatable; "
+                             "--server-arg=--presence-grace=30)")
     parser.add_argument("--budget", type=float, default=900.0,
                         help="seconds one round may take before it counts as not completed")
     args = parser.parse_args()
@@ -199,7 +202,8 @@ def main() -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     print(f"one FedAvg round, one edge, over a shaped link ({args.rtt_ms} ms RTT; loss "
           f"{LOSS_PCT:g} % each way; cuts: {args.cut_seconds:g} s down mid-download and "
-          f"mid-upload); server min rates = half the link; budget {args.budget:g} s a round")
+          f"mid-upload); server min rates = half the link; budget {args.budget:g} s a round; "
+          f"server arguments {args.server_arg}")
     for model in args.models:
         for codec in args.codecs:
             completed: dict[str, list[int]] = {}
@@ -209,7 +213,8 @@ def main() -> int:
                     profile = Profile(rate, LOSS_PCT if variant == "loss" else 0.0, args.rtt_ms)
                     with tempfile.TemporaryDirectory() as tmp:
                         r = one_round(model, codec, profile, variant == "cuts",
-                                      args.cut_seconds, args.budget, Path(tmp))
+                                      args.cut_seconds, args.budget, Path(tmp),
+                                      tuple(args.server_arg))
                     label = f"{model} {codec:4s} {variant:5s} {rate:>6d} kbit/s"
                     if r["seconds"] is None:
                         why = r["failed"] or f"not completed within {args.budget:g} s"
