@@ -7,7 +7,7 @@ times; seeded float32 uploads of ResNet-18's size with weights 1..N. Prints the 
 and CPU seconds (medians), the after/before ratios, and whether both give the same bits
 (a SHA-256 of the mean).
 
-    .venv/bin/python bench/exact_sum.py --before /work/main [--uploads 8] [--repeats 3]
+    .venv/bin/python bench/exact_sum.py --before CHECKOUT [--uploads 8] [--repeats 3]
 """
 
 from __future__ import annotations
