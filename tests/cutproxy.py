@@ -1,5 +1,7 @@
 """A TCP forwarder between an edge and its server that breaks every connection once, the
-moment the edge has sent a given number of bytes (its upload under way): the kernel's
+moment the edge has sent a given number of bytes (its upload under way), or when the test
+says (``cut``: no connection is taken until ``restore``, a modem that lost its carrier
+behind a NAT that resets): the kernel's
 sockets are shut down both ways, so both daemons see what a dropped link or a NAT's reset
 does to their real HTTP/2 connection (every call on it ends; gRPC reconnects). Or, with
 ``stall``, it stops forwarding the edge's bytes from there (a link gone silent), until
@@ -36,7 +38,27 @@ class CutProxy:
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         self._closed = False
+        self._down = False  # cut by the test: connections are refused until restore
         threading.Thread(target=self._accept, daemon=True).start()
+
+    def cut(self) -> None:
+        """Every open connection ends, and new ones are refused until ``restore``."""
+        with self._lock:
+            self._down = True
+            sockets, self._sockets = self._sockets, []
+        self._shut(sockets)
+
+    def restore(self) -> None:
+        """Connections are taken (and forwarded) again."""
+        self._down = False
+
+    @staticmethod
+    def _shut(sockets: list[socket.socket]) -> None:
+        for sock in sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def _accept(self) -> None:
         while not self._closed:
@@ -44,6 +66,9 @@ class CutProxy:
                 client, _ = self._listener.accept()
             except OSError:
                 return
+            if self._down:
+                client.close()
+                continue
             try:
                 server = socket.create_connection(("127.0.0.1", self.target_port), timeout=10)
             except OSError:
@@ -86,11 +111,7 @@ class CutProxy:
                 self._silent = set(self._sockets)
         if due and self.before_cut is not None:
             self.before_cut()
-        for sock in sockets:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        self._shut(sockets)
         if due:
             self.cut_done.set()
 

@@ -1,5 +1,5 @@
 """Train now, upload later (``--mode async``, issue #42): a real fl-edge loses its link to
-a real fl-server between training and upload (a TCP relay the test cuts, ``relay.py``),
+a real fl-server between training and upload (a TCP relay the test cuts, ``cutproxy.py``),
 keeps its result on disk (``fl_edge.pending``), and sends it when the link is back. While
 its version is within ``--max-staleness`` the server takes it back (the task it had
 dropped as disconnected) into the buffer; beyond, the server refuses it naming why and
@@ -16,8 +16,8 @@ import urllib.request
 import pytest
 import torch
 from conftest import Cluster, read_history, wait_for, write_edge_dirs
+from cutproxy import CutProxy
 from rawedge import RawEdge, train_messages
-from relay import Relay
 from test_async import _change
 
 from fedattn_shared.schema import Kind, Payload, Section
@@ -32,14 +32,14 @@ def test_a_result_the_link_lost_goes_up_when_the_edge_is_back(tmp_path, stalenes
     data = write_edge_dirs(tmp_path, 1, per_edge=60)[0]
     cluster = Cluster(tmp_path)
     raw: RawEdge | None = None
-    relay: Relay | None = None
+    relay: CutProxy | None = None
     try:
         server = cluster.server("--method", "fedavg", "--mode", "async", "--eval-every", "0",
                                 "--local-epochs", "1", "--rounds", "3", "--min-edges", "2",
                                 "--buffer", "1", "--max-staleness", str(staleness))
         raw = RawEdge(cluster.port, "fast")
         raw.connect()
-        relay = Relay(cluster.port)
+        relay = CutProxy(cluster.port)
         # --throttle: the task takes 6x its time, all of it in the "training" state
         # (/healthz) and before the upload: the link is cut then.
         late = cluster.edge(data, "late", "--throttle", "6", "--metrics-port", "0",
