@@ -8,9 +8,10 @@ Two ways a stream survives such a proxy, one test each: the presence stream's he
 heartbeat over the timeout) the cut stream opened again at once by the edge while the server
 keeps it present (``--presence-grace``); a third speaks the protocol by hand for the calls
 that are silent until their answer (a long poll, an upload's wait). Each runs in about a
-minute or less (the first round's wait: the throttled edge's start-up, several timeouts
-long); the issue's ten minutes under a 60 s idle timeout with the default settings, idle
-past it in every round, is in the ``links`` tier (``make test-links``: root, namespaces).
+minute or less (the first round's wait: the near edge starts only once the far edge's log
+shows it waited past the proxy's timeout); the issue's ten minutes under a 60 s idle
+timeout with the default settings, idle past it in every round, is in the ``links`` tier
+(``make test-links``: root, namespaces).
 
 Needs nginx (``apt-get install nginx-light``); skipped with the reason where it is absent.
 """
@@ -42,16 +43,20 @@ THROTTLE = "5"  # the edge beside the proxy takes 5x as long: the other waits pa
 
 
 def _run(cluster, tmp_path, rounds: int, idle: float, throttle: str, server_args: list[str],
-         timeout: float):
-    """A run of ``rounds`` rounds with edge "near" straight to the server (slowed by
-    ``throttle``) and edge "far" through nginx (idle timeouts ``idle``): the three logs,
-    the proxy and the server's history once everyone exited."""
+         timeout: float, far_waited: str, times: int):
+    """A run of ``rounds`` rounds with edge "far" through nginx (idle timeouts ``idle``)
+    and edge "near" straight to the server (slowed by ``throttle``), started only once the
+    far edge's log says ``far_waited`` ``times`` times: the far edge's first wait is then
+    as long as the test needs, whatever the machine's speed (a timer-started near edge made
+    it a race). The three logs, the proxy and the server's history once everyone exited."""
     dirs = write_edge_dirs(tmp_path, 2)
     server = cluster.server("--method", "fedavg", "--rounds", str(rounds), "--min-edges", "2",
                             "--eval-every", "0", "--round-timeout", str(timeout), *server_args)
     with grpc_proxy(cluster.port, idle, tmp_path / "nginx") as proxy:
-        near = cluster.edge(dirs[0], "near", "--throttle", throttle)
         far = cluster.edge(dirs[1], "far", port=proxy.port)
+        wait_for(lambda: far.log().count(far_waited) >= times or far.popen.poll() is not None,
+                 timeout, f"the far edge's log to say {far_waited!r} {times} times")
+        near = cluster.edge(dirs[0], "near", "--throttle", throttle)
         assert server.wait(timeout=timeout) == 0, server.log()[-3000:]
         assert far.wait() == 0, far.log()[-3000:]
         assert near.wait() == 0, near.log()[-3000:]
@@ -82,7 +87,8 @@ def test_presence_heartbeat_under_the_proxy_idle_timeout_is_never_cut(cluster, t
     # lifetime and reopen.
     server, far, proxy, history = _run(
         cluster, tmp_path, 2, IDLE, THROTTLE,
-        ["--presence-interval", "1", "--presence-lifetime", "4"], timeout=180)
+        ["--presence-interval", "1", "--presence-lifetime", "4"], timeout=180,
+        far_waited="presence stream ended (the server ended it", times=2)
     _no_failure(server, far, history, 2)
     assert proxy.timeouts() == 0, proxy.errors()[-3000:]
     assert far.log().count("presence stream ended (the server ended it") >= 2, far.log()
@@ -94,7 +100,8 @@ def test_presence_cut_by_the_proxy_is_reopened_without_a_failed_round(cluster, t
     # the edge present meanwhile (--presence-grace): the rounds go on as if nothing happened.
     # (Before: nginx cut it, the edge never reopened it, the server dropped its task.)
     server, far, proxy, history = _run(cluster, tmp_path, 2, IDLE, THROTTLE,
-                                       ["--presence-grace", "10"], timeout=180)
+                                       ["--presence-grace", "10"], timeout=180,
+                                       far_waited="presence stream ended (INTERNAL", times=1)
     _no_failure(server, far, history, 2)
     assert proxy.timeouts() >= 1, proxy.errors()[-3000:]
     assert "presence stream ended (INTERNAL" in far.log(), far.log()[-3000:]
