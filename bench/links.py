@@ -94,7 +94,7 @@ class Cutter(threading.Thread):
             if self.stop.is_set():
                 return
             self.link.down()
-            self.cuts.append(f"{stat[:2]} at {mark >> 10} KiB")
+            self.cuts.append(f"{stat[:2]} at {mark >> 10} KiB ({time.strftime('%H:%M:%S')})")
             self.stop.wait(self.seconds)
             self.link.up(self.profile)
 

@@ -257,7 +257,7 @@ def _transfer_flags(net) -> None:
     net.add_argument("--transfer-resume-expiry", type=float,
                      help="hold an upload cut short for this many seconds, for the edge to "
                           "resume from the bytes held; the task of an edge that went "
-                          "mid-download stands for the download idle timeout (120; 0: a cut "
+                          "mid-download stands as long after its last byte (120; 0: a cut "
                           "transfer costs the edge its task)")
     net.add_argument("--download-idle-timeout", type=float,
                      help="cut a task download the edge takes nothing of for this many "

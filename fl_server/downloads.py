@@ -132,23 +132,29 @@ class Downloads:
                                    cfg.download_window, cfg.poll_timeout)
         self.tasking: dict[str, str] = {}  # edge -> the session whose task call is open
         # edge -> (task id, when its last byte went to the transport) of a task download
-        # not yet wholly handed to the transport: one per edge. (What gRPC buffered when a
-        # link broke is lost with it too, but a hold past the last byte would keep the
-        # task of every edge that crashed while training.)
+        # not yet wholly handed to the transport: one per edge identity, gone at its
+        # expiry (``holds``). (What gRPC buffered when a link broke is lost with it too,
+        # but a hold past the last byte would keep the task of every edge that crashed
+        # while training.)
         self.partial: dict[str, tuple[int, float]] = {}
 
     def holds(self, edge: str) -> bool:
-        """Whether ``edge`` may be in the middle of downloading its task (a byte of it
-        went to the transport within ``download_idle_timeout`` seconds: what the
-        transport buffered may not have reached the edge): a disconnect or a rejoin then
-        leaves the task standing, for the edge to continue the download from the byte it
-        holds (``TaskRequest.task_id``, ``offset``) once it is back. Only that long, so an
-        edge that crashed while training is dropped soon after, as before."""
+        """Whether ``edge`` is in the middle of downloading its task: part of it went to
+        the transport, not all, the last byte within ``transfer_resume_expiry`` seconds.
+        A disconnect or a rejoin then leaves the task standing, for the edge to continue
+        the download from the byte it holds (``TaskRequest.task_id``, ``offset``) once it
+        is back: a link dark for longer than a keepalive ping's wait (the server closes
+        the connection) costs the bytes in flight, not the task. The bound is the one an
+        upload's partial has: an edge that went in the middle of its download keeps its
+        task that long at most; one that crashed while training (its download whole) is
+        dropped at once, as before."""
         held = self.partial.get(edge)
-        if held is None or self.cfg.transfer_resume_expiry <= 0:
+        expiry = self.cfg.transfer_resume_expiry
+        if held is None or expiry <= 0:
             return False
         task_id, since = held
-        if time.monotonic() - since > self.cfg.download_idle_timeout:
+        if time.monotonic() - since > expiry:
+            del self.partial[edge]
             return False
         return self.engine.schedule.task_of(edge, task_id) is not None
 

@@ -156,9 +156,9 @@ class Sessions:
         if self.holds(edge):
             log.info("edge %s %s: its task stands, its transfer held for resuming", edge,
                      reason)
-            # A download's hold lapses after its idle timeout, an upload's partial at its
-            # expiry (and drops its task itself): looked at again after the shorter.
-            again = min(self.cfg.transfer_resume_expiry, self.cfg.download_idle_timeout) + 1
+            # Both holds lapse at the expiry (an upload's partial drops its task itself):
+            # looked at again then.
+            again = self.cfg.transfer_resume_expiry + 1
             asyncio.get_running_loop().call_later(again, self._recheck, edge, reason)
             return
         self.engine.schedule.lose(edge, reason)

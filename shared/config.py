@@ -213,7 +213,7 @@ class ServerConfig:
     # A result upload cut short (the link broke, the edge restarted) is held, its bytes in
     # its spool file, for this many seconds after the cut: the edge resumes from there
     # (UploadOffset) and its task stands meanwhile; so does the task of an edge that went
-    # in the middle of its task download (within download_idle_timeout of its last byte).
+    # in the middle of its task download (this long after its last byte).
     # 0: a cut transfer costs its task.
     transfer_resume_expiry: float = 120.0
     download_idle_timeout: float = 30.0  # a task download the edge takes nothing of for

@@ -48,6 +48,7 @@ class RawEdge:
     """A minimal edge speaking the wire protocol by hand."""
 
     def __init__(self, port: int, prefix: str = "raw"):
+        self.port = port
         self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=channel_options())
         self.stub = pb_grpc.FederatedLearningStub(self.channel)
         self.edge_id = f"{prefix}-{secrets.token_hex(4)}"
@@ -79,6 +80,7 @@ class RawEdge:
         """Join, then hold a presence stream open until ``close`` (the server only selects
         connected edges); returns once the server has counted this edge as connected."""
         reply = self.join(**join_overrides)
+        self.present.clear()
         self.session, self.hints = reply.session, reply.task_hints
         self.terms = DownloadTerms.of(reply)
         self._presence_call = self.stub.Presence(
@@ -186,6 +188,13 @@ class RawEdge:
         if self._presence_thread is not None:
             self._presence_thread.join(timeout=10)
         self.channel.close()
+
+    def reconnect(self) -> None:
+        """Back after ``close`` (a new connection, a new session), as a device whose link
+        came back."""
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}", options=channel_options())
+        self.stub = pb_grpc.FederatedLearningStub(self.channel)
+        self.connect()
 
 
 # ---- uploads -----------------------------------------------------------------------------

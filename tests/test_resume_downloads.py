@@ -1,0 +1,92 @@
+"""Task downloads across a lost link, on a real fl-server spoken to as an attacker would
+(``RawEdge``): an edge that went in the middle of its task download keeps its task for
+``--transfer-resume-expiry`` seconds after the last byte it was sent, comes back in a new
+session and goes on from the byte it holds (no byte sent twice); one that never comes back
+is dropped at the expiry, not held past it. What one identity can make the server hold
+this way: its one task (a download is one per edge), for the expiry at most.
+
+The hold used to end at the download idle timeout (30 s): a link dark for longer than the
+server's keepalive ping took (closing the connection) and a reconnect cost the edge its
+task (measured over a link cut for 20 s: ``bench/links.py --variants cuts``).
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+from rawedge import RawEdge
+from test_adversarial import raw_fleet
+
+from fedattn_shared.wire import fedattn_pb2 as pb
+from fedattn_shared.wire.transport import MAX_MESSAGE_BYTES, PayloadAssembler
+
+CHUNK = 16384  # --chunk-bytes and --download-window: one chunk per NextTask call
+EXPIRY = 10.0  # --transfer-resume-expiry
+IDLE = 1.0  # --download-idle-timeout (what bounded the hold before)
+
+
+def first_window(edge: RawEdge) -> tuple[pb.TaskHeader, list[PayloadAssembler]]:
+    """The task's header and its first window (one chunk), as a first NextTask call."""
+    request = pb.TaskRequest(edge_id=edge.edge_id, session=edge.session)
+    header, assemblers = None, []
+    for message in edge.stub.NextTask(request, timeout=edge.terms.deadline(False)):
+        if message.HasField("header"):
+            header = message.header
+            assert header.status == pb.TaskHeader.TASK, header
+            assemblers = [PayloadAssembler(m, MAX_MESSAGE_BYTES, MAX_MESSAGE_BYTES)
+                          for m in (header.common, header.personal)]
+            continue
+        next(a for a in assemblers if not a.complete).add(message.data)
+    assert header is not None and sum(a.received for a in assemblers) == CHUNK
+    return header, assemblers
+
+
+def rest(edge: RawEdge, header: pb.TaskHeader, assemblers: list[PayloadAssembler]) -> None:
+    """The windows after the ones held, in the edge's current session: the task must
+    still be the edge's (a header instead of data says it is gone)."""
+    while not all(a.complete for a in assemblers):
+        more = pb.TaskRequest(edge_id=edge.edge_id, session=edge.session,
+                              task_id=header.task_id,
+                              offset=sum(a.received for a in assemblers))
+        for message in edge.stub.NextTask(more, timeout=edge.terms.deadline(True)):
+            assert not message.HasField("header"), f"the task is gone: {message.header}"
+            next(a for a in assemblers if not a.complete).add(message.data)
+    for assembler in assemblers:
+        assembler.finish()
+
+
+def raw_down_bytes(metrics_port: int, edge_id: str) -> int:
+    """The data bytes the server counted to ``edge_id`` (every kind, direction down)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read()
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.decode().splitlines()
+                   if line.startswith("fedattn_raw_tensor_bytes_total{")
+                   and 'direction="down"' in line and f'edge="{edge_id}"' in line))
+
+
+def test_an_edge_gone_mid_download_keeps_its_task_until_the_expiry(tmp_path):
+    with raw_fleet(tmp_path, ("back", "gone"), "--min-edges", "2", "--rounds", "2",
+                   "--round-timeout", "120", "--chunk-bytes", str(CHUNK),
+                   "--download-window", str(CHUNK), "--download-idle-timeout", str(IDLE),
+                   "--transfer-resume-expiry", str(EXPIRY)) as (cluster, (back, gone)):
+        server = cluster.procs[0]
+        mark = server.mark()
+        windows = {edge.edge_id: first_window(edge) for edge in (back, gone)}
+        for edge in (back, gone):  # the link goes: the presence stream and the channel
+            edge.close()
+        left = time.monotonic()
+        for edge in (back, gone):
+            server.logged(mark, f"edge {edge.edge_id} disconnected: its task stands")
+        # Past the idle timeout and its recheck (where the hold ended before): both stand.
+        time.sleep(IDLE + 3)
+        assert "dropped" not in server.log()[mark:], server.log()[mark:]
+        back.reconnect()  # a new connection and a new session
+        header, assemblers = windows[back.edge_id]
+        rest(back, header, assemblers)
+        total = sum(len(a.buffer) for a in assemblers)
+        assert raw_down_bytes(server.metrics_port, back.edge_id) == total  # none twice
+        # The one that never came back goes at the expiry: not before, not held past it.
+        line = server.logged(mark, f"dropped {gone.edge_id}", "disconnected",
+                             timeout=EXPIRY + 30)
+        assert time.monotonic() - left >= EXPIRY - 1, line
+        assert f"dropped {back.edge_id}" not in server.log()[mark:]
