@@ -58,9 +58,9 @@ def edge_counter(link: Link, stat: str) -> int:
     return int(out.stdout)
 
 
-def device_bytes(link: Link) -> int:
-    """Bytes the link has carried so far, both ways."""
-    return edge_counter(link, "tx_bytes") + edge_counter(link, "rx_bytes")
+def device_bytes(link: Link) -> dict[str, int]:
+    """Bytes the link has carried so far each way: "down" to the edge, "up" from it."""
+    return {"down": edge_counter(link, "rx_bytes"), "up": edge_counter(link, "tx_bytes")}
 
 
 def write_data(directory: Path, model: str) -> None:
@@ -102,7 +102,7 @@ class Cutter(threading.Thread):
 def one_round(model: str, codec: str, profile: Profile, cuts: bool, cut_seconds: float,
               budget: float, workdir: Path, server_args: tuple[str, ...] = ()) -> dict:
     """One FedAvg round over ``profile``: seconds (None when over ``budget``), bytes the
-    link carried and the payload bytes the round needed."""
+    link carried (in all, and "down" and "up" each way) and the bytes the round needed."""
     channels, size = MODEL_INPUT[model]
     data = workdir / "edge-data"
     write_data(data, model)
@@ -144,7 +144,8 @@ def one_round(model: str, codec: str, profile: Profile, cuts: bool, cut_seconds:
                 seconds = time.monotonic() - started
             except subprocess.TimeoutExpired:
                 seconds = None
-            carried = device_bytes(link) - carried
+            after = device_bytes(link)
+            each_way = {way: after[way] - carried[way] for way in after}
         finally:
             if cutter is not None:
                 cutter.stop.set()
@@ -165,7 +166,8 @@ def one_round(model: str, codec: str, profile: Profile, cuts: bool, cut_seconds:
     elif seconds is not None:
         failed = "the server exited without a history: " + (
             workdir / "server.log").read_text(errors="replace")[-500:]
-    return {"seconds": None if failed else seconds, "round": inside, "carried": carried,
+    return {"seconds": None if failed else seconds, "round": inside,
+            "carried": sum(each_way.values()), **each_way,
             "needed": needed, "failed": failed,
             "cuts": cutter.cuts if cutter is not None else []}
 
@@ -207,7 +209,7 @@ def main() -> int:
     for model in args.models:
         for codec in args.codecs:
             completed: dict[str, list[int]] = {}
-            clean: dict[int, int] = {}  # rate -> bytes the link carried without loss or cuts
+            clean: dict[int, dict] = {}  # rate -> the run without loss or cuts
             for variant in args.variants:
                 for rate in sorted(args.rates):
                     profile = Profile(rate, LOSS_PCT if variant == "loss" else 0.0, args.rtt_ms)
@@ -223,10 +225,14 @@ def main() -> int:
                         continue
                     completed.setdefault(variant, []).append(rate)
                     if variant == "clean":
-                        clean[rate] = r["carried"]
+                        clean[rate] = r
                     ratio = r["carried"] / r["needed"] if r["needed"] else float("nan")
-                    extra = (f", {r['carried'] / clean[rate]:.3f}x the clean link's bytes"
-                             if variant != "clean" and rate in clean else "")
+                    extra = ""
+                    if variant != "clean" and rate in clean:
+                        base = clean[rate]
+                        extra = (f", {r['carried'] / base['carried']:.3f}x the clean link's "
+                                 f"bytes (down {(r['down'] - base['down']) / 1024:+.0f} KiB, "
+                                 f"up {(r['up'] - base['up']) / 1024:+.0f} KiB)")
                     cuts = f"; cuts: {', '.join(r['cuts'])}" if r["cuts"] else ""
                     print(f"  {label}: round {r['round']:7.1f} s ({r['seconds']:.0f} s from "
                           f"the edge's start), sent/needed {ratio:.3f} ({r['carried'] / 1e6:.2f}"

@@ -71,7 +71,9 @@ class FederatedLearningService:
                             task_hints=True, download_idle_timeout=terms.idle_timeout,
                             download_min_rate=terms.min_rate, download_window=terms.window,
                             poll_timeout=terms.poll_timeout,
-                            presence_interval=self.cfg.presence_interval)
+                            presence_interval=self.cfg.presence_interval,
+                            upload_idle_timeout=self.cfg.upload_idle_timeout,
+                            upload_min_rate=self.cfg.upload_min_rate)
 
     # ---- Presence ---------------------------------------------------------------------
     async def Presence(self, request: pb.PresenceRequest, call: Call):

@@ -40,7 +40,12 @@ from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire.accounting import UP, ByteMeter, CodedUpload
 from fedattn_shared.wire.payload import WireError
 from fedattn_shared.wire.signing import BodyMac
-from fedattn_shared.wire.transport import MAX_MESSAGE_BYTES, FiniteScan, PayloadAssembler
+from fedattn_shared.wire.transport import (
+    MAX_MESSAGE_BYTES,
+    FiniteScan,
+    PayloadAssembler,
+    UploadTerms,
+)
 
 from .edges import EdgeRecord
 from .engine import Engine
@@ -141,25 +146,24 @@ async def run_to_end(coro: Awaitable[None]) -> None:
 class BodyReader:
     """Reads an upload's next message, or raises naming why none will come: the stream
     was cancelled, the phase closed, the upload's deadline passed or it stalled: no
-    chunk within ``idle`` seconds plus the next chunk's largest size (``chunk_bytes``, or
-    what is left of its section) at ``min_rate``. A chunk arrives only once all of it has:
-    a 1 MiB chunk takes 33 s at 256 kbit/s, and the idle deadline alone cut every slow
-    link's upload."""
+    chunk within the time ``UploadTerms.chunk_seconds`` gives the next chunk's largest
+    size (``chunk_bytes``, or what is left of its section). The edge hears the same
+    terms at its join and sizes its deadline from them."""
 
     def __init__(self, stream: UploadStream, closing: asyncio.Future,
                  assembler: PayloadAssembler, cfg: ServerConfig):
         self.stream, self.closing, self.assembler = stream, closing, assembler
-        self.idle, self.min_rate = cfg.upload_idle_timeout, cfg.upload_min_rate
+        self.terms = UploadTerms(cfg.upload_idle_timeout, cfg.upload_min_rate)
         self.chunk_bytes = cfg.chunk_bytes
         # Sized from the bytes still to come (a resumed upload's rest).
-        self.total = self.idle + (len(assembler.buffer) - assembler.received) / self.min_rate
+        self.total = self.terms.chunk_seconds(len(assembler.buffer) - assembler.received)
         self.loop = asyncio.get_running_loop()
         self.ends = self.loop.time() + self.total
 
     def _allowed(self) -> float:
         """Seconds the next chunk may take: idle, plus its largest size at the min rate."""
         left = self.assembler.section_left()
-        return self.idle + min(self.chunk_bytes, left if left else self.chunk_bytes) / self.min_rate
+        return self.terms.chunk_seconds(min(self.chunk_bytes, left if left else self.chunk_bytes))
 
     def _progress(self) -> str:
         return f"{self.assembler.received} of {len(self.assembler.buffer)} bytes"

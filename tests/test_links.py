@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from conftest import Proc, read_history, wait_for, write_edge_dirs
@@ -91,3 +92,37 @@ def test_mobilenet_round_over_256_kbit_and_1_percent_loss(tmp_path):
     assert record["train"]["received"] == ["cell"], record["train"]
     assert "aborted" not in record
     print(f"one round over {CELLULAR}: {seconds:.0f}s")
+
+
+@pytest.mark.skipif(bool(WHY), reason=WHY or "available")
+@pytest.mark.timeout(1800)
+def test_a_20_second_cut_mid_download_and_mid_upload_costs_a_chunk_each(tmp_path):
+    # MobileNetV3-Small (6.2 MB each way) over 1 Mbit/s, run twice through bench/links.py's
+    # round: clean, then with the link dark for 20 s (both ways, neither host told) once
+    # the edge received half of its download, and again once it sent half of its upload.
+    # The cut round completes with the edge's result, and what the cuts cost on the wire
+    # (the link device's counters, each way, over the clean run's) is at most one chunk
+    # each way, plus the reconnect's own bytes: the download goes on from the chunks the
+    # edge holds (the task stands at the server meanwhile: tests/test_resume_downloads.py),
+    # the upload from the chunks the server holds.
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from links import one_round
+
+    from fedattn_shared.wire.transport import DEFAULT_CHUNK_BYTES
+
+    runs = {}
+    for name, cuts in (("clean", False), ("cuts", True)):
+        workdir = tmp_path / name
+        workdir.mkdir()
+        runs[name] = one_round("mobilenet-v3-small", "none", Profile(rate_kbit=1000), cuts,
+                               20.0, 900, workdir)
+        assert not runs[name]["failed"] and runs[name]["seconds"], runs[name]
+    clean, cut = runs["clean"], runs["cuts"]
+    assert len(cut["cuts"]) == 2, cut
+    overhead = 64 << 10  # a reconnect: TCP handshake, join, presence; TCP's retries in the dark
+    for way in ("down", "up"):
+        again = cut[way] - clean[way]
+        assert again <= DEFAULT_CHUNK_BYTES + overhead, (way, again, runs)
+    print(f"clean {clean['round']:.0f}s, with two 20 s cuts {cut['round']:.0f}s; sent again: "
+          f"down {(cut['down'] - clean['down']) / 1024:.0f} KiB, "
+          f"up {(cut['up'] - clean['up']) / 1024:.0f} KiB")

@@ -114,7 +114,7 @@ class JoinRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., edge_id: _Optional[str] = ..., edge_secret: _Optional[str] = ..., join_token: _Optional[str] = ..., info: _Optional[_Mapping[str, str]] = ..., state_fingerprint: _Optional[str] = ..., signing_key: _Optional[bytes] = ..., upload_key_share: _Optional[bytes] = ..., upload_key_proof: _Optional[bytes] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("protocol_version", "session", "config_json", "fingerprint", "chunk_bytes", "upload_key_share", "task_hints", "download_idle_timeout", "download_min_rate", "download_window", "poll_timeout", "presence_interval")
+    __slots__ = ("protocol_version", "session", "config_json", "fingerprint", "chunk_bytes", "upload_key_share", "task_hints", "download_idle_timeout", "download_min_rate", "download_window", "poll_timeout", "presence_interval", "upload_idle_timeout", "upload_min_rate")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,8 @@ class JoinReply(_message.Message):
     DOWNLOAD_WINDOW_FIELD_NUMBER: _ClassVar[int]
     POLL_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     PRESENCE_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_IDLE_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_MIN_RATE_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     session: str
     config_json: str
@@ -139,7 +141,9 @@ class JoinReply(_message.Message):
     download_window: int
     poll_timeout: float
     presence_interval: float
-    def __init__(self, protocol_version: _Optional[int] = ..., session: _Optional[str] = ..., config_json: _Optional[str] = ..., fingerprint: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., upload_key_share: _Optional[bytes] = ..., task_hints: _Optional[bool] = ..., download_idle_timeout: _Optional[float] = ..., download_min_rate: _Optional[float] = ..., download_window: _Optional[int] = ..., poll_timeout: _Optional[float] = ..., presence_interval: _Optional[float] = ...) -> None: ...
+    upload_idle_timeout: float
+    upload_min_rate: float
+    def __init__(self, protocol_version: _Optional[int] = ..., session: _Optional[str] = ..., config_json: _Optional[str] = ..., fingerprint: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., upload_key_share: _Optional[bytes] = ..., task_hints: _Optional[bool] = ..., download_idle_timeout: _Optional[float] = ..., download_min_rate: _Optional[float] = ..., download_window: _Optional[int] = ..., poll_timeout: _Optional[float] = ..., presence_interval: _Optional[float] = ..., upload_idle_timeout: _Optional[float] = ..., upload_min_rate: _Optional[float] = ...) -> None: ...
 
 class PresenceRequest(_message.Message):
     __slots__ = ("edge_id", "session")

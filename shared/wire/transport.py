@@ -6,6 +6,7 @@ into one buffer by ``PayloadAssembler``, which refuses anything off the declared
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import tempfile
@@ -102,6 +103,34 @@ class DownloadTerms:
         """The deadline of a NextTask call (``call_seconds``)."""
         return call_seconds(no_wait, self.poll_timeout, self.idle_timeout, self.window,
                             self.min_rate)
+
+
+@dataclass(frozen=True)
+class UploadTerms:
+    """What the server's JoinReply says of result uploads: the body of an upload must
+    arrive within ``idle_timeout`` plus its size at ``min_rate``, each chunk within
+    ``idle_timeout`` plus the chunk's size at ``min_rate`` (``chunk_seconds``). The server
+    cuts an upload past either and holds what arrived for the edge to resume; the edge
+    sizes its call's deadline from the same terms, so a slow link that moves at the rate
+    the server accepts always finishes its call."""
+
+    idle_timeout: float = 30.0
+    min_rate: float = 32768.0
+
+    @classmethod
+    def of(cls, reply) -> UploadTerms:
+        """The terms of a ``JoinReply``; a value a server left out (0), or one no server
+        should send (negative, NaN), is the default's."""
+        default = cls()
+        idle, rate = reply.upload_idle_timeout, reply.upload_min_rate
+        return cls(idle if math.isfinite(idle) and idle > 0 else default.idle_timeout,
+                   rate if math.isfinite(rate) and rate > 0 else default.min_rate)
+
+    def chunk_seconds(self, size: int) -> float:
+        """The longest ``size`` bytes may take to arrive: the idle timeout, plus the bytes
+        at the minimum rate (a chunk arrives only once all of it has: a 1 MiB chunk takes
+        33 s at 256 kbit/s, and the idle timeout alone cut every slow link's upload)."""
+        return self.idle_timeout + size / self.min_rate
 
 
 # ---- data frames -------------------------------------------------------------------------
