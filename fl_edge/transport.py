@@ -55,6 +55,7 @@ from fedattn_shared.wire.transport import (
 )
 
 from .caps import LinkCaps
+from .downspool import DownloadSpool
 from .options import EdgeOptions
 
 log = logging.getLogger("fl_edge")
@@ -188,6 +189,9 @@ class GrpcTransport:
         # common id it was asked with). The next ``download`` continues it from the bytes
         # held, in whatever session, while the server still has the task for this edge.
         self.partial: tuple[pb.TaskHeader, list[PayloadAssembler], str] | None = None
+        # The same kept on disk as it arrives, for a restarted process (a download that
+        # spans more than one window: ``fl_edge.downspool``).
+        self.spool = DownloadSpool(opts.state_dir)
 
     # ---- byte accounting ------------------------------------------------------------------
     def _count(self, direction: str, message, kind: str = META) -> None:
@@ -291,28 +295,37 @@ class GrpcTransport:
         there, up to ``WINDOW_RETRIES`` times; one the connection's end interrupted goes
         on from there at the next call, after the reconnect). Every call carries the
         deadline the server's terms allow for it."""
-        resumed = self._resume(request)
+        resumed = self._resume(request, receivers)
         if resumed is not None:
             return resumed
         header, assemblers = self._first_window(request, receivers)
         if header.status != pb.TaskHeader.TASK:
             return header, []
-        return self._rest(request, header, assemblers)
+        header, assemblers = self._rest(request, header, assemblers)
+        self.spool.forget()  # whole, or the task is gone
+        return header, assemblers
 
-    def _resume(self, request: pb.TaskRequest
+    def _resume(self, request: pb.TaskRequest, receivers: Receivers
                 ) -> tuple[pb.TaskHeader, list[PayloadAssembler]] | None:
-        """The interrupted download, whole, when the server still has its task for this
-        edge; None (ask afresh) otherwise."""
+        """The interrupted download (this process's, or what an earlier process of the
+        edge kept on disk), whole, when the server still has its task for this edge;
+        None (ask afresh) otherwise."""
+        after = "after the reconnect"
+        if self.partial is None:
+            self.partial = self.spool.load(receivers)
+            after = "from what an earlier run of this edge kept on disk"
         if self.partial is None:
             return None
         header, assemblers, cached = self.partial
         self.partial = None
         if cached != request.cached_common:
+            self.spool.forget()
             return None
-        log.info("task %d download goes on at byte %d of %d after the reconnect",
-                 header.task_id, sum(a.received for a in assemblers),
-                 sum(len(a.buffer) for a in assemblers))
+        log.info("task %d download goes on at byte %d of %d %s", header.task_id,
+                 sum(a.received for a in assemblers), sum(len(a.buffer) for a in assemblers),
+                 after)
         header, assemblers = self._rest(request, header, assemblers)
+        self.spool.forget()
         return (header, assemblers) if assemblers else None
 
     def _rest(self, request: pb.TaskRequest, header: pb.TaskHeader,
@@ -360,6 +373,7 @@ class GrpcTransport:
                     if header.status != pb.TaskHeader.TASK:
                         break
                     assemblers = receivers(header)
+                    self.spool.begin(header, request.cached_common, self.terms.window)
                     continue
                 if header is None:
                     raise WireError("data before the task header")
@@ -406,6 +420,7 @@ class GrpcTransport:
         if target is None:
             raise WireError("data past the payload")
         kind = target.add(chunk)
+        self.spool.took(chunk)
         wire = data_message_wire_bytes(len(chunk))
         self.meter.count(DOWN, kind.label, wire, len(chunk), self.edge_id)
         if self.caps is not None:

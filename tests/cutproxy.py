@@ -4,8 +4,9 @@ says (``cut``: no connection is taken until ``restore``, a modem that lost its c
 behind a NAT that resets): the kernel's
 sockets are shut down both ways, so both daemons see what a dropped link or a NAT's reset
 does to their real HTTP/2 connection (every call on it ends; gRPC reconnects). Or, with
-``stall``, it stops forwarding the edge's bytes from there (a link gone silent), until
-the edge's end of the connection closes (the test kills the edge process). Everything
+``stall``, it stops forwarding the edge's bytes (with ``downstream``, the server's) from
+there (a link gone silent), until the edge's end of the connection closes (the test kills
+the edge process). Everything
 else is forwarded byte for byte; loopback only, torn down on ``close``."""
 
 from __future__ import annotations
@@ -86,8 +87,8 @@ class CutProxy:
                 data = source.recv(1 << 16)
                 if not data:
                     break
-                if upstream and source in self._silent:
-                    continue  # the link went silent: the edge's bytes go nowhere
+                if upstream != self.downstream and source in self._silent:
+                    continue  # the link went silent: the counted side's bytes go nowhere
                 sink.sendall(data)
                 if upstream != self.downstream:
                     self._count(len(data))

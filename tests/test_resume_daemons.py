@@ -5,6 +5,7 @@ bit the one of a run whose link never broke."""
 
 from __future__ import annotations
 
+import time
 import urllib.request
 from pathlib import Path
 
@@ -109,3 +110,60 @@ def test_an_edge_restarted_mid_upload_resumes_it_from_disk(tmp_path):
             proxy.close()
         cluster.close()
 
+
+
+def raw_down(metrics_port: int, edge: str) -> int:
+    """The download data bytes the server counted to ``edge`` (handed to gRPC)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read()
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.decode().splitlines()
+                   if line.startswith("fedattn_raw_tensor_bytes_total{")
+                   and 'direction="down"' in line and f'edge="{edge}"' in line))
+
+
+def test_an_edge_restarted_mid_download_goes_on_from_the_chunks_it_kept(tmp_path):
+    # The link goes silent in the middle of a task download that spans several windows
+    # (so the edge keeps it on disk as it arrives: download.partial) and the edge process
+    # is killed. Started again on its state dir, it rejoins, finds the server still
+    # holding its task (the download's hold) and asks only for the bytes after the last
+    # whole chunk it kept: the server sends exactly those, and the run's result is the
+    # uncut run's.
+    (data,) = write_edge_dirs(tmp_path, 1)
+    whole, _, _, _ = federation(tmp_path / "whole", data, 0)
+    root = tmp_path / "restart"
+    cluster = Cluster(root)
+    root.mkdir(parents=True)
+    proxy = None
+    try:
+        server = cluster.server("--method", "fedavg", "--rounds", "1", "--min-edges", "1",
+                                "--local-epochs", "1", "--seed", "7", "--eval-every", "0",
+                                "--chunk-bytes", str(CHUNK), "--download-window",
+                                str(2 * CHUNK), "--metrics-port", "0", "--metrics-linger", "120")
+        proxy = CutProxy(cluster.port, CUT_AFTER, stall=True, downstream=True)
+        first = cluster.edge(data, "e0", port=proxy.port)
+        assert proxy.cut_done.wait(120), first.log()
+        kept = root / "state-e0" / "download.partial"
+        wait_for(lambda: kept.exists() and kept.stat().st_size > 2 * CHUNK, 30,
+                 "chunks kept on disk")
+        # What the server handed out before the kill, once it stopped growing.
+        sent = [-1, raw_down(server.metrics_port, "e0")]
+        while sent[-1] != sent[-2]:
+            time.sleep(1)
+            sent.append(raw_down(server.metrics_port, "e0"))
+        first.popen.kill()
+        first.popen.wait(30)
+        again = cluster.edge(data, "e0", port=proxy.port)
+        assert again.wait() == 0, again.log()
+        line = next((text for text in again.log().splitlines()
+                     if "from what an earlier run of this edge kept on disk" in text), None)
+        assert line is not None, again.log()
+        held, total = (int(word) for word in line.split("at byte ")[1].split()[:3:2])
+        assert 0 < held < total and held % CHUNK == 0, line
+        assert not kept.exists()
+        wait_for(lambda: (root / "server-state" / "manifest.json").exists(), 30, "checkpoint")
+        # The restarted edge was sent exactly the bytes after those it kept.
+        assert raw_down(server.metrics_port, "e0") - sent[-1] == total - held
+        assert _identical(whole, _final_global(root / "server-state")) == []
+    finally:
+        if proxy is not None:
+            proxy.close()
+        cluster.close()
