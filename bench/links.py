@@ -12,10 +12,11 @@ download, and again once it has sent half of its upload. It prints, per run:
   server's exit), or that it did not complete within ``--budget`` seconds;
 * bytes sent / bytes needed: every byte the link carried, both ways (the TUN or veth
   devices' counters: IP and TCP headers, retransmissions and anything sent again after a
-  cut included) over the bytes the round needed (the server's history: each message of
-  the round counted once, as a transfer that never breaks moves them), and with loss or
-  cuts, the link's bytes over the clean run's at the same rate (what the loss or the
-  cuts cost: TCP's retransmissions, anything sent again);
+  cut included) over the bytes the round needed (the server's history of the run at that
+  rate without loss or cuts: each message of the round counted once; a broken run's
+  history also counts the chunks it sent again), and with loss or cuts, the link's bytes
+  over the clean run's at the same rate, in all and each way (what the loss or the cuts
+  cost: TCP's retransmissions, anything sent again);
 * and, per model and codec, the slowest link at which the round completed.
 
 The server's minimum rates are set to half of what the link carries (docs/operations.md,
@@ -226,7 +227,10 @@ def main() -> int:
                     completed.setdefault(variant, []).append(rate)
                     if variant == "clean":
                         clean[rate] = r
-                    ratio = r["carried"] / r["needed"] if r["needed"] else float("nan")
+                    # What the round needs is counted once, by the server, in the run that
+                    # never broke: a broken run's history counts its resent chunks too.
+                    needed = clean[rate]["needed"] if rate in clean else r["needed"]
+                    ratio = r["carried"] / needed if needed else float("nan")
                     extra = ""
                     if variant != "clean" and rate in clean:
                         base = clean[rate]
@@ -236,7 +240,7 @@ def main() -> int:
                     cuts = f"; cuts: {', '.join(r['cuts'])}" if r["cuts"] else ""
                     print(f"  {label}: round {r['round']:7.1f} s ({r['seconds']:.0f} s from "
                           f"the edge's start), sent/needed {ratio:.3f} ({r['carried'] / 1e6:.2f}"
-                          f" / {r['needed'] / 1e6:.2f} MB){extra}{cuts}", flush=True)
+                          f" / {needed / 1e6:.2f} MB){extra}{cuts}", flush=True)
             for variant in args.variants:
                 rates = completed.get(variant)
                 print(f"  {model} {codec} {variant}: slowest link completed: "
