@@ -129,6 +129,13 @@ class ServerApp:
             else:
                 log.info("stopping on request; the last completed round stays checkpointed")
                 run_task.cancel()
+                await asyncio.gather(run_task, return_exceptions=True)
+                # A round's checkpoint being written goes to disk first (its thread would
+                # finish the write anyway; the loop must not close under its task).
+                try:
+                    await self.engine.durable()
+                except Exception as err:  # noqa: BLE001 (logged: the stop goes on)
+                    log.error("the last round's checkpoint could not be written: %s", err)
         finally:
             stop_task.cancel()
             await self.stop()
