@@ -140,7 +140,10 @@ class Downloads:
 
     def holds(self, edge: str) -> bool:
         """Whether ``edge`` is in the middle of downloading its task: part of it went to
-        the transport, not all, the last byte within ``transfer_resume_expiry`` seconds.
+        the transport, not all, and a call of it is still open or ended within
+        ``transfer_resume_expiry`` seconds (counted from the call's end, not the last
+        chunk handed to gRPC: on a slow link a chunk takes its size over the rate to
+        leave, 128 s for 1 MiB at 64 kbit/s, and a link cut then cost the task).
         A disconnect or a rejoin then leaves the task standing, for the edge to continue
         the download from the byte it holds (``TaskRequest.task_id``, ``offset``) once it
         is back: a link dark for longer than a keepalive ping's wait (the server closes
@@ -153,7 +156,7 @@ class Downloads:
         if held is None or expiry <= 0:
             return False
         task_id, since = held
-        if time.monotonic() - since > expiry:
+        if edge not in self.tasking and time.monotonic() - since > expiry:
             del self.partial[edge]
             return False
         return self.engine.schedule.task_of(edge, task_id) is not None
@@ -290,6 +293,9 @@ class Downloads:
             log.info("round %d %s: %s's task download ended: %s", phase.round, phase.name,
                      edge, err)
             return
+        finally:  # the hold counts from the call's end (``holds``)
+            if self.partial.get(edge, (None,))[0] == task.task_id:
+                self.partial[edge] = (task.task_id, time.monotonic())
         if end >= total:
             self.partial.pop(edge, None)
             if phase.delivered(task):

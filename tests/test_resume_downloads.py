@@ -24,6 +24,7 @@ from fedattn_shared.wire.transport import MAX_MESSAGE_BYTES, PayloadAssembler
 CHUNK = 16384  # --chunk-bytes and --download-window: one chunk per NextTask call
 EXPIRY = 10.0  # --transfer-resume-expiry
 IDLE = 1.0  # --download-idle-timeout (what bounded the hold before)
+CAP = 64 << 20  # the largest downlink the raw edges take
 
 
 def first_window(edge: RawEdge) -> tuple[pb.TaskHeader, list[PayloadAssembler]]:
@@ -34,7 +35,7 @@ def first_window(edge: RawEdge) -> tuple[pb.TaskHeader, list[PayloadAssembler]]:
         if message.HasField("header"):
             header = message.header
             assert header.status == pb.TaskHeader.TASK, header
-            assemblers = [PayloadAssembler(m, MAX_MESSAGE_BYTES, MAX_MESSAGE_BYTES)
+            assemblers = [PayloadAssembler(m, CAP, MAX_MESSAGE_BYTES)
                           for m in (header.common, header.personal)]
             continue
         next(a for a in assemblers if not a.complete).add(message.data)
@@ -90,3 +91,35 @@ def test_an_edge_gone_mid_download_keeps_its_task_until_the_expiry(tmp_path):
                              timeout=EXPIRY + 30)
         assert time.monotonic() - left >= EXPIRY - 1, line
         assert f"dropped {back.edge_id}" not in server.log()[mark:]
+
+
+def test_the_hold_counts_from_the_calls_end_not_the_last_chunk_handed_out(tmp_path):
+    # On a slow link a chunk handed to gRPC takes its size over the rate to leave (128 s
+    # for 1 MiB at 64 kbit/s): the edge's call is open all that while. Here the edge
+    # takes the header and one chunk and then reads nothing for longer than the expiry,
+    # its call open, before the link goes. Its task must stand for the expiry after the
+    # call ended (measured over a real 64 kbit/s link: a cut there cost the task).
+    # ResNet-18 (44.7 MB) in one window, more than the client's buffers take unread: the
+    # server's sends wait for the edge, as a chunk's does on a slow link.
+    with raw_fleet(tmp_path, ("slow", "other"), "--min-edges", "2", "--rounds", "2",
+                   "--model", "resnet18-cifar", "--round-timeout", "120",
+                   "--download-window", str(64 << 20),
+                   "--download-idle-timeout", "30",
+                   "--transfer-resume-expiry", "6") as (cluster, (slow, other)):
+        server = cluster.procs[0]
+        mark = server.mark()
+        request = pb.TaskRequest(edge_id=slow.edge_id, session=slow.session)
+        call = slow.stub.NextTask(request, timeout=slow.terms.deadline(False))
+        header = next(call).header
+        assert header.status == pb.TaskHeader.TASK
+        assemblers = [PayloadAssembler(m, CAP, MAX_MESSAGE_BYTES)
+                      for m in (header.common, header.personal)]
+        assemblers[0].add(next(call).data)
+        time.sleep(9)  # longer than the expiry since the server handed out its chunks
+        call.cancel()
+        slow.close()  # the link goes
+        server.logged(mark, f"edge {slow.edge_id} disconnected: its task stands")
+        time.sleep(1)
+        slow.reconnect()
+        rest(slow, header, assemblers)  # the task is still the edge's: it goes on
+        assert f"dropped {slow.edge_id}" not in server.log()[mark:], server.log()[mark:]
