@@ -47,9 +47,10 @@ class Task:
 class RawEdge:
     """A minimal edge speaking the wire protocol by hand."""
 
-    def __init__(self, port: int, prefix: str = "raw"):
-        self.port = port
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=channel_options())
+    def __init__(self, port: int, prefix: str = "raw", options: tuple = ()):
+        """``options``: more channel arguments (e.g. a stalling client's fixed window)."""
+        self.port, self.options = port, [*channel_options(), *options]
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=self.options)
         self.stub = pb_grpc.FederatedLearningStub(self.channel)
         self.edge_id = f"{prefix}-{secrets.token_hex(4)}"
         self.secret = secrets.token_hex(32)
@@ -192,7 +193,7 @@ class RawEdge:
     def reconnect(self) -> None:
         """Back after ``close`` (a new connection, a new session), as a device whose link
         came back."""
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}", options=channel_options())
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}", options=self.options)
         self.stub = pb_grpc.FederatedLearningStub(self.channel)
         self.connect()
 

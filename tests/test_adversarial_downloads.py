@@ -35,11 +35,18 @@ def rss(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-def fleet(tmp_path, names, *server_args):
+#: A stalling client's channel: HTTP/2 windows fixed at 64 KiB (no BDP probe), as a
+#: client that reads nothing announces. gRPC's own window otherwise depends on the
+#: client process (in the full suite's process it took a 44.7 MB task unread, so
+#: nothing stalled).
+STALLING = (("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 65536))
+
+
+def fleet(tmp_path, names, *server_args, options: tuple = ()):
     cluster = Cluster(tmp_path)
     server = cluster.server("--method", "fedavg", "--eval-every", "0", "--metrics-port", "0",
                             "--rounds", "50", *server_args)
-    edges = [RawEdge(cluster.port, name) for name in names]
+    edges = [RawEdge(cluster.port, name, options) for name in names]
     for edge in edges:
         edge.connect()
     return cluster, server, edges
@@ -93,7 +100,7 @@ def test_a_stalled_download_ends_on_the_wire_by_its_deadline_and_frees_its_frame
                                    "--min-edges", str(len(names)),
                                    "--download-idle-timeout", "4",
                                    "--download-min-rate", str(10**7),
-                                   "--download-window", str(64 << 20))
+                                   "--download-window", str(64 << 20), options=STALLING)
     try:
         first = edges[0]
         request = pb.TaskRequest(edge_id=first.edge_id, session=first.session, no_wait=True)
