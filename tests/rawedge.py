@@ -127,19 +127,25 @@ class RawEdge:
             if header.status == pb.TaskHeader.DONE:
                 raise AssertionError(f"the run ended at round {header.round}; raise ROUNDS")
             if header.status == pb.TaskHeader.TASK:
-                while not all(a.complete for a in assemblers):
-                    more = pb.TaskRequest(edge_id=self.edge_id, session=self.session,
-                                          task_id=header.task_id,
-                                          offset=sum(a.received for a in assemblers))
-                    for message in self.stub.NextTask(more, timeout=self.terms.deadline(True)):
-                        assert not message.HasField("header"), f"task gone: {message.header}"
-                        next(a for a in assemblers if not a.complete).add(message.data)
+                self.rest(header, assemblers)
                 common, _personal = (a.finish() for a in assemblers)
                 tensors = common.tensors(Kind.SHARED_TENSORS)
                 return Task(header, {name: t.clone() for name, t in tensors.items()})
             if no_wait:  # the WAIT answer, for the caller to see
                 return Task(header, {})
         raise AssertionError(f"no task for {self.edge_id} within {timeout}s")
+
+    def rest(self, header: pb.TaskHeader, assemblers: list[PayloadAssembler]) -> None:
+        """The windows of a task download after the bytes ``assemblers`` hold, in this
+        edge's current session (continuation calls by task id and offset); the task must
+        still be this edge's (a header instead of data says it is gone)."""
+        while not all(a.complete for a in assemblers):
+            more = pb.TaskRequest(edge_id=self.edge_id, session=self.session,
+                                  task_id=header.task_id,
+                                  offset=sum(a.received for a in assemblers))
+            for message in self.stub.NextTask(more, timeout=self.terms.deadline(True)):
+                assert not message.HasField("header"), f"the task is gone: {message.header}"
+                next(a for a in assemblers if not a.complete).add(message.data)
 
     def submit(self, messages: list[pb.SubmitMessage]) -> pb.SubmitReply:
         """Signs an unsigned header over itself and the data that follows, as an edge does."""

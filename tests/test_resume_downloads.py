@@ -13,10 +13,10 @@ task (measured over a link cut for 20 s: ``bench/links.py --variants cuts``).
 from __future__ import annotations
 
 import time
-import urllib.request
 
 from rawedge import RawEdge
 from test_adversarial import raw_fleet
+from test_resume_daemons import raw_down
 
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire.transport import MAX_MESSAGE_BYTES, PayloadAssembler
@@ -43,28 +43,6 @@ def first_window(edge: RawEdge) -> tuple[pb.TaskHeader, list[PayloadAssembler]]:
     return header, assemblers
 
 
-def rest(edge: RawEdge, header: pb.TaskHeader, assemblers: list[PayloadAssembler]) -> None:
-    """The windows after the ones held, in the edge's current session: the task must
-    still be the edge's (a header instead of data says it is gone)."""
-    while not all(a.complete for a in assemblers):
-        more = pb.TaskRequest(edge_id=edge.edge_id, session=edge.session,
-                              task_id=header.task_id,
-                              offset=sum(a.received for a in assemblers))
-        for message in edge.stub.NextTask(more, timeout=edge.terms.deadline(True)):
-            assert not message.HasField("header"), f"the task is gone: {message.header}"
-            next(a for a in assemblers if not a.complete).add(message.data)
-    for assembler in assemblers:
-        assembler.finish()
-
-
-def raw_down_bytes(metrics_port: int, edge_id: str) -> int:
-    """The data bytes the server counted to ``edge_id`` (every kind, direction down)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read()
-    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.decode().splitlines()
-                   if line.startswith("fedattn_raw_tensor_bytes_total{")
-                   and 'direction="down"' in line and f'edge="{edge_id}"' in line))
-
-
 def test_an_edge_gone_mid_download_keeps_its_task_until_the_expiry(tmp_path):
     with raw_fleet(tmp_path, ("back", "gone"), "--min-edges", "2", "--rounds", "2",
                    "--round-timeout", "120", "--chunk-bytes", str(CHUNK),
@@ -83,9 +61,11 @@ def test_an_edge_gone_mid_download_keeps_its_task_until_the_expiry(tmp_path):
         assert "dropped" not in server.log()[mark:], server.log()[mark:]
         back.reconnect()  # a new connection and a new session
         header, assemblers = windows[back.edge_id]
-        rest(back, header, assemblers)
+        back.rest(header, assemblers)
+        for assembler in assemblers:
+            assembler.finish()
         total = sum(len(a.buffer) for a in assemblers)
-        assert raw_down_bytes(server.metrics_port, back.edge_id) == total  # none twice
+        assert raw_down(server.metrics_port, back.edge_id) == total  # none twice
         # The one that never came back goes at the expiry: not before, not held past it.
         line = server.logged(mark, f"dropped {gone.edge_id}", "disconnected",
                              timeout=EXPIRY + 30)
@@ -121,5 +101,5 @@ def test_the_hold_counts_from_the_calls_end_not_the_last_chunk_handed_out(tmp_pa
         server.logged(mark, f"edge {slow.edge_id} disconnected: its task stands")
         time.sleep(1)
         slow.reconnect()
-        rest(slow, header, assemblers)  # the task is still the edge's: it goes on
+        slow.rest(header, assemblers)  # the task is still the edge's: it goes on
         assert f"dropped {slow.edge_id}" not in server.log()[mark:], server.log()[mark:]
