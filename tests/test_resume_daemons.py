@@ -15,14 +15,27 @@ from test_determinism import _final_global, _identical
 
 CHUNK = 16 << 10  # --chunk-bytes: a ~180 KB upload in a dozen chunks
 CUT_AFTER = 80_000  # edge-to-server bytes after which the link breaks: inside the upload
+#: One round, one edge, seeded: every run here (whole, cut, restarted) is the same round.
+SERVER = ("--method", "fedavg", "--rounds", "1", "--min-edges", "1", "--local-epochs", "1",
+          "--seed", "7", "--eval-every", "0", "--chunk-bytes", str(CHUNK),
+          "--metrics-port", "0", "--metrics-linger", "120")
 
 
-def raw_up(metrics_port: int, edge: str) -> int:
-    """The upload data bytes the server counted from ``edge``."""
+def raw_bytes(metrics_port: int, edge: str, direction: str) -> int:
+    """The data bytes the server counted for ``edge`` in ``direction`` ("up": received
+    from it, "down": handed to gRPC for it)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read()
     return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.decode().splitlines()
                    if line.startswith("fedattn_raw_tensor_bytes_total{")
-                   and 'direction="up"' in line and f'edge="{edge}"' in line))
+                   and f'direction="{direction}"' in line and f'edge="{edge}"' in line))
+
+
+def raw_up(metrics_port: int, edge: str) -> int:
+    return raw_bytes(metrics_port, edge, "up")
+
+
+def raw_down(metrics_port: int, edge: str) -> int:
+    return raw_bytes(metrics_port, edge, "down")
 
 
 def federation(root: Path, data: Path, cut_after: int) -> tuple[dict, int, str, str]:
@@ -32,10 +45,7 @@ def federation(root: Path, data: Path, cut_after: int) -> tuple[dict, int, str, 
     root.mkdir(parents=True, exist_ok=True)
     proxy = None
     try:
-        server = cluster.server("--method", "fedavg", "--rounds", "1", "--min-edges", "1",
-                                "--local-epochs", "1", "--seed", "7", "--eval-every", "0",
-                                "--chunk-bytes", str(CHUNK), "--metrics-port", "0",
-                                "--metrics-linger", "120")
+        server = cluster.server(*SERVER)
         # The cut waits until the server counts the upload's bytes: it then holds the
         # upload, whatever order it learns of the broken calls in (a loaded server's
         # handler can still be a window behind its socket at the byte count).
@@ -80,10 +90,7 @@ def test_an_edge_restarted_mid_upload_resumes_it_from_disk(tmp_path):
     root.mkdir(parents=True)
     proxy = None
     try:
-        server = cluster.server("--method", "fedavg", "--rounds", "1", "--min-edges", "1",
-                                "--local-epochs", "1", "--seed", "7", "--eval-every", "0",
-                                "--chunk-bytes", str(CHUNK), "--metrics-port", "0",
-                                "--metrics-linger", "120")
+        server = cluster.server(*SERVER)
         proxy = CutProxy(cluster.port, CUT_AFTER, stall=True)
         first = cluster.edge(data, "e0", port=proxy.port)
         assert proxy.cut_done.wait(120), first.log()
@@ -112,13 +119,6 @@ def test_an_edge_restarted_mid_upload_resumes_it_from_disk(tmp_path):
 
 
 
-def raw_down(metrics_port: int, edge: str) -> int:
-    """The download data bytes the server counted to ``edge`` (handed to gRPC)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read()
-    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.decode().splitlines()
-                   if line.startswith("fedattn_raw_tensor_bytes_total{")
-                   and 'direction="down"' in line and f'edge="{edge}"' in line))
-
 
 def test_an_edge_restarted_mid_download_goes_on_from_the_chunks_it_kept(tmp_path):
     # The link goes silent in the middle of a task download that spans several windows
@@ -134,10 +134,7 @@ def test_an_edge_restarted_mid_download_goes_on_from_the_chunks_it_kept(tmp_path
     root.mkdir(parents=True)
     proxy = None
     try:
-        server = cluster.server("--method", "fedavg", "--rounds", "1", "--min-edges", "1",
-                                "--local-epochs", "1", "--seed", "7", "--eval-every", "0",
-                                "--chunk-bytes", str(CHUNK), "--download-window",
-                                str(2 * CHUNK), "--metrics-port", "0", "--metrics-linger", "120")
+        server = cluster.server(*SERVER, "--download-window", str(2 * CHUNK))
         proxy = CutProxy(cluster.port, CUT_AFTER, stall=True, downstream=True)
         first = cluster.edge(data, "e0", port=proxy.port)
         assert proxy.cut_done.wait(120), first.log()
