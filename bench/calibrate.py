@@ -26,11 +26,14 @@ Where this differs from the reproduction, each named so a gap can be traced:
   * test set: 860 images (the first 86 of each class of the official test set; the copy in
     ../shared/data holds only its first 1,000 records, 86..112 per class), not 10,000: a
     figure near 65 % has a binomial standard error of about 1.6 points;
-  * SCAFFOLD runs plain SGD (momentum 0, weight decay 0): the system's SCAFFOLD refuses
-    momentum, because its control-variate update c_i+ = c_i - c + (x - y)/(K lr) is the
-    displacement of plain SGD steps; the reproduction steps SGD with momentum 0.9. Its
-    server also averages uniformly over the round's clients (the paper), the reproduction
-    weights by sample count;
+  * SCAFFOLD, by default (``--scaffold-form paper``), runs the paper's form: plain SGD
+    (momentum 0, weight decay 0), because the control-variate update
+    c_i+ = c_i - c + (x - y)/(K lr) is the displacement of plain SGD steps, and means uniform
+    over the round's clients; the reproduction steps SGD with momentum 0.9 on the plain
+    gradient, applies -lr (c - c_i) after each step, and weights by sample count.
+    ``--scaffold-form niid-bench`` runs that form (scaffold.correction = step,
+    scaffold.weighting = examples, the protocol's momentum and decay): the test of whether
+    the form is what separates the two figures;
   * images normalised to [-1, 1] (the system's input pipeline), not [0, 1]; the crop pads
     with zeros (the normalised grey), not by reflection;
   * every client also holds the 860 test images as its local test split, so that no
@@ -91,6 +94,10 @@ ROWS = {row.name: row for row in (
     Row("fedprox-iid", "fedprox", "iid", (71.26, 1.18)),
     Row("scaffold-iid", "scaffold", "iid", (71.66, 1.13)),
 )}
+SCAFFOLD_FORMS = {
+    "paper": "the paper's form, plain SGD with c - c_i in the gradient, uniform means",
+    "niid-bench": "NIID-Bench's form, momentum SGD then -lr (c - c_i) after each step, means "
+                  "by examples"}
 SOURCE = ("Flower baselines/niid_bench README (Li et al., ICDE'22 protocol), "
           "https://github.com/adap/flower/tree/main/baselines/niid_bench")
 
@@ -118,12 +125,15 @@ def run_dir(args, row: Row, seed: int) -> Path:
         f"-r{args.rounds}e{args.epochs}n{args.limit or 'all'}"
     if args.optimizer_state != "reset":
         suffix += f"-{args.optimizer_state}"
+    if row.method == "scaffold" and args.scaffold_form != "paper":
+        suffix += f"-{args.scaffold_form}"
     return args.out / "runs" / f"{row.name}{suffix}-s{seed}"
 
 
 def train_sets(args, method: str) -> dict:
     """The fl-server settings of the protocol for ``method``."""
-    plain_sgd = method == "scaffold"  # the system's SCAFFOLD refuses momentum and decay
+    # The paper's SCAFFOLD refuses momentum and decay; NIID-Bench's form takes both.
+    plain_sgd = method == "scaffold" and args.scaffold_form == "paper"
     sets = {"train.model": "niid-cnn", "train.in_channels": 3, "train.image_size": 32,
             "train.lr": args.lr, "train.batch_size": args.batch_size,
             "train.momentum": 0.0 if plain_sgd else args.momentum,
@@ -134,6 +144,9 @@ def train_sets(args, method: str) -> dict:
             "server.round_timeout": args.round_timeout}
     if method == "fedprox":
         sets["fedprox.mu"] = args.mu
+    if method == "scaffold" and args.scaffold_form == "niid-bench":
+        sets["scaffold.correction"] = "step"
+        sets["scaffold.weighting"] = "examples"
     return sets
 
 
@@ -176,8 +189,8 @@ def report(args, rows: list[Row], results: dict[tuple[str, int], list[float]]) -
              f"protocol: {args.edges} clients all participating, {args.limit or 'all 50,000'} "
              f"training images, {args.rounds} rounds x {args.epochs} local epochs, batch "
              f"{args.batch_size}, SGD lr {args.lr} momentum {args.momentum} weight decay "
-             f"{args.weight_decay} (SCAFFOLD: plain SGD), optimizer state "
-             f"{args.optimizer_state} at each round, FedProx mu {args.mu}, augment "
+             f"{args.weight_decay} (SCAFFOLD: {SCAFFOLD_FORMS[args.scaffold_form]}), "
+             f"optimizer state {args.optimizer_state} at each round, FedProx mu {args.mu}, augment "
              f"{args.augment}, Dirichlet alpha {args.alpha} with NIID-Bench's cap; global model "
              f"on {10 * args.test_per_class} official test images; model niid-cnn",
              "accuracy (%): best round (the published figure) and the last round recorded; "
@@ -242,6 +255,10 @@ def main() -> int:
                    help="reset: a fresh local SGD every round, as the reproduction (the "
                         "system's default); carry: momentum kept across rounds (the default "
                         "before 2026-11-27)")
+    p.add_argument("--scaffold-form", choices=list(SCAFFOLD_FORMS), default="paper",
+                   help="SCAFFOLD's rows: the paper's form (plain SGD, uniform means) or the "
+                        "reproduction's (momentum SGD, correction after the step, means by "
+                        "examples)")
     p.add_argument("--mu", type=float, default=0.01, help="FedProx's mu (the reproduction's default)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--augment", choices=["none", "crop-flip"], default="crop-flip")

@@ -48,7 +48,7 @@ def test_the_rows_and_settings_are_the_reproductions(bench):
         "fedavg-iid": 71.32, "fedprox-iid": 71.26, "scaffold-iid": 71.66}
     args = bench.argparse.Namespace(lr=0.01, batch_size=64, momentum=0.9, weight_decay=1e-5,
                                     epochs=10, augment="crop-flip", round_timeout=60.0, mu=0.01,
-                                    optimizer_state="reset")
+                                    optimizer_state="reset", scaffold_form="paper")
     fedprox = bench.train_sets(args, "fedprox")
     assert (fedprox["train.model"], fedprox["train.momentum"], fedprox["train.weight_decay"],
             fedprox["fedprox.mu"], fedprox["train.lr_schedule"],
@@ -56,6 +56,12 @@ def test_the_rows_and_settings_are_the_reproductions(bench):
     # The system's SCAFFOLD refuses momentum: the stated difference, not a silent one.
     scaffold = bench.train_sets(args, "scaffold")
     assert (scaffold["train.momentum"], scaffold["train.weight_decay"]) == (0.0, 0.0)
+    assert "scaffold.correction" not in scaffold
+    # The reproduction's form, the test of that difference: its optimiser and means.
+    args.scaffold_form = "niid-bench"
+    niid = bench.train_sets(args, "scaffold")
+    assert (niid["train.momentum"], niid["train.weight_decay"], niid["scaffold.correction"],
+            niid["scaffold.weighting"]) == (0.9, 1e-5, "step", "examples")
     assert "fedprox.mu" not in bench.train_sets(args, "fedavg")
 
 
@@ -65,6 +71,7 @@ def test_the_report_puts_the_plateau_beside_the_best_round(bench):
     args = bench.argparse.Namespace(edges=10, limit=0, rounds=8, epochs=10, batch_size=64,
                                     lr=0.01, momentum=0.9, weight_decay=1e-5, mu=0.01,
                                     optimizer_state="reset", augment="crop-flip", alpha=0.5,
+                                    scaffold_form="paper",
                                     test_per_class=86, seeds=[0])
     accs = [10.0, 40.0, 60.0, 66.0, 61.0, 62.0, 60.0, 61.0]
     text = bench.report(args, [bench.ROWS["fedavg-dir"]], {("fedavg-dir", 0): accs})

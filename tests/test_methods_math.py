@@ -342,6 +342,64 @@ def test_scaffold_edge_control_variate_after_k_steps():
         assert close(edge.extra_state()[f"c_local/{k}"], expected_c[k], 1e-5)
 
 
+def test_scaffold_step_correction_is_niid_bench_form():
+    """correction = "step": momentum SGD with weight decay steps on the plain gradient, then
+    y -= lr (c - c_i) outside the momentum buffer, as NIID-Bench's reproduction; c_i+ keeps
+    option II's formula; means weigh edges by their examples."""
+    lr, K, momentum, decay = 0.1, 3, 0.9, 1e-2
+    params = {"correction": "step", "weighting": "examples"}
+    with pytest.raises(ValueError, match="correction = 'step'"):
+        make("scaffold", lr=lr, momentum=momentum)  # the paper's form refuses momentum
+    method = make("scaffold", params, lr=lr, momentum=momentum, weight_decay=decay,
+                  num_classes=3)
+    assert method.aggregation_weight(100) == 100.0 and method.aggregation_weight(7) == 7.0
+    torch.manual_seed(1)
+    model = nn.Linear(2, 3)
+    edge = method.edge({"model": model}, CPU)
+    names = ["model/weight", "model/bias"]
+    torch.manual_seed(2)
+    x = {"model/weight": torch.randn(3, 2), "model/bias": torch.randn(3)}
+    c = {"model/weight": torch.full((3, 2), 0.3), "model/bias": t(0.3, -0.2, 0.1)}
+    c_i = {"model/weight": torch.full((3, 2), -0.1), "model/bias": t(0.05, 0.0, 0.2)}
+    edge.load_extra_state({f"c_local/{k}": v for k, v in c_i.items()})
+    edge.receive(TRAIN, Payload([Section(Kind.SHARED_TENSORS, "", x),
+                                 Section(Kind.CONTROL, "", c)]), Payload())
+    edge.train_mode()
+    edge.begin_train()
+    batches = [(torch.randn(4, 2), torch.tensor([0, 1, 2, 1])) for _ in range(K)]
+
+    # Reference: torch's momentum SGD on a plain copy, then the correction after each step.
+    ref = nn.Linear(2, 3)
+    with torch.no_grad():
+        ref.weight.copy_(x["model/weight"])
+        ref.bias.copy_(x["model/bias"])
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=momentum, weight_decay=decay)
+    for inputs, labels in batches:
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(inputs), labels).backward()
+        ref_opt.step()
+        with torch.no_grad():
+            ref.weight.sub_(lr * (c["model/weight"] - c_i["model/weight"]))
+            ref.bias.sub_(lr * (c["model/bias"] - c_i["model/bias"]))
+
+    (opt,) = edge.optimizers()
+    assert edge.optimizers() == [opt]  # asking again registers no second correction
+    for inputs, labels in batches:
+        opt.zero_grad()
+        edge.training_step((inputs, labels)).backward()
+        grad = model.weight.grad.clone()
+        edge.post_backward()
+        assert torch.equal(model.weight.grad, grad)  # nothing is added to the gradient
+        opt.step()
+    assert close(model.weight, ref.weight, 1e-6) and close(model.bias, ref.bias, 1e-6)
+
+    up = edge.after_train(K)
+    y = {"model/weight": ref.weight.detach(), "model/bias": ref.bias.detach()}
+    for k in names:
+        expected = c_i[k] - c[k] + (x[k] - y[k]) / (K * lr)
+        assert close(up.tensors(*CONTROL)[k], expected - c_i[k], 1e-5)
+
+
 # ---- FedProx --------------------------------------------------------------------------
 
 

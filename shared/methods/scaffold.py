@@ -1,4 +1,5 @@
-"""SCAFFOLD (Karimireddy et al., 2020), option II control variates.
+"""SCAFFOLD (Karimireddy et al., 2020, https://arxiv.org/abs/1910.06378), option II control
+variates.
 
 Edge: y <- y - lr (g(y) - c_i + c), applied as gradient post-processing; after K local
 steps c_i+ = c_i - c + (x - y) / (K lr); it uploads y (SHARED_TENSORS) and
@@ -6,9 +7,17 @@ Delta c_i = c_i+ - c_i (CONTROL). c_i is private edge state.
 Server: x <- x + eta_g mean(y - x);  c <- c + (|S| / N) mean(Delta c_i), means uniform over
 the round's participants as in the paper, N = every edge known to the server.
 Control variates cover trainable shared tensors; float buffers are averaged.
+
+``correction = "step"`` and ``weighting = "examples"`` are the form NIID-Bench's published
+reproduction runs (Flower's baselines/niid_bench, the table ``bench/calibrate.py`` checks
+against): the optimiser (SGD with momentum and weight decay) steps on the plain gradient g,
+then every parameter moves by -lr (c - c_i) outside the momentum buffer; c_i+ keeps option
+II's formula; both means weigh each edge by its number of examples. The defaults are the
+paper's.
 """
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -23,6 +32,11 @@ CONTROL = (Kind.CONTROL, "")
 @dataclass
 class ScaffoldParams:
     server_lr: float = 1.0  # global step size on the mean update (1: plain averaging)
+    # Where c - c_i enters: "gradient" (the paper: added to g, plain SGD only) or "step"
+    # (NIID-Bench's reproduction: applied after each optimiser step, momentum allowed).
+    correction: Literal["gradient", "step"] = "gradient"
+    # The means over the round's edges: "uniform" (the paper) or "examples" (by data size).
+    weighting: Literal["uniform", "examples"] = "uniform"
 
 
 def control_specs(method: Method, models) -> dict:
@@ -36,13 +50,31 @@ class ScaffoldEdge(EdgeAlgorithm):
         self.c_local = {name: torch.zeros_like(self.live_tensor(name)).detach()
                         for name in self.control_names}
         self.c_global = dict(self.c_local)
+        self._corrects = False  # the step hook is registered once per optimizer
 
     def receive(self, phase, common, personal):
         super().receive(phase, common, personal)
         control = common.tensors(*CONTROL)
         self.c_global = {name: control[name].to(self.device).clone() for name in self.control_names}
 
+    def optimizers(self):
+        optimizers = super().optimizers()
+        if self.method.params.correction == "step" and not self._corrects:
+            for opt in optimizers:
+                opt.register_step_post_hook(self._correct_after_step)
+            self._corrects = True
+        return optimizers
+
+    def _correct_after_step(self, optimizer, *_) -> None:
+        """y <- y - lr (c - c_i) after the optimiser's own step (on g, with its momentum)."""
+        lr = optimizer.param_groups[0]["lr"]
+        with torch.no_grad():
+            for name in self.control_names:
+                self.live_tensor(name).sub_(self.c_global[name] - self.c_local[name], alpha=lr)
+
     def post_backward(self) -> None:
+        if self.method.params.correction == "step":
+            return
         for name in self.control_names:
             param = self.live_tensor(name)
             if param.grad is not None:
@@ -99,10 +131,14 @@ class Scaffold(Method):
     def __init__(self, context):
         super().__init__(context)
         t = self.train
-        if t.optimizer != "sgd" or t.momentum or t.weight_decay:
+        if t.optimizer != "sgd":
+            raise ValueError("scaffold steps SGD: use train.optimizer = 'sgd'")
+        if self.params.correction == "gradient" and (t.momentum or t.weight_decay):
             # c_i+ = c_i - c + (x - y) / (K lr) is the displacement of plain SGD steps.
             raise ValueError("scaffold's control-variate update assumes plain SGD: use "
-                             "train.optimizer = 'sgd' with momentum = 0 and weight_decay = 0")
+                             "train.optimizer = 'sgd' with momentum = 0 and weight_decay = 0, "
+                             "or scaffold.correction = 'step' (NIID-Bench's form, which "
+                             "steps momentum SGD and applies the correction after each step)")
 
     def initial_state(self, models):
         state = super().initial_state(models)
@@ -117,7 +153,7 @@ class Scaffold(Method):
         return schema
 
     def aggregation_weight(self, num_examples: int) -> float:
-        return 1.0
+        return 1.0 if self.params.weighting == "uniform" else float(num_examples)
 
     def edge(self, models, device):
         return ScaffoldEdge(self, models, device)
