@@ -63,6 +63,27 @@ def run(cmd: list[str], log: Path, until: float | None = None) -> None:
         raise SystemExit(f"failed ({code}): {' '.join(cmd)}\n{log.read_text()[-3000:]}")
 
 
+def add_optimizer_state(parser) -> None:
+    """``--optimizer-state``, the same in every bench that trains: what the local optimizer
+    starts each round from (``train.optimizer_state``)."""
+    parser.add_argument("--optimizer-state", choices=["reset", "carry"], default="reset",
+                        help="reset: a fresh local optimizer every round, as the papers (the "
+                             "system's default since 2026-11-27); carry: momentum kept across "
+                             "rounds (every results file dated before 2026-11-27)")
+
+
+def optimizer_state_tag(args) -> str:
+    """A run folder's suffix for ``--optimizer-state``: none for the default, so a carried
+    run is never read back as a reset one (``--out`` doubles as a cache)."""
+    return "" if args.optimizer_state == "reset" else f"-{args.optimizer_state}"
+
+
+def optimizer_state_words(args) -> str:
+    """The header's words for ``--optimizer-state``: which behaviour a results file used."""
+    return ("local optimizer reset every round" if args.optimizer_state == "reset"
+            else "local optimizer state carried across rounds")
+
+
 def resumable(run: Path) -> bool:
     """Whether an unfinished fl-sim run in ``run`` has a round checkpoint to continue from
     (``fl-sim --resume``: a GPU lease ends each command at 10 minutes); one without is

@@ -54,7 +54,17 @@ import time
 from pathlib import Path
 
 import torch
-from _harness import ROOT, SHARED_DATA, fl_partition, pm_seeds, resumable, run
+from _harness import (
+    ROOT,
+    SHARED_DATA,
+    add_optimizer_state,
+    fl_partition,
+    optimizer_state_tag,
+    optimizer_state_words,
+    pm_seeds,
+    resumable,
+    run,
+)
 
 CIFAR10 = SHARED_DATA / "cifar-10" / "cifar-10-batches-bin"
 ARCHS = {  # label -> (compact model, -50 model)
@@ -139,7 +149,7 @@ def recipe_tag(args) -> str:
         (["attn-nowd"] if args.pretrained and args.pretrain_no_attention_decay else []) + \
         ([f"ps{args.pretrain_seed}"] if args.pretrained and args.pretrain_seed else []) + \
         (["graft"] if args.pretrained and args.anfr_from_nf else [])
-    return "".join(f"-{p}" for p in parts)
+    return "".join(f"-{p}" for p in parts) + optimizer_state_tag(args)
 
 
 # --pretrained --anfr-from-nf: the attention families graft fresh attention modules onto
@@ -201,7 +211,8 @@ def federate(args, scheme: str, arch: str, method: str, seed: int) -> Path:
             # SCAFFOLD's control-variate update assumes plain SGD (and refuses momentum).
             "train.momentum": 0.0 if method == "scaffold" else args.momentum,
             "train.local_epochs": args.epochs, "train.lr_schedule": "cosine",
-            "server.eval_every": args.eval_every, "server.round_timeout": 3600,
+            "train.optimizer_state": args.optimizer_state, "server.eval_every": args.eval_every,
+            "server.round_timeout": 3600,
             "train.clip_grad_norm": args.clip_grad_norm, "train.augment": args.augment,
             **init_sets, **method_sets}
     # ANFR under FedAvg runs as --method anfr (FedAvg over an ANFR model, the same
@@ -462,6 +473,7 @@ def main() -> int:
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--lr", type=float, default=0.03)
     p.add_argument("--momentum", type=float, default=0.9)
+    add_optimizer_state(p)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--eval-every", type=int, default=4)
     p.add_argument("--procs", type=int, default=2)
@@ -483,7 +495,8 @@ def main() -> int:
     depth = "-50" if args.full else "compact"
     print(f"CIFAR-10, {args.edges} edges, {depth} models, {args.rounds} rounds x {args.epochs} "
           f"epochs, {args.limit or 'all'} training images, SGD lr {args.lr} cosine momentum "
-          f"{args.momentum} batch {args.batch_size}, seeds {args.seeds}; shards: "
+          f"{args.momentum} batch {args.batch_size}, {optimizer_state_words(args)}, seeds "
+          f"{args.seeds}; shards: "
           f"{args.classes_per_edge} classes per edge, dirichlet: alpha {args.alpha}; FedAdam "
           f"server lr {', '.join(f'{r:g}' for r in args.fedadam_server_lrs)}; gradient clip "
           f"{args.clip_grad_norm or 'off'}, augmentation {args.augment}, "

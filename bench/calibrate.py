@@ -69,7 +69,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from _harness import ROOT, SHARED_DATA, fl_partition, pm, resumable, run
+from _harness import (
+    ROOT,
+    SHARED_DATA,
+    add_optimizer_state,
+    fl_partition,
+    optimizer_state_tag,
+    pm,
+    resumable,
+    run,
+)
 
 CIFAR10 = SHARED_DATA / "cifar-10" / "cifar-10-batches-bin"
 TEST_PER_CLASS = 86  # every class of the 1,000 official test records here has >= 86
@@ -123,8 +132,7 @@ def partition(args, scheme: str, seed: int) -> Path:
 def run_dir(args, row: Row, seed: int) -> Path:
     suffix = "" if (args.rounds, args.epochs, args.limit) == (50, 10, 0) else \
         f"-r{args.rounds}e{args.epochs}n{args.limit or 'all'}"
-    if args.optimizer_state != "reset":
-        suffix += f"-{args.optimizer_state}"
+    suffix += optimizer_state_tag(args)
     if row.method == "scaffold" and args.scaffold_form != "paper":
         suffix += f"-{args.scaffold_form}"
     return args.out / "runs" / f"{row.name}{suffix}-s{seed}"
@@ -251,10 +259,7 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--weight-decay", type=float, default=1e-5)
-    p.add_argument("--optimizer-state", choices=["reset", "carry"], default="reset",
-                   help="reset: a fresh local SGD every round, as the reproduction (the "
-                        "system's default); carry: momentum kept across rounds (the default "
-                        "before 2026-11-27)")
+    add_optimizer_state(p)
     p.add_argument("--scaffold-form", choices=list(SCAFFOLD_FORMS), default="paper",
                    help="SCAFFOLD's rows: the paper's form (plain SGD, uniform means) or the "
                         "reproduction's (momentum SGD, correction after the step, means by "

@@ -63,8 +63,11 @@ from _harness import (
     ROOT,
     SHARED_DATA,
     BudgetSpent,
+    add_optimizer_state,
     deadline,
     fl_partition,
+    optimizer_state_tag,
+    optimizer_state_words,
     pm_seeds,
     resumable,
     run,
@@ -139,9 +142,15 @@ def partition(args, alpha: str, seed: int) -> Path:
     return out
 
 
+def run_protocol(args, alpha: str) -> str:
+    """The folder of a protocol's runs under --out (its cache key, with the optimizer's)."""
+    return (f"{args.dataset}-{alpha}-{args.model}-n{args.limit or 'all'}-b{args.batch_size}"
+            f"{optimizer_state_tag(args)}")
+
+
 def finished(args, config: Config, alpha: str, seed: int) -> Path | None:
     """The run's history when a run of this row, alpha and seed finished under --out."""
-    protocol = f"{args.dataset}-{alpha}-{args.model}-n{args.limit or 'all'}-b{args.batch_size}"
+    protocol = run_protocol(args, alpha)
     history = args.out / "runs" / protocol / f"{config.label}-s{seed}" / "server" / "history.json"
     if not history.exists():
         return None
@@ -157,7 +166,7 @@ def finished(args, config: Config, alpha: str, seed: int) -> Path | None:
 
 def federate(args, config: Config, alpha: str, seed: int) -> Path:
     _, channels, size = SOURCES[args.dataset]
-    protocol = f"{args.dataset}-{alpha}-{args.model}-n{args.limit or 'all'}-b{args.batch_size}"
+    protocol = run_protocol(args, alpha)
     out = args.out / "runs" / protocol / f"{config.label}-s{seed}"
     history = out / "server" / "history.json"
     if finished(args, config, alpha, seed):
@@ -167,7 +176,7 @@ def federate(args, config: Config, alpha: str, seed: int) -> Path:
     sets = {"train.model": args.model, "train.in_channels": channels, "train.image_size": size,
             "train.lr": args.lr, "train.momentum": args.momentum, "train.batch_size": args.batch_size,
             "train.local_epochs": args.epochs, "server.eval_every": args.eval_every,
-            "train.lr_schedule": "constant",
+            "train.lr_schedule": "constant", "train.optimizer_state": args.optimizer_state,
             **{f"train.{k}": v for k, v in config.train.items()},
             **{f"{config.method}.{k}": v for k, v in config.params.items()}}
     flags = [f"--set={k}={json.dumps(v)}" for k, v in sets.items()]  # JSON scalars are TOML
@@ -431,6 +440,7 @@ def main() -> int:
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--momentum", type=float, default=0.9)
+    add_optimizer_state(p)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--eval-every", type=int, default=None, help="default 2; 5 with --full")
     p.add_argument("--procs", type=int, default=2)
@@ -461,7 +471,8 @@ def main() -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     print(f"{args.dataset}, {args.edges} edges, {args.model}, {args.rounds} rounds x "
           f"{args.epochs} epochs, {args.limit or 'all'} training images, lr {args.lr} "
-          f"momentum {args.momentum} batch {args.batch_size}, seeds {args.seeds}", flush=True)
+          f"momentum {args.momentum} batch {args.batch_size}, {optimizer_state_words(args)}, "
+          f"seeds {args.seeds}", flush=True)
 
     results: dict[tuple[str, str], list] = {}
     main_table = [*TABLE_IV, PSE_ONLY, FEDSAP_RUNNING]

@@ -67,8 +67,11 @@ from _harness import (
     ROOT,
     SHARED_DATA,
     BudgetSpent,
+    add_optimizer_state,
     deadline,
     fl_partition,
+    optimizer_state_tag,
+    optimizer_state_words,
     pm_seeds,
     resumable,
     run,
@@ -138,9 +141,14 @@ def partition(args, dataset: str, seed: int) -> Path:
     return out
 
 
+def run_dir(args, dataset: str, label: str, seed: int) -> Path:
+    """One run's folder under --out (its cache key, with the optimizer's)."""
+    return args.out / "runs" / dataset / f"{label}{optimizer_state_tag(args)}-s{seed}"
+
+
 def federate(args, config: Config, dataset: str, seed: int) -> Path:
     _, channels, size = SOURCES[dataset]
-    out = args.out / "runs" / dataset / f"{config.label}-s{seed}"
+    out = run_dir(args, dataset, config.label, seed)
     history = out / "server" / "history.json"
     if history.exists() and len(json.loads(history.read_text())["rounds"]) == args.rounds:
         return history  # finished earlier: --out doubles as a cache
@@ -150,6 +158,7 @@ def federate(args, config: Config, dataset: str, seed: int) -> Path:
             "train.lr": args.lr, "train.momentum": args.momentum,
             "train.batch_size": args.batch_size, "train.local_epochs": args.epochs,
             "train.lr_schedule": "constant", "server.eval_every": args.eval_every,
+            "train.optimizer_state": args.optimizer_state,
             # Table 1's F1 columns need the per-class counts (public datasets: nothing to hide)
             "server.eval_detail": True,
             **{f"{config.method}.{k}": v for k, v in config.params.items()}}
@@ -327,7 +336,7 @@ def readings(args, label: str, dataset: str, seed: int) -> dict[str, dict[str, f
     from fedattn_shared.data import load_edge_data
     from fl_edge.export import from_state_dir
 
-    out = args.out / "runs" / dataset / f"{label}-s{seed}"
+    out = run_dir(args, dataset, label, seed)
     correct = {(r, s): 0 for r in READINGS for s in ("test", "global_test")}
     total = dict.fromkeys(("test", "global_test"), 0)
     for state in sorted((out / "state").iterdir()):
@@ -433,6 +442,7 @@ def main() -> int:
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--lr", type=float, default=None, help="default 0.01; 0.005 with --full")
     p.add_argument("--momentum", type=float, default=None, help="default 0.9; 0 with --full")
+    add_optimizer_state(p)
     p.add_argument("--batch-size", type=int, default=None,
                    help="default 32; 8192 with --full (the paper's: full-batch for most clients)")
     p.add_argument("--eval-every", type=int, default=3)
@@ -472,7 +482,8 @@ def main() -> int:
     print(f"{', '.join(args.datasets)}: {args.edges} edges, {args.fraction:.0%} per round, "
           f"Dirichlet {args.alpha}, {args.model}, {args.rounds} rounds x {args.epochs} epochs, "
           f"{args.limit or 'all'} training images, lr {args.lr} momentum {args.momentum} batch "
-          f"{args.batch_size}, eval every {args.eval_every}, seeds {args.seeds}", flush=True)
+          f"{args.batch_size}, {optimizer_state_words(args)}, eval every {args.eval_every}, "
+          f"seeds {args.seeds}", flush=True)
     results: dict[tuple[str, str], list] = {}
     try:
         for dataset in args.datasets:

@@ -61,8 +61,11 @@ from _harness import (
     ROOT,
     SHARED_DATA,
     BudgetSpent,
+    add_optimizer_state,
     deadline,
     fl_partition,
+    optimizer_state_tag,
+    optimizer_state_words,
     pm,
     pm_seeds,
     resumable,
@@ -136,8 +139,8 @@ def run_path(args, config: Config, alpha: str, seed: int, tag: str = "") -> Path
     """One run's folder; a run on another device than the CPU has its own (a CPU run is
     never read back as a GPU one)."""
     where = "" if args.device == "cpu" else f"-{args.device}"
-    return (args.out / "runs" / f"cifar10-{alpha}"
-            / f"{config.label.replace('/', '-')}{tag}{where}-s{seed}")
+    return (args.out / "runs" / f"cifar10-{alpha}" / f"{config.label.replace('/', '-')}{tag}"
+            f"{optimizer_state_tag(args)}{where}-s{seed}")
 
 
 def finished(args, config: Config, alpha: str, seed: int, rounds: int | None = None,
@@ -161,6 +164,7 @@ def federate(args, config: Config, alpha: str, seed: int, rounds: int | None = N
             "train.lr": args.lr, "train.momentum": args.momentum,
             "train.batch_size": args.batch_size, "train.local_epochs": args.epochs,
             "server.eval_every": args.eval_every, "train.lr_schedule": "constant",
+            "train.optimizer_state": args.optimizer_state,
             "server.eval_detail": True,  # the macro-F1 column needs the per-class counts
             # --global-every scores the global model of past rounds: keep every checkpoint
             **({"server.keep_checkpoints": rounds} if args.global_every else {}),
@@ -479,6 +483,7 @@ def main() -> int:
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--momentum", type=float, default=0.9)
+    add_optimizer_state(p)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--eval-every", type=int, default=4)
     p.add_argument("--global-every", type=int, default=0,
@@ -516,8 +521,8 @@ def main() -> int:
     registered = set(available_methods())
     print(f"cifar10, {args.edges} edges at fraction {args.fraction}, {args.model}, "
           f"{args.rounds} rounds x {args.epochs} epochs, {args.limit or 'all'} training images, "
-          f"lr {args.lr} momentum {args.momentum} batch {args.batch_size}, seeds {args.seeds}, "
-          f"edges on {args.device}",
+          f"lr {args.lr} momentum {args.momentum} batch {args.batch_size}, "
+          f"{optimizer_state_words(args)}, seeds {args.seeds}, edges on {args.device}",
           flush=True)
     for config in BASELINES:
         if config.method not in registered:

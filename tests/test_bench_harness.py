@@ -5,6 +5,7 @@ round checkpoint, ending where a run that was never stopped ends."""
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import signal
@@ -113,3 +114,31 @@ def test_a_budget_killed_personalized_run_resumes_bit_identical(harness, tmp_pat
         assert mine.keys() == theirs.keys()
         differ = [k for k in mine if not torch.equal(mine[k], theirs[k])]
         assert not differ, f"{edge}: private state differs after the resume: {differ[:5]}"
+
+
+def test_a_carried_optimizer_run_is_never_read_back_as_a_reset_one(tmp_path):
+    """Every bench that trains takes ``--optimizer-state`` (issue #44 item 2: the results
+    files say which behaviour they used); since ``--out`` doubles as a cache, a run with
+    the optimizer carried across rounds has its own folder in each, and a reset run (the
+    default) keeps the folder it had."""
+    def folders(state: str) -> list[str]:
+        args = argparse.Namespace(
+            out=tmp_path, optimizer_state=state, device="cpu", dataset="cifar10",
+            model="m", limit=0, batch_size=32, rounds=50, epochs=10, scaffold_form="paper",
+            clip_grad_norm=0.0, augment="none", skipinit=False, pretrained=0)
+        with bench_script("pfedka") as pfedka, bench_script("fedsap") as fedsap, \
+                bench_script("fedstar") as fedstar, bench_script("anfr") as anfr, \
+                bench_script("calibrate") as calibrate:
+            config = pfedka.BASELINES[0]
+            return [str(pfedka.run_path(args, config, "0.1", 0)),
+                    fedsap.run_protocol(args, "0.5"),
+                    str(fedstar.run_dir(args, "mnist", "fedstar", 0)),
+                    str(anfr.run_dir(args, "dirichlet", "ANFR", "fedavg", 0)),
+                    str(calibrate.run_dir(args, calibrate.ROWS["fedavg-dir"], 0))]
+
+    reset, carry = folders("reset"), folders("carry")
+    assert not any("carry" in f for f in reset)
+    assert all(c != r and "-carry" in c for c, r in zip(carry, reset, strict=True))
+    with bench_script("_harness") as harness:
+        assert harness.optimizer_state_words(argparse.Namespace(optimizer_state="carry")) == \
+            "local optimizer state carried across rounds"
