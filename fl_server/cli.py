@@ -34,7 +34,7 @@ from fedattn_shared.logs import setup_logging
 from fedattn_shared.methods import available_methods, load_method
 from fedattn_shared.methods.base import Method, MethodContext
 from fedattn_shared.models import MODELS, model_spec
-from fedattn_shared.models.registry import GROUPNORM_SUFFIX
+from fedattn_shared.models.registry import GROUPNORM_SUFFIX, check_model_input
 from fedattn_shared.privacy.dp import check_dp
 from fedattn_shared.state import StateError, atomic_write_json
 from fedattn_shared.tls import init_ca, issue_edge, revoke_edge
@@ -401,6 +401,8 @@ def resolve(args: argparse.Namespace) -> tuple[ServerSettings, TrainConfig, Meth
         raise ConfigError(f"train.model: {err}") from None
     try:
         method = method_cls(MethodContext(train, params, dp=dp if dp.enabled else None))
+        # After the method's own refusals (what no input size mends), before DP's checks.
+        check_model_input(train.model, train.num_classes, train.in_channels, train.model_size)
         if dp.enabled:
             check_dp(method)
     except ValueError as err:

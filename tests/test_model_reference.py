@@ -142,6 +142,94 @@ def test_dp_runs_opacus_validator_on_a_referenced_model():
     check_dp(method("timm:test_resnet+gn"))
 
 
+# ---- at start: the run's input size, DP's validator --------------------------------------------
+
+
+def server_run(*flags: str):
+    """fl-server's resolution of a run (what it does before serving anything)."""
+    from fl_server.cli import build_parser, resolve
+
+    return resolve(build_parser().parse_args(list(flags)))
+
+
+@pytest.mark.parametrize("model, reason", [
+    ("timm:test_convnext", "Kernel size can't be greater than actual input size"),
+    ("timm:test_vit", "should be divisible by patch size (16)"),
+])
+def test_a_referenced_model_that_cannot_take_the_runs_inputs_is_refused_at_start(model, reason):
+    """A library model the run's side is too small for (ConvNeXt's stem and downsamplers)
+    or wrong for (a ViT's patches): fl-server refuses it before serving, naming the size, the
+    model's own reason and train.input_size; at a side it takes the same run resolves."""
+    from fedattn_shared.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        server_run("--method", "fedavg", "--model", model)
+    assert f"model {model!r} cannot take 1x28x28 inputs" in str(err.value)
+    assert reason in str(err.value) and "set train.input_size" in str(err.value)
+    _, train, _ = server_run("--method", "fedavg", "--model", model, "--set", "train.input_size=64")
+    assert train.model_size == 64
+
+
+def test_the_input_check_refuses_only_what_a_real_input_fails(tmp_path, monkeypatch):
+    """A plug-in whose forward reads values (which meta tensors lack) passes, judged on the
+    CPU; one that fails on a real input is refused with its own words. The check leaves the
+    run's seeded random stream where it was."""
+    from fedattn_shared.models.registry import check_model_input
+
+    name = f"value_reading_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(
+        "from torch import nn\n\n\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self, num_classes, in_channels, side):\n"
+        "        super().__init__()\n"
+        "        self.fc, self.side = nn.Linear(in_channels, num_classes), side\n\n"
+        "    def forward(self, x):\n"
+        "        if not bool(x.abs().sum() >= 0):  # reads a value: no meta tensor can\n"
+        "            raise AssertionError('unreachable')\n"
+        "        if x.shape[-1] != self.side:\n"
+        "            raise ValueError(f'this net takes {self.side} px only')\n"
+        "        return self.fc(x.mean(dim=(2, 3)))\n\n\n"
+        "def build(num_classes, in_channels, image_size):\n"
+        "    return Net(num_classes, in_channels, 28)\n\n\n"
+        "def build_32(num_classes, in_channels, image_size):\n"
+        "    return Net(num_classes, in_channels, 32)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        torch.manual_seed(3)
+        expected = torch.rand(4)
+        torch.manual_seed(3)
+        check_model_input(f"{name}:build", 10, 1, 28)
+        assert torch.equal(torch.rand(4), expected)
+        with pytest.raises(ValueError, match=re.escape(
+                f"model '{name}:build_32' cannot take 1x28x28 inputs (ValueError: this net takes "
+                "32 px only); set train.input_size")):
+            check_model_input(f"{name}:build_32", 10, 1, 28)
+    finally:
+        sys.modules.pop(name, None)
+
+
+def test_pfedka_refuses_a_model_its_token_probe_cannot_run_at_the_size():
+    """pFedKA reads a timm model's tokens at the run's side: where the model cannot take it,
+    the method refuses naming the side and train.input_size, rather than crashing."""
+    pfedka = load_method("pfedka")
+    with pytest.raises(ValueError, match=r"pfedka: timm:test_convnext yields no tokens at 28x28 "
+                                         r"\(RuntimeError: .*\); use a larger train.input_size"):
+        pfedka(MethodContext(TrainConfig(model="timm:test_convnext"), pfedka.Params()))
+
+
+def test_server_runs_opacus_validator_on_a_referenced_model_before_serving():
+    """fl-server --dp runs Opacus' ModuleValidator on the built model while it resolves the
+    run, before it serves (so before any edge trains): torchvision's ViT has no BatchNorm,
+    which fedattn's own check would refuse first, but nn.MultiheadAttention, for which Opacus
+    computes no per-sample gradients; the refusal is Opacus' own."""
+    from fedattn_shared.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--dp: Opacus cannot train model 'torchvision:vit_b_16' "
+                                          r"\(model\): We do not support nn.MultiheadAttention"):
+        server_run("--method", "fedavg", "--model", "torchvision:vit_b_16", "--image-size", "224",
+                   "--dp", "--dp-epsilon", "8")
+
+
 # ---- the edge's setup, and real processes ------------------------------------------------------
 
 

@@ -206,7 +206,13 @@ def token_shape(model_name: str, in_channels: int, image_size: int) -> tuple[int
                          "resnet18-cifar, resnet10-cifar-compact)")
     with torch.device("meta"):  # shapes only: no memory, no draw from the RNG
         probe = build_model(model_name, 2, in_channels, image_size).eval()
-        tokens = spec.tokens(probe, torch.empty(1, in_channels, image_size, image_size))
+        try:
+            tokens = spec.tokens(probe, torch.empty(1, in_channels, image_size, image_size))
+        except Exception as err:  # noqa: BLE001 - a library's model too small for this size
+            first = (str(err).strip().splitlines() or [""])[0][:300]
+            raise ValueError(f"pfedka: {model_name} yields no tokens at {image_size}x{image_size} "
+                             f"({type(err).__name__}: {first}); use a larger train.input_size"
+                             ) from None
     return int(tokens.shape[1]), int(tokens.shape[2])
 
 

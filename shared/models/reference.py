@@ -158,7 +158,7 @@ def _timm_spec(name: str, target: str, spec_type: type):
         import timm
     except ImportError:
         raise ValueError(f"model {name!r}: timm is not installed here "
-                         "(pip install 'fedattn[timm]')") from None
+                         "(pip install timm)") from None
     if not timm.is_model(target):
         raise ValueError(f"model {name!r}: timm has no model {target!r} (timm.list_models())")
     build = timm_builder(target)

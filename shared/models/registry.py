@@ -219,3 +219,31 @@ def own_model_allowance(name: str | None) -> list[str]:
 
 def build_model(name: str, num_classes: int, in_channels: int, image_size: int) -> nn.Module:
     return model_spec(name).build(num_classes, in_channels, image_size)
+
+
+def check_model_input(name: str, num_classes: int, in_channels: int, size: int) -> None:
+    """Refuse (ValueError naming ``train.input_size``) a referenced model that cannot take the
+    run's inputs, at start: a library model may need a minimum side (ConvNeXt's 4x4 stem and
+    2x2 downsamplers leave nothing of 28 px) or a fixed one (a ViT's position embeddings),
+    and an edge would otherwise learn it only in its first training step. One sample goes
+    through on the meta device (shapes only, no memory); a model whose forward reads values,
+    which meta tensors lack, is tried again on the CPU, so only what a real input does to it
+    refuses it. Built-ins are left alone: their sizes are the registry's own."""
+    if not parse_reference(name.removesuffix(GROUPNORM_SUFFIX), MODELS).is_reference:
+        return
+    build = model_spec(name).build
+    with torch.random.fork_rng(devices=[]), torch.no_grad():  # the run's seeded draws untouched
+        try:
+            with torch.device("meta"):
+                build(num_classes, in_channels, size).eval()(torch.empty(1, in_channels, size, size))
+            return
+        except Exception:  # noqa: BLE001 - judged below on real values, where it counts
+            pass
+        try:
+            build(num_classes, in_channels, size).eval()(torch.zeros(1, in_channels, size, size))
+        except Exception as err:  # noqa: BLE001 - the user's or a library's model: any failure
+            first = (str(err).strip().splitlines() or [""])[0][:300]
+            raise ValueError(f"model {name!r} cannot take {in_channels}x{size}x{size} inputs "
+                             f"({type(err).__name__}: {first}); set train.input_size to a side it "
+                             "takes (--set train.input_size=N: every edge resizes its images to "
+                             "it)") from None
