@@ -486,10 +486,6 @@ def certs_main(argv: list[str]) -> int:
     return 0
 
 
-# Blocks from this size up get their own mapping (``fix_mmap_threshold``).
-MMAP_THRESHOLD = 256 << 10
-
-
 def limit_malloc_arenas(arenas: int = 2) -> None:
     """glibc gives threads that allocate concurrently arenas of their own (up to 8 per core),
     and the upload chunks gRPC's threads receive then fragment over all of them: the
@@ -500,24 +496,6 @@ def limit_malloc_arenas(arenas: int = 2) -> None:
         return
     m_arena_max = -8  # from glibc's malloc.h
     ctypes.CDLL(None).mallopt(m_arena_max, arenas)
-
-
-def fix_mmap_threshold(threshold: int = MMAP_THRESHOLD) -> None:
-    """Blocks of ``threshold`` bytes or more always get a mapping of their own, unmapped
-    when freed. glibc starts there (128 KiB) but raises the threshold to the size of each
-    mapped block freed, up to 32 MiB: after the first round every 1 MiB block (the
-    downlink's frames, gRPC's copy of each frame a download sends, each upload chunk
-    received) comes from the heap, and the heap stays at its high-water mark, freed
-    blocks between live ones, until a trim. At 64 uploaders that mark is reached when a
-    phase opens and 64 downloads start at once (1.5 models of frames in gRPC) on top of
-    the heap the last round left: 2.9-3.1 models of peak RSS growth, 1.8-1.9 with the
-    threshold fixed (``bench/wire.py --uploaders 64``, docs/benchmarks.md). A fixed
-    threshold also stops glibc's dynamic one. Left alone where the user set
-    MALLOC_MMAP_THRESHOLD_ and off glibc."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ or platform.libc_ver()[0] != "glibc":
-        return
-    m_mmap_threshold = -3  # from glibc's malloc.h
-    ctypes.CDLL(None).mallopt(m_mmap_threshold, threshold)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -545,7 +523,6 @@ def main(argv: list[str] | None = None) -> int:
             if value < 0:
                 raise ConfigError(f"{flag} must be >= 0")
         limit_malloc_arenas()
-        fix_mmap_threshold()
         return asyncio.run(serve(server_cfg, train, method, args.ready_file,
                                  args.metrics_linger, args.log_every))
     except (ConfigError, UsageError, StateError, ValueError) as err:
