@@ -320,11 +320,18 @@ class Downloads:
                 offset: int):
         """(frame, meter entry, data bytes) for the data of one call: whole chunks from
         ``offset``, at most ``download_window`` bytes (at least one chunk), common part then
-        personal; a coded kind's raw bytes are counted once, at the start."""
+        personal; a coded kind's raw bytes are counted once, at the start. The phase's
+        downlinks are taken now, with the header: a phase that closes while the header
+        is sent lets them go (``Phase.retire``), and this call still sends what its
+        header announced."""
         parts = [(phase.personal[edge], None, {})]
         if not header.common_cached:
             parts.insert(0, (phase.delta, None, phase.coded_delta) if delta
                          else (phase.common, phase.common_frames, {}))
+        return self._frames_of(parts, edge, offset)
+
+    def _frames_of(self, parts: list, edge: str, offset: int):
+        """``_frames``' generator over the downlinks ``parts`` it took."""
         budget = self.cfg.download_window
         for encoded, built, coded in parts:
             size = encoded.manifest.total_bytes

@@ -152,15 +152,18 @@ class Phase:
     def close(self, why: str, reason: str) -> list[str]:
         """Closes the phase to results: uploads still streaming stop (``closing``), later
         ones are refused with ``why`` when given, and every pending task is dropped for
-        ``reason``. Lets the common frames go (edges still streaming hold their own
-        reference). Returns the edges dropped."""
+        ``reason``. Lets the downlinks go (``retire``: downloads still streaming hold
+        their own references), so the global they view is freed when the close replaces
+        it, not only when the next phase opens: held through that opening, it sat under
+        the new global and the next downlink's frames (a model more at the peak, 64
+        uploaders). Returns the edges dropped."""
         left = self.pending()
         for edge in left:
             self.dropped[edge] = reason
         self.closed, self.closed_why = True, why
         self.closing.set()
         self.done.set()
-        self.common_frames = []
+        self.retire()
         return left
 
     def serve(self, edge: str, start: bool, size: int, max_starts: int, max_bytes: int

@@ -31,6 +31,7 @@ from ..drivers import PhaseDriver
 from ..edges import EdgeBook
 from ..evaluation import summarize
 from ..history import RunHistory, Snapshot
+from ..memory import trim_heap
 from ..metrics import ServerMetrics, drop_reason_label, routine
 from ..phase import Phase, Task, close_checked, open_phase
 
@@ -128,8 +129,14 @@ class RunContext:
         """Closes an aggregate (``phase.close_checked``, in a worker thread; the caller
         holds ``agg_lock``), timed; a close that aggregated changes the state version."""
         closing = time.monotonic()
-        figures, failure = await asyncio.to_thread(close_checked, close, tainted,
-                                                   self.aggregator, snapshot)
+
+        def close_and_trim() -> tuple[dict[str, Any], Exception | None]:
+            try:
+                return close_checked(close, tainted, self.aggregator, snapshot)
+            finally:  # the close's temporaries (its slice buffers and reads) off the heap
+                trim_heap()
+
+        figures, failure = await asyncio.to_thread(close_and_trim)
         self.metrics.aggregation_seconds.labels(name, "close").observe(
             time.monotonic() - closing)
         if figures.get("aggregated"):
