@@ -70,6 +70,10 @@ def test_scaffold_refuses_optimizers_its_update_does_not_fit():
         resolved("--method", "scaffold", "--optimizer", "adam")
     server, _, method = resolved("--method", "scaffold")
     assert method.name == "scaffold"
+    # NIID-Bench's form steps momentum SGD and corrects after the step: momentum is taken.
+    _, train, method = resolved("--method", "scaffold", "--momentum", "0.9",
+                                "--set", "scaffold.correction=step")
+    assert (train.momentum, method.params.correction) == (0.9, "step")
 
 
 def test_a_methods_declared_model_and_training_settings_apply_unless_a_source_sets_them(

@@ -132,7 +132,8 @@ class Scaffold(Method):
         super().__init__(context)
         t = self.train
         if t.optimizer != "sgd":
-            raise ValueError("scaffold steps SGD: use train.optimizer = 'sgd'")
+            raise ValueError("scaffold steps SGD (plain SGD in the paper's form): use "
+                             "train.optimizer = 'sgd'")
         if self.params.correction == "gradient" and (t.momentum or t.weight_decay):
             # c_i+ = c_i - c + (x - y) / (K lr) is the displacement of plain SGD steps.
             raise ValueError("scaffold's control-variate update assumes plain SGD: use "
