@@ -286,15 +286,12 @@ def test_scaffold_schema():
     assert method.uplink_schema(EVALUATE, models) == []
 
 
-def test_scaffold_edge_control_variate_after_k_steps():
-    lr, K = 0.1, 2
-    method = make("scaffold", lr=lr, num_classes=3)
+def scaffold_edge(method: Method):
+    """A SCAFFOLD edge on nn.Linear(2, 3) that has received a global x and the server's c,
+    holding its own c_i: (edge, model, x, c, c_i), the same seeded values every call."""
     torch.manual_seed(1)
     model = nn.Linear(2, 3)
     edge = method.edge({"model": model}, CPU)
-    names = ["model/weight", "model/bias"]
-    assert edge.control_names == names
-
     torch.manual_seed(2)
     x = {"model/weight": torch.randn(3, 2), "model/bias": torch.randn(3)}
     c = {"model/weight": torch.full((3, 2), 0.3), "model/bias": t(0.3, -0.2, 0.1)}
@@ -302,6 +299,15 @@ def test_scaffold_edge_control_variate_after_k_steps():
     edge.load_extra_state({f"c_local/{k}": v for k, v in c_i.items()})
     edge.receive(TRAIN, Payload([Section(Kind.SHARED_TENSORS, "", x),
                                  Section(Kind.CONTROL, "", c)]), Payload())
+    return edge, model, x, c, c_i
+
+
+def test_scaffold_edge_control_variate_after_k_steps():
+    lr, K = 0.1, 2
+    method = make("scaffold", lr=lr, num_classes=3)
+    edge, model, x, c, c_i = scaffold_edge(method)
+    names = ["model/weight", "model/bias"]
+    assert edge.control_names == names
     assert torch.equal(model.weight, x["model/weight"])
     edge.train_mode()
     edge.begin_train()
@@ -353,17 +359,8 @@ def test_scaffold_step_correction_is_niid_bench_form():
     method = make("scaffold", params, lr=lr, momentum=momentum, weight_decay=decay,
                   num_classes=3)
     assert method.aggregation_weight(100) == 100.0 and method.aggregation_weight(7) == 7.0
-    torch.manual_seed(1)
-    model = nn.Linear(2, 3)
-    edge = method.edge({"model": model}, CPU)
+    edge, model, x, c, c_i = scaffold_edge(method)
     names = ["model/weight", "model/bias"]
-    torch.manual_seed(2)
-    x = {"model/weight": torch.randn(3, 2), "model/bias": torch.randn(3)}
-    c = {"model/weight": torch.full((3, 2), 0.3), "model/bias": t(0.3, -0.2, 0.1)}
-    c_i = {"model/weight": torch.full((3, 2), -0.1), "model/bias": t(0.05, 0.0, 0.2)}
-    edge.load_extra_state({f"c_local/{k}": v for k, v in c_i.items()})
-    edge.receive(TRAIN, Payload([Section(Kind.SHARED_TENSORS, "", x),
-                                 Section(Kind.CONTROL, "", c)]), Payload())
     edge.train_mode()
     edge.begin_train()
     batches = [(torch.randn(4, 2), torch.tensor([0, 1, 2, 1])) for _ in range(K)]
