@@ -50,12 +50,19 @@ class ScaffoldEdge(EdgeAlgorithm):
         self.c_local = {name: torch.zeros_like(self.live_tensor(name)).detach()
                         for name in self.control_names}
         self.c_global = dict(self.c_local)
+        self._correction = dict(self.c_local)  # c - c_i, set at each begin_train
         self._corrects = False  # the step hook is registered once per optimizer
 
     def receive(self, phase, common, personal):
         super().receive(phase, common, personal)
         control = common.tensors(*CONTROL)
         self.c_global = {name: control[name].to(self.device).clone() for name in self.control_names}
+
+    def begin_train(self) -> None:
+        super().begin_train()
+        # c - c_i is fixed through a round's steps: one subtraction per round, not per step.
+        self._correction = {name: self.c_global[name] - self.c_local[name]
+                            for name in self.control_names}
 
     def optimizers(self):
         optimizers = super().optimizers()
@@ -70,7 +77,7 @@ class ScaffoldEdge(EdgeAlgorithm):
         lr = optimizer.param_groups[0]["lr"]
         with torch.no_grad():
             for name in self.control_names:
-                self.live_tensor(name).sub_(self.c_global[name] - self.c_local[name], alpha=lr)
+                self.live_tensor(name).sub_(self._correction[name], alpha=lr)
 
     def post_backward(self) -> None:
         if self.method.params.correction == "step":
@@ -78,7 +85,7 @@ class ScaffoldEdge(EdgeAlgorithm):
         for name in self.control_names:
             param = self.live_tensor(name)
             if param.grad is not None:
-                param.grad.add_(self.c_global[name] - self.c_local[name])
+                param.grad.add_(self._correction[name])
 
     def after_train(self, steps: int) -> Payload:
         lr = self.optimizers()[0].param_groups[0]["lr"]
