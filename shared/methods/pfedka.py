@@ -47,6 +47,7 @@ from torch import nn
 
 from ..models import build_model, model_spec
 from ..models.reference import DECLARE
+from ..models.registry import model_error
 from ..schema import EVALUATE, TRAIN, Kind, Payload, PhasePrivacy, Section, SectionSpec, TensorSpec
 from .aggregators import StreamingMean
 from .base import EdgeAlgorithm, LoopSchedule, Method, MethodContext, qualified
@@ -209,9 +210,8 @@ def token_shape(model_name: str, in_channels: int, image_size: int) -> tuple[int
         try:
             tokens = spec.tokens(probe, torch.empty(1, in_channels, image_size, image_size))
         except Exception as err:  # noqa: BLE001 - a library's model too small for this size
-            first = (str(err).strip().splitlines() or [""])[0][:300]
             raise ValueError(f"pfedka: {model_name} yields no tokens at {image_size}x{image_size} "
-                             f"({type(err).__name__}: {first}); use a larger train.input_size"
+                             f"({model_error(err)}); use a larger train.input_size"
                              ) from None
     return int(tokens.shape[1]), int(tokens.shape[2])
 

@@ -221,6 +221,13 @@ def build_model(name: str, num_classes: int, in_channels: int, image_size: int) 
     return model_spec(name).build(num_classes, in_channels, image_size)
 
 
+def model_error(err: Exception) -> str:
+    """A library's or a user's model failure in one line for a refusal: its type and the
+    first line of its message (a traceback's worth of shapes would bury the advice)."""
+    first = (str(err).strip().splitlines() or [""])[0][:300]
+    return f"{type(err).__name__}: {first}"
+
+
 def check_model_input(name: str, num_classes: int, in_channels: int, size: int) -> None:
     """Refuse (ValueError naming ``train.input_size``) a referenced model that cannot take the
     run's inputs, at start: a library model may need a minimum side (ConvNeXt's 4x4 stem and
@@ -242,8 +249,7 @@ def check_model_input(name: str, num_classes: int, in_channels: int, size: int) 
         try:
             build(num_classes, in_channels, size).eval()(torch.zeros(1, in_channels, size, size))
         except Exception as err:  # noqa: BLE001 - the user's or a library's model: any failure
-            first = (str(err).strip().splitlines() or [""])[0][:300]
             raise ValueError(f"model {name!r} cannot take {in_channels}x{size}x{size} inputs "
-                             f"({type(err).__name__}: {first}); set train.input_size to a side it "
+                             f"({model_error(err)}); set train.input_size to a side it "
                              "takes (--set train.input_size=N: every edge resizes its images to "
                              "it)") from None
