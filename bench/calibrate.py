@@ -35,7 +35,10 @@ Where this differs from the reproduction, each named so a gap can be traced:
     scaffold.weighting = examples, the protocol's momentum and decay): the test of whether
     the form is what separates the two figures;
   * images normalised to [-1, 1] (the system's input pipeline), not [0, 1]; the crop pads
-    with zeros (the normalised grey), not by reflection;
+    with zeros (the normalised grey), not by reflection. ``--input-range unit --augment
+    crop-flip-reflect`` runs the reproduction's pipeline instead ([0, 1] pixels, padding
+    mirrored; ``train.input_range``, ``train.augment``): the test of whether the input
+    pipeline is what puts the system's rows above the published ones;
   * every client also holds the 860 test images as its local test split, so that no
     training image is held out for one (the edges need a test split); both splits score
     the same global model.
@@ -135,6 +138,8 @@ def run_dir(args, row: Row, seed: int) -> Path:
     suffix += optimizer_state_tag(args)
     if row.method == "scaffold" and args.scaffold_form != "paper":
         suffix += f"-{args.scaffold_form}"
+    if (args.augment, args.input_range) != ("crop-flip", "symmetric"):
+        suffix += f"-{args.augment}-{args.input_range}"
     return args.out / "runs" / f"{row.name}{suffix}-s{seed}"
 
 
@@ -148,7 +153,8 @@ def train_sets(args, method: str) -> dict:
             "train.weight_decay": 0.0 if plain_sgd else args.weight_decay,
             "train.local_epochs": args.epochs, "train.lr_schedule": "constant",
             "train.optimizer_state": args.optimizer_state,
-            "train.augment": args.augment, "server.eval_every": 1,
+            "train.augment": args.augment, "train.input_range": args.input_range,
+            "server.eval_every": 1,
             "server.round_timeout": args.round_timeout}
     if method == "fedprox":
         sets["fedprox.mu"] = args.mu
@@ -199,7 +205,8 @@ def report(args, rows: list[Row], results: dict[tuple[str, int], list[float]]) -
              f"{args.batch_size}, SGD lr {args.lr} momentum {args.momentum} weight decay "
              f"{args.weight_decay} (SCAFFOLD: {SCAFFOLD_FORMS[args.scaffold_form]}), "
              f"optimizer state {args.optimizer_state} at each round, FedProx mu {args.mu}, augment "
-             f"{args.augment}, Dirichlet alpha {args.alpha} with NIID-Bench's cap; global model "
+             f"{args.augment}, input range {args.input_range}, Dirichlet alpha {args.alpha} with "
+             f"NIID-Bench's cap; global model "
              f"on {10 * args.test_per_class} official test images; model niid-cnn",
              "accuracy (%): best round (the published figure) and the last round recorded; "
              "published: mean ± std over its seeds",
@@ -266,7 +273,13 @@ def main() -> int:
                         "examples)")
     p.add_argument("--mu", type=float, default=0.01, help="FedProx's mu (the reproduction's default)")
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--augment", choices=["none", "crop-flip"], default="crop-flip")
+    p.add_argument("--augment", choices=["none", "crop-flip", "crop-flip-reflect"],
+                   default="crop-flip",
+                   help="crop-flip pads with zeros (the system's recipe); crop-flip-reflect "
+                        "mirrors the border, as the reproduction pads")
+    p.add_argument("--input-range", choices=["symmetric", "unit"], default="symmetric",
+                   help="symmetric: pixels in [-1, 1] (the system's default); unit: [0, 1], "
+                        "the reproduction's range (ToTensor, no Normalize)")
     p.add_argument("--procs", type=int, default=1, help="fl-sim worker processes")
     p.add_argument("--round-timeout", type=float, default=86400.0,
                    help="server.round_timeout: a round of 10 clients x 10 epochs on one shared "

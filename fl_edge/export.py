@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedattn_shared.augment import resize
+from fedattn_shared.augment import InputPipeline
 from fedattn_shared.config import ConfigError, TrainConfig, apply_values
 from fedattn_shared.methods import load_method
 from fedattn_shared.methods.base import EdgeAlgorithm, Method, MethodContext
@@ -126,9 +126,9 @@ def load_images(paths: list[Path], train: TrainConfig) -> torch.Tensor:
 
 @torch.no_grad()
 def predict(model: Personalized, x: torch.Tensor, batch_size: int = 256) -> torch.Tensor:
-    """Class probabilities (N, classes); images are resized to the run's train.input_size
-    as in training and evaluation."""
-    size = model.train.input_size
-    out = [model.algo.predict(resize(x[i : i + batch_size], size)).float().softmax(dim=1)
+    """Class probabilities (N, classes); images go through the run's evaluation pipeline
+    (resized to train.input_size, mapped to train.input_range) as in evaluation."""
+    inputs = InputPipeline.of(model.train)
+    out = [model.algo.predict(inputs.eval_batch(x[i : i + batch_size])).float().softmax(dim=1)
            for i in range(0, len(x), batch_size)]
     return torch.cat(out) if out else torch.empty(0, model.train.num_classes)

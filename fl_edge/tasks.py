@@ -140,7 +140,7 @@ class TaskRunner:
                            self.device, self.opts.progress, lr=task.lr, amp=self.run.amp,
                            grad_accum=self.run.grad_accum, privacy=privacy,
                            clip_grad_norm=train.clip_grad_norm,
-                           inputs=InputPipeline(train.augment, train.input_size),
+                           inputs=InputPipeline.of(train),
                            deterministic=train.deterministic, log_every=self.opts.log_every,
                            memory=self.run.memory, channels_last=self.opts.channels_last,
                            on_step=self.health.progress if self.health else None)
@@ -196,7 +196,7 @@ class TaskRunner:
     def _bn_recalibrated(self, scorer, task: Task) -> list[pb.EvaluationResult]:
         """The splits scored again with BN statistics recomputed on this edge's train split
         (``trainer.recalibrated_bn``; the state is restored after): none without BN."""
-        pipeline = InputPipeline(input_size=self.run.train.input_size)
+        pipeline = InputPipeline.of(self.run.train)
         with recalibrated_bn(scorer, self.run.data.train, self.opts.eval_batch_size,
                              self.device, pipeline) as recalibrated:
             if not recalibrated:
@@ -213,7 +213,7 @@ class TaskRunner:
         train = self.run.train
         counts = evaluate(scorer, split, split_name, train.num_classes,
                           self.opts.eval_batch_size, self.device,
-                          InputPipeline(input_size=train.input_size))
+                          InputPipeline.of(train))
         self.metrics.accuracy.labels(split_name).set(counts.accuracy)
         self.metrics.loss.labels(split_name).set(counts.loss_sum / max(counts.total, 1))
         log.info("round %d: %s accuracy %.4f on %d samples", task.round, split_name,

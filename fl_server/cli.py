@@ -17,7 +17,7 @@ import signal
 import sys
 from pathlib import Path
 
-from fedattn_shared.augment import AUGMENTS
+from fedattn_shared.augment import AUGMENTS, INPUT_RANGES
 from fedattn_shared.config import (
     CLIP_WITH_DP,
     EVAL_DETAIL_WITH_DP,
@@ -91,6 +91,7 @@ FLAG_TARGETS = {
     "optimizer_state": ("train", "optimizer_state"), "seed": ("train", "seed"),
     "private": ("train", "private"), "clip_grad_norm": ("train", "clip_grad_norm"),
     "augment": ("train", "augment"), "input_size": ("train", "input_size"),
+    "input_range": ("train", "input_range"),
     "dp": ("dp", "enabled"), "dp_epsilon": ("dp", "target_epsilon"),
     "dp_noise_multiplier": ("dp", "noise_multiplier"), "dp_delta": ("dp", "delta"),
     "dp_max_grad_norm": ("dp", "max_grad_norm"), "dp_accountant": ("dp", "accountant"),
@@ -320,9 +321,14 @@ def _train_flags(p: argparse.ArgumentParser) -> None:
                             "edge (0: off, the default; not with --dp, which clips per sample)")
     train.add_argument("--augment", choices=list(AUGMENTS),
                        help="training-batch augmentation on the edges, seeded per edge and "
-                            "round: none (default), crop-flip (4-px pad, random crop, "
-                            "h-flip), resized-crop (random-resized crop + h-flip); never "
+                            "round: none (default), crop-flip (4-px zero pad, random crop, "
+                            "h-flip), crop-flip-reflect (the same, padding mirrored from the "
+                            "border), resized-crop (random-resized crop + h-flip); never "
                             "applied to evaluation")
+    train.add_argument("--input-range", choices=list(INPUT_RANGES),
+                       help="the pixel range the model sees, in training and evaluation: "
+                            "symmetric ([-1, 1], the default) or unit ([0, 1], v/255 as "
+                            "torchvision's ToTensor without Normalize)")
     train.add_argument("--input-size", type=int,
                        help="resize inputs (bilinear, antialiased) to this side before the "
                             "model, in training and evaluation; models are built for it "

@@ -14,12 +14,23 @@ Recipes (``train.augment``):
 * ``crop-flip``: the CIFAR recipe of He et al. (https://arxiv.org/abs/1512.03385): pad 4
   pixels of zeros (the normalised zero) on every side, crop back to the original size at a
   uniform random offset, flip horizontally with probability 1/2.
+* ``crop-flip-reflect``: the same with the padding mirrored from the image's border (no
+  new pixel values), as NIID-Bench's CIFAR-10 pipeline pads
+  (https://github.com/Xtra-Computing/NIID-Bench, ``utils.get_dataloader``).
 * ``resized-crop``: Inception-style random-resized crop (https://arxiv.org/abs/1409.4842,
   as torchvision's ``RandomResizedCrop``: area in [0.08, 1] of the image, aspect ratio in
   [3/4, 4/3], up to 10 tries then a centre crop), resized to the model's input size, plus
   a horizontal flip with probability 1/2.
 
-Augmentation is for training batches only; ``InputPipeline.eval_batch`` only resizes.
+Augmentation is for training batches only; ``InputPipeline.eval_batch`` never augments.
+
+Input range (``train.input_range``): the readers give uint8 images as floats in [-1, 1]
+(``(v / 255 - 0.5) / 0.5``, ``symmetric``, the default). ``unit`` maps every batch the
+model sees, training and evaluation alike, to [0, 1] (``v / 255``, torchvision's
+``ToTensor`` without ``Normalize``), the range NIID-Bench and its reproductions train in: a
+small CNN's optimisation depends on it, so a published table is matched in its own range.
+The map is the pipeline's last step (after augmentation and resize), so zero padding is
+the grey 0.5 in either range.
 """
 
 from __future__ import annotations
@@ -31,8 +42,10 @@ from typing import Literal, get_args
 import torch
 import torch.nn.functional as F
 
-Augment = Literal["none", "crop-flip", "resized-crop"]
+Augment = Literal["none", "crop-flip", "crop-flip-reflect", "resized-crop"]
 AUGMENTS: tuple[str, ...] = get_args(Augment)
+InputRange = Literal["symmetric", "unit"]
+INPUT_RANGES: tuple[str, ...] = get_args(InputRange)
 CROP_PADDING = 4
 RESIZED_CROP_SCALE = (0.08, 1.0)
 RESIZED_CROP_RATIO = (3 / 4, 4 / 3)
@@ -52,13 +65,16 @@ def horizontal_flip(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor
     return torch.where(flip.to(x.device).view(-1, 1, 1, 1), x.flip(-1), x)
 
 
-def random_crop(x: torch.Tensor, padding: int, generator: torch.Generator) -> torch.Tensor:
-    """Zero-pad ``padding`` pixels on every side, then crop each sample back to H x W at
-    its own uniform offset in [0, 2 * padding] (both axes). Pixels only move or become 0."""
+def random_crop(x: torch.Tensor, padding: int, generator: torch.Generator,
+                mode: str = "constant") -> torch.Tensor:
+    """Pad ``padding`` pixels on every side (``constant``: zeros; ``reflect``: mirrored
+    from the border, as ``F.pad`` reflects), then crop each sample back to H x W at its own
+    uniform offset in [0, 2 * padding] (both axes). Pixels only move or become 0 (constant)
+    or copies of border pixels (reflect)."""
     n, _, h, w = x.shape
     if padding <= 0 or n == 0:
         return x
-    padded = F.pad(x, (padding, padding, padding, padding))
+    padded = F.pad(x, (padding, padding, padding, padding), mode=mode)
     top = torch.randint(0, 2 * padding + 1, (n,), generator=generator).to(x.device)
     left = torch.randint(0, 2 * padding + 1, (n,), generator=generator).to(x.device)
     rows = (top[:, None] + torch.arange(h, device=x.device))[:, :, None]      # (N, H, 1)
@@ -117,6 +133,8 @@ def augment_batch(x: torch.Tensor, augment: str, generator: torch.Generator, siz
         return x
     if augment == "crop-flip":
         return horizontal_flip(random_crop(x, CROP_PADDING, generator), generator)
+    if augment == "crop-flip-reflect":
+        return horizontal_flip(random_crop(x, CROP_PADDING, generator, "reflect"), generator)
     if augment == "resized-crop":
         return horizontal_flip(random_resized_crop(x, size, generator), generator)
     raise ValueError(f"unknown augmentation {augment!r} (known: {', '.join(AUGMENTS)})")
@@ -126,17 +144,36 @@ def augment_batch(x: torch.Tensor, augment: str, generator: torch.Generator, siz
 class InputPipeline:
     """What the model sees of a batch: on training batches the run's augmentation then
     the resize to ``input_size``; on everything else (evaluation, statistics passes,
-    prediction) the resize alone. ``input_size`` 0 keeps the data's stored size."""
+    prediction) the resize alone; then, on both, the map to ``input_range``.
+    ``input_size`` 0 keeps the data's stored size."""
 
     augment: str = "none"
     input_size: int = 0
+    input_range: str = "symmetric"
+
+    @classmethod
+    def of(cls, train) -> InputPipeline:
+        """The run's pipeline from its ``TrainConfig`` (augment, input_size, input_range):
+        every place a model sees data builds it here, so no path misses a step."""
+        return cls(train.augment, train.input_size, train.input_range)
 
     def train_batch(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        return resize(augment_batch(x, self.augment, generator, self.input_size), self.input_size)
+        return to_range(resize(augment_batch(x, self.augment, generator, self.input_size),
+                               self.input_size), self.input_range)
 
     def eval_batch(self, x: torch.Tensor) -> torch.Tensor:
-        return resize(x, self.input_size)
+        return to_range(resize(x, self.input_size), self.input_range)
 
     @property
     def identity(self) -> bool:
-        return self.augment == "none" and self.input_size == 0
+        return self.augment == "none" and self.input_size == 0 and self.input_range == "symmetric"
+
+
+def to_range(x: torch.Tensor, input_range: str) -> torch.Tensor:
+    """A batch of [-1, 1] images in ``input_range``: unchanged for ``symmetric``, ``x / 2 +
+    0.5`` (so exactly ``v / 255`` up to float rounding) for ``unit``."""
+    if input_range == "symmetric":
+        return x
+    if input_range == "unit":
+        return x * 0.5 + 0.5
+    raise ValueError(f"unknown input range {input_range!r} (known: {', '.join(INPUT_RANGES)})")

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from fedattn_shared.augment import Augment
+from fedattn_shared.augment import Augment, InputRange
 from fedattn_shared.staleness import StalenessWeight
 
 if sys.version_info >= (3, 11):
@@ -85,7 +85,10 @@ class TrainConfig:
     private: list[str] = field(default_factory=list)
     # The papers' recipe pieces (fedattn_shared.augment, fl_edge.trainer):
     clip_grad_norm: float = 0.0     # > 0: clip the stepped gradient's L2 norm to this; 0: off
-    augment: Augment = "none"       # none | crop-flip | resized-crop, on training batches only
+    augment: Augment = "none"       # none | crop-flip | crop-flip-reflect | resized-crop, training only
+    # What the model sees: symmetric, uint8 pixels in [-1, 1]; unit, in [0, 1] (v / 255, as
+    # torchvision's ToTensor without Normalize), training and evaluation alike.
+    input_range: InputRange = "symmetric"
     input_size: int = 0             # > 0: resize inputs to this and build models for it; 0: off
     # A diagnostic for shared BatchNorm: every evaluation also scores the model after the edge
     # recomputes its BN running statistics on its own train split (no weight changes; the

@@ -210,6 +210,26 @@ def test_crop_flip_keeps_shapes_and_values_of_a_known_image():
     assert values <= set(range(0, 37)) and len(values) > 20
 
 
+def test_reflect_crop_pads_by_mirroring_the_border_and_adds_no_value():
+    x = known_image().repeat(32, 1, 1, 1)
+    out = random_crop(x, 2, torch.Generator().manual_seed(0), "reflect")
+    assert out.shape == x.shape
+    mirrored = torch.nn.functional.pad(known_image(), (2, 2, 2, 2), mode="reflect")[0, 0]
+    offsets = set()
+    for sample in out[:, 0]:
+        hits = [(t, s) for t in range(5) for s in range(5)
+                if torch.equal(mirrored[t:t + 6, s:s + 6], sample)]
+        assert hits  # a window of the mirrored image
+        offsets.add(hits[0])
+        assert set(sample.flatten().tolist()) <= set(range(1, 37))  # never a zero: no new value
+    assert len(offsets) > 5
+    # The same draws as crop-flip: only the padding differs, so an interior pixel agrees.
+    zero = augment_batch(x, "crop-flip", torch.Generator().manual_seed(3))
+    mirror = augment_batch(x, "crop-flip-reflect", torch.Generator().manual_seed(3))
+    inside = (zero != 0)
+    assert torch.equal(zero[inside], mirror[inside]) and not torch.equal(zero, mirror)
+
+
 def test_resized_crop_yields_the_input_size():
     x = torch.randn(5, 3, 32, 32)
     g = torch.Generator().manual_seed(0)
@@ -287,6 +307,55 @@ def test_the_end_of_training_statistics_pass_is_not_augmented():
     assert torch.equal(torch.cat(seen), data.x)
 
 
+# ---- input range ---------------------------------------------------------------------------
+
+def test_unit_input_range_maps_training_and_evaluation_batches_to_0_1():
+    """train.input_range = unit: every batch the model sees is (x + 1) / 2 of the stored
+    [-1, 1] images, after augmentation in training, and in evaluation (never augmented)."""
+    _, algo = make(lr=0.01)
+    data = Split(torch.rand(16, 1, 28, 28) * 2 - 1, torch.randint(0, 10, (16,)))
+    spy = Spy(algo)
+    unit = InputPipeline(input_range="unit")
+    assert not unit.identity and InputPipeline().identity
+    train_local(algo, data, 1, 8, 0, CPU, False, inputs=unit)
+    trained = torch.cat(spy.seen[:2])  # the epoch's two batches, in the loader's order
+    expected = data.x * 0.5 + 0.5
+    by_sum = lambda t: t[t.flatten(1).sum(1).argsort()]  # noqa: E731
+    assert torch.allclose(by_sum(trained), by_sum(expected))
+    assert trained.min() >= 0 and trained.max() <= 1
+    spy.seen.clear()
+    evaluate(algo, data, "test", 10, 8, CPU, unit)
+    assert torch.equal(torch.cat(spy.seen), data.x * 0.5 + 0.5)
+    # uint8 images decoded as v / 255 up to float rounding
+    v = torch.arange(256, dtype=torch.uint8).view(1, 1, 16, 16)
+    from fedattn_shared.data.npz import decode_images
+    assert torch.allclose(unit.eval_batch(decode_images(v)), v.float() / 255, atol=1e-6)
+    # With a crop, the zero padding lands on the grey 0.5 of the unit range.
+    padded = InputPipeline("crop-flip", input_range="unit").train_batch(
+        torch.full((64, 1, 8, 8), -1.0), torch.Generator().manual_seed(0))
+    assert set(padded.unique().tolist()) == {0.0, 0.5}
+
+
+def test_the_run_pipeline_is_built_from_train_in_one_place():
+    train = TrainConfig(augment="crop-flip-reflect", input_size=40, input_range="unit")
+    assert InputPipeline.of(train) == InputPipeline("crop-flip-reflect", 40, "unit")
+    with pytest.raises(ConfigError, match=r"train\.input_range"):
+        TrainConfig(input_range="imagenet").validate()
+
+
+def test_offline_predict_uses_the_run_input_range():
+    from fl_edge.export import Personalized, predict
+
+    method, algo = make(model="lenet-bn", input_range="unit")
+    algo.eval_mode()
+    model = Personalized(method, algo, method.train, "{}", "")
+    x = images(5).x.clamp(-1, 1)
+    with torch.no_grad():
+        expected = algo.predict(x * 0.5 + 0.5).float().softmax(dim=1)
+        plain = algo.predict(x).float().softmax(dim=1)
+    assert torch.allclose(predict(model, x), expected) and not torch.allclose(expected, plain)
+
+
 # ---- input size ----------------------------------------------------------------------------
 
 def test_resize_is_bilinear_antialiased_and_a_no_op_at_the_same_size():
@@ -360,11 +429,12 @@ def test_validation_refuses_bad_values_by_name(values, key):
 def test_augment_is_checked_against_its_names():
     train = TrainConfig()
     with pytest.raises(ConfigError,
-                       match=r"train\.augment: 'flip' is not one of none, crop-flip, resized-crop"):
+                       match=r"train\.augment: 'flip' is not one of none, crop-flip, "
+                             r"crop-flip-reflect, resized-crop"):
         apply_values(train, "train", {"augment": "flip"}, "run.toml")
     with pytest.raises(ConfigError, match=r"train\.augment"):
         TrainConfig(augment="cutout").validate()
-    assert set(AUGMENTS) == {"none", "crop-flip", "resized-crop"}
+    assert set(AUGMENTS) == {"none", "crop-flip", "crop-flip-reflect", "resized-crop"}
 
 
 def test_flags_reach_train():
@@ -374,6 +444,10 @@ def test_flags_reach_train():
     assert (train.clip_grad_norm, train.augment, train.input_size) == (1.0, "crop-flip", 64)
     _, train, _ = resolve(build_parser().parse_args(["--set", 'train.augment="resized-crop"']))
     assert train.augment == "resized-crop"
+    _, train, _ = resolve(build_parser().parse_args(
+        ["--augment", "crop-flip-reflect", "--input-range", "unit"]))
+    assert (train.augment, train.input_range) == ("crop-flip-reflect", "unit")
+    assert TrainConfig().input_range == "symmetric"
     defaults = TrainConfig()
     assert (defaults.clip_grad_norm, defaults.augment, defaults.input_size) == (0.0, "none", 0)
     with pytest.raises(SystemExit):
