@@ -327,8 +327,9 @@ def _train_flags(p: argparse.ArgumentParser) -> None:
                             "applied to evaluation")
     train.add_argument("--input-range", choices=list(INPUT_RANGES),
                        help="the pixel range the model sees, in training and evaluation: "
-                            "symmetric ([-1, 1], the default) or unit ([0, 1], v/255 as "
-                            "torchvision's ToTensor without Normalize)")
+                            "symmetric ([-1, 1], the default), unit ([0, 1], v/255 as "
+                            "torchvision's ToTensor) or imagenet ([0, 1] standardised by "
+                            "ImageNet's channel mean and std, as pretrained weights expect)")
     train.add_argument("--input-size", type=int,
                        help="resize inputs (bilinear, antialiased) to this side before the "
                             "model, in training and evaluation; models are built for it "

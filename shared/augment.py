@@ -29,8 +29,10 @@ Input range (``train.input_range``): the readers give uint8 images as floats in 
 model sees, training and evaluation alike, to [0, 1] (``v / 255``, torchvision's
 ``ToTensor`` without ``Normalize``), the range NIID-Bench and its reproductions train in: a
 small CNN's optimisation depends on it, so a published table is matched in its own range.
-The map is the pipeline's last step (after augmentation and resize), so zero padding is
-the grey 0.5 in either range.
+``imagenet`` standardises each RGB channel by ImageNet's mean and std (torchvision's and
+timm's pretrained weights expect it: ``Normalize(IMAGENET_MEAN, IMAGENET_STD)`` after
+``ToTensor``). The map is the pipeline's last step (after augmentation and resize), so zero
+padding is the grey 0.5 of the unit range in every range.
 """
 
 from __future__ import annotations
@@ -44,9 +46,13 @@ import torch.nn.functional as F
 
 Augment = Literal["none", "crop-flip", "crop-flip-reflect", "resized-crop"]
 AUGMENTS: tuple[str, ...] = get_args(Augment)
-InputRange = Literal["symmetric", "unit"]
+InputRange = Literal["symmetric", "unit", "imagenet"]
 INPUT_RANGES: tuple[str, ...] = get_args(InputRange)
 CROP_PADDING = 4
+#: torchvision's ImageNet statistics (``torchvision.transforms._presets``, timm's
+#: ``IMAGENET_DEFAULT_MEAN`` / ``_STD``), for ``input_range = "imagenet"``.
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
 RESIZED_CROP_SCALE = (0.08, 1.0)
 RESIZED_CROP_RATIO = (3 / 4, 4 / 3)
 
@@ -171,9 +177,16 @@ class InputPipeline:
 
 def to_range(x: torch.Tensor, input_range: str) -> torch.Tensor:
     """A batch of [-1, 1] images in ``input_range``: unchanged for ``symmetric``, ``x / 2 +
-    0.5`` (so exactly ``v / 255`` up to float rounding) for ``unit``."""
+    0.5`` (so ``v / 255`` up to float rounding) for ``unit``, and that standardised per
+    channel by ``IMAGENET_MEAN`` / ``IMAGENET_STD`` for ``imagenet`` (3 channels)."""
     if input_range == "symmetric":
         return x
     if input_range == "unit":
         return x * 0.5 + 0.5
+    if input_range == "imagenet":
+        if x.shape[1] != 3:
+            raise ValueError(f"input range imagenet needs 3 channels, got {x.shape[1]}")
+        mean = torch.tensor(IMAGENET_MEAN, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
+        std = torch.tensor(IMAGENET_STD, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
+        return (x * 0.5 + 0.5 - mean) / std
     raise ValueError(f"unknown input range {input_range!r} (known: {', '.join(INPUT_RANGES)})")

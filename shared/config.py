@@ -86,8 +86,9 @@ class TrainConfig:
     # The papers' recipe pieces (fedattn_shared.augment, fl_edge.trainer):
     clip_grad_norm: float = 0.0     # > 0: clip the stepped gradient's L2 norm to this; 0: off
     augment: Augment = "none"       # none | crop-flip | crop-flip-reflect | resized-crop, training only
-    # What the model sees: symmetric, uint8 pixels in [-1, 1]; unit, in [0, 1] (v / 255, as
-    # torchvision's ToTensor without Normalize), training and evaluation alike.
+    # What the model sees, training and evaluation alike: symmetric, uint8 pixels in [-1, 1];
+    # unit, in [0, 1] (v / 255, torchvision's ToTensor); imagenet, [0, 1] standardised by
+    # ImageNet's per-channel mean and std (what torchvision's and timm's weights expect).
     input_range: InputRange = "symmetric"
     input_size: int = 0             # > 0: resize inputs to this and build models for it; 0: off
     # A diagnostic for shared BatchNorm: every evaluation also scores the model after the edge
@@ -105,6 +106,9 @@ class TrainConfig:
                               f"{self.num_classes} classes")
         if self.local_epochs < 0:
             raise ConfigError(f"train.local_epochs must be >= 0, got {self.local_epochs}")
+        if self.input_range == "imagenet" and self.in_channels != 3:
+            raise ConfigError(f"train.input_range imagenet standardises 3 RGB channels; the "
+                              f"run has train.in_channels {self.in_channels}")
         for name in ("batch_size", "in_channels", "image_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")

@@ -336,6 +336,18 @@ def test_unit_input_range_maps_training_and_evaluation_batches_to_0_1():
     assert set(padded.unique().tolist()) == {0.0, 0.5}
 
 
+def test_imagenet_input_range_standardises_each_channel_as_torchvision_does():
+    torchvision = pytest.importorskip("torchvision")
+    v = torch.randint(0, 256, (4, 3, 8, 8), dtype=torch.uint8)
+    from fedattn_shared.data.npz import decode_images
+    ours = InputPipeline(input_range="imagenet").eval_batch(decode_images(v))
+    normalize = torchvision.transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+    assert torch.allclose(ours, normalize(v.float() / 255), atol=1e-5)
+    with pytest.raises(ConfigError, match=r"train\.input_range imagenet .*train\.in_channels 1"):
+        TrainConfig(input_range="imagenet", in_channels=1).validate()
+    TrainConfig(input_range="imagenet", in_channels=3).validate()
+
+
 def test_the_run_pipeline_is_built_from_train_in_one_place():
     train = TrainConfig(augment="crop-flip-reflect", input_size=40, input_range="unit")
     assert InputPipeline.of(train) == InputPipeline("crop-flip-reflect", 40, "unit")
