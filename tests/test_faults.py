@@ -58,12 +58,12 @@ def test_server_killed_mid_round_resumes_from_last_checkpoint(cluster, tmp_path)
 
 def test_slow_edge_is_dropped_at_the_deadline_and_comes_back(cluster, tmp_path):
     fast = write_edge_dirs(tmp_path, 2, per_edge=40)
-    # ~1900 local steps against a 4 s deadline: always late, whatever the machine's load.
+    # ~1900 local steps against an 8 s deadline: always late, whatever the machine's load.
     slow = write_edge_dirs(tmp_path / "slow", 1, per_edge=30000)[0]
     # More rounds than the test waits for: the server is still running (and refusing) when
     # the slow edge finally submits, however long a loaded machine makes it take.
     server = cluster.server("--method", "fedavg", "--rounds", "1000", "--min-edges", "3",
-                            "--round-timeout", "4", "--local-epochs", "2")
+                            "--round-timeout", "8", "--local-epochs", "2")
     edges = [cluster.edge(d, f"fast{i}") for i, d in enumerate(fast)] + [cluster.edge(slow, "slow")]
     # Its late result is refused, not aggregated; rounds went on while it trained.
     edges[2].wait_log("result refused", timeout=240)
@@ -75,8 +75,14 @@ def test_slow_edge_is_dropped_at_the_deadline_and_comes_back(cluster, tmp_path):
     history = read_history(tmp_path / "server-state")
     assert history["rounds"]
     assert all(r["train"]["dropped"].get("slow") == "deadline" for r in history["rounds"])
-    assert all(r["train"]["received"] == ["fast0", "fast1"] for r in history["rounds"])
-    assert all(r["aggregate"]["aggregated"] == 2 for r in history["rounds"])
+    # The fast edges make the deadline; on a machine loaded by other work one of them can
+    # miss it in some round too, and is then dropped by the same rule, never half-counted.
+    for r in history["rounds"]:
+        received, dropped = r["train"]["received"], r["train"]["dropped"]
+        assert "slow" not in received and set(received) | set(dropped) == {"fast0", "fast1", "slow"}
+        assert all(why == "deadline" for why in dropped.values())
+        assert r["aggregate"]["aggregated"] == len(received)
+    assert any(r["train"]["received"] == ["fast0", "fast1"] for r in history["rounds"])
 
 
 def test_unwritable_state_dir_is_a_clear_error(tmp_path):
