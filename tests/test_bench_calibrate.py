@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -48,7 +49,8 @@ def test_the_rows_and_settings_are_the_reproductions(bench):
         "fedavg-iid": 71.32, "fedprox-iid": 71.26, "scaffold-iid": 71.66}
     args = bench.argparse.Namespace(lr=0.01, batch_size=64, momentum=0.9, weight_decay=1e-5,
                                     epochs=10, augment="crop-flip", round_timeout=60.0, mu=0.01,
-                                    optimizer_state="reset", scaffold_form="paper")
+                                    optimizer_state="reset", scaffold_form="paper",
+                                    input_range="symmetric")
     fedprox = bench.train_sets(args, "fedprox")
     assert (fedprox["train.model"], fedprox["train.momentum"], fedprox["train.weight_decay"],
             fedprox["fedprox.mu"], fedprox["train.lr_schedule"],
@@ -63,6 +65,16 @@ def test_the_rows_and_settings_are_the_reproductions(bench):
     assert (niid["train.momentum"], niid["train.weight_decay"], niid["scaffold.correction"],
             niid["scaffold.weighting"]) == (0.9, 1e-5, "step", "examples")
     assert "fedprox.mu" not in bench.train_sets(args, "fedavg")
+    # The reproduction's input pipeline ([0, 1] pixels, mirrored padding), the test of the
+    # common level: sent to the edges, and its runs kept apart from the system's.
+    args.augment, args.input_range = "crop-flip-reflect", "unit"
+    unit = bench.train_sets(args, "fedavg")
+    assert (unit["train.augment"], unit["train.input_range"]) == ("crop-flip-reflect", "unit")
+    args.out, args.rounds, args.limit = Path("/o"), 50, 0
+    assert bench.run_dir(args, bench.ROWS["fedavg-dir"], 0).name == \
+        "fedavg-dir-crop-flip-reflect-unit-s0"
+    args.augment, args.input_range = "crop-flip", "symmetric"
+    assert bench.run_dir(args, bench.ROWS["fedavg-dir"], 0).name == "fedavg-dir-s0"
 
 
 def test_the_report_puts_the_plateau_beside_the_best_round(bench):
@@ -71,7 +83,7 @@ def test_the_report_puts_the_plateau_beside_the_best_round(bench):
     args = bench.argparse.Namespace(edges=10, limit=0, rounds=8, epochs=10, batch_size=64,
                                     lr=0.01, momentum=0.9, weight_decay=1e-5, mu=0.01,
                                     optimizer_state="reset", augment="crop-flip", alpha=0.5,
-                                    scaffold_form="paper",
+                                    scaffold_form="paper", input_range="symmetric",
                                     test_per_class=86, seeds=[0])
     accs = [10.0, 40.0, 60.0, 66.0, 61.0, 62.0, 60.0, 61.0]
     text = bench.report(args, [bench.ROWS["fedavg-dir"]], {("fedavg-dir", 0): accs})
