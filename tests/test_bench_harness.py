@@ -125,7 +125,8 @@ def test_a_carried_optimizer_run_is_never_read_back_as_a_reset_one(tmp_path):
         args = argparse.Namespace(
             out=tmp_path, optimizer_state=state, device="cpu", dataset="cifar10",
             model="m", limit=0, batch_size=32, rounds=50, epochs=10, scaffold_form="paper",
-            clip_grad_norm=0.0, augment="none", skipinit=False, pretrained=0)
+            clip_grad_norm=0.0, augment="none", skipinit=False, pretrained=0,
+            input_range="symmetric")
         with bench_script("pfedka") as pfedka, bench_script("fedsap") as fedsap, \
                 bench_script("fedstar") as fedstar, bench_script("anfr") as anfr, \
                 bench_script("calibrate") as calibrate:
