@@ -41,7 +41,12 @@ Where this differs from the reproduction, each named so a gap can be traced:
     pipeline is what puts the system's rows above the published ones;
   * every client also holds the 860 test images as its local test split, so that no
     training image is held out for one (the edges need a test split); both splits score
-    the same global model.
+    the same global model;
+  * the partition: the reproduction's ``load_datasets`` is called without a seed and
+    defaults to 42, so all its runs share one Dirichlet draw and its ± is over training
+    randomness only. ``--seeds 42`` draws that partition (fl-partition's capped Dirichlet
+    is its algorithm on the same generator; cut points are rounded where it floors them,
+    so every client's count of every class is within one sample of it).
 
     .venv/bin/python bench/calibrate.py --results bench/results/calibrate-niid-bench-cifar10-cpu.txt
     .venv/bin/python bench/calibrate.py --rows fedavg-dir --seeds 0 --out /work/calib
