@@ -127,3 +127,25 @@ def test_a_tiny_protocol_runs_through_the_bench(tmp_path):
     train = json.loads((run / "server" / "history.json").read_text())["manifest"]["train"]
     assert (train["model"], train["batch_size"], train["lr"], train["momentum"],
             train["weight_decay"], train["augment"]) == ("niid-cnn", 64, 0.01, 0.9, 1e-5, "crop-flip")
+
+
+def test_the_test_set_check_scores_the_calibration_images_against_held_out_training_ones():
+    """bench/calibrate_testset.py: the 860 images are fl-partition's global test (the first
+    86 of each class of the test split), the held-out images are data_batch_1 and never in
+    the training slice, and one model's accuracy is read on both the same way."""
+    if not CIFAR10.exists():
+        pytest.skip(f"{CIFAR10} is missing")
+    with bench_script("calibrate_testset") as check:
+        (x, y), (hx, hy), (tx, ty) = check.load(CIFAR10, 86)
+        assert x.shape == (40_000, 3, 32, 32) and hx.shape == (10_000, 3, 32, 32)
+        assert tx.shape == (860, 3, 32, 32) and x.dtype == tx.dtype == torch.uint8
+        assert np.bincount(ty.numpy(), minlength=10).tolist() == [86] * 10
+        raw = np.fromfile(CIFAR10 / "data_batch_1.bin", np.uint8).reshape(-1, 3073)
+        assert torch.equal(hy, torch.from_numpy(raw[:, 0].astype(np.int64)))
+        assert torch.equal(hx[0], torch.from_numpy(raw[0, 1:].reshape(3, 32, 32)))
+        from fedattn_shared.augment import InputPipeline
+
+        torch.manual_seed(0)
+        model = build_model("niid-cnn", 10, 3, 32)
+        acc = check.accuracy(model, tx, ty, InputPipeline())
+        assert 0 <= acc <= 100 and acc == check.accuracy(model, tx, ty, InputPipeline())
