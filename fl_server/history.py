@@ -27,7 +27,7 @@ from fedattn_shared import PROTOCOL_VERSION
 from fedattn_shared.config import EVAL_DETAIL_WITH_DP, ServerConfig, TrainConfig
 from fedattn_shared.methods.base import Method
 from fedattn_shared.privacy.secagg import SecAggPolicy
-from fedattn_shared.runconfig import RunConfig
+from fedattn_shared.runconfig import RunConfig, RunConfigError
 from fedattn_shared.state import atomic_write, read_json
 
 from .checkpoint import CheckpointStore
@@ -112,6 +112,23 @@ def run_config(server: ServerSettings, train: TrainConfig, method: Method,
 Snapshot = tuple[int, dict[str, torch.Tensor], dict, str]
 
 
+def same_run_config(saved: object, current: dict) -> bool:
+    """Whether a checkpoint's run config is this run's. Compared parsed (``RunConfig``)
+    and written back in full, not as the stored text: a checkpoint written before a [train]
+    or [dp] key existed lacks it, and reads as that key's default, which is what the run
+    then had (so a release that adds a setting still resumes its predecessor's
+    checkpoints when the flags are the same). A key set to another value, or a config
+    that does not parse, is different. The method's params are compared as they were
+    written (their defaults live with the method)."""
+    if saved == current:
+        return True
+    try:
+        return (RunConfig.from_dict(saved, "checkpoint").to_dict()
+                == RunConfig.from_dict(current, "run").to_dict())
+    except RunConfigError:
+        return False
+
+
 class RunHistory:
     """history.json and the checkpoint store of one run, and the checkpoint write in
     flight. ``data`` is the history as history.json holds it."""
@@ -134,7 +151,7 @@ class RunHistory:
             raise ValueError(f"{self.store.root}: checkpoint is for a different model/method "
                              f"(fingerprint {state.get('fingerprint')}, this run "
                              f"{fingerprint}); resume with the same configuration")
-        if state.get("config") != config:
+        if not same_run_config(state.get("config"), config):
             raise ValueError(f"{self.store.root}: checkpoint was written with a different "
                              "configuration; resume with the same flags and config file")
         if self.path.exists():

@@ -156,3 +156,30 @@ def test_edge_killed_during_secure_aggregation_is_recovered_from_shares(cluster,
              r["aggregate"]["secagg-unmask"]["recovered_dropouts"]) for r in rounds] == [
         (3, 1), (4, 0), (4, 0)]
     assert not any("secagg-aborted" in r["aggregate"] for r in rounds)
+
+
+def test_a_checkpoint_written_before_a_setting_existed_resumes_and_a_changed_one_does_not(
+        cluster, tmp_path):
+    """A release that adds a [train] key still resumes its predecessor's checkpoints: the
+    stored config lacks the key, which reads as its default (what that run had). A stored
+    config whose value differs is refused, as any other changed setting is."""
+    import json
+
+    (data,) = write_edge_dirs(tmp_path, 1, per_edge=40)
+    args = ("--method", "fedavg", "--min-edges", "1", "--eval-every", "0")
+    server = cluster.server(*args, "--rounds", "1")
+    edge = cluster.edge(data, "e0")
+    assert server.wait() == 0 and edge.wait() == 0
+    state_file = tmp_path / "server-state" / "rounds" / "000001" / "state.json"
+    state = json.loads(state_file.read_text())
+    assert state["config"]["train"]["input_range"] == "symmetric"
+    del state["config"]["train"]["input_range"]  # as written before the key existed
+    state_file.write_text(json.dumps(state))
+    older = cluster.server(*args, "--rounds", "2", "--resume", name="older")
+    older.wait_log("resumed from round 1")
+    older.kill()
+    state["config"]["train"]["input_range"] = "unit"  # a setting that did change
+    state_file.write_text(json.dumps(state))
+    with pytest.raises(AssertionError, match="(?s)server exited .*checkpoint was written "
+                                             "with a different configuration"):
+        cluster.server(*args, "--rounds", "2", "--resume", name="changed")
