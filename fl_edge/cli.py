@@ -384,9 +384,9 @@ def run_supervised(options: EdgeOptions, linger: float = 0.0) -> int:
         log.info("fl-edge stopped (%s)", stop)
         return 0
     finally:
-        notify("STOPPING=1")
-        if watchdog is not None:
+        if watchdog is not None:  # first: STOPPING=1 is the last message the supervisor reads
             watchdog.stop()
+        notify("STOPPING=1")
         signals.restore()
     if code == 0 and daemon.metrics_port is not None:
         linger_for_metrics(daemon.metrics_port, linger)

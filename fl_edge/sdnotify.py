@@ -76,6 +76,10 @@ class Watchdog:
                  env: Mapping[str, str] | None = None):
         self.interval, self.healthy, self.env = interval, healthy, env
         self.stopped = threading.Event()
+        # Held across "stopped?" and the ping: once stop() has set ``stopped`` under it, no
+        # ping can follow (a health check in progress when the edge stops would otherwise
+        # ping after its STOPPING=1, which a supervisor reads as alive again).
+        self._pinging = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="sd-watchdog", daemon=True)
 
     def start(self) -> Watchdog:
@@ -84,15 +88,20 @@ class Watchdog:
         return self
 
     def stop(self) -> None:
-        """Stops pinging, waiting for a health check in progress to return."""
-        self.stopped.set()
+        """Stops pinging: no ping is sent after this returns. Waits for a health check in
+        progress to return."""
+        with self._pinging:
+            self.stopped.set()
         self.thread.join(timeout=self.interval + 10)
 
     def _run(self) -> None:
         warned = False
         while not self.stopped.is_set():
             if self.healthy():
-                notify("WATCHDOG=1", self.env)
+                with self._pinging:
+                    if self.stopped.is_set():
+                        return
+                    notify("WATCHDOG=1", self.env)
                 warned = False
             elif not warned:
                 log.warning("health check failing: not pinging the systemd watchdog")

@@ -133,6 +133,32 @@ def test_watchdog_pings_only_while_healthy(notify_socket):
         dog.stop()
 
 
+def test_no_watchdog_ping_follows_stop(notify_socket):
+    """A health check in progress when the edge stops does not ping after ``stop()``:
+    fl-edge sends STOPPING=1 right after it, and a ping behind that reads as alive again
+    (a loaded machine once delivered one: the PID 1 test below saw it last)."""
+    sock, path = notify_socket
+    env = {"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "100000", "WATCHDOG_PID": str(os.getpid())}
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_healthz() -> bool:
+        entered.set()
+        release.wait(10)
+        return True
+
+    dog = Watchdog(0.05, slow_healthz, env).start()
+    assert entered.wait(10)  # the first check is in progress: nothing sent yet
+    stopping = threading.Thread(target=dog.stop)
+    stopping.start()
+    wait_for(dog.stopped.is_set, 10, "stop() under way")
+    release.set()  # the check returns healthy after stop() began
+    stopping.join(10)
+    assert not stopping.is_alive() and not dog.thread.is_alive()
+    sock.settimeout(0.5)
+    with pytest.raises(TimeoutError):
+        sock.recv(64)
+
+
 # ---- SIGTERM as PID 1 ---------------------------------------------------------------------
 def _pid_namespace_works() -> str | None:
     if shutil.which("unshare") is None:
