@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 
@@ -61,8 +62,8 @@ def test_server_killed_mid_round_resumes_from_last_checkpoint(cluster, tmp_path)
 def test_slow_edge_is_dropped_at_the_deadline_and_comes_back(cluster, tmp_path):
     """An edge that stalls past the deadline is dropped for that round, its late result is
     refused, not aggregated, and it is handed work again after. The stall is a frozen
-    device (SIGSTOP while it holds its task): late by construction, on any machine, where
-    an edge given "more data than the deadline allows" was on time on a fast machine."""
+    device (SIGSTOP while it holds its task): late by construction, on any machine, which
+    an edge given "more data than the deadline allows" is not."""
     fast = write_edge_dirs(tmp_path, 2, per_edge=40)
     # ~300 local steps: a second or two of training, after round 1's model download and
     # first steps (~2 s here), the window in which it is frozen before it can submit.
@@ -180,8 +181,6 @@ def test_a_checkpoint_written_before_a_setting_existed_resumes_and_a_changed_one
     """A release that adds a [train] key still resumes its predecessor's checkpoints: the
     stored config lacks the key, which reads as its default (what that run had). A stored
     config whose value differs is refused, as any other changed setting is."""
-    import json
-
     (data,) = write_edge_dirs(tmp_path, 1, per_edge=40)
     args = ("--method", "fedavg", "--min-edges", "1", "--eval-every", "0")
     server = cluster.server(*args, "--rounds", "1")
