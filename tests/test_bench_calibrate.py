@@ -149,3 +149,57 @@ def test_the_test_set_check_scores_the_calibration_images_against_held_out_train
         model = build_model("niid-cnn", 10, 3, 32)
         acc = check.accuracy(model, tx, ty, InputPipeline())
         assert 0 <= acc <= 100 and acc == check.accuracy(model, tx, ty, InputPipeline())
+
+
+def test_the_reference_harness_reads_cifar_as_torchvision_and_averages_as_flower():
+    """bench/niid_bench_reference.py's two own pieces: the CIFAR-10 stand-in gives
+    torchvision's layout (HWC uint8 images, labels a list) of the records fl-partition
+    reads, PIL images through a transform; the aggregate is Flower's FedAvg weighted mean."""
+    with bench_script("niid_bench_reference") as ref:
+        weights = [([np.full((2, 3), 1.0, np.float32), np.array([4.0], np.float32)], 1),
+                   ([np.full((2, 3), 4.0, np.float32), np.array([-2.0], np.float32)], 3)]
+        mean = ref.aggregate(weights)
+        assert np.array_equal(mean[0], np.full((2, 3), 3.25, np.float32))
+        assert np.array_equal(mean[1], np.array([-0.5], np.float32))
+        assert mean[0].dtype == np.float32
+        if not CIFAR10.exists():
+            pytest.skip(f"{CIFAR10} is missing")
+        from fedattn_shared.data.sources import load_source
+
+        data = load_source(CIFAR10)
+        test = ref.cifar10_class(CIFAR10)(root="data", train=False, download=True,
+                                          transform=lambda img: np.asarray(img))
+        assert test.data.shape == (1000, 32, 32, 3) and test.data.dtype == np.uint8
+        assert isinstance(test.targets, list) and test.targets == data.test_y.tolist()
+        assert np.array_equal(test.data, data.test_x)
+        image, label = test[7]
+        assert np.array_equal(image, data.test_x[7]) and label == int(data.test_y[7])
+
+
+def test_the_reference_harness_resumes_bit_identical(tmp_path):
+    """A tiny run of the reproduction's own code (3 rounds of 1 epoch on 600 images)
+    stopped after round 2 and resumed ends with the global of a run never stopped. Needs a
+    Flower checkout's baselines/niid_bench ($FLOWER_NIID_BENCH), which CI does not have."""
+    import os
+
+    niid = Path(os.environ.get("FLOWER_NIID_BENCH", "/nonexistent"))
+    if not (niid / "niid_bench" / "models.py").exists():
+        pytest.skip("no Flower niid_bench checkout ($FLOWER_NIID_BENCH)")
+    if not CIFAR10.exists():
+        pytest.skip(f"{CIFAR10} is missing")
+
+    def run(out: Path, rounds: int) -> None:
+        cmd = [sys.executable, str(REPO / "bench" / "niid_bench_reference.py"), "--niid-bench",
+               str(niid), "--out", str(out), "--limit", "600", "--epochs", "1", "--rounds",
+               str(rounds)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+        assert done.returncode == 0, done.stdout + done.stderr
+
+    run(tmp_path / "a", 2)
+    run(tmp_path / "a", 3)
+    run(tmp_path / "b", 3)
+    a, b = (torch.load(tmp_path / d / "state.pt", weights_only=False) for d in "ab")
+    assert a["round"] == b["round"] == 3
+    assert all(np.array_equal(x, y) for x, y in zip(a["params"], b["params"], strict=True))
+    rows = [(tmp_path / d / "rounds.tsv").read_text().splitlines() for d in "ab"]
+    assert [r.split("\t")[:3] for r in rows[0]] == [r.split("\t")[:3] for r in rows[1]]
