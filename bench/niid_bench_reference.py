@@ -51,25 +51,24 @@ LR, MOMENTUM, WEIGHT_DECAY = 0.01, 0.9, 1e-5
 TEST_PER_CLASS = 86
 
 
-def read_cifar_bin(paths: list[Path]) -> tuple[np.ndarray, list[int]]:
-    """CIFAR-10 binary records (1 label byte, 3,072 pixel bytes, channel-major) as uint8
-    (N, 32, 32, 3), torchvision's ``CIFAR10.data`` layout, and the labels as a list."""
-    raw = np.concatenate([np.fromfile(p, np.uint8).reshape(-1, 3073) for p in paths])
-    images = raw[:, 1:].reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1).copy()
-    return images, raw[:, 0].astype(np.int64).tolist()
-
-
-def cifar10_class(files: Path) -> type:
-    """A stand-in for ``torchvision.datasets.CIFAR10`` over the binary files in ``files``:
-    the same constructor (its ``root`` unused), ``data``, ``targets`` and ``__getitem__``
-    (a PIL image through ``transform``), no download."""
+def cifar10_class(files: Path, limit: int = 0) -> type:
+    """A stand-in for ``torchvision.datasets.CIFAR10`` over the CIFAR-10 files in ``files``
+    (read once, by fl-partition's reader): the same constructor (its ``root`` unused),
+    ``data`` (uint8, N x 32 x 32 x 3), ``targets`` (a list) and ``__getitem__`` (a PIL
+    image through ``transform``), no download. ``limit``: the first N training images."""
     from PIL import Image
+
+    from fedattn_shared.data.sources import load_source
+
+    source = load_source(files)
 
     class LocalCIFAR10(torch.utils.data.Dataset):
         def __init__(self, root: str = "data", train: bool = True,
                      download: bool = False, transform=None, target_transform=None):
-            names = [f"data_batch_{i}.bin" for i in range(1, 6)] if train else ["test_batch_first1000.bin"]
-            self.data, self.targets = read_cifar_bin([files / n for n in names])
+            x, y = (source.train_x, source.train_y) if train else (source.test_x, source.test_y)
+            if train and limit:
+                x, y = x[:limit], y[:limit]
+            self.data, self.targets = x, y.astype(np.int64).tolist()
             self.transform, self.target_transform = transform, target_transform
 
         def __len__(self) -> int:
@@ -113,7 +112,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--algorithm", choices=["fedavg", "fedprox"], default="fedavg")
     p.add_argument("--mu", type=float, default=0.01)
     p.add_argument("--rounds", type=int, default=ROUNDS)
-    p.add_argument("--clients", type=int, default=CLIENTS, help=argparse.SUPPRESS)
     p.add_argument("--limit", type=int, default=0, help=argparse.SUPPRESS)  # tests: N images
     p.add_argument("--epochs", type=int, default=EPOCHS, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -124,21 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(args.niid_bench.resolve()))
     prep = importlib.import_module("niid_bench.dataset_preparation")
     models = importlib.import_module("niid_bench.models")
-    prep.CIFAR10 = cifar10_class(CIFAR10_BIN)
-    if args.limit:  # a small run for the tests: the first N training images
-        base = prep.CIFAR10
-
-        class Limited(base):  # type: ignore[misc, valid-type]
-            def __init__(self, *a, **k):
-                super().__init__(*a, **k)
-                if k.get("train", True):
-                    self.data, self.targets = self.data[:args.limit], self.targets[:args.limit]
-        prep.CIFAR10 = Limited
+    prep.CIFAR10 = cifar10_class(CIFAR10_BIN, args.limit)
     if args.partition == "dirichlet":
-        datasets, testset = prep.partition_data_dirichlet(args.clients, alpha=0.5, seed=42,
+        datasets, testset = prep.partition_data_dirichlet(CLIENTS, alpha=0.5, seed=42,
                                                           dataset_name="cifar10")
     else:
-        datasets, testset = prep.partition_data(args.clients, similarity=1.0, seed=42,
+        datasets, testset = prep.partition_data(CLIENTS, similarity=1.0, seed=42,
                                                 dataset_name="cifar10")
     picked = [i for c in range(10)
               for i in [j for j, t in enumerate(testset.targets) if t == c][:TEST_PER_CLASS]]

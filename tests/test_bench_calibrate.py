@@ -164,16 +164,19 @@ def test_the_reference_harness_reads_cifar_as_torchvision_and_averages_as_flower
         assert mean[0].dtype == np.float32
         if not CIFAR10.exists():
             pytest.skip(f"{CIFAR10} is missing")
-        from fedattn_shared.data.sources import load_source
-
-        data = load_source(CIFAR10)
-        test = ref.cifar10_class(CIFAR10)(root="data", train=False, download=True,
-                                          transform=lambda img: np.asarray(img))
+        cls = ref.cifar10_class(CIFAR10, limit=300)
+        test = cls(root="data", train=False, download=True, transform=np.asarray)
+        train = cls(root="data", train=True, download=True, transform=np.asarray)
         assert test.data.shape == (1000, 32, 32, 3) and test.data.dtype == np.uint8
-        assert isinstance(test.targets, list) and test.targets == data.test_y.tolist()
-        assert np.array_equal(test.data, data.test_x)
-        image, label = test[7]
-        assert np.array_equal(image, data.test_x[7]) and label == int(data.test_y[7])
+        assert len(train) == 300 and isinstance(train.targets, list)
+        # torchvision's layout of the binary records: label byte, then C x H x W pixels.
+        for dataset, name, index in ((test, "test_batch_first1000.bin", 7),
+                                     (train, "data_batch_1.bin", 299)):
+            raw = np.fromfile(CIFAR10 / name, np.uint8).reshape(-1, 3073)
+            assert dataset.targets == raw[: len(dataset), 0].astype(int).tolist()
+            image, label = dataset[index]
+            assert np.array_equal(image, raw[index, 1:].reshape(3, 32, 32).transpose(1, 2, 0))
+            assert label == int(raw[index, 0])
 
 
 def test_the_reference_harness_resumes_bit_identical(tmp_path):
