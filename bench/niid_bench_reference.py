@@ -129,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         datasets, testset = prep.partition_data(CLIENTS, similarity=1.0, seed=42,
                                                 dataset_name="cifar10")
+    # The calibration's 860: fl-partition's select_global_test takes the first 86 test
+    # records of each class (it returns arrays; the reference needs their indices).
     picked = [i for c in range(10)
               for i in [j for j, t in enumerate(testset.targets) if t == c][:TEST_PER_CLASS]]
     test_loaders = {"860": torch.utils.data.DataLoader(torch.utils.data.Subset(testset, picked),
