@@ -51,6 +51,8 @@ Where this differs from the reproduction, each named so a gap can be traced:
     .venv/bin/python bench/calibrate.py --results bench/results/calibrate-niid-bench-cifar10-cpu.txt
     .venv/bin/python bench/calibrate.py --rows fedavg-dir --seeds 0 --out /work/calib
     .venv/bin/python bench/calibrate.py --report-only --out /work/calib
+    .venv/bin/python bench/calibrate.py --report-only --rows fedavg-dir --seeds 42 --out /work/calib \
+        --reference /work/niid-ref/fedavg-dir-s0/rounds.tsv    # round by round beside its code
     .venv/bin/python bench/calibrate.py --rows fedavg-dir --optimizer-state carry  # the old trainer
     .venv/bin/python bench/calibrate.py --rounds 1 --epochs 1 --limit 600 --edges 2   # smoke
 
@@ -245,6 +247,44 @@ def report(args, rows: list[Row], results: dict[tuple[str, int], list[float]]) -
     return "\n".join(lines)
 
 
+def read_reference(path: Path) -> list[float]:
+    """The per-round accuracy (%) on the calibration's 860 images that
+    ``bench/niid_bench_reference.py`` recorded: its ``rounds.tsv`` or a results file that
+    holds that table (rows ``round<TAB>acc_860<TAB>...``), in round order from round 1."""
+    rows = {}
+    for line in path.read_text().splitlines():
+        cells = line.split("\t")
+        if len(cells) >= 2 and cells[0].isdigit():
+            rows[int(cells[0])] = float(cells[1])
+    if sorted(rows) != list(range(1, len(rows) + 1)):
+        raise ValueError(f"{path}: rounds {sorted(rows)} are not 1..N")
+    return [rows[r] for r in sorted(rows)]
+
+
+def compare(name: str, accs: list[float], reference: list[float], window: int = 10) -> str:
+    """This run against the reproduction's own code round by round, over the rounds both
+    recorded: the mean difference (this run minus the reference) per ``window`` rounds and
+    over the last 5 common rounds, and how many rounds this run was above. Both score the
+    same 860 images, so a round's difference carries about 2.3 points of sampling noise
+    (two reads of about 1.6 each); a window's mean much less, though rounds correlate."""
+    common = min(len(accs), len(reference))
+    if common == 0:
+        return f"{name}: no round in common with the reference"
+    diffs = [a - r for a, r in zip(accs[:common], reference[:common], strict=True)]
+    lines = [f"{name} against the reference, rounds 1-{common} (this run - reference, points)",
+             "| rounds | this run | reference | difference (mean, min .. max) | rounds above |",
+             "|---|---|---|---|---|"]
+    spans = [(lo, min(lo + window, common)) for lo in range(0, common, window)]
+    spans.append((max(common - 5, 0), common))
+    for lo, hi in spans:
+        part = diffs[lo:hi]
+        lines.append(f"| {lo + 1}-{hi}{' (last 5)' if (lo, hi) == spans[-1] else ''} "
+                     f"| {statistics.mean(accs[lo:hi]):.2f} | {statistics.mean(reference[lo:hi]):.2f} "
+                     f"| {statistics.mean(part):+.2f} ({min(part):+.1f} .. {max(part):+.1f}) "
+                     f"| {sum(d > 0 for d in part)}/{len(part)} |")
+    return "\n".join(lines)
+
+
 def partial(history_file: Path) -> list[float]:
     """The per-round accuracies a run has recorded so far (finished or not)."""
     if not history_file.exists():
@@ -291,6 +331,9 @@ def main() -> int:
                         "core takes many minutes")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-calibrate")
     p.add_argument("--results", type=Path, help="also write the report to this file")
+    p.add_argument("--reference", type=Path,
+                   help="bench/niid_bench_reference.py's rounds.tsv (or a results file holding "
+                        "its table): print each run beside it, round by round")
     p.add_argument("--report-only", action="store_true",
                    help="print the table from what the runs under --out recorded, run nothing")
     args = p.parse_args()
@@ -311,6 +354,10 @@ def main() -> int:
             if accs:
                 results[row.name, seed] = accs
     text = report(args, rows, results)
+    if args.reference:
+        reference = read_reference(args.reference)
+        text += "".join(f"\n\n{compare(f'{name} seed {seed}', accs, reference)}"
+                        for (name, seed), accs in sorted(results.items()))
     print(text)
     if args.results:
         args.results.parent.mkdir(parents=True, exist_ok=True)

@@ -93,6 +93,27 @@ def test_the_report_puts_the_plateau_beside_the_best_round(bench):
     assert "optimizer state reset" in text
 
 
+def test_a_run_is_compared_with_the_reference_round_by_round(bench, tmp_path):
+    """--reference reads the reproduction's own per-round figures (its results file, header
+    and all) and prints this run minus it over the rounds both recorded."""
+    results = tmp_path / "reference.txt"
+    results.write_text("# header\nrounds done 12/50\n\nround\tacc_860\tacc_1000\tseconds\n"
+                       + "".join(f"{r}\t{50 + r:.2f}\t{50 + r:.2f}\t180.0\n" for r in range(1, 13)))
+    reference = bench.read_reference(results)
+    assert reference == [51.0 + r for r in range(12)]
+    accs = [51.0 + r + (2.0 if r < 10 else -1.0) for r in range(14)]  # two rounds more
+    text = bench.compare("fedavg-dir seed 42", accs, reference)
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
+            for line in text.splitlines() if line.startswith("| ") and line[2].isdigit()}
+    assert "rounds 1-12" in text.splitlines()[0]
+    assert rows["1-10"][3:] == ["+2.00 (+2.0 .. +2.0)", "10/10"]
+    assert rows["11-12"][1:] == ["60.50", "61.50", "-1.00 (-1.0 .. -1.0)", "0/2"]
+    assert rows["8-12 (last 5)"][3:] == ["+0.80 (-1.0 .. +2.0)", "3/5"]
+    (tmp_path / "gap.tsv").write_text("round\tacc_860\n1\t10\n3\t12\n")
+    with pytest.raises(ValueError, match="not 1..N"):
+        bench.read_reference(tmp_path / "gap.tsv")
+
+
 @pytest.mark.skipif(not CIFAR10.exists(), reason=f"needs CIFAR-10 at {CIFAR10} (../shared/data)")
 def test_a_tiny_protocol_runs_through_the_bench(tmp_path):
     """2 clients, 1 round of 1 epoch on 400 images, via bench/calibrate.py and real fl-sim:
