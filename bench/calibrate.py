@@ -274,11 +274,12 @@ def compare(name: str, accs: list[float], reference: list[float], window: int = 
     lines = [f"{name} against the reference, rounds 1-{common} (this run - reference, points)",
              "| rounds | this run | reference | difference (mean, min .. max) | rounds above |",
              "|---|---|---|---|---|"]
-    spans = [(lo, min(lo + window, common)) for lo in range(0, common, window)]
-    spans.append((max(common - 5, 0), common))
-    for lo, hi in spans:
+    spans = [(lo, min(lo + window, common), "") for lo in range(0, common, window)]
+    if spans[-1][:2] != (max(common - 5, 0), common):  # else the last window is the last 5
+        spans.append((max(common - 5, 0), common, " (last 5)"))
+    for lo, hi, label in spans:
         part = diffs[lo:hi]
-        lines.append(f"| {lo + 1}-{hi}{' (last 5)' if (lo, hi) == spans[-1] else ''} "
+        lines.append(f"| {lo + 1}-{hi}{label} "
                      f"| {statistics.mean(accs[lo:hi]):.2f} | {statistics.mean(reference[lo:hi]):.2f} "
                      f"| {statistics.mean(part):+.2f} ({min(part):+.1f} .. {max(part):+.1f}) "
                      f"| {sum(d > 0 for d in part)}/{len(part)} |")
