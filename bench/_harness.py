@@ -10,6 +10,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -99,12 +100,28 @@ def resumable(run: Path) -> bool:
 def fl_partition(out: Path, log_dir: Path, flags: list[str]) -> bool:
     """fl-partition into ``out`` with ``flags``, unless a finished partition (its
     partition.json) is already there: runs share partitions across methods and restarts.
-    Returns whether it partitioned now."""
+    Returns whether it partitioned now. Written beside ``out`` and renamed into place, so
+    two runs started together on one partition (two rows of a calibration) each finish
+    theirs and keep the first (fl-partition refuses a folder that exists: the second
+    failed), and a partition a crash left half-written is replaced."""
     if (out / "partition.json").exists():
         return False
     out.parent.mkdir(parents=True, exist_ok=True)
-    run([sys.executable, "-m", "fedattn_shared.data.partition", "--out", str(out), *flags],
-        log_dir / f"partition-{out.name}.log")
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        run([sys.executable, "-m", "fedattn_shared.data.partition", "--out", str(staging),
+             *flags], log_dir / f"partition-{out.name}.log")
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    try:
+        staging.rename(out)
+    except OSError:  # ``out`` exists: another run's partition, or a crash's half of one
+        if (out / "partition.json").exists():
+            shutil.rmtree(staging)
+            return False
+        shutil.rmtree(out)
+        staging.rename(out)
     return True
 
 

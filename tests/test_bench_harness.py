@@ -143,3 +143,44 @@ def test_a_carried_optimizer_run_is_never_read_back_as_a_reset_one(tmp_path):
     with bench_script("_harness") as harness:
         assert harness.optimizer_state_words(argparse.Namespace(optimizer_state="carry")) == \
             "local optimizer state carried across rounds"
+
+
+def test_two_runs_partitioning_one_folder_together_both_finish_with_one_partition(harness,
+                                                                                   tmp_path):
+    # Two calibration rows on one partition, started together: fl-partition refuses a
+    # folder that exists, so the second used to fail. Each now writes beside the folder
+    # and renames; the first rename wins, the other's copy goes, both runs go on. A folder
+    # a crash left without its partition.json is replaced.
+    import threading
+
+    import numpy as np
+
+    source = tmp_path / "source"
+    source.mkdir()
+    rng = np.random.default_rng(0)
+    np.savez(source / "data.npz", x=rng.integers(0, 256, (400, 8, 8), dtype=np.uint8),
+             y=np.arange(400) % 10)
+    out = tmp_path / "data" / "iid-e4"
+    flags = ["--source", str(source), "--edges", "4", "--seed", "0", "--scheme", "iid",
+             "--global-test-per-class", "5"]
+    made, errors = [], []
+
+    def one(log: str) -> None:
+        try:
+            made.append(harness.fl_partition(out, tmp_path / log, flags))
+        except BaseException as err:  # noqa: BLE001 - a failed command exits (SystemExit)
+            errors.append(err)
+
+    for log in ("a", "b"):
+        (tmp_path / log).mkdir()
+    threads = [threading.Thread(target=one, args=(log,)) for log in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and sorted(made) in ([False, True], [True, True])
+    assert (out / "partition.json").exists() and len(list(out.glob("edge_*"))) == 4
+    assert [p.name for p in out.parent.iterdir()] == ["iid-e4"]  # no copy left beside it
+    (out / "partition.json").unlink()  # a crash's half-written partition
+    assert harness.fl_partition(out, tmp_path / "a", flags)
+    assert (out / "partition.json").exists()
