@@ -229,8 +229,9 @@ def _network_flags(p: argparse.ArgumentParser) -> None:
                           "stream windows (default 0: a quarter of the available memory)")
     net.add_argument("--max-download-memory", type=int, metavar="BYTES",
                      help="bytes of task messages the downloads under way may hold in gRPC "
-                          "at once; a download waits for room (default 0: an eighth of the "
-                          "available memory)")
+                          "at once, in whole chunks; a download waits for room (default 0: "
+                          "32 MiB shared and 128 KiB per downloading edge, chunks cut to a "
+                          "fair share; none waits)")
     net.add_argument("--spill-uploads", action=argparse.BooleanOptionalAction,
                      help="collect-then-learn methods keep uploads memory-mapped on disk in "
                           "CHECKPOINT_DIR/uploads, not in RAM (default on)")

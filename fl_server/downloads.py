@@ -25,11 +25,16 @@ from typing import Protocol
 from fedattn_shared.config import ServerConfig
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire.accounting import DOWN, GRPC_FRAME_PREFIX, NO_CODEC, ByteMeter, count_coded
-from fedattn_shared.wire.transport import DownloadTerms, data_frames_from
+from fedattn_shared.wire.transport import (
+    DownloadTerms,
+    data_frame,
+    data_frames_from,
+    data_of_frame,
+)
 
 from .edges import EdgeRecord
 from .engine import Engine
-from .memory import download_memory, trim_heap
+from .memory import download_room, trim_heap
 from .metrics import DECLINES
 from .phase import Phase, Refused, Task
 from .streams import DownloadRoom, StreamEnded
@@ -85,9 +90,12 @@ class Download:
         self.busy = False
         self.pending: asyncio.Future | None = None
 
-    async def send(self, message: pb.TaskMessage | bytes) -> bool:
-        """Sends one message; False (``stalled`` says why) when it did not go in time."""
+    async def send(self, message: pb.TaskMessage | bytes, fresh: bool = False) -> bool:
+        """Sends one message; False (``stalled`` says why) when it did not go in time.
+        ``fresh``: a frame built for this send (a piece, a personal chunk), which the
+        process holds beside gRPC's copy until the send is done, so it takes room twice."""
         size = len(message) if isinstance(message, bytes) else message.ByteSize()
+        size *= 2 if fresh else 1
         try:
             taken = await asyncio.wait_for(self.room.take(size, self.holder), self.idle)
         except asyncio.TimeoutError:
@@ -127,7 +135,7 @@ class Downloads:
 
     def __init__(self, engine: Engine, meter: ByteMeter, cfg: ServerConfig):
         self.engine, self.meter, self.cfg = engine, meter, cfg
-        self.room = DownloadRoom(download_memory(cfg))
+        self.room = download_room(cfg)
         self.terms = DownloadTerms(cfg.download_idle_timeout, cfg.download_min_rate,
                                    cfg.download_window, cfg.poll_timeout)
         self.tasking: dict[str, str] = {}  # edge -> the session whose task call is open
@@ -270,25 +278,26 @@ class Downloads:
                             self.cfg.download_min_rate, edge)
         messages = self._frames(phase, edge, header.header, delta, transfer.offset)
         if first:
-            messages = itertools.chain(((header, None, 0),), messages)
+            messages = itertools.chain(((header, None, 0, False),), messages)
             if delta:
                 count_coded(self.meter, DOWN, phase.coded_delta, edge)
         end, went = transfer.offset, False
         try:
-            for message, count, raw in messages:
-                if not self._deliver(phase, task, count is None, raw, total):
-                    if not went:  # nothing of this call went out: say so
-                        await self._answer(stream, pb.TaskHeader.WAIT)
-                    return
-                if count is not None:
-                    self.meter.count(*count)
-                if not await download.send(message):
-                    if download.busy:
-                        phase.refund(edge, count is None, raw)
-                    await self._cut(phase, edge, download)
-                    return
-                end, went = end + raw, True
-                self.partial[edge] = (task.task_id, time.monotonic())
+            with self.room.downloading(edge):
+                for message, count, raw, fresh in messages:
+                    if not self._deliver(phase, task, count is None, raw, total):
+                        if not went:  # nothing of this call went out: say so
+                            await self._answer(stream, pb.TaskHeader.WAIT)
+                        return
+                    if count is not None:
+                        self.meter.count(*count)
+                    if not await download.send(message, fresh):
+                        if download.busy:
+                            phase.refund(edge, count is None, raw)
+                        await self._cut(phase, edge, download)
+                        return
+                    end, went = end + raw, True
+                    self.partial[edge] = (task.task_id, time.monotonic())
         except StreamEnded as err:  # a send failed: the call is over
             log.info("round %d %s: %s's task download ended: %s", phase.round, phase.name,
                      edge, err)
@@ -331,22 +340,43 @@ class Downloads:
         return self._frames_of(parts, edge, offset)
 
     def _frames_of(self, parts: list, edge: str, offset: int):
-        """``_frames``' generator over the downlinks ``parts`` it took."""
+        """``_frames``' generator over the downlinks ``parts`` it took: (frame, meter entry,
+        data bytes, whether the frame was built for this send). A chunk larger than the
+        room gives this download now (``DownloadRoom.piece``: its fair share when many
+        download at once) goes in pieces, each sized when it is its turn."""
         budget = self.cfg.download_window
         for encoded, built, coded in parts:
             size = encoded.manifest.total_bytes
             if offset >= size:
                 offset -= size
                 continue
-            for kind, frame, raw in data_frames_from(encoded, self.cfg.chunk_bytes, offset,
-                                                     built):
-                if budget < raw:
-                    return
-                budget -= raw
-                codec = coded.get(kind.label, (NO_CODEC, 0))[0]
-                yield frame, (DOWN, kind.label, len(frame) + GRPC_FRAME_PREFIX,
-                              0 if kind.label in coded else raw, edge, codec), raw
+            frames = data_frames_from(encoded, self.cfg.chunk_bytes, offset, built)
+            for index, (kind, frame, raw) in enumerate(frames):
+                # Built here: a part without pre-built frames, or the tail of a chunk a
+                # resumed download starts inside.
+                fresh = not built or (index == 0 and not any(frame is f for _, f, _ in built))
+                label, codec = kind.label, coded.get(kind.label, (NO_CODEC, 0))[0]
+                for piece, length, cut in self._pieces(frame, raw):
+                    if budget < length:
+                        return
+                    budget -= length
+                    yield piece, (DOWN, label, len(piece) + GRPC_FRAME_PREFIX,
+                                  0 if label in coded else length, edge, codec), length, \
+                        fresh or cut
             offset = 0
+
+    def _pieces(self, frame: bytes, raw: int):
+        """The chunk ``frame`` (``raw`` data bytes) whole, or in pieces of the room's size
+        for this download at each one's turn: (frame, data bytes, whether it was cut)."""
+        size = self.room.piece(raw)
+        if size >= raw:
+            yield frame, raw, False
+            return
+        data, at = data_of_frame(frame), 0
+        while at < raw:
+            yield data_frame(data[at : at + size]), min(size, raw - at), True
+            at += size
+            size = self.room.piece(raw - at)
 
     async def _cut(self, phase: Phase, edge: str, download: Download) -> None:
         """A download the edge stopped taking (or one that found no room): the call ends

@@ -15,8 +15,9 @@ waits too): the total cannot exceed the budget however many edges upload at once
 
 A task download holds the message it is sending in gRPC until the edge takes it: with
 thousands of edges downloading at once (an evaluation opens for all of them), or edges
-that stop reading, that is a frame of the model each. ``download_memory`` is the bytes
-they may hold together (``streams.DownloadRoom``); the rest wait their turn.
+that stop reading, that is a message each. ``download_room`` is what they may hold
+together (``streams.DownloadRoom``): a hard bound, or by default a shared room plus a
+small reserve per downloading edge, the chunks cut to a fair share of it.
 
 A collect-then-learn aggregator keeps every upload of a round; ``attach_spill`` puts
 them on disk (``fedattn_shared.methods.spill``) when ``server.spill_uploads`` is on. A
@@ -43,11 +44,19 @@ from fedattn_shared.methods.aggregators import (
 from fedattn_shared.methods.spill import UploadSpill, default_spill_bytes
 from fedattn_shared.wire.transport import CALLS_PER_EDGE
 
+from .streams import PIECE_FLOOR, DownloadRoom
+
 log = logging.getLogger("fl_server")
 
 # The default budget: this share of the memory available when the server starts.
 DEFAULT_SHARE = 4
-DOWNLOAD_SHARE = 8  # downloads: this share (their frames are shared, only in flight copied)
+# Downloads, by default: the room they share in gRPC (a fair share of it is a whole 1 MiB
+# chunk for up to 16 downloads at once; at 64, 256 KiB pieces: ResNet-18's 64 downloads
+# at a phase's open held 1.5 models of frames in 1 MiB chunks), and each downloading
+# edge's own reserve: a 64 KiB piece and the copy of it gRPC takes, with room for the
+# frame's header.
+DOWNLOAD_SHARED = 32 << 20
+DOWNLOAD_RESERVE = 2 * (PIECE_FLOOR + 64)
 # A stream's window: grpc's own default lookahead (64 KiB) at least, so a budget spread
 # over many edges never stalls the link; 4 MiB at most (beyond, loopback gains nothing).
 MIN_WINDOW = 64 << 10
@@ -110,13 +119,18 @@ def plan_upload_memory(cfg: ServerConfig, upload_bytes: int) -> UploadMemory:
     return plan
 
 
-def download_memory(cfg: ServerConfig) -> int:
-    """Bytes the task downloads under way may hold in gRPC at once:
-    ``cfg.max_download_memory``, or an eighth of the memory available now."""
-    budget = cfg.max_download_memory or available_memory() // DOWNLOAD_SHARE
-    log.info("download memory: %d bytes (%s)", budget, "server.max_download_memory"
-             if cfg.max_download_memory else f"1/{DOWNLOAD_SHARE} of the memory available")
-    return budget
+def download_room(cfg: ServerConfig) -> DownloadRoom:
+    """The room the task downloads under way share in gRPC (``streams.DownloadRoom``):
+    ``cfg.max_download_memory`` as a hard bound in whole chunks, or by default
+    ``DOWNLOAD_SHARED`` bytes shared plus ``DOWNLOAD_RESERVE`` of each downloading edge's
+    own, the chunks cut to a fair share when many download at once."""
+    if cfg.max_download_memory:
+        log.info("download memory: at most %d bytes (server.max_download_memory)",
+                 cfg.max_download_memory)
+        return DownloadRoom(cfg.max_download_memory)
+    log.info("download memory: %d bytes shared and %d per downloading edge, chunks cut to "
+             "a fair share", DOWNLOAD_SHARED, DOWNLOAD_RESERVE)
+    return DownloadRoom(DOWNLOAD_SHARED, DOWNLOAD_RESERVE)
 
 
 def attach_spill(aggregator: Aggregator, cfg: ServerConfig) -> None:
@@ -165,5 +179,5 @@ def global_bytes(aggregator: Aggregator) -> int:
     return sum(t.numel() * t.element_size() for t in flatten_sections(aggregator.state).values())
 
 
-__all__ = ["UploadMemory", "attach_spill", "available_memory", "download_memory", "global_bytes",
+__all__ = ["UploadMemory", "attach_spill", "available_memory", "download_room", "global_bytes",
            "log_memory", "plan_upload_memory", "trim_heap"]

@@ -187,8 +187,9 @@ class ServerMetrics:
         gauge = self._gauge
         gauge("fedattn_download_held_bytes", "Bytes of task messages the downloads under way "
               "hold in gRPC").set_function(lambda: room.held)
-        gauge("fedattn_download_limit_bytes", "Bound on those bytes "
-              "(--max-download-memory)").set_function(lambda: room.limit)
+        gauge("fedattn_download_limit_bytes", "Bound on those bytes (--max-download-memory), "
+              "or the room the downloads share (each downloading edge has 128 KiB more)"
+              ).set_function(lambda: room.limit)
         gauge("fedattn_downloads_waiting", "Task messages waiting for room under "
               "--max-download-memory").set_function(lambda: room.waiting)
 

@@ -184,8 +184,9 @@ class ServerConfig:
     # memory available when the server starts.
     max_upload_memory: int = 0
     # Bytes of task messages the downloads under way may hold in gRPC at once (each holds
-    # the message it is sending until the edge takes it); a download waits for room,
-    # first come first served. 0: an eighth of the memory available when the server starts.
+    # the message it is sending until the edge takes it), in whole chunks; a download
+    # waits for room, first come first served. 0: 32 MiB shared and 128 KiB of each
+    # downloading edge's own, chunks cut to a fair share of it; no download waits.
     max_download_memory: int = 0
     # Collect-then-learn methods (fedmedian, fedproto, fedstar): keep the round's uploads
     # memory-mapped on disk in checkpoint_dir/uploads instead of in RAM.
@@ -305,8 +306,8 @@ class ServerConfig:
             raise ConfigError(f"server.max_upload_memory must be 0 (a quarter of the available "
                               f"memory) or >= 64 KiB, got {self.max_upload_memory}")
         if self.max_download_memory != 0 and self.max_download_memory < 64 << 10:
-            raise ConfigError(f"server.max_download_memory must be 0 (an eighth of the "
-                              f"available memory) or >= 64 KiB, got {self.max_download_memory}")
+            raise ConfigError(f"server.max_download_memory must be 0 (a shared room and a "
+                              f"reserve per edge) or >= 64 KiB, got {self.max_download_memory}")
         if self.max_spill_bytes < 0:
             raise ConfigError(f"server.max_spill_bytes must be >= 0 (0: half the free disk), "
                               f"got {self.max_spill_bytes}")

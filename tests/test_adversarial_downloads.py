@@ -9,6 +9,8 @@ hand-written client (``RawEdge``) against a real fl-server process on loopback.
   is released then (the held-bytes gauge and the process's memory agree);
 - many stalled downloads from one identity, then an honest edge: one call per session,
   one frame in the room per edge, so the honest download is not queued behind them;
+- stalled downloads from many identities under the default room: they hold its shared
+  part and a small reserve each at most, and an honest download never waits for room;
 - many presence streams on one session: a new one replaces the old.
 """
 
@@ -175,6 +177,48 @@ def test_stalled_identities_cannot_queue_an_honest_download_behind_them(tmp_path
         for call in calls:
             call.cancel()
     finally:
+        close(cluster, edges)
+
+
+def test_many_stalled_identities_hold_the_shared_room_and_their_reserves_at_most(tmp_path):
+    # 48 identities take the header of a MobileNetV3-Small task and read nothing, then an
+    # honest edge downloads. In whole 1 MiB chunks each stalled call held one in gRPC, 48
+    # MiB (64 ResNet-18 downloads at a phase's open held 1.5 models so). By default the
+    # downloads share 32 MiB and each has a 128 KiB reserve of its own, the chunks cut to
+    # a fair share of what is free: the stalled ones hold at most 32 MiB + 48 reserves,
+    # and the honest download, never waiting for room, is through well within an idle
+    # deadline.
+    stalling = 48
+    names = (*(f"stall{i}" for i in range(stalling)), "honest")
+    cluster, server, edges = fleet(tmp_path, names, "--model", "mobilenet-v3-small",
+                                   "--min-edges", str(len(names)),
+                                   "--download-idle-timeout", "20",
+                                   "--download-window", str(64 << 20), options=STALLING)
+    stalled, honest = edges[:-1], edges[-1]
+    calls = []
+    try:
+        wait_for(lambda: all(e.task_ready.is_set() for e in edges), 60, "every task ready")
+        assert gauge(server.metrics_port, "fedattn_download_limit_bytes") == 32 << 20
+        for edge in stalled:
+            request = pb.TaskRequest(edge_id=edge.edge_id, session=edge.session, no_wait=True)
+            call = edge.stub.NextTask(request, timeout=60)
+            assert next(call).header.status == pb.TaskHeader.TASK  # then nothing is read
+            calls.append(call)
+        wait_for(lambda: gauge(server.metrics_port, "fedattn_download_held_bytes") > 24 << 20,
+                 30, "the stalled downloads holding their messages")
+        started = time.monotonic()
+        task = honest.next_task(no_wait=True, timeout=60)
+        assert task.header.status == pb.TaskHeader.TASK and task.globals
+        assert time.monotonic() - started < 10, "the honest download waited for room"
+        held = gauge(server.metrics_port, "fedattn_download_held_bytes")
+        bound = (32 << 20) + stalling * 2 * ((64 << 10) + 64)
+        print(f"{stalling} stalled downloads hold {held / (1 << 20):.1f} MiB "
+              f"(bound {bound / (1 << 20):.1f} MiB)")
+        assert held <= bound
+        assert gauge(server.metrics_port, "fedattn_downloads_waiting") == 0
+    finally:
+        for call in calls:
+            call.cancel()
         close(cluster, edges)
 
 

@@ -108,3 +108,70 @@ def test_a_wait_cancelled_just_as_it_was_granted_gives_its_room_back():
 def test_a_room_of_nothing_is_refused():
     with pytest.raises(ValueError, match="download room must be >= 1 byte"):
         DownloadRoom(0)
+
+
+# ---- the shared form (the default): a shared room, a reserve per holder, chunks cut ----
+MiB = 1 << 20
+FLOOR = 64 << 10
+RESERVE = 2 * (FLOOR + 64)
+
+
+def test_the_hard_bound_sends_whole_chunks():
+    room = DownloadRoom(4 * MiB)
+    with room.downloading("a"), room.downloading("b"), room.downloading("c"):
+        assert room.piece(MiB) == MiB
+
+
+def test_the_shared_form_cuts_chunks_to_a_fair_share_of_the_room():
+    room = DownloadRoom(32 * MiB, RESERVE, FLOOR)
+    assert room.piece(MiB) == MiB
+    for count, piece in ((8, MiB), (16, MiB), (32, 512 << 10), (64, 256 << 10),
+                         (1000, FLOOR)):
+        holders = [f"e{i}" for i in range(count)]
+        entered = [room.downloading(h) for h in holders]
+        for entry in entered:
+            entry.__enter__()
+        assert room.piece(MiB) == piece, count
+        assert room.piece(1000) == 1000  # a short chunk's tail goes whole
+        for entry in entered:
+            entry.__exit__(None, None, None)
+
+
+def test_stalled_holders_cannot_make_another_wait_and_hold_the_room_plus_their_reserves():
+    # Stalled holders take pieces until the shared room is spent: each takes what
+    # ``piece`` allows it then (twice: a cut piece beside gRPC's copy) and never gives
+    # it back. A holder arriving after them still gets a floor piece at once, and what
+    # all hold stays within the shared room plus one reserve per holder.
+    async def main():
+        room = DownloadRoom(4 * MiB, RESERVE, FLOOR)
+        stalled = [f"s{i}" for i in range(40)]
+        for holder in stalled:
+            with room.downloading(holder):
+                await asyncio.wait_for(room.take(2 * room.piece(MiB) + 12, holder), 0.1)
+        assert room.held > 4 * MiB and room.waiting == 0
+        assert room.held <= 4 * MiB + RESERVE * len(stalled)
+        with room.downloading("honest"):
+            piece = room.piece(MiB)
+            assert FLOOR <= piece <= RESERVE // 2  # what its own reserve holds
+            taken = await asyncio.wait_for(room.take(2 * piece + 12, "honest"), 0.1)
+        assert room.held <= 4 * MiB + RESERVE * (len(stalled) + 1)
+        room.give(taken, "honest")
+    run(main())
+
+
+def test_one_holder_in_the_shared_form_still_holds_one_message_at_a_time():
+    async def main():
+        room = DownloadRoom(4 * MiB, RESERVE, FLOOR)
+        first = await room.take(1000, "a")
+        assert first == RESERVE  # every message counts a reserve at least
+        second = asyncio.ensure_future(room.take(1000, "a"))
+        await settle()
+        assert not second.done()
+        room.give(first, "a")
+        assert await second == RESERVE
+    run(main())
+
+
+def test_a_reserve_that_cannot_hold_a_floor_piece_twice_is_refused():
+    with pytest.raises(ValueError, match="must cover a piece"):
+        DownloadRoom(MiB, FLOOR, FLOOR)

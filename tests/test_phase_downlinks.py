@@ -32,5 +32,5 @@ def test_a_closed_phase_lets_its_downlinks_go_and_a_started_download_sends_all_i
     frames = downloads._frames(phase, "e0", header, False, 0)  # as the header goes out
     phase.close("", "closed at quorum")
     assert phase.common.total_bytes == 0 and phase.common_frames == [] and phase.personal == {}
-    sent = b"".join(bytes(data_of_frame(frame)) for frame, _, _ in frames)
+    sent = b"".join(bytes(data_of_frame(frame)) for frame, *_ in frames)
     assert sent == weights.numpy().tobytes() + (-weights[:10]).numpy().tobytes()

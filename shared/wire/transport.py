@@ -168,23 +168,40 @@ def data_frames(encoded: EncodedPayload, chunk_bytes: int = DEFAULT_CHUNK_BYTES
 def data_frames_from(encoded: EncodedPayload, chunk_bytes: int, offset: int,
                      built: list[tuple[Kind, bytes, int]] | None = None
                      ) -> Iterator[tuple[Kind, bytes, int]]:
-    """``data_frames`` from data byte ``offset`` on (a chunk boundary; ValueError
-    otherwise): the chunks before it are skipped without being built. ``built``: the
-    frames already built for ``encoded`` (reused; empty or None: built as they go)."""
+    """``data_frames`` from data byte ``offset`` on: the chunks before it are skipped
+    without being built, and an offset inside a chunk (a download the server sent in
+    pieces, resumed from the piece the edge holds) starts with that chunk's tail as a
+    frame of its own. ``built``: the frames already built for ``encoded`` (reused; empty
+    or None: built as they go)."""
     position = 0
     chunks = ((kind, frame, size, None) for kind, frame, size in built) if built else (
         (kind, None, sum(len(v) for v in views), views)
         for kind, views in chunk_views(encoded, chunk_bytes))
     for kind, frame, size, views in chunks:
-        if position >= offset:
-            if position != offset:
-                raise ValueError(f"offset {offset} is not a chunk boundary")
-            yield kind, frame if frame is not None else data_frame(*views), size
-            offset = position = position + size
+        if position + size <= offset:
+            position += size
             continue
+        if position < offset:  # the tail of the chunk ``offset`` falls in
+            skip = offset - position
+            tail = [data_of_frame(frame)[skip:]] if frame is not None else _after(views, skip)
+            yield kind, data_frame(*tail), size - skip
+        else:
+            yield kind, frame if frame is not None else data_frame(*views), size
         position += size
     if position < offset:
         raise ValueError(f"offset {offset} is past the payload's {position} bytes")
+
+
+def _after(views: list[memoryview], skip: int) -> list[memoryview]:
+    """The views' bytes after the first ``skip`` of them."""
+    out = []
+    for view in views:
+        if skip >= len(view):
+            skip -= len(view)
+            continue
+        out.append(view[skip:])
+        skip = 0
+    return out
 
 
 def data_of_frame(raw: bytes) -> memoryview | None:
