@@ -211,14 +211,18 @@ def fedattn_round(model: str, edges: int, rounds: int, workdir: Path, local_epoc
 def uploaders_round(model: str, uploaders: int, rounds: int, workdir: Path,
                     server_args: tuple[str, ...] = (), server_code: Path | None = None,
                     per_process: int = 16, server_env: dict[str, str] | None = None,
-                    server_log: Path | None = None) -> dict:
+                    server_log: Path | None = None, held: bool = False) -> dict:
     """A real fl-server (FedAvg, or --method in ``server_args``) and ``uploaders`` light
     edges (bench/uploaders.py, ``per_process`` per process, all uploading the global they
     received as soon as it arrives): the server's peak RSS growth over its idle RSS.
     ``server_code``: another checkout to run the server from (the figure before a change).
     ``server_log``: the server's DEBUG log goes there (its "memory at" lines: the RSS at
-    each stage of the round), instead of nowhere."""
+    each stage of the round), instead of nowhere. ``held``: also the most the server's
+    ``fedattn_download_held_bytes`` gauge read (sampled every 20 ms: what the downloads
+    under way held in gRPC; the scrapes cost the server some CPU)."""
     channels, size = MODEL_INPUT[model]
+    if held:
+        server_args = (*server_args, "--metrics-port", "0")
     root = Path(__file__).resolve().parent.parent
     code = server_code or root
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -241,6 +245,7 @@ def uploaders_round(model: str, uploaders: int, rounds: int, workdir: Path,
     time.sleep(1.0)
     idle_rss = rss_kib(server.pid, "VmRSS")
     port = json.loads(ready.read_text())["port"]
+    sampler = HeldSampler(json.loads(ready.read_text())["metrics_port"]) if held else None
     procs = [subprocess.Popen(
         [sys.executable, str(root / "bench" / "uploaders.py"), "--port", str(port),
          "--edges", str(min(per_process, uploaders - start)), "--prefix", f"p{start:03d}"],
@@ -253,13 +258,42 @@ def uploaders_round(model: str, uploaders: int, rounds: int, workdir: Path,
         cpu = cpu_seconds(server.pid)
         time.sleep(0.02)
     elapsed = time.monotonic() - started
+    held_peak = sampler.stop() if sampler else None
     statuses = [p.wait(timeout=300) for p in procs]
     server.wait(timeout=120)
     history = json.loads((workdir / "server" / "history.json").read_text())
     return {"peak_rss_growth_kib": peak - idle_rss, "idle_kib": idle_rss, "seconds": elapsed,
-            "server_cpu": cpu - idle_cpu,
+            "server_cpu": cpu - idle_cpu, "held_peak": held_peak,
             "received": [len(r["train"]["received"]) for r in history["rounds"]],
             "uploaders_ok": statuses.count(0) == len(statuses)}
+
+
+class HeldSampler:
+    """The most a server's ``fedattn_download_held_bytes`` gauge read, scraped every 20 ms
+    on a thread until ``stop``."""
+
+    def __init__(self, metrics_port: int):
+        self.url, self.peak = f"http://127.0.0.1:{metrics_port}/metrics", 0.0
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        import urllib.request
+
+        while not self.done.wait(0.02):
+            try:
+                text = urllib.request.urlopen(self.url, timeout=2).read().decode()
+            except OSError:
+                continue
+            for line in text.splitlines():
+                if line.startswith("fedattn_download_held_bytes "):
+                    self.peak = max(self.peak, float(line.split()[1]))
+
+    def stop(self) -> float:
+        self.done.set()
+        self.thread.join()
+        return self.peak
 
 
 def memory_breakdown(lines: list[str], idle_kib: int, model_bytes: int) -> None:
@@ -281,7 +315,8 @@ def memory_breakdown(lines: list[str], idle_kib: int, model_bytes: int) -> None:
 
 
 def memory_figures(model: str, counts: list[int], rounds: int, before: Path | None,
-                   method: str, breakdown: bool = False, extra: tuple[str, ...] = ()) -> None:
+                   method: str, breakdown: bool = False, extra: tuple[str, ...] = (),
+                   held: bool = False) -> None:
     """Server peak RSS growth, in models, for each number of concurrent uploaders, with
     this checkout's server (and ``before``'s, when given), next to the load average."""
     model_bytes = model_params(model) * 4
@@ -296,14 +331,16 @@ def memory_figures(model: str, counts: list[int], rounds: int, before: Path | No
                 log_path = Path(tmp) / "server.log" if breakdown else None
                 r = uploaders_round(model, count, rounds, Path(tmp),
                                     ("--method", method, *extra), server_code=code,
-                                    server_log=log_path)
+                                    server_log=log_path, held=held)
                 lines = log_path.read_text().splitlines() if log_path else []
             growth = r["peak_rss_growth_kib"] * 1024
             print(f"  {count:3d} uploaders, {label:6s}: peak RSS growth {growth / 1e6:7.1f} MB = "
                   f"{growth / model_bytes:5.2f}x one model (idle {r['idle_kib'] / 1024:.0f} MiB), "
                   f"{r['seconds']:.1f} s for {rounds} rounds (server CPU {r['server_cpu']:.1f} s), "
                   f"received {r['received']}, "
-                  f"uploaders ok {r['uploaders_ok']}, load avg {load:.2f} before", flush=True)
+                  + (f"downloads held at most {r['held_peak'] / model_bytes:.2f}x in gRPC, "
+                     if held else "")
+                  + f"uploaders ok {r['uploaders_ok']}, load avg {load:.2f} before", flush=True)
             memory_breakdown(lines, r["idle_kib"], model_bytes)
 
 
@@ -515,6 +552,9 @@ def main() -> int:
     parser.add_argument("--breakdown", action="store_true",
                         help="with --uploaders: the server's RSS at each stage of its rounds "
                              "(its DEBUG 'memory at' lines)")
+    parser.add_argument("--held", action="store_true",
+                        help="with --uploaders: also the most the downloads held in gRPC (the "
+                             "server's fedattn_download_held_bytes, scraped every 20 ms)")
     parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                         help="with --uploaders or --before: one more fl-server argument "
                              "(repeatable; --server-arg=--no-spill-uploads)")
@@ -522,7 +562,7 @@ def main() -> int:
     if args.uploaders:
         model = "resnet18-cifar" if "--models" not in sys.argv else args.models[0]
         memory_figures(model, args.uploaders, min(args.rounds, 3), args.before, args.method,
-                       args.breakdown, tuple(args.server_arg))
+                       args.breakdown, tuple(args.server_arg), args.held)
         return 0
     if args.before:
         if args.profile:
