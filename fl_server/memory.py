@@ -44,7 +44,7 @@ from fedattn_shared.methods.aggregators import (
 from fedattn_shared.methods.spill import UploadSpill, default_spill_bytes
 from fedattn_shared.wire.transport import CALLS_PER_EDGE
 
-from .streams import PIECE_FLOOR, DownloadRoom
+from .streams import PIECE_RESERVE, DownloadRoom
 
 log = logging.getLogger("fl_server")
 
@@ -52,11 +52,9 @@ log = logging.getLogger("fl_server")
 DEFAULT_SHARE = 4
 # Downloads, by default: the room they share in gRPC (a fair share of it is a whole 1 MiB
 # chunk for up to 16 downloads at once; at 64, 256 KiB pieces: ResNet-18's 64 downloads
-# at a phase's open held 1.5 models of frames in 1 MiB chunks), and each downloading
-# edge's own reserve: a 64 KiB piece and the copy of it gRPC takes, with room for the
-# frame's header.
+# at a phase's open held 1.5 models of frames in 1 MiB chunks); each downloading edge
+# also has ``streams.PIECE_RESERVE`` of its own.
 DOWNLOAD_SHARED = 32 << 20
-DOWNLOAD_RESERVE = 2 * (PIECE_FLOOR + 64)
 # A stream's window: grpc's own default lookahead (64 KiB) at least, so a budget spread
 # over many edges never stalls the link; 4 MiB at most (beyond, loopback gains nothing).
 MIN_WINDOW = 64 << 10
@@ -122,15 +120,15 @@ def plan_upload_memory(cfg: ServerConfig, upload_bytes: int) -> UploadMemory:
 def download_room(cfg: ServerConfig) -> DownloadRoom:
     """The room the task downloads under way share in gRPC (``streams.DownloadRoom``):
     ``cfg.max_download_memory`` as a hard bound in whole chunks, or by default
-    ``DOWNLOAD_SHARED`` bytes shared plus ``DOWNLOAD_RESERVE`` of each downloading edge's
+    ``DOWNLOAD_SHARED`` bytes shared plus ``PIECE_RESERVE`` of each downloading edge's
     own, the chunks cut to a fair share when many download at once."""
     if cfg.max_download_memory:
         log.info("download memory: at most %d bytes (server.max_download_memory)",
                  cfg.max_download_memory)
         return DownloadRoom(cfg.max_download_memory)
     log.info("download memory: %d bytes shared and %d per downloading edge, chunks cut to "
-             "a fair share", DOWNLOAD_SHARED, DOWNLOAD_RESERVE)
-    return DownloadRoom(DOWNLOAD_SHARED, DOWNLOAD_RESERVE)
+             "a fair share", DOWNLOAD_SHARED, PIECE_RESERVE)
+    return DownloadRoom(DOWNLOAD_SHARED, PIECE_RESERVE)
 
 
 def attach_spill(aggregator: Aggregator, cfg: ServerConfig) -> None:

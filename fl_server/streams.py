@@ -35,6 +35,9 @@ class StreamEnded(Exception):
 PIECE_FLOOR = 64 << 10
 #: A data frame's bytes beyond its chunk, at most (its tag and the chunk's length).
 FRAME_HEADER = 16
+#: A holder's own room in the shared form: a floor piece cut for the send and gRPC's copy
+#: of it, headers included.
+PIECE_RESERVE = 2 * (PIECE_FLOOR + FRAME_HEADER)
 
 
 class DownloadRoom:
@@ -161,4 +164,4 @@ class DownloadRoom:
             granted.set_result(None)
 
 
-__all__ = ["END", "PIECE_FLOOR", "DownloadRoom", "Malformed", "StreamEnded"]
+__all__ = ["END", "PIECE_FLOOR", "PIECE_RESERVE", "DownloadRoom", "Malformed", "StreamEnded"]
