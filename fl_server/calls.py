@@ -81,8 +81,8 @@ class Call:
         return message
 
     async def write(self, message) -> None:
-        """Sends one stream message: a protobuf message is counted here; a pre-built data
-        frame (bytes) by the pipeline that built it. ``StreamEnded`` when the call is
+        """Sends one stream message: a protobuf message is counted here; a data frame
+        (bytes, built without protobuf) by the pipeline that built it. ``StreamEnded`` when the call is
         over."""
         if not isinstance(message, bytes):
             self.sent(message)
@@ -208,7 +208,7 @@ def parse(message_type: type) -> Callable[[bytes], object]:
 def handlers(service, meter: ByteMeter, identity: Identity) -> grpc.GenericRpcHandler:
     """The service's methods with fedattn's (de)serializers and the call layer around each:
     a ``Call`` for its context, the session check before Presence, NextTask and Leave,
-    the reply of a unary call counted. Data chunks travel as pre-built frames and arrive
+    the reply of a unary call counted. Data chunks travel as hand-built frames and arrive
     as views (``transport.data_frame``); every other message is plain protobuf, so any
     client built from the .proto interoperates."""
 

@@ -228,8 +228,9 @@ def _network_flags(p: argparse.ArgumentParser) -> None:
                      help="bytes concurrent uploads may hold in receive buffers and gRPC "
                           "stream windows (default 0: a quarter of the available memory)")
     net.add_argument("--max-download-memory", type=int, metavar="BYTES",
-                     help="bytes of task messages the downloads under way may hold in gRPC "
-                          "at once, in whole chunks; a download waits for room (default 0: "
+                     help="bytes of task messages the downloads under way may hold at once "
+                          "(a data chunk counts twice: its frame and gRPC's copy), in whole "
+                          "chunks; a download waits for room (default 0: "
                           "32 MiB shared and 128 KiB per downloading edge, chunks cut to a "
                           "fair share; none waits)")
     net.add_argument("--spill-uploads", action=argparse.BooleanOptionalAction,

@@ -25,12 +25,7 @@ from typing import Protocol
 from fedattn_shared.config import ServerConfig
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire.accounting import DOWN, GRPC_FRAME_PREFIX, NO_CODEC, ByteMeter, count_coded
-from fedattn_shared.wire.transport import (
-    DownloadTerms,
-    data_frame,
-    data_frames_from,
-    data_of_frame,
-)
+from fedattn_shared.wire.transport import DownloadTerms, chunk_views_from, data_frame, span
 
 from .edges import EdgeRecord
 from .engine import Engine
@@ -47,13 +42,15 @@ log = logging.getLogger("fl_server")
 # figures (a 1084 s deadline arrives as 1090 s, with --download-min-rate 4096).
 DEADLINE_SLACK = 2.0
 DEADLINE_ROUNDING = 0.01
+# Seconds between two heap trims after cut downloads.
+TRIM_EVERY = 1.0
 
 
 class DownloadStream(Protocol):
     """What the pipeline needs of a transport's task call."""
 
     async def write(self, message) -> None:
-        """Sends one message (a protobuf message, or a pre-built data frame: bytes);
+        """Sends one message (a protobuf message, or a data frame built for it: bytes);
         ``StreamEnded`` once the call is over."""
 
     def seconds_left(self) -> float | None:
@@ -90,12 +87,11 @@ class Download:
         self.busy = False
         self.pending: asyncio.Future | None = None
 
-    async def send(self, message: pb.TaskMessage | bytes, fresh: bool = False) -> bool:
-        """Sends one message; False (``stalled`` says why) when it did not go in time.
-        ``fresh``: a frame built for this send (a piece, a personal chunk), which the
-        process holds beside gRPC's copy until the send is done, so it takes room twice."""
-        size = len(message) if isinstance(message, bytes) else message.ByteSize()
-        size *= 2 if fresh else 1
+    async def send(self, message: pb.TaskMessage | bytes) -> bool:
+        """Sends one message; False (``stalled`` says why) when it did not go in time. A
+        data frame (bytes) is built for its send, and the process holds it beside gRPC's
+        copy until the send is done, so it takes room twice."""
+        size = 2 * len(message) if isinstance(message, bytes) else message.ByteSize()
         try:
             taken = await asyncio.wait_for(self.room.take(size, self.holder), self.idle)
         except asyncio.TimeoutError:
@@ -145,6 +141,7 @@ class Downloads:
         # but a hold past the last byte would keep the task of every edge that crashed
         # while training.)
         self.partial: dict[str, tuple[int, float]] = {}
+        self.trim_due = False  # a heap trim after cut downloads is scheduled
 
     def holds(self, edge: str) -> bool:
         """Whether ``edge`` is in the middle of downloading its task: part of it went to
@@ -276,24 +273,25 @@ class Downloads:
         total = download_bytes(header.header)
         download = Download(stream, self.room, self.cfg.download_idle_timeout,
                             self.cfg.download_min_rate, edge)
-        messages = self._frames(phase, edge, header.header, delta, transfer.offset)
-        if first:
-            messages = itertools.chain(((header, None, 0, False),), messages)
-            if delta:
-                count_coded(self.meter, DOWN, phase.coded_delta, edge)
+        frames = self._frames(phase, edge, header.header, delta, transfer.offset)
+        messages = itertools.chain(((header, None, 0),), frames) if first else frames
+        if first and delta:
+            count_coded(self.meter, DOWN, phase.coded_delta, edge)
         end, went = transfer.offset, False
         try:
             with self.room.downloading(edge):
-                for message, count, raw, fresh in messages:
+                for message, count, raw in messages:
                     if not self._deliver(phase, task, count is None, raw, total):
                         if not went:  # nothing of this call went out: say so
                             await self._answer(stream, pb.TaskHeader.WAIT)
                         return
                     if count is not None:
                         self.meter.count(*count)
-                    if not await download.send(message, fresh):
+                    if not await download.send(message):
                         if download.busy:
                             phase.refund(edge, count is None, raw)
+                        message = None
+                        frames.close()  # the frames built for this call go now
                         await self._cut(phase, edge, download)
                         return
                     end, went = end + raw, True
@@ -333,50 +331,43 @@ class Downloads:
         downlinks are taken now, with the header: a phase that closes while the header
         is sent lets them go (``Phase.retire``), and this call still sends what its
         header announced."""
-        parts = [(phase.personal[edge], None, {})]
+        parts = [(phase.personal[edge], {})]
         if not header.common_cached:
-            parts.insert(0, (phase.delta, None, phase.coded_delta) if delta
-                         else (phase.common, phase.common_frames, {}))
+            parts.insert(0, (phase.delta, phase.coded_delta) if delta else (phase.common, {}))
         return self._frames_of(parts, edge, offset)
 
     def _frames_of(self, parts: list, edge: str, offset: int):
         """``_frames``' generator over the downlinks ``parts`` it took: (frame, meter entry,
-        data bytes, whether the frame was built for this send). A chunk larger than the
-        room gives this download now (``DownloadRoom.piece``: its fair share when many
-        download at once) goes in pieces, each sized when it is its turn."""
+        data bytes). Each frame is built for its send, from the downlink's tensor memory
+        (the one copy a chunk costs before gRPC takes its own): frames built once per
+        phase and kept until every task was out held a model more through the phase's
+        opening, when the downloads overlap the first uploads (the server's peak at 64
+        uploaders), for one copy per chunk and edge less. A chunk larger than the room
+        gives this download now (``DownloadRoom.piece``: its fair share when many download
+        at once) goes in pieces, each sized when it is its turn and built from the
+        tensor memory, never from a frame of the whole chunk (64 downloads would each hold
+        one, a model and a half, beside what the room counts)."""
         budget = self.cfg.download_window
-        for encoded, built, coded in parts:
+        for encoded, coded in parts:
             size = encoded.manifest.total_bytes
             if offset >= size:
                 offset -= size
                 continue
-            frames = data_frames_from(encoded, self.cfg.chunk_bytes, offset, built)
-            for index, (kind, frame, raw) in enumerate(frames):
-                # Built here: a part without pre-built frames, or the tail of a chunk a
-                # resumed download starts inside.
-                fresh = not built or (index == 0 and not any(frame is f for _, f, _ in built))
+            for kind, views, raw in chunk_views_from(encoded, self.cfg.chunk_bytes, offset):
                 label, codec = kind.label, coded.get(kind.label, (NO_CODEC, 0))[0]
-                for piece, length, cut in self._pieces(frame, raw):
+                at, length = 0, self.room.piece(raw)
+                while at < raw:
+                    length = min(length, raw - at)
                     if budget < length:
                         return
                     budget -= length
+                    piece = data_frame(*(views if length == raw else
+                                         span(views, at, at + length)))
                     yield piece, (DOWN, label, len(piece) + GRPC_FRAME_PREFIX,
-                                  0 if label in coded else length, edge, codec), length, \
-                        fresh or cut
+                                  0 if label in coded else length, edge, codec), length
+                    at += length
+                    length = self.room.piece(raw - at)
             offset = 0
-
-    def _pieces(self, frame: bytes, raw: int):
-        """The chunk ``frame`` (``raw`` data bytes) whole, or in pieces of the room's size
-        for this download at each one's turn: (frame, data bytes, whether it was cut)."""
-        size = self.room.piece(raw)
-        if size >= raw:
-            yield frame, raw, False
-            return
-        data, at = data_of_frame(frame), 0
-        while at < raw:
-            yield data_frame(data[at : at + size]), min(size, raw - at), True
-            at += size
-            size = self.room.piece(raw - at)
 
     async def _cut(self, phase: Phase, edge: str, download: Download) -> None:
         """A download the edge stopped taking (or one that found no room): the call ends
@@ -384,9 +375,26 @@ class Downloads:
         log.log(logging.INFO if download.busy else logging.WARNING,
                 "round %d %s: %s's task download cut: %s", phase.round, phase.name, edge,
                 download.stalled)
-        if await download.settle():  # taken after all: the status can go out now
+        taken = await download.settle()
+        self._trim_soon()
+        if taken:  # taken after all: the status can go out now
             raise Refused(f"task download stalled: {download.stalled}",
                           code="UNAVAILABLE" if download.busy else "DEADLINE_EXCEEDED")
+
+    def _trim_soon(self) -> None:
+        """A cut download's frame (the server's copy and gRPC's), freed into the heap once
+        the call unwinds, goes back to the system: one heap trim ``TRIM_EVERY`` seconds
+        from now, for every cut until then (a trim is a few ms of the event loop, so
+        however many identities stall, at most one a period)."""
+        if self.trim_due:
+            return
+        self.trim_due = True
+
+        def trim() -> None:
+            self.trim_due = False
+            trim_heap()
+
+        asyncio.get_running_loop().call_later(TRIM_EVERY, trim)
 
     def _task_header(self, phase: Phase, task: Task, edge: str, cached_common: str
                      ) -> tuple[pb.TaskMessage, bool]:

@@ -186,7 +186,7 @@ class ServerMetrics:
         for room (a number that stays up says the bound, or stalled edges, slow downloads)."""
         gauge = self._gauge
         gauge("fedattn_download_held_bytes", "Bytes of task messages the downloads under way "
-              "hold in gRPC").set_function(lambda: room.held)
+              "hold (a data chunk twice: its frame and gRPC's copy)").set_function(lambda: room.held)
         gauge("fedattn_download_limit_bytes", "Bound on those bytes (--max-download-memory), "
               "or the room the downloads share (each downloading edge has 128 KiB more)"
               ).set_function(lambda: room.limit)

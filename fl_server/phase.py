@@ -28,9 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 from fedattn_shared.config import ServerConfig
 from fedattn_shared.methods.aggregators import RoundSnapshot
-from fedattn_shared.schema import Kind, Payload
+from fedattn_shared.schema import Payload
 from fedattn_shared.wire.serialize import EncodedPayload, encode
-from fedattn_shared.wire.transport import data_frames
 
 if TYPE_CHECKING:  # annotations only: the drivers and metrics import this module's types
     from fedattn_shared.methods.aggregators import Aggregator
@@ -67,7 +66,6 @@ class Phase:
     quorum: int
     common_id: str
     common: EncodedPayload
-    common_frames: list[tuple[Kind, bytes, int]]  # serialized once, sent to every edge
     personal: dict[str, EncodedPayload]
     spec_json: str
     started: float = field(default_factory=time.monotonic)
@@ -142,12 +140,9 @@ class Phase:
 
     def delivered(self, task: Task) -> bool:
         """The task's download completed. True when that was the last one a fixed phase
-        waited for and its common frames were let go (the caller may trim the heap)."""
+        waited for (the caller may trim the heap the downloads' frames were freed into)."""
         task.delivered = True
-        if self.growing or not all(t.delivered for t in self.tasks.values()):
-            return False
-        self.common_frames = []
-        return True
+        return not self.growing and all(t.delivered for t in self.tasks.values())
 
     def close(self, why: str, reason: str) -> list[str]:
         """Closes the phase to results: uploads still streaming stop (``closing``), later
@@ -155,7 +150,7 @@ class Phase:
         ``reason``. Lets the downlinks go (``retire``: downloads still streaming hold
         their own references), so the global they view is freed when the close replaces
         it, not only when the next phase opens: held through that opening, it sat under
-        the new global and the next downlink's frames (a model more at the peak, 64
+        the new global and the downloads' frames (a model more at the peak, 64
         uploaders). Returns the edges dropped."""
         left = self.pending()
         for edge in left:
@@ -194,7 +189,6 @@ class Phase:
         """Takes no new tasks and lets its downlinks go (a model's memory each): results
         of tasks already out are still taken until the phase closes."""
         self.growing = False
-        self.common_frames = []
         self.common = encode(Payload())
         self.delta = None
         self.personal = {}
@@ -285,7 +279,7 @@ def select_edges(connected: list[str], fraction: float, seed: int, round_number:
 async def open_phase(driver: Any, round_number: int, cfg: ServerConfig, task_ids: dict[str, int],
                      personal: Callable[[str], Payload], version: str, growing: bool = False
                      ) -> Phase:
-    """A new phase of ``driver``: its schema, its common downlink encoded and framed once
+    """A new phase of ``driver``: its schema, its common downlink encoded once
     (off the event loop), every edge's personal downlink and a task per edge. A downlink
     that cannot be built aborts the round (``RoundAborted``). ``version`` names the
     server instance and state version the common payload's id starts with; a ``growing``
@@ -297,7 +291,6 @@ async def open_phase(driver: Any, round_number: int, cfg: ServerConfig, task_ids
         common = await asyncio.to_thread(lambda: encode(driver.common()))
         delta = driver.common_delta()
         delta_encoded = await asyncio.to_thread(encode, delta[1]) if delta else None
-        frames = await asyncio.to_thread(lambda: list(data_frames(common, cfg.chunk_bytes)))
         encoded = {e: encode(personal(e)) for e in task_ids}
     except Exception as err:
         raise RoundAborted(f"the {name} downlink could not be built "
@@ -312,7 +305,7 @@ async def open_phase(driver: Any, round_number: int, cfg: ServerConfig, task_ids
         name=name, round=round_number,
         tasks={edge: Task(task_id, edge) for edge, task_id in task_ids.items()},
         quorum=driver.quorum(len(task_ids)), common_id=common_id,
-        common=common, common_frames=frames, personal=encoded,
+        common=common, personal=encoded,
         spec_json=json.dumps({"round": round_number, "rounds": cfg.rounds, "phase": name}),
         driver=driver, schema=schema,
         delta_base=delta[0] if delta_encoded is not None and delta[0] != common_id else "",

@@ -183,8 +183,9 @@ class ServerConfig:
     # slots than max_concurrent_uploads when it holds fewer uploads. 0: a quarter of the
     # memory available when the server starts.
     max_upload_memory: int = 0
-    # Bytes of task messages the downloads under way may hold in gRPC at once (each holds
-    # the message it is sending until the edge takes it), in whole chunks; a download
+    # Bytes of task messages the downloads under way may hold at once (each holds the
+    # message it is sending until the edge takes it; a data chunk's frame is built for
+    # its send and counts twice, beside gRPC's copy), in whole chunks; a download
     # waits for room, first come first served. 0: 32 MiB shared and 128 KiB of each
     # downloading edge's own, chunks cut to a fair share of it; no download waits.
     max_download_memory: int = 0

@@ -93,7 +93,8 @@ def test_rejoining_does_not_reset_the_delivery_limit(tmp_path, mode):
 def test_a_stalled_download_ends_on_the_wire_by_its_deadline_and_frees_its_frame(tmp_path):
     # Ten identities each take the header of a ResNet-18 task (44.7 MB, in one window
     # here: more than a client's buffers take) and read nothing. The server cuts each at
-    # its idle deadline; gRPC holds the frame being sent until the call's deadline (12 s
+    # its idle deadline; gRPC holds the frame being sent (its copy and the server's: a
+    # frame is built for its send, so two chunks each) until the call's deadline (12 s
     # here) ends it on the wire: the client sees DEADLINE_EXCEEDED, the gauge returns to
     # 0, the process's memory comes back, and nothing is logged as a traceback. A call
     # without a deadline, or with one past the bound, is refused.
@@ -126,7 +127,7 @@ def test_a_stalled_download_ends_on_the_wire_by_its_deadline_and_frees_its_frame
         held = gauge(server.metrics_port, "fedattn_download_held_bytes")
         print(f"stalled: held {held:.0f} B, server RSS {before >> 20} -> "
               f"{rss(server.popen.pid) >> 20} MiB")
-        assert 0 < held <= len(edges) * (1 << 20) + len(edges) * 4096
+        assert 0 < held <= len(edges) * 2 * ((1 << 20) + 4096)
         for call in calls:  # what the client's buffers held, then the call's end
             with pytest.raises(grpc.RpcError) as ended:
                 for _ in call:
@@ -148,12 +149,13 @@ def test_a_stalled_download_ends_on_the_wire_by_its_deadline_and_frees_its_frame
 
 def test_stalled_identities_cannot_queue_an_honest_download_behind_them(tmp_path):
     # Two identities open three stalled downloads each (one window of the whole model:
-    # more than a client's buffers take); the room holds four frames. One call per
-    # session: the second and third of each are refused at once, so two frames are held
+    # more than a client's buffers take); the room holds four frames' sends (8 MiB: a
+    # frame is built for its send, so the server's copy and gRPC's count). One call per
+    # session: the second and third of each are refused at once, so two sends are held
     # and the honest edge's download goes through within one idle deadline.
     cluster, server, edges = fleet(tmp_path, ("a", "b", "honest"), "--model", "resnet18-cifar",
                                    "--min-edges", "3", "--download-idle-timeout", "10",
-                                   "--max-download-memory", str(4 << 20),
+                                   "--max-download-memory", str(8 << 20),
                                    "--download-window", str(64 << 20))
     attackers, honest = edges[:2], edges[2]
     try:

@@ -175,3 +175,28 @@ def test_one_holder_in_the_shared_form_still_holds_one_message_at_a_time():
 def test_a_reserve_that_cannot_hold_a_floor_piece_twice_is_refused():
     with pytest.raises(ValueError, match="must cover a piece"):
         DownloadRoom(MiB, FLOOR, FLOOR)
+
+
+def test_cut_downloads_trim_the_heap_once_a_period_however_many_stall(monkeypatch):
+    """Each cut download's frame goes back to the system by a heap trim (a few ms of the
+    event loop): one ``TRIM_EVERY`` after a cut, shared by every cut until it runs, so
+    any number of stalling identities cost one trim a period."""
+    from fedattn_shared.config import ServerConfig
+    from fl_server import downloads
+
+    trims = []
+    monkeypatch.setattr(downloads, "trim_heap", lambda: trims.append(1))
+    monkeypatch.setattr(downloads, "TRIM_EVERY", 0.01)
+    pipeline = downloads.Downloads(engine=None, meter=None, cfg=ServerConfig())
+
+    async def stalls():
+        for _ in range(1000):
+            pipeline._trim_soon()
+        assert trims == []  # not before the frames are freed: the call unwinds first
+        await asyncio.sleep(0.05)
+        assert len(trims) == 1
+        pipeline._trim_soon()
+        await asyncio.sleep(0.05)
+
+    run(stalls())
+    assert len(trims) == 2

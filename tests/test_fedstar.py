@@ -482,7 +482,7 @@ def test_the_server_refuses_an_upload_that_fails_the_methods_check(tmp_path):
     engine.aggregator.begin_round(1, ["e0"], 1)
     driver = next(driver for driver in engine.plan if driver.name == "train")
     phase = Phase(name="train", round=1, tasks={"e0": Task(1, "e0")}, quorum=1, common_id="c",
-                  common=encode(Payload()), common_frames=[], personal={}, spec_json="{}",
+                  common=encode(Payload()), personal={}, spec_json="{}",
                   driver=driver, schema=driver.schema())
     header = pb.SubmitHeader(edge_id="e0", num_examples=10)
 

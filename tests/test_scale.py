@@ -57,7 +57,7 @@ def test_connected_count_does_not_scan_the_fleet():
 def test_is_pending_agrees_with_pending():
     edges = [f"e{i}" for i in range(6)]
     phase = Phase(name="evaluate", round=1, tasks={e: Task(i, e) for i, e in enumerate(edges)},
-                  quorum=6, common_id="c", common=encode(Payload()), common_frames=[],
+                  quorum=6, common_id="c", common=encode(Payload()),
                   personal={}, spec_json="{}")
     phase.received["e1"] = {}
     phase.dropped["e4"] = "deadline"

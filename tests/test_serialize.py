@@ -214,24 +214,23 @@ def test_frames_and_body_mac_equal_the_joined_chunks(chunk_bytes):
     assert encoded.body_mac(key, BodyMac.new_iv()) != encoded.body_mac(key, iv)
 
 
-@pytest.mark.parametrize("prebuilt", [False, True])
-def test_frames_resume_from_any_byte_a_chunk_s_tail_first(prebuilt):
+def test_frames_resume_from_any_byte_a_chunk_s_tail_first():
     """A download the server cut into pieces is resumed from the piece the edge holds,
-    inside a chunk: ``data_frames_from`` starts with the tail of that chunk (from the
-    pre-built frames or from tensor memory), then whole chunks; the bytes from the offset
-    are the payload's from there."""
+    inside a chunk: ``data_frames_from`` starts with the tail of that chunk, then whole
+    chunks; the bytes from the offset are the payload's from there, and from offset 0
+    the frames are ``data_frames``'."""
     from fedattn_shared.wire.transport import data_frames, data_frames_from, data_of_frame
 
     encoded = encode(_layout_payload())
     body = b"".join(c for _, c in payload_chunks(encoded, 23))
-    whole = list(data_frames(encoded, 23))
+    assert list(data_frames_from(encoded, 23, 0)) == list(data_frames(encoded, 23))
     for offset in [*range(0, len(body), 5), len(body)]:  # inside chunks and on their ends
-        frames = list(data_frames_from(encoded, 23, offset, whole if prebuilt else None))
+        frames = list(data_frames_from(encoded, 23, offset))
         assert b"".join(bytes(data_of_frame(f)) for _, f, _ in frames) == body[offset:]
         assert [size for _, _, size in frames] == [len(data_of_frame(f)) for _, f, _ in frames]
         assert all(0 < size <= 23 for _, _, size in frames)
     with pytest.raises(ValueError, match="past the payload"):
-        list(data_frames_from(encoded, 23, len(body) + 1, whole if prebuilt else None))
+        list(data_frames_from(encoded, 23, len(body) + 1))
 
 
 def test_chunks_refuse_a_non_positive_size():

@@ -1,6 +1,6 @@
 """What both ends of the gRPC channel agree on: message caps and keepalive, and all of
 chunking: an encoded payload cut into data chunks that never span two sections (so every
-chunk's bytes are attributable to one kind), sent as pre-built frames, and received back
+chunk's bytes are attributable to one kind), sent as hand-built frames (no protobuf copies), and received back
 into one buffer by ``PayloadAssembler``, which refuses anything off the declared layout
 (the byte cap before any allocation, each chunk against the layout, the CRC at the end)."""
 
@@ -165,42 +165,40 @@ def data_frames(encoded: EncodedPayload, chunk_bytes: int = DEFAULT_CHUNK_BYTES
         yield kind, frame, sum(len(v) for v in views)
 
 
-def data_frames_from(encoded: EncodedPayload, chunk_bytes: int, offset: int,
-                     built: list[tuple[Kind, bytes, int]] | None = None
+def data_frames_from(encoded: EncodedPayload, chunk_bytes: int, offset: int
                      ) -> Iterator[tuple[Kind, bytes, int]]:
-    """``data_frames`` from data byte ``offset`` on: the chunks before it are skipped
-    without being built, and an offset inside a chunk (a download the server sent in
+    """``data_frames`` from data byte ``offset`` on (``chunk_views_from``'s chunks, each
+    built into its frame)."""
+    for kind, views, size in chunk_views_from(encoded, chunk_bytes, offset):
+        yield kind, data_frame(*views), size
+
+
+def chunk_views_from(encoded: EncodedPayload, chunk_bytes: int, offset: int
+                     ) -> Iterator[tuple[Kind, list[memoryview], int]]:
+    """``chunk_views`` from data byte ``offset`` on, with each chunk's length: the chunks
+    before it are skipped, and an offset inside a chunk (a download the server sent in
     pieces, resumed from the piece the edge holds) starts with that chunk's tail as a
-    frame of its own. ``built``: the frames already built for ``encoded`` (reused; empty
-    or None: built as they go)."""
+    chunk of its own."""
     position = 0
-    chunks = ((kind, frame, size, None) for kind, frame, size in built) if built else (
-        (kind, None, sum(len(v) for v in views), views)
-        for kind, views in chunk_views(encoded, chunk_bytes))
-    for kind, frame, size, views in chunks:
+    for kind, views in chunk_views(encoded, chunk_bytes):
+        size = sum(len(v) for v in views)
         if position + size <= offset:
             position += size
             continue
-        if position < offset:  # the tail of the chunk ``offset`` falls in
-            skip = offset - position
-            tail = [data_of_frame(frame)[skip:]] if frame is not None else _after(views, skip)
-            yield kind, data_frame(*tail), size - skip
-        else:
-            yield kind, frame if frame is not None else data_frame(*views), size
+        skip = max(0, offset - position)  # inside the chunk ``offset`` falls in: its tail
+        yield kind, (span(views, skip, size) if skip else views), size - skip
         position += size
     if position < offset:
         raise ValueError(f"offset {offset} is past the payload's {position} bytes")
 
 
-def _after(views: list[memoryview], skip: int) -> list[memoryview]:
-    """The views' bytes after the first ``skip`` of them."""
+def span(views: list[memoryview], start: int, stop: int) -> list[memoryview]:
+    """Bytes ``start`` to ``stop`` of the views taken end to end, as views."""
     out = []
     for view in views:
-        if skip >= len(view):
-            skip -= len(view)
-            continue
-        out.append(view[skip:])
-        skip = 0
+        if start < len(view) and stop > 0:
+            out.append(view[max(start, 0) : min(stop, len(view))])
+        start, stop = start - len(view), stop - len(view)
     return out
 
 
