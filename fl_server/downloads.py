@@ -91,9 +91,10 @@ class Download:
         """Sends one message; False (``stalled`` says why) when it did not go in time. A
         data frame (bytes) is built for its send, and the process holds it beside gRPC's
         copy until the send is done, so it takes room twice."""
-        size = 2 * len(message) if isinstance(message, bytes) else message.ByteSize()
+        size = len(message) if isinstance(message, bytes) else message.ByteSize()
+        held = 2 * size if isinstance(message, bytes) else size
         try:
-            taken = await asyncio.wait_for(self.room.take(size, self.holder), self.idle)
+            taken = await asyncio.wait_for(self.room.take(held, self.holder), self.idle)
         except asyncio.TimeoutError:
             self.busy = True
             self.stalled = f"no room in the server's download memory within {self.idle:g}s"
