@@ -82,8 +82,8 @@ class Call:
 
     async def write(self, message) -> None:
         """Sends one stream message: a protobuf message is counted here; a data frame
-        (bytes, built without protobuf) by the pipeline that built it. ``StreamEnded`` when the call is
-        over."""
+        (bytes, built without protobuf) by the pipeline that built it. ``StreamEnded``
+        when the call is over."""
         if not isinstance(message, bytes):
             self.sent(message)
         try:
