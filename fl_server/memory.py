@@ -148,8 +148,8 @@ def trim_heap() -> None:
     """Gives the free pages in the middle of glibc's heaps back to the kernel
     (``malloc_trim(0)``). The downloads' frames (1 MiB chunks, one built per send) and
     the upload chunks gRPC delivers are freed into the heap between live allocations,
-    where glibc keeps them; trimmed when a phase closes, they stop adding to the next peak (the
-    close and the next download). A few ms of CPU; nothing off glibc."""
+    where glibc keeps them; trimmed when a phase closes, they stop adding to the next
+    peak (the close and the next download). A few ms of CPU; nothing off glibc."""
     if GLIBC:
         ctypes.CDLL(None).malloc_trim(0)
 
