@@ -1,8 +1,9 @@
 """What both ends of the gRPC channel agree on: message caps and keepalive, and all of
 chunking: an encoded payload cut into data chunks that never span two sections (so every
-chunk's bytes are attributable to one kind), sent as hand-built frames (no protobuf copies), and received back
-into one buffer by ``PayloadAssembler``, which refuses anything off the declared layout
-(the byte cap before any allocation, each chunk against the layout, the CRC at the end)."""
+chunk's bytes are attributable to one kind), sent as hand-built frames (no protobuf
+copies), and received back into one buffer by ``PayloadAssembler``, which refuses
+anything off the declared layout (the byte cap before any allocation, each chunk against
+the layout, the CRC at the end)."""
 
 from __future__ import annotations
 
@@ -160,9 +161,7 @@ def data_frames(encoded: EncodedPayload, chunk_bytes: int = DEFAULT_CHUNK_BYTES
                 ) -> Iterator[tuple[Kind, bytes, int]]:
     """(kind, frame, chunk length) for each chunk of ``encoded``: each frame is built
     straight from tensor memory, the one copy a chunk costs before gRPC takes it."""
-    for kind, views in chunk_views(encoded, chunk_bytes):
-        frame = data_frame(*views)
-        yield kind, frame, sum(len(v) for v in views)
+    return data_frames_from(encoded, chunk_bytes, 0)
 
 
 def data_frames_from(encoded: EncodedPayload, chunk_bytes: int, offset: int
