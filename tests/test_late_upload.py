@@ -126,9 +126,12 @@ def test_only_a_task_lost_with_the_link_comes_back_and_only_once(tmp_path):
         back, decliner = edges = [RawEdge(cluster.port, p) for p in ("back", "decliner")]
         for edge in edges:
             edge.connect()
+        for edge in edges:  # the phase is open (asked before it was, a no_wait call says WAIT)
+            wait_for(edge.task_ready.is_set, 30, f"a task_ready hint to {edge.edge_id}")
         # no_wait calls only: after a long poll on the same channel, the next call's
         # 188 s deadline was seen by the server as 194 s (grpcio 1.85) and refused.
         lost, declined = back.next_task(no_wait=True), decliner.next_task(no_wait=True)
+        assert lost.header.status == declined.header.status == pb.TaskHeader.TASK
         back.session = back.join().session  # a new session: the task is dropped, "rejoined"
         request = pb.TaskRequest(edge_id=decliner.edge_id, session=decliner.session,
                                  no_wait=True, decline=pb.DECLINE_DATA_BUDGET)
