@@ -492,8 +492,8 @@ def compare_rounds(models: list[str], edges: int, rounds: int, before: Path, rep
                    profile: Path | None = None, server_args: tuple[str, ...] = ()) -> None:
     """The round before and after a change, interleaved in one sitting (before, after,
     bare grpcio, ``repeats`` times) so that the machine's load falls on both alike: round
-    time (start to start) and the server's CPU per steady round, each next to bare
-    grpcio's in the same repeat, then the medians. ``profile``: py-spy samples the
+    time (start to start) and the CPU per steady round of the server and of the edges,
+    each next to bare grpcio's in the same repeat, then the medians. ``profile``: py-spy samples the
     server of each run into that folder; ``server_args``: more fl-server arguments, on
     both sides."""
     print(f"{edges} edges on loopback, {os.cpu_count()} cores; FedAvg, no local steps; "
@@ -502,7 +502,10 @@ def compare_rounds(models: list[str], edges: int, rounds: int, before: Path, rep
     for model in models:
         nbytes = model_params(model) * 4
         print(f"\n{model} ({nbytes / 1e6:.1f} MB)")
-        figures: dict[str, list[tuple[float, float]]] = {"before": [], "after": [], "bare": []}
+        # (round, server CPU, edges' CPU) per repeat: on a machine the edges share, the
+        # round is the CPU of both sides, and a change may move either.
+        figures: dict[str, list[tuple[float, float, float]]] = {
+            "before": [], "after": [], "bare": []}
         for repeat in range(repeats):
             load = os.getloadavg()[0]
             for label, code in (("before", before), ("after", None)):
@@ -510,26 +513,28 @@ def compare_rounds(models: list[str], edges: int, rounds: int, before: Path, rep
                 with tempfile.TemporaryDirectory() as tmp:
                     f = fedattn_round(model, edges, rounds, Path(tmp), local_epochs=0,
                                       server_args=server_args, code=code, profile=out)
-                figures[label].append((f["round_s"], f["server_cpu_s"]))
-            bare, _, bare_cpu, _ = grpc_round(nbytes, edges)
-            figures["bare"].append((bare, bare_cpu))
-            (b, bc), (a, ac) = figures["before"][-1], figures["after"][-1]
-            print(f"  repeat {repeat}: before {b:.3f} s = {b / bare:.2f}x, server CPU {bc:.3f} s"
-                  f" | after {a:.3f} s = {a / bare:.2f}x, server CPU {ac:.3f} s | bare grpcio "
-                  f"{bare:.3f} s, server CPU {bare_cpu:.3f} s | load avg {load:.2f} before",
-                  flush=True)
-        med = {k: (statistics.median(t for t, _ in v), statistics.median(c for _, c in v))
+                figures[label].append((f["round_s"], f["server_cpu_s"], f["edges_cpu_s"]))
+            bare, _, bare_cpu, bare_edges = grpc_round(nbytes, edges)
+            figures["bare"].append((bare, bare_cpu, bare_edges))
+            (b, bc, be), (a, ac, ae) = figures["before"][-1], figures["after"][-1]
+            print(f"  repeat {repeat}: before {b:.3f} s = {b / bare:.2f}x, CPU server {bc:.3f} s"
+                  f" edges {be:.3f} s | after {a:.3f} s = {a / bare:.2f}x, CPU server {ac:.3f} s"
+                  f" edges {ae:.3f} s | bare grpcio {bare:.3f} s, CPU server {bare_cpu:.3f} s "
+                  f"edges {bare_edges:.3f} s | load avg {load:.2f} before", flush=True)
+        med = {k: [statistics.median(row[i] for row in v) for i in range(3)]
                for k, v in figures.items()}
-        ratios = {k: statistics.median(t / bare for (t, _), (bare, _) in
+        ratios = {k: statistics.median(row[0] / bare[0] for row, bare in
                                        zip(figures[k], figures["bare"], strict=True))
                   for k in ("before", "after")}
         for k in ("before", "after"):
             print(f"  median {k:6s}: round {med[k][0]:.3f} s = {ratios[k]:.2f}x bare grpcio; "
-                  f"server CPU per round {med[k][1]:.3f} s = {med[k][1] / med['bare'][1]:.2f}x "
-                  f"bare grpcio's")
-        print(f"  median bare  : round {med['bare'][0]:.3f} s, server CPU {med['bare'][1]:.3f} s;"
-              f" after / before: round {med['after'][0] / med['before'][0]:.2f}x, server CPU "
-              f"{med['after'][1] / med['before'][1]:.2f}x")
+                  f"CPU per round, server {med[k][1]:.3f} s = {med[k][1] / med['bare'][1]:.2f}x "
+                  f"bare grpcio's, edges {med[k][2]:.3f} s = {med[k][2] / med['bare'][2]:.2f}x")
+        print(f"  median bare  : round {med['bare'][0]:.3f} s, CPU server {med['bare'][1]:.3f} s"
+              f" edges {med['bare'][2]:.3f} s; after / before: round "
+              f"{med['after'][0] / med['before'][0]:.2f}x, CPU server "
+              f"{med['after'][1] / med['before'][1]:.2f}x, edges "
+              f"{med['after'][2] / med['before'][2]:.2f}x")
 
 
 def main() -> int:
@@ -542,8 +547,9 @@ def main() -> int:
                              "(ResNet-18, the first of --models when given)")
     parser.add_argument("--before", type=Path, metavar="CHECKOUT",
                         help="with --uploaders: also run the server from this checkout; "
-                             "without: only the round and the server's CPU, before (server and "
-                             "edges from CHECKOUT) and after (this checkout), interleaved")
+                             "without: only the round and the CPU of the server and the "
+                             "edges, before (server and edges from CHECKOUT) and after (this "
+                             "checkout), interleaved")
     parser.add_argument("--repeats", type=int, default=3,
                         help="with --before: interleaved repeats of before, after, bare grpcio")
     parser.add_argument("--profile", type=Path, metavar="DIR",

@@ -8,13 +8,18 @@ id and nonce, weight, evaluation, metrics, manifest; never a session, IV or sign
 those are the next session's), the encoded body's bytes exactly as they travel, and the
 codecs its sections travel under (for the byte accounting), and the body's CRC-32: a body
 the disk damaged is refused here, not signed and sent as this edge's result. Written atomically (temp file
-+ fsync + rename, mode 0600) before the upload leaves; removed once the server answered
-it or no longer holds it. The bytes are what the server sees anyway, never private state.
++ fsync + rename, mode 0600) before the upload leaves; once the server answered it or no
+longer holds it, moved aside (``.upload.pending.spare``) for the next upload to overwrite
+in place: a fresh file of a ResNet-18 upload cost each edge 16-135 ms of CPU a round with
+its fsync (eight edges on two cores: most of the wait between their downloads and their
+uploads), the same bytes over the old file's blocks ~10 ms. The bytes are what the server
+sees anyway, never private state.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +32,7 @@ from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire.serialize import EncodedPayload, crc32, section_sizes
 
 PENDING_FILE = "upload.pending"
+SPARE_FILE = ".upload.pending.spare"  # the last answered upload's file, overwritten next
 MAGIC = b"fedattn-pending-upload/2\n"
 _LENGTH = struct.Struct("<I")
 
@@ -45,6 +51,11 @@ def pending_path(state_dir: Path) -> Path:
     return Path(state_dir) / PENDING_FILE
 
 
+def spare_path(path: Path) -> Path:
+    """Where the file of an answered upload waits for the next one (beside ``path``)."""
+    return path.with_name(SPARE_FILE)
+
+
 def save_pending(path: Path, pending: PendingUpload) -> None:
     """Writes ``pending`` atomically (the body straight from tensor memory)."""
     head = pending.header.SerializeToString(deterministic=True)
@@ -57,7 +68,7 @@ def save_pending(path: Path, pending: PendingUpload) -> None:
                    _LENGTH.pack(crc)]
     for views in pending.encoded.section_views:
         parts.extend(views)
-    atomic_write(path, parts)
+    atomic_write(path, parts, recycle=spare_path(path))
 
 
 def load_pending(path: Path) -> PendingUpload | None:
@@ -96,9 +107,13 @@ def load_pending(path: Path) -> PendingUpload | None:
 
 
 def clear_pending(path: Path) -> None:
-    """Forgets the pending upload (answered, or no longer held by the server)."""
-    path.unlink(missing_ok=True)
+    """Forgets the pending upload (answered, or no longer held by the server): its file
+    becomes the spare the next ``save_pending`` overwrites."""
+    try:
+        os.replace(path, spare_path(path))
+    except FileNotFoundError:
+        pass
 
 
-__all__ = ["PENDING_FILE", "PendingUpload", "clear_pending", "load_pending", "pending_path",
-           "save_pending"]
+__all__ = ["PENDING_FILE", "SPARE_FILE", "PendingUpload", "clear_pending", "load_pending",
+           "pending_path", "save_pending", "spare_path"]

@@ -24,17 +24,68 @@ class StateError(RuntimeError):
 
 
 def atomic_write(path: str | Path, data: bytes | list, mode: int = 0o600,
-                 durable: bool = True) -> None:
+                 durable: bool = True, recycle: Path | None = None) -> None:
     """Temp file + rename: readers see the old or the new file, never a torn one. ``data``
-    may be a list of buffers, written in order without joining them.
-    ``durable`` adds the fsyncs that make the new file survive a power cut too."""
+    may be a list of buffers, written in order without joining them (``write_in_place``).
+    ``durable`` adds the fsyncs that make the new file survive a power cut too.
 
-    def fill(tmp: str) -> None:
-        with open(tmp, "wb") as handle:
-            for part in data if isinstance(data, list) else [data]:
-                handle.write(part)
+    ``recycle``: a file this one replaces write after write (an edge's pending upload, see
+    ``fl_edge/pending.py``). When it exists it becomes the temp file, overwritten in place
+    and cut to the new length: on ext4 a fresh 45 MB file costs 16-135 ms of CPU with its
+    fsync (its blocks and pages allocated anew), the same bytes over an old file ~10 ms."""
+    parts = data if isinstance(data, list) else [data]
+    replace_in_place(path, lambda tmp: write_in_place(tmp, parts, durable), mode, durable,
+                     recycle)
 
-    atomic_fill(path, fill, mode, durable)
+
+def replace_in_place(path: str | Path, write: Callable[[Path], None], mode: int, durable: bool,
+                     recycle: Path | None) -> None:
+    """``atomic_fill`` for writers that overwrite a file in place: ``recycle``, when it
+    exists, becomes the temp file ``write(tmp)`` overwrites (else ``write`` creates it),
+    which then replaces ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
+    if recycle is not None:
+        try:
+            os.replace(recycle, tmp)
+        except FileNotFoundError:
+            pass  # none yet: the same writer fills a fresh file
+    try:
+        write(tmp)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        _fsync(path.parent)
+
+
+def write_in_place(path: str | Path, buffers: list, durable: bool) -> None:
+    """``buffers`` back to back from the start of ``path`` (created, mode 0600, when
+    missing) over whatever it held, then cut to their length: pwritev, one GIL release
+    per 1,024 buffers. ``durable``: fsynced before it returns."""
+    buffers = list(buffers)
+    total = sum(memoryview(b).nbytes for b in buffers)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        written = 0
+        while buffers:
+            n = os.pwritev(fd, buffers[:1024], written)  # IOV_MAX
+            if n == 0:
+                raise OSError(f"{path}: pwritev wrote nothing at offset {written}")
+            written += n
+            while buffers and n >= memoryview(buffers[0]).nbytes:
+                n -= memoryview(buffers[0]).nbytes
+                buffers.pop(0)
+            if n:
+                buffers[0] = memoryview(buffers[0]).cast("B")[n:]
+        os.ftruncate(fd, total)
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def atomic_fill(path: str | Path, fill: Callable[[str], None], mode: int = 0o600,
@@ -110,23 +161,9 @@ def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor],
         atomic_fill(path, lambda tmp: st_save_file(owned, tmp, metadata=metadata or {}),
                     durable=durable)
         return
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
-    if recycle is not None:
-        try:
-            os.replace(recycle, tmp)
-        except FileNotFoundError:
-            pass  # none yet (the first rounds): the same writer fills a fresh file
-    try:
-        _write_safetensors_in_place(tmp, tensors, metadata or {}, durable)
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    if durable:
-        _fsync(path.parent)
+    replace_in_place(path, lambda tmp: _write_safetensors_in_place(tmp, tensors, metadata or {},
+                                                                   durable),
+                     0o600, durable, recycle)
 
 
 def _owning(tensor: torch.Tensor, seen: set[int]) -> torch.Tensor:
@@ -168,26 +205,7 @@ def _write_safetensors_in_place(path: Path, tensors: dict[str, torch.Tensor],
         offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
-    buffers = [len(encoded).to_bytes(8, "little"), encoded, *views]
-    total = 8 + len(encoded) + offset
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        written = 0
-        while buffers:
-            n = os.pwritev(fd, buffers[:1024], written)  # IOV_MAX
-            if n == 0:
-                raise OSError(f"{path}: pwritev wrote nothing at offset {written}")
-            written += n
-            while buffers and n >= len(buffers[0]):
-                n -= len(buffers[0])
-                buffers.pop(0)
-            if n:
-                buffers[0] = memoryview(buffers[0])[n:]
-        os.ftruncate(fd, total)
-        if durable:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_in_place(path, [len(encoded).to_bytes(8, "little"), encoded, *views], durable)
 
 
 def load_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -24,7 +24,7 @@ from fedattn_shared.schema import Kind, Payload, Section
 from fedattn_shared.state import StateError
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire.serialize import encode
-from fl_edge.pending import PendingUpload, load_pending, pending_path, save_pending
+from fl_edge.pending import PendingUpload, clear_pending, load_pending, pending_path, save_pending, spare_path
 
 
 @pytest.mark.parametrize("staleness, taken", [(5, True), (1, False)])
@@ -112,6 +112,34 @@ def test_the_kept_upload_loads_exactly_what_the_upload_carries(tmp_path):
     path.write_bytes(raw)
     with pytest.raises(StateError, match="CRC-32"):
         load_pending(path)
+
+
+def test_an_answered_upload_leaves_its_file_for_the_next_to_overwrite_in_place(tmp_path):
+    """Answered, the kept upload's file becomes the spare, and the next upload is written
+    over its blocks (the same inode), cut to its own length, loading bit for bit; a
+    fresh file per upload cost an edge up to 135 ms of CPU a round (pending.py)."""
+    def upload(n: int) -> PendingUpload:
+        tensors = {"w": torch.arange(n, dtype=torch.float32)}
+        encoded = encode(Payload([Section(Kind.SHARED_TENSORS, "", tensors)]), checksum=False)
+        header = pb.SubmitHeader(round=n, task_id=n, phase="train", task_nonce=b"n" * 16,
+                                 num_examples=3, payload=encoded.manifest)
+        return PendingUpload(header, encoded, {})
+
+    path = pending_path(tmp_path)
+    save_pending(path, upload(4096))
+    first = path.stat().st_ino
+    clear_pending(path)
+    assert not path.exists() and spare_path(path).stat().st_ino == first
+    save_pending(path, upload(100))  # shorter: the old bytes beyond it are cut
+    assert path.stat().st_ino == first and not spare_path(path).exists()
+    assert path.stat().st_mode & 0o777 == 0o600
+    kept = load_pending(path)
+    assert kept.header.round == 100
+    body = b"".join(bytes(v) for views in kept.encoded.section_views for v in views)
+    assert body == torch.arange(100, dtype=torch.float32).numpy().tobytes()
+    clear_pending(path)
+    clear_pending(path)  # nothing pending: nothing to do
+    assert load_pending(path) is None and spare_path(path).exists()
 
 
 def test_only_a_task_lost_with_the_link_comes_back_and_only_once(tmp_path):
