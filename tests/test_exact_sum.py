@@ -83,3 +83,31 @@ def test_the_spilled_mean_is_the_exact_mean(workers, tmp_path, monkeypatch):
     mean = spilled_mean(spilled, KEY, layout, sum(WEIGHTS), workers=workers)
     assert torch.equal(mean["a"], (exact(singles) / sum(WEIGHTS)).float())
     assert torch.equal(mean["b"], exact(doubles) / sum(WEIGHTS))
+
+
+def test_the_spilled_mean_has_the_in_ram_sums_bits_signed_zeros_too(tmp_path):
+    """The bits, not only the values, of the in-RAM path (``add_scaled``): a slice's
+    first upload goes through ``first_term`` (one pass, not ``two_sum``'s eight), whose
+    sum keeps a -0.0 that ``0 + p`` makes +0.0: the finish must make it +0.0."""
+    first = torch.tensor([-0.0, 0.0, -0.0, 1.5, -2.25e-30, 3.0e38], dtype=torch.float32)
+    second = torch.tensor([-0.0, -0.0, 0.0, -1.5, 2.25e-30, -3.0e38], dtype=torch.float32)
+    weights = (3.0, 999_983.0)
+    total = torch.zeros(first.numel(), dtype=torch.float64)
+    comp = torch.zeros_like(total)
+    for upload, weight in zip((first, second), weights, strict=True):
+        add_scaled(total, upload, weight, comp)
+    in_ram = (finish_sum(total, comp) / sum(weights)).float()
+    spill = UploadSpill(tmp_path, 1 << 30)
+    spilled = [(spill.write_raw(1, f"e{i}", f"e{i}", [memoryview(t.numpy()).cast("B")]),
+                weights[i], {KEY: (0, [torch.float32])}) for i, t in enumerate((first, second))]
+    alone = [(spilled[0][0], weights[0], spilled[0][2])]
+    layout = [("a", torch.float32, (first.numel(),))]
+    mean = spilled_mean(spilled, KEY, layout, sum(weights))["a"]
+    assert torch.equal(mean.view(torch.int32), in_ram.view(torch.int32))
+    one = spilled_mean(alone, KEY, layout, weights[0])["a"]  # the first term alone
+    total = torch.zeros(first.numel(), dtype=torch.float64)
+    comp = torch.zeros_like(total)
+    add_scaled(total, first, weights[0], comp)
+    expected = (finish_sum(total, comp) / weights[0]).float()
+    assert torch.equal(one.view(torch.int32), expected.view(torch.int32))
+    assert one[0].item() == 0.0 and not torch.signbit(one[0])  # as -0.0 * 3 + 0 is

@@ -5,9 +5,10 @@ the order the terms arrive in (a fixed seed gives the same global bit for bit);
 ``spilled_mean`` runs the same sum a slice of coordinates at a time over uploads a
 streaming mean wrote to disk (``server.spill_sums``), so the server holds a slice's
 buffers instead of a model-sized float64 pair through the round. Both run ``two_sum``,
-per coordinate in arrival order: the same bits either way. The close is on the round's
-critical path (the edges wait for the next task), so its slices, independent of each
-other, are summed on several threads.
+per coordinate in arrival order: the same bits either way (a slice's first upload goes
+through ``first_term``, ``two_sum`` from a zero pair in one pass instead of eight). The
+close is on the round's critical path (the edges wait for the next task), so its slices,
+independent of each other, are summed on several threads.
 """
 
 from __future__ import annotations
@@ -105,6 +106,20 @@ def two_sum(hi: torch.Tensor, values: torch.Tensor, weight: float, lo: torch.Ten
     np.add(lo_, hi_, out=lo_)
 
 
+def first_term(out: torch.Tensor, values: torch.Tensor, weight: float) -> None:
+    """``two_sum`` of ``weight * values`` into a pair that is still (+0, +0), in one pass
+    instead of eight, to the same final bits: the sum is the product ``p`` (``two_sum``
+    has ``0 + p``, which differs only as -0.0 against +0.0; the finish's ``hi + lo``, with
+    ``lo`` +0.0 or nonzero, never -0.0, makes both the same), and the error, so ``lo``,
+    stays +0.0 for every finite product (an upload's finite value times a weight is:
+    float32's largest times 1e6 is far inside float64). Writes the sum into ``out``."""
+    if values.dtype in _NUMPY_NATIVE:
+        np.multiply(values.detach().numpy(), weight, out=out.numpy(), dtype=np.float64)
+    else:  # bfloat16 has no NumPy type: torch casts it, as two_sum does
+        out.copy_(values)
+        np.multiply(out.numpy(), weight, out=out.numpy())
+
+
 def finish_sum(total: torch.Tensor, compensation: torch.Tensor | None) -> torch.Tensor:
     """The compensated pair as one float64 vector (in ``total``): IEEE addition rounds
     ``total + compensation`` correctly, so equal exact sums give equal bits."""
@@ -142,7 +157,8 @@ class _SliceSum:
         as one float64 vector (a view of this worker's buffers, valid until its next
         slice)."""
         n = end - begin
-        hi, spare, lo = self.hi[:n].zero_(), self.spare[:n], self.lo[:n].zero_()
+        hi, spare, lo = self.hi[:n], self.spare[:n], self.lo[:n].zero_()
+        first = True  # the first upload's runs go into the zero pair (``first_term``)
         for path, weight, sections in spilled:
             if key not in sections:
                 continue
@@ -152,6 +168,9 @@ class _SliceSum:
             fd = os.open(path, os.O_RDONLY)
             try:
                 for a, b, values in self._read(fd, offset, dtypes, sizes, begin, end):
+                    if first:  # every coordinate of the slice, once: hi is written whole
+                        first_term(hi[a:b], values, weight)
+                        continue
                     two_sum(hi[a:b], values, weight, lo[a:b], spare[a:b], self.p[: b - a],
                             self.b[: b - a])
                     if (a, b) == (0, n):
@@ -160,6 +179,9 @@ class _SliceSum:
                         hi[a:b].copy_(spare[a:b])
             finally:
                 os.close(fd)
+            first = False
+        if first:  # no upload holds the section
+            hi.zero_()
         return finish_sum(hi, lo)
 
     def _read(self, fd: int, offset: int, dtypes: list[torch.dtype], sizes: list[int],
@@ -227,5 +249,5 @@ def spilled_mean(spilled: Spilled, key: SectionKey,
     return tensors
 
 
-__all__ = ["MAX_SUM_WORKERS", "SPILL_SLICE", "SUM_STEP", "add_scaled", "finish_sum", "spilled_mean",
-           "sum_workers", "two_sum"]
+__all__ = ["MAX_SUM_WORKERS", "SPILL_SLICE", "SUM_STEP", "add_scaled", "finish_sum", "first_term",
+           "spilled_mean", "sum_workers", "two_sum"]
