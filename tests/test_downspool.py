@@ -10,7 +10,7 @@ from fedattn_shared.schema import Kind, Payload, Section
 from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire.serialize import encode
 from fedattn_shared.wire.transport import PayloadAssembler, chunk_views
-from fl_edge.downspool import PARTIAL_FILE, DownloadSpool
+from fl_edge.downspool import MAGIC, PARTIAL_FILE, SPARE_FILE, DownloadSpool
 
 CHUNK = 4096
 
@@ -91,3 +91,30 @@ def test_a_download_within_one_window_is_not_kept(tmp_path):
     spool.begin(header, "", window=len(chunks) * CHUNK)
     spool.took(chunks[0])
     assert spool.file is None and not (tmp_path / PARTIAL_FILE).exists()
+
+
+def test_a_finished_download_s_file_is_the_next_one_s_and_its_records_never_load(tmp_path):
+    """Whole, a download's file is set aside (its MAGIC zeroed) and the next download is
+    written over it in place (the same inode). Its old records, beyond the new ones at
+    the very same offsets, continue another CRC chain: only the new download's chunk
+    loads. A kill between taking the spare and writing the new header loads nothing."""
+    header, chunks = task()
+    path, spare = tmp_path / PARTIAL_FILE, tmp_path / SPARE_FILE
+    spool = DownloadSpool(tmp_path)
+    spool.begin(header, "cached-id", CHUNK)
+    for chunk in chunks:
+        spool.took(chunk)
+    inode = path.stat().st_ino
+    spool.forget()  # whole
+    assert not path.exists() and spare.stat().st_ino == inode
+    assert not spare.read_bytes().startswith(MAGIC)
+    spare.rename(path)  # killed right after taking the spare, before the new header
+    assert DownloadSpool(tmp_path).load(receivers) is None and spare.exists()
+
+    following = pb.TaskHeader()
+    following.CopyFrom(header)
+    following.task_id = 4  # the same payload and record sizes: old records line up
+    kept(tmp_path, following, chunks[:1])
+    assert path.stat().st_ino == inode and path.stat().st_size > 4 * CHUNK  # old bytes follow
+    loaded_header, assemblers, _ = DownloadSpool(tmp_path).load(receivers)
+    assert loaded_header.task_id == 4 and assemblers[0].received == CHUNK
