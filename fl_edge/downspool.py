@@ -12,8 +12,8 @@ no fsync: the file is a cache, and a chunk the page cache lost is fetched again.
 is one ``writev`` of its prefix and the chunk's own buffer, its CRC-32 zlib-ng's (the same
 values as zlib's). A download that is whole, given up or replaced leaves its file as the
 next one's (``SPARE_FILE``), overwritten in place: a fresh file per download, each record
-joined into a new 1 MiB buffer and zlib's CRC-32 cost an edge ~115 ms of CPU per
-ResNet-18 download, this ~11 ms.
+joined into a new 1 MiB buffer and zlib's CRC-32 cost an edge 37-115 ms of CPU per
+ResNet-18 download, this 10-12 ms (``bench/edge_files.py``).
 
 Format: ``MAGIC``, then records (u32 length, u32 CRC-32, the bytes): the task header, the
 cached common id the download was asked with, then the chunks in order. Each record's

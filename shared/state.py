@@ -31,8 +31,9 @@ def atomic_write(path: str | Path, data: bytes | list, mode: int = 0o600,
 
     ``recycle``: a file this one replaces write after write (an edge's pending upload, see
     ``fl_edge/pending.py``). When it exists it becomes the temp file, overwritten in place
-    and cut to the new length: on ext4 a fresh 45 MB file costs 16-135 ms of CPU with its
-    fsync (its blocks and pages allocated anew), the same bytes over an old file ~10 ms."""
+    and cut to the new length: on ext4 here, 45 MB into a fresh file took 13-18 ms of
+    ``pwritev`` (up to 194) and 19-27 ms of fsync, over an old file's blocks 7 ms and
+    13-17 ms."""
     parts = data if isinstance(data, list) else [data]
     replace_in_place(path, lambda tmp: write_in_place(tmp, parts, durable), mode, durable,
                      recycle)
@@ -66,7 +67,7 @@ def write_in_place(path: str | Path, buffers: list, durable: bool) -> None:
     """``buffers`` back to back from the start of ``path`` (created, mode 0600, when
     missing) over whatever it held, then cut to their length: pwritev, one GIL release
     per 1,024 buffers. ``durable``: fsynced before it returns."""
-    buffers = list(buffers)
+    buffers = [b for b in buffers if memoryview(b).nbytes]  # pwritev of nothing writes 0
     total = sum(memoryview(b).nbytes for b in buffers)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:

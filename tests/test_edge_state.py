@@ -88,6 +88,26 @@ def test_atomic_write_keeps_old_file_when_interrupted(tmp_path, monkeypatch):
     assert (tmp_path / "x").read_bytes() == b"1"
 
 
+def test_atomic_write_takes_any_buffers_and_rewrites_a_spare_in_place(tmp_path):
+    """Buffers of any format, empty ones among them (an empty file too), back to back;
+    with ``recycle``, the spare's inode becomes the file, cut to the new length, mode
+    0600, the old bytes beyond it gone."""
+    floats = memoryview(torch.arange(4, dtype=torch.float32).numpy())
+    atomic_write(tmp_path / "empty", b"")
+    assert (tmp_path / "empty").read_bytes() == b""
+    atomic_write(tmp_path / "parts", [b"", b"ab", floats, b"", bytearray(b"c")])
+    assert (tmp_path / "parts").read_bytes() == b"ab" + floats.tobytes() + b"c"
+    spare = tmp_path / "spare"
+    spare.write_bytes(b"x" * 10_000)
+    inode = spare.stat().st_ino
+    atomic_write(tmp_path / "kept", [b"new", b""], recycle=spare)
+    kept = tmp_path / "kept"
+    assert kept.read_bytes() == b"new" and kept.stat().st_ino == inode and not spare.exists()
+    assert kept.stat().st_mode & 0o777 == 0o600
+    atomic_write(kept, b"fresh", recycle=spare)  # no spare now: a fresh file
+    assert kept.read_bytes() == b"fresh" and kept.stat().st_ino != inode
+
+
 def _global(values: list[float]) -> tuple:
     encoded = encode(Payload([Section(Kind.SHARED_TENSORS, "", {"w": torch.tensor(values)})]))
     data = bytearray(b"".join(c for _, c in payload_chunks(encoded)))
