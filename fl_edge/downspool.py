@@ -47,7 +47,7 @@ from fedattn_shared.wire.transport import PayloadAssembler
 log = logging.getLogger("fl_edge")
 
 PARTIAL_FILE = "download.partial"
-SPARE_FILE = ".download.partial.spare"  # the last download's file, overwritten next
+SPARE_FILE = "download.partial.spare"  # the last download's file, overwritten next
 MAGIC = b"fedattn-partial-download/2\n"
 _RECORD = struct.Struct("<II")  # length, CRC-32
 

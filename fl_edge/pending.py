@@ -9,7 +9,7 @@ those are the next session's), the encoded body's bytes exactly as they travel, 
 codecs its sections travel under (for the byte accounting), and the body's CRC-32: a body
 the disk damaged is refused here, not signed and sent as this edge's result. Written atomically (temp file
 + fsync + rename, mode 0600) before the upload leaves; once the server answered it or no
-longer holds it, moved aside (``.upload.pending.spare``) for the next upload to overwrite
+longer holds it, moved aside (``upload.pending.spare``) for the next upload to overwrite
 in place. The upload waits for that write: for a ResNet-18 upload it took 58 ms a round
 into a fresh file, 47 ms over the old one's blocks (``bench/edge_files.py``; the process's
 own CPU was not lower, 26 against 35 ms: the kernel's writeback allocates a fresh file's
@@ -32,7 +32,7 @@ from fedattn_shared.wire import fedattn_pb2 as pb
 from fedattn_shared.wire.serialize import EncodedPayload, crc32, section_sizes
 
 PENDING_FILE = "upload.pending"
-SPARE_FILE = ".upload.pending.spare"  # the last answered upload's file, overwritten next
+SPARE_FILE = "upload.pending.spare"  # the last answered upload's file, overwritten next
 MAGIC = b"fedattn-pending-upload/2\n"
 _LENGTH = struct.Struct("<I")
 
