@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,9 +40,10 @@ def atomic_write(path: str | Path, data: bytes | list, mode: int = 0o600,
 
 def replace_in_place(path: str | Path, write: Callable[[Path], None], mode: int, durable: bool,
                      recycle: Path | None) -> None:
-    """``atomic_fill`` for writers that overwrite a file in place: ``recycle``, when it
-    exists, becomes the temp file ``write(tmp)`` overwrites (else ``write`` creates it),
-    which then replaces ``path``."""
+    """Temp file + rename, for any writer: ``write(tmp)`` writes the temp file (and
+    fsyncs it when it must be durable), which then replaces ``path``; on failure the temp
+    file goes. ``recycle``, when it exists, becomes the temp file, for ``write`` to
+    overwrite in place (else ``write`` creates it)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
@@ -87,30 +87,6 @@ def write_in_place(path: str | Path, buffers: list, durable: bool) -> None:
             os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def atomic_fill(path: str | Path, fill: Callable[[str], None], mode: int = 0o600,
-                durable: bool = True) -> None:
-    """``atomic_write`` for a writer that takes a file name: ``fill(tmp)`` writes the
-    temp file, which then replaces ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        fill(tmp)
-        if durable:
-            _fsync(tmp)
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    if durable:
-        _fsync(path.parent)
 
 
 def _fsync(path: str | Path) -> None:
@@ -159,8 +135,14 @@ def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor],
     if not all(t.dtype in _SAFETENSORS_DTYPES for t in tensors.values()):
         seen: set[int] = set()
         owned = {k: _owning(v, seen) for k, v in tensors.items()}
-        atomic_fill(path, lambda tmp: st_save_file(owned, tmp, metadata=metadata or {}),
-                    durable=durable)
+
+        def fill(tmp: Path) -> None:  # created 0600 first: safetensors' open keeps it
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT, 0o600))
+            st_save_file(owned, str(tmp), metadata=metadata or {})
+            if durable:
+                _fsync(tmp)
+
+        replace_in_place(path, fill, 0o600, durable, None)
         return
     replace_in_place(path, lambda tmp: _write_safetensors_in_place(tmp, tensors, metadata or {},
                                                                    durable),

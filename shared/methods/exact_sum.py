@@ -92,11 +92,7 @@ def two_sum(hi: torch.Tensor, values: torch.Tensor, weight: float, lo: torch.Ten
     done by the multiply in cache-sized blocks instead of as a pass of its own: the
     whole addition costs ~0.65x the torch calls' CPU (bench/exact_sum.py)."""
     hi_, lo_, s_, p_, b_ = hi.numpy(), lo.numpy(), s.numpy(), p.numpy(), b.numpy()
-    if values.dtype in _NUMPY_NATIVE:
-        np.multiply(values.detach().numpy(), weight, out=p_, dtype=np.float64)
-    else:  # bfloat16 has no NumPy type: torch casts it
-        p.copy_(values)
-        np.multiply(p_, weight, out=p_)    # the product, rounded once
+    first_term(p, values, weight)          # the product, rounded once
     np.add(hi_, p_, out=s_)
     np.subtract(s_, hi_, out=b_)           # the part of p that reached s
     np.subtract(p_, b_, out=p_)            # p - b
@@ -112,10 +108,11 @@ def first_term(out: torch.Tensor, values: torch.Tensor, weight: float) -> None:
     has ``0 + p``, which differs only as -0.0 against +0.0; the finish's ``hi + lo``, with
     ``lo`` +0.0 or nonzero, never -0.0, makes both the same), and the error, so ``lo``,
     stays +0.0 for every finite product (an upload's finite value times a weight is:
-    float32's largest times 1e6 is far inside float64). Writes the sum into ``out``."""
+    float32's largest times 1e6 is far inside float64). Writes the sum into ``out``. The
+    one definition of the product: ``two_sum`` takes its ``p`` from here."""
     if values.dtype in _NUMPY_NATIVE:
         np.multiply(values.detach().numpy(), weight, out=out.numpy(), dtype=np.float64)
-    else:  # bfloat16 has no NumPy type: torch casts it, as two_sum does
+    else:  # bfloat16 has no NumPy type: torch casts it
         out.copy_(values)
         np.multiply(out.numpy(), weight, out=out.numpy())
 
