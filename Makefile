@@ -20,14 +20,14 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	$(if $(strip $(TORCH)),$(PY) -m pip install -q --no-cache-dir -c $(CONSTRAINTS) $(TORCH))
-	$(PY) -m pip install -q --no-cache-dir -c $(CONSTRAINTS) -e '.[test]'
+	$(PY) -m pip install -q --no-cache-dir -c $(CONSTRAINTS) -e '.[test,server]'
 	touch $@
 
 # The ray extra (fl-sim --ray; ~80 MB download, ~240 MB installed, ~10 s) for
 # tests/test_ray_sim.py, which starts a two-node Ray cluster on loopback. make test installs
 # it; make setup, run on every machine of a deployment, does not.
 $(VENV)/.ray: $(VENV)/.installed
-	$(PY) -m pip install -q --no-cache-dir -c $(CONSTRAINTS) -e '.[test,ray]'
+	$(PY) -m pip install -q --no-cache-dir -c $(CONSTRAINTS) -e '.[test,server,ray]'
 	touch $@
 
 # A real fl-server and 4 fl-edge processes on loopback, on the bundled MNIST subset.
@@ -71,7 +71,7 @@ VENV310 ?= .venv-py310
 $(VENV310)/.installed: pyproject.toml deploy/constraints/oldest.txt
 	$(PYTHON310) -m venv $(VENV310)
 	$(VENV310)/bin/python -m pip install -q --no-cache-dir -c deploy/constraints/oldest.txt torch torchvision
-	$(VENV310)/bin/python -m pip install -q --no-cache-dir -c deploy/constraints/oldest.txt -e '.[test]'
+	$(VENV310)/bin/python -m pip install -q --no-cache-dir -c deploy/constraints/oldest.txt -e '.[test,server]'
 	touch $@
 
 test-py310: $(VENV310)/.installed

@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
+from fedattn_shared import kernels
 from fedattn_shared.config import ServerConfig, TrainConfig
 from fedattn_shared.methods.base import Method
 from fedattn_shared.tls import ENROLLED, Enrollment, server_credentials
@@ -105,10 +106,10 @@ class ServerApp:
             self._http, _ = start_http_server(cfg.metrics_port, registry=self.registry)
             self.metrics_port = self._http.server_port
         log.info("serving on %s:%d (metrics %s), method %s, model %s, mode %s, compress %s, "
-                 "fingerprint %s", cfg.host, self.port, self.metrics_port or "off",
-                 engine.method.name, engine.train.model,
+                 "fingerprint %s, large passes %s", cfg.host, self.port,
+                 self.metrics_port or "off", engine.method.name, engine.train.model,
                  f"async (buffer {cfg.buffer})" if cfg.mode == "async" else cfg.mode,
-                 cfg.compress or "off", engine.fingerprint)
+                 cfg.compress or "off", engine.fingerprint, kernels.available())
         if not cfg.tls_dir and not cfg.join_token:
             log.warning("plaintext gRPC without a join token: anyone who reaches this port can "
                         "register edge ids (up to --max-edges %d) and submit results; for a "

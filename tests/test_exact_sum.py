@@ -1,7 +1,7 @@
-"""The server's exact sum against exact arithmetic: whatever its implementation (torch or
-NumPy calls, slices, threads), ``add_scaled`` and ``spilled_mean`` must give the float64
-nearest the exact sum of the rounded products ``weight * value`` (Python's fractions),
-in every arrival order."""
+"""The server's exact sum against exact arithmetic: whatever its implementation (NumPy
+passes or numba's compiled loop, slices, threads), ``add_scaled`` and ``spilled_mean``
+must give the float64 nearest the exact sum of the rounded products ``weight * value``
+(Python's fractions), in every arrival order. Every test runs both ways."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from fractions import Fraction
 import pytest
 import torch
 
+from fedattn_shared import kernels
 from fedattn_shared.methods import exact_sum
 from fedattn_shared.methods.exact_sum import add_scaled, finish_sum, spilled_mean
 from fedattn_shared.methods.spill import UploadSpill
@@ -18,6 +19,19 @@ from fedattn_shared.schema import Kind
 
 WEIGHTS = (1.0, 37.0, 999_983.0, 0.1, 4096.0)
 KEY = (Kind.SHARED_TENSORS, "")
+
+
+@pytest.fixture(autouse=True, params=["numpy", "compiled"])
+def loops(request, monkeypatch) -> str:
+    """Each test with NumPy's passes and with the compiled loop (``kernels``), whatever
+    the vectors' size."""
+    if request.param == "compiled":
+        if kernels.compiled(kernels.COMPILED_FROM) is None:
+            pytest.skip("numba is not installed (the 'server' extra)")
+        monkeypatch.setattr(kernels, "COMPILED_FROM", 0)
+    else:
+        monkeypatch.setattr(kernels, "COMPILED_FROM", 1 << 62)
+    return request.param
 
 
 def values(dtype: torch.dtype, n: int = 600, seed: int = 0, low: int = -8, high: int = 3

@@ -15,6 +15,7 @@ from conftest import Cluster, wait_for
 from rawedge import RawEdge, raw_layout, shifted, stream, train_messages
 from test_bad_input import assert_single_upload_mean
 
+from fedattn_shared import kernels
 from fedattn_shared.schema import Kind, Payload, Section
 from fedattn_shared.wire.payload import nonfinite_tensors
 from fedattn_shared.wire.serialize import encode
@@ -39,15 +40,22 @@ def payload(seed: int, spoil: dict[str, int] | None = None) -> Payload:
     return Payload([Section(Kind.SHARED_TENSORS, "", tensors), Section(Kind.CONTROL, "x", extra)])
 
 
+@pytest.mark.parametrize("loops", ["numpy", "compiled"])
 @pytest.mark.parametrize("chunk", [1, 3, 5, 64, 1 << 20])
 @pytest.mark.parametrize("spoil", [None, {"a16": 6}, {"b64": 0, "dbf": 8}, {"c32": 39},
                                    {"w": 10}, {"dbf": 3, "a16": 0}])
-def test_the_scan_as_it_arrives_finds_what_the_whole_scan_finds(chunk, spoil, tmp_path):
+def test_the_scan_as_it_arrives_finds_what_the_whole_scan_finds(chunk, spoil, loops, tmp_path,
+                                                                monkeypatch):
+    """With NumPy's passes and with the compiled loop (``kernels``), every float width."""
+    if loops == "compiled" and kernels.compiled(kernels.COMPILED_FROM) is None:
+        pytest.skip("numba is not installed (the 'server' extra)")
+    monkeypatch.setattr(kernels, "COMPILED_FROM", 0 if loops == "compiled" else 1 << 62)
     sent = payload(0, spoil)
     encoded = encode(sent, checksum=False)
     assembler = PayloadAssembler(encoded.manifest, 1 << 20, 1 << 20, checksum=False,
                                  spool=tmp_path)
     scan = FiniteScan(encoded.manifest)
+    assert (scan._loops is not None) == (loops == "compiled")
     for _, piece in payload_chunks(encoded, chunk):
         _, offset = assembler.reserve(piece)
         assembler.write(offset, piece)

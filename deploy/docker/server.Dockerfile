@@ -18,7 +18,9 @@ COPY fl_server ./fl_server
 COPY fl_edge ./fl_edge
 COPY tools ./tools
 COPY proto ./proto
-RUN pip install --no-cache-dir -c constraints.txt .
+# [server]: numba, the compiled loops of the exact sum and the upload scan (shared/kernels.py);
+# their machine code is cached under the user's home (~/.cache/numba) on first use.
+RUN pip install --no-cache-dir -c constraints.txt '.[server]'
 
 USER 10001:10001
 VOLUME ["/var/lib/fedattn"]

@@ -8,7 +8,9 @@ buffers instead of a model-sized float64 pair through the round. Both run ``two_
 per coordinate in arrival order: the same bits either way (a slice's first upload goes
 through ``first_term``, ``two_sum`` from a zero pair in one pass instead of eight). The
 close is on the round's critical path (the edges wait for the next task), so its slices,
-independent of each other, are summed on several threads.
+independent of each other, are summed on several threads. On model-sized vectors, with
+numba installed, ``two_sum``'s eight passes run as one compiled loop
+(``kernels``/``_compiled.pair_add``): the same operations, the same bits, ~4x less CPU.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..kernels import compiled
 from ..schema import Kind
 from .spill import UploadSpill
 
@@ -29,6 +32,9 @@ SectionKey = tuple[Kind, str]
 # Dtypes ``two_sum`` reads through NumPy; others (bfloat16) are cast by torch first.
 _NUMPY_NATIVE = frozenset({torch.float64, torch.float32, torch.float16, torch.int64,
                            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool})
+# Dtypes the compiled ``pair_add`` reads itself (cast to float64 exactly); others become
+# float64 products first (``first_term``), which it adds with weight 1 (exactly).
+_COMPILED_NATIVE = frozenset({torch.float32, torch.float64})
 # Where each spilled upload is: its file, its weight, and per section the byte offset in
 # the file and the dtypes of its tensors (in the round's layout order).
 Spilled = list[tuple[Path, float, dict[SectionKey, tuple[int, list[torch.dtype]]]]]
@@ -65,6 +71,10 @@ def add_scaled(total: torch.Tensor, values: torch.Tensor, weight: float,
     if compensation is None:
         for start in range(0, values.numel(), SUM_STEP):
             total[start:start + SUM_STEP].add_(values[start:start + SUM_STEP], alpha=weight)
+        return
+    loops = compiled(values.numel())
+    if loops is not None and values.dtype in _COMPILED_NATIVE:  # one pass, no scratch
+        loops.pair_add(total.numpy(), compensation.numpy(), values.detach().numpy(), weight)
         return
     # Three step-sized scratch vectors, reused: fresh temporaries per step cost ~2.7x the
     # time (each a new allocation, page-faulted in) for the same bits.
@@ -142,11 +152,14 @@ class _SliceSum:
     the compensated pair, a second ``hi`` the sum alternates with (``two_sum`` writes the
     new sum there, so no copy back), the read buffer and ``two_sum``'s scratch."""
 
-    def __init__(self, width: int):
+    def __init__(self, width: int, size: int):
+        """``width``: the widest slice; ``size``: the coordinates of the whole sum, which
+        decide whether the compiled loop runs (``kernels.compiled``)."""
         self.hi, self.spare, self.lo, self.p, self.b = (
             torch.empty(width, dtype=torch.float64) for _ in range(5))
         self.raw = torch.empty(width * 8, dtype=torch.uint8)
         self.buffer = memoryview(self.raw.numpy())
+        self.loops = compiled(size)
 
     def run(self, spilled: Spilled, key: SectionKey, sizes: list[int], begin: int, end: int
             ) -> torch.Tensor:
@@ -168,6 +181,9 @@ class _SliceSum:
                     if first:  # every coordinate of the slice, once: hi is written whole
                         first_term(hi[a:b], values, weight)
                         continue
+                    if self.loops is not None:  # in place: hi stays the sum
+                        self._add_compiled(hi[a:b], lo[a:b], values, weight)
+                        continue
                     two_sum(hi[a:b], values, weight, lo[a:b], spare[a:b], self.p[: b - a],
                             self.b[: b - a])
                     if (a, b) == (0, n):
@@ -180,6 +196,16 @@ class _SliceSum:
         if first:  # no upload holds the section
             hi.zero_()
         return finish_sum(hi, lo)
+
+    def _add_compiled(self, hi: torch.Tensor, lo: torch.Tensor, values: torch.Tensor,
+                      weight: float) -> None:
+        """``two_sum`` as the compiled loop, in place. Dtypes it does not read itself
+        (bfloat16, float16, integers) become float64 products first (``first_term``, the
+        same rounding), added with weight 1 (exactly)."""
+        if values.dtype not in _COMPILED_NATIVE:
+            first_term(self.p[: values.numel()], values, weight)
+            values, weight = self.p[: values.numel()], 1.0
+        self.loops.pair_add(hi.numpy(), lo.numpy(), values.numpy(), weight)
 
     def _read(self, fd: int, offset: int, dtypes: list[torch.dtype], sizes: list[int],
               begin: int, end: int) -> Iterator[tuple[int, int, torch.Tensor]]:
@@ -228,7 +254,7 @@ def spilled_mean(spilled: Spilled, key: SectionKey,
     count = max(1, min(workers or sum_workers(), len(begins)))
 
     def work(first: int) -> None:
-        worker = _SliceSum(min(SPILL_SLICE, size))
+        worker = _SliceSum(min(SPILL_SLICE, size), size)
         for begin in begins[first::count]:
             end = min(begin + SPILL_SLICE, size)
             mean = worker.run(spilled, key, sizes, begin, end).div_(total_weight)
