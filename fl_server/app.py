@@ -78,6 +78,7 @@ class ServerApp:
         Path(cfg.checkpoint_dir).mkdir(parents=True, exist_ok=True)
         attach_spill(engine.aggregator, cfg)
         memory = plan_upload_memory(cfg, global_bytes(engine.aggregator))
+        large_passes = kernels.warm(global_bytes(engine.aggregator) // 4)  # ~values
         self._grpc = grpc.aio.server(
             options=server_options(max_edges=cfg.max_edges,
                                    keepalive_ms=int(cfg.keepalive_interval * 1000))
@@ -109,7 +110,7 @@ class ServerApp:
                  "fingerprint %s, large passes %s", cfg.host, self.port,
                  self.metrics_port or "off", engine.method.name, engine.train.model,
                  f"async (buffer {cfg.buffer})" if cfg.mode == "async" else cfg.mode,
-                 cfg.compress or "off", engine.fingerprint, kernels.available())
+                 cfg.compress or "off", engine.fingerprint, large_passes)
         if not cfg.tls_dir and not cfg.join_token:
             log.warning("plaintext gRPC without a join token: anyone who reaches this port can "
                         "register edge ids (up to --max-edges %d) and submit results; for a "

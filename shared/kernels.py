@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-from importlib import metadata
 from types import ModuleType
 
 log = logging.getLogger(__name__)
@@ -43,8 +42,9 @@ def _load() -> ModuleType | None:
     except ImportError:
         return None
     except Exception as err:  # numba installed but unusable here: NumPy still works
-        log.warning("numba's loops are unusable (%s: %s); NumPy's passes run instead",
-                    type(err).__name__, err)
+        log.warning("numba's loops are unusable (%s: %s); NumPy's passes run instead (a "
+                    "writable NUMBA_CACHE_DIR lets numba cache its code)", type(err).__name__,
+                    err)
         return None
 
 
@@ -54,13 +54,18 @@ def compiled(size: int) -> ModuleType | None:
     return _load() if size >= COMPILED_FROM else None
 
 
-def available() -> str:
-    """What will run the large passes, for the server's start-up log line; without
-    importing numba (a third of a second, which a small model's run never repays)."""
-    try:
-        return f"numba {metadata.version('numba')}"
-    except metadata.PackageNotFoundError:
-        return "NumPy passes (numba not installed: the 'server' extra)"
+def warm(size: int) -> str:
+    """Takes numba's first call now, at a daemon's start, when passes over ``size``
+    elements will run compiled, so that the first round does not (it would block the
+    event loop for the import); returns what will run the large passes, for the
+    start-up log line."""
+    if size < COMPILED_FROM:
+        return "NumPy passes (a model below 2**20 values)"
+    loops = _load()
+    if loops is None:
+        return "NumPy passes (numba is not installed or unusable: the 'server' extra)"
+    loops.warm()
+    return f"numba {loops.numba.__version__}"
 
 
-__all__ = ["COMPILED_FROM", "available", "compiled"]
+__all__ = ["COMPILED_FROM", "compiled", "warm"]

@@ -125,3 +125,40 @@ def test_the_spilled_mean_has_the_in_ram_sums_bits_signed_zeros_too(tmp_path):
     expected = (finish_sum(total, comp) / weights[0]).float()
     assert torch.equal(one.view(torch.int32), expected.view(torch.int32))
     assert one[0].item() == 0.0 and not torch.signbit(one[0])  # as -0.0 * 3 + 0 is
+
+
+def test_a_numba_that_cannot_run_here_leaves_numpy_s_passes(monkeypatch, caplog):
+    """numba installed where it cannot cache its code (no writable ``__pycache__`` nor
+    home: a RuntimeError as the loops are defined) or not installed at all: no loops, the
+    NumPy passes, and a warning naming the cause for the first."""
+    def unusable(name, package=None):
+        raise RuntimeError("cannot cache function 'pair_add': no locator available")
+
+    def missing(name, package=None):
+        raise ModuleNotFoundError("No module named 'numba'")
+
+    for cause, warned in ((unusable, True), (missing, False)):
+        kernels._load.cache_clear()
+        caplog.clear()
+        with monkeypatch.context() as patch:
+            patch.setattr(kernels.importlib, "import_module", cause)
+            assert kernels._load() is None
+        assert ("NUMBA_CACHE_DIR" in caplog.text) is warned
+    kernels._load.cache_clear()
+    total, comp = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
+    add_scaled(total, torch.ones(3), 2.0, comp)  # whichever path is here again
+    assert finish_sum(total, comp).tolist() == [2.0, 2.0, 2.0]
+
+
+def test_a_daemon_takes_numba_s_first_call_at_its_start_and_names_what_runs():
+    """``kernels.warm``: below the floor nothing is loaded and NumPy's passes are named;
+    at it, the loops are compiled or loaded for the server's argument types, so that the
+    first round's scan (on the event loop) and sum find them ready."""
+    assert kernels.warm(kernels.COMPILED_FROM - 1).startswith("NumPy passes")
+    named = kernels.warm(kernels.COMPILED_FROM)
+    if kernels._load() is None:
+        assert named.startswith("NumPy passes (numba")
+    else:
+        assert named == f"numba {kernels._load().numba.__version__}"
+        for function in (kernels._load().pair_add, kernels._load().any_exponent_full):
+            assert function.signatures  # compiled for the server's types already
