@@ -14,6 +14,9 @@ transport's own buffers). Figures are printed, never asserted.
 
     .venv/bin/python bench/wire.py [--edges 8] [--rounds 8] [--models mobilenet-v3-small resnet18-cifar]
 
+``--stacks`` runs only the bare round, its server on gRPC's sync stack and on its asyncio
+stack (fl-server's), interleaved: what the stack alone costs.
+
 Server memory against the number of uploaders (issue #28): ``--uploaders 8 64`` runs
 only that: a real fl-server and N light uploaders (bench/uploaders.py) uploading
 ResNet-18 at once, the server's peak RSS growth in models and its CPU seconds for the
@@ -383,9 +386,64 @@ class PeakRss:
         return self.peak - self.base
 
 
-def grpc_round(nbytes: int, edges: int, repeats: int = 3) -> tuple[float, int, float, float]:
+GRPC_OPTIONS = [("grpc.max_receive_message_length", 8 << 20),
+                ("grpc.max_send_message_length", 8 << 20)]
+
+
+class AioServer:
+    """The bare round's server on gRPC's asyncio stack (``grpc.aio``, as fl-server), its
+    event loop on a thread of this process: the same two calls as the sync stack's, so
+    that the two stacks' CPU can be told apart with the same clients."""
+
+    def __init__(self, payload: bytes):
+        import asyncio
+
+        import grpc
+
+        nbytes = len(payload)
+
+        async def pull(request, context):
+            if request == b"warmup":
+                return
+            for i in range(0, nbytes, CHUNK):
+                yield payload[i : i + CHUNK]
+
+        async def push(iterator, context):
+            total = 0
+            async for chunk in iterator:
+                total += len(chunk)
+            return total.to_bytes(8, "little")
+
+        self.handler = grpc.method_handlers_generic_handler("bench", {
+            "Pull": grpc.unary_stream_rpc_method_handler(pull),
+            "Push": grpc.stream_unary_rpc_method_handler(push)})
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.port = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(30)
+
+    async def _start(self) -> int:
+        import grpc
+
+        self.server = grpc.aio.server(options=GRPC_OPTIONS)
+        self.server.add_generic_rpc_handlers((self.handler,))
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        await self.server.start()
+        return port
+
+    def stop(self, grace: float | None) -> None:
+        import asyncio
+
+        asyncio.run_coroutine_threadsafe(self.server.stop(grace), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+
+
+def grpc_round(nbytes: int, edges: int, repeats: int = 3, stack: str = "sync"
+               ) -> tuple[float, int, float, float]:
     """Median round time, the server's peak RSS growth over its idle RSS (KiB), and the
-    median CPU seconds per round of the server and of all clients together."""
+    median CPU seconds per round of the server and of all clients together. ``stack``:
+    the server on gRPC's sync stack (a thread per call) or on its asyncio one."""
     import grpc
 
     payload = os.urandom(nbytes)
@@ -400,14 +458,18 @@ def grpc_round(nbytes: int, edges: int, repeats: int = 3) -> tuple[float, int, f
         total = sum(len(c) for c in iterator)
         return total.to_bytes(8, "little")
 
-    handler = grpc.method_handlers_generic_handler("bench", {
-        "Pull": grpc.unary_stream_rpc_method_handler(pull),
-        "Push": grpc.stream_unary_rpc_method_handler(push)})
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2 * edges), options=[
-        ("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20)])
-    server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    if stack == "aio":
+        server = AioServer(payload)
+        port = server.port
+    else:
+        handler = grpc.method_handlers_generic_handler("bench", {
+            "Pull": grpc.unary_stream_rpc_method_handler(pull),
+            "Push": grpc.stream_unary_rpc_method_handler(push)})
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2 * edges),
+                             options=GRPC_OPTIONS)
+        server.add_generic_rpc_handlers((handler,))
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
     times, server_cpu, clients_cpu = [], [], []
     ctx = mp.get_context("spawn")
     with PeakRss() as rss:
@@ -537,6 +599,31 @@ def compare_rounds(models: list[str], edges: int, rounds: int, before: Path, rep
               f"{med['after'][2] / med['before'][2]:.2f}x")
 
 
+def compare_stacks(models: list[str], edges: int, repeats: int) -> None:
+    """The bare round with its server on gRPC's sync stack and on its asyncio stack (the
+    one fl-server runs on), interleaved ``repeats`` times, the same client processes:
+    how much of fedattn's distance from the bare round is the stack's."""
+    print(f"bare grpcio, {edges} client processes on loopback, {os.cpu_count()} cores; "
+          f"server on the sync stack (threads) against the asyncio stack; {repeats} "
+          "interleaved repeats")
+    for model in models:
+        nbytes = model_params(model) * 4
+        rows: dict[str, list[tuple[float, float, float]]] = {"sync": [], "aio": []}
+        for repeat in range(repeats):
+            for stack in ("sync", "aio"):
+                seconds, _, server_cpu, clients_cpu = grpc_round(nbytes, edges, stack=stack)
+                rows[stack].append((seconds, server_cpu, clients_cpu))
+            (a, ac, ae), (b, bc, be) = rows["sync"][-1], rows["aio"][-1]
+            print(f"  {model} repeat {repeat}: sync {a:.3f} s, CPU server {ac:.3f} s clients "
+                  f"{ae:.3f} s | aio {b:.3f} s, CPU server {bc:.3f} s clients {be:.3f} s",
+                  flush=True)
+        med = {k: [statistics.median(r[i] for r in v) for i in range(3)] for k, v in rows.items()}
+        print(f"  {model} ({nbytes / 1e6:.1f} MB) median: sync {med['sync'][0]:.3f} s, server "
+              f"CPU {med['sync'][1]:.3f} s | aio {med['aio'][0]:.3f} s, server CPU "
+              f"{med['aio'][1]:.3f} s | aio / sync: round {med['aio'][0] / med['sync'][0]:.2f}x,"
+              f" server CPU {med['aio'][1] / med['sync'][1]:.2f}x")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--edges", type=int, default=8)
@@ -554,6 +641,9 @@ def main() -> int:
                         help="with --before: interleaved repeats of before, after, bare grpcio")
     parser.add_argument("--profile", type=Path, metavar="DIR",
                         help="with --before: py-spy's samples of each run's server into DIR")
+    parser.add_argument("--stacks", action="store_true",
+                        help="only the bare round, its server on gRPC's sync stack against "
+                             "its asyncio stack (fl-server's), --repeats times interleaved")
     parser.add_argument("--method", default="fedavg", help="with --uploaders: the method")
     parser.add_argument("--breakdown", action="store_true",
                         help="with --uploaders: the server's RSS at each stage of its rounds "
@@ -569,6 +659,9 @@ def main() -> int:
         model = "resnet18-cifar" if "--models" not in sys.argv else args.models[0]
         memory_figures(model, args.uploaders, min(args.rounds, 3), args.before, args.method,
                        args.breakdown, tuple(args.server_arg), args.held)
+        return 0
+    if args.stacks:
+        compare_stacks(args.models, args.edges, args.repeats)
         return 0
     if args.before:
         if args.profile:
