@@ -77,8 +77,9 @@ class ServerApp:
                              "continue it or choose an empty --checkpoint-dir")
         Path(cfg.checkpoint_dir).mkdir(parents=True, exist_ok=True)
         attach_spill(engine.aggregator, cfg)
-        memory = plan_upload_memory(cfg, global_bytes(engine.aggregator))
-        large_passes = kernels.warm(global_bytes(engine.aggregator) // 4)  # ~values
+        model_bytes = global_bytes(engine.aggregator)
+        memory = plan_upload_memory(cfg, model_bytes)
+        large_passes = kernels.warm(model_bytes // 4)  # ~values
         self._grpc = grpc.aio.server(
             options=server_options(max_edges=cfg.max_edges,
                                    keepalive_ms=int(cfg.keepalive_interval * 1000))
