@@ -37,11 +37,15 @@ from .uploads import Transfer
 
 log = logging.getLogger("fl_server")
 
-# A task call's deadline may exceed its bound by this much (the time it took to arrive),
-# plus DEADLINE_ROUNDING of it: gRPC sends a timeout rounded up to three significant
-# figures (a 1084 s deadline arrives as 1090 s, with --download-min-rate 4096).
+# A task call's deadline may exceed its bound by DEADLINE_SLACK seconds (the time it took
+# to arrive) and by the factor DEADLINE_ENCODING, which is how gRPC's core writes a timeout
+# on the wire (src/core/lib/transport/timeout_encoding.cc, chttp2's hpack_encoder.cc):
+# rounded up to its unit, at most 1 % (a 1084 s deadline arrives as 1090 s), and then, on
+# a connection that sent a timeout before, that earlier one instead whenever it is less
+# than 3 % longer (the HPACK table's entry is reused: a 188 s continuation call after a
+# 193 s long poll arrives as 194 s).
 DEADLINE_SLACK = 2.0
-DEADLINE_ROUNDING = 0.01
+DEADLINE_ENCODING = 1.01 / 0.97
 # Seconds between two heap trims after cut downloads.
 TRIM_EVERY = 1.0
 
@@ -177,7 +181,7 @@ class Downloads:
                           code="RESOURCE_EXHAUSTED")
         bound = self.terms.deadline(request.no_wait or bool(request.task_id))
         remaining = stream.seconds_left()
-        if remaining is None or remaining > bound * (1 + DEADLINE_ROUNDING) + DEADLINE_SLACK:
+        if remaining is None or remaining > bound * DEADLINE_ENCODING + DEADLINE_SLACK:
             raise Refused(f"a NextTask call must carry a deadline of at most {bound:.1f}s "
                           f"(it has {'none' if remaining is None else f'{remaining:.1f}s'})",
                           code="FAILED_PRECONDITION")

@@ -259,3 +259,31 @@ def test_a_new_presence_stream_replaces_the_old_one(tmp_path):
         for call in streams:
             call.cancel()
         close(cluster, edges)
+
+
+def test_the_deadline_bound_admits_what_grpc_sends_and_nothing_longer(tmp_path):
+    # An honest edge's long poll (the poll's deadline), then its continuation calls (the
+    # shorter no-wait deadline) on the same connection. gRPC's HPACK encoder sends an
+    # earlier timeout instead of a new one when it is less than 3 % longer, so these
+    # continuations arrive with the poll's deadline: 1 % of allowance refused them all
+    # (a MobileNetV3-Small task's second window, 188 s, arrived as 194 s). A deadline
+    # beyond what the encoding explains is still refused.
+    window, rate = 65536, 400.0  # three windows of LeNet's task, each call ~224 s
+    cluster, server, (edge,) = fleet(tmp_path, ("honest",), "--min-edges", "1",
+                                     "--chunk-bytes", "16384", "--download-window", str(window),
+                                     "--download-min-rate", str(rate))
+    try:
+        poll, more = edge.terms.deadline(False), edge.terms.deadline(True)
+        assert 0.97 < more / poll < 1  # the encoder's reuse applies
+        task = edge.next_task()  # the poll, then continuation calls: all accepted
+        assert task.header.common.total_bytes > 2 * window
+        request = pb.TaskRequest(edge_id=edge.edge_id, session=edge.session, no_wait=True)
+        fresh = RawEdge(cluster.port, "fresh")  # a connection with no timeout sent before
+        for stub in (edge.stub, fresh.stub):
+            with pytest.raises(grpc.RpcError) as refused:
+                next(stub.NextTask(request, timeout=more * 1.06 + 3))
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "must carry a deadline of at most" in refused.value.details()
+        fresh.close()
+    finally:
+        close(cluster, [edge])
