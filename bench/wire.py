@@ -71,7 +71,9 @@ def cpu_seconds(pid: int) -> float:
 
 
 def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
-    """CPU seconds so far of each live thread of a process: thread id -> (name, seconds)."""
+    """CPU seconds so far of each live thread of a process: thread id -> (name, seconds);
+    the main thread (fl-server's event loop) is told apart from the other Python threads
+    (its workers), which all share the interpreter's name."""
     out = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
@@ -79,6 +81,10 @@ def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
             fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:  # the thread ended meanwhile
             continue
+        if int(task.name) == pid:
+            name = "main (the event loop)"
+        elif name == "python":
+            name = "python (workers)"
         out[int(task.name)] = (name, (int(fields[11]) + int(fields[12]))
                                / os.sysconf("SC_CLK_TCK"))
     return out
@@ -177,6 +183,10 @@ def fedattn_round(model: str, edges: int, rounds: int, workdir: Path, local_epoc
             for tid, (name, seconds) in thread_cpu(server.pid).items():
                 spent = seconds - threads_start.get(tid, (name, 0.0))[1]
                 by_name[name] = by_name.get(name, 0.0) + spent / (rounds - steady_from)
+            # Threads that came and went (the close's slice workers) are in the process's
+            # CPU but no longer in /proc.
+            by_name["threads that ended"] = ((cpu_end[0] - cpu_start[0]) / (rounds - steady_from)
+                                             - sum(by_name.values()))
             profile.with_suffix(".threads.json").write_text(json.dumps(by_name, indent=1))
     server.wait(timeout=120)
     if spy is not None:
@@ -440,9 +450,10 @@ class AioServer:
 
 
 def grpc_round(nbytes: int, edges: int, repeats: int = 3, stack: str = "sync"
-               ) -> tuple[float, int, float, float]:
-    """Median round time, the server's peak RSS growth over its idle RSS (KiB), and the
-    median CPU seconds per round of the server and of all clients together. ``stack``:
+               ) -> tuple[float, int, float, float, float]:
+    """Median round time, the server's peak RSS growth over its idle RSS (KiB), the median
+    CPU seconds per round of the server and of all clients together, and (``stack``
+    "aio") of the server's event loop thread alone (NaN on the sync stack). ``stack``:
     the server on gRPC's sync stack (a thread per call) or on its asyncio one."""
     import grpc
 
@@ -470,7 +481,14 @@ def grpc_round(nbytes: int, edges: int, repeats: int = 3, stack: str = "sync"
         server.add_generic_rpc_handlers((handler,))
         port = server.add_insecure_port("127.0.0.1:0")
         server.start()
-    times, server_cpu, clients_cpu = [], [], []
+    times, server_cpu, clients_cpu, loop_cpu = [], [], [], []
+    loop_thread = server.thread.native_id if stack == "aio" else None
+
+    def loop_seconds() -> float:
+        if loop_thread is None:
+            return math.nan
+        return thread_cpu(os.getpid())[loop_thread][1]
+
     ctx = mp.get_context("spawn")
     with PeakRss() as rss:
         for _ in range(repeats):
@@ -480,9 +498,10 @@ def grpc_round(nbytes: int, edges: int, repeats: int = 3, stack: str = "sync"
             for p in procs:
                 p.start()
             time.sleep(2.0)
-            t0, cpu0 = time.perf_counter(), cpu_seconds(os.getpid())
+            t0, cpu0, loop0 = time.perf_counter(), cpu_seconds(os.getpid()), loop_seconds()
             start.set()
             ends = [done.get(timeout=300) for _ in procs]
+            loop_cpu.append(loop_seconds() - loop0)
             # The RSS sampler's share of this process's CPU is left in: it slightly
             # overstates the bare server's cost.
             server_cpu.append(cpu_seconds(os.getpid()) - cpu0)
@@ -492,7 +511,7 @@ def grpc_round(nbytes: int, edges: int, repeats: int = 3, stack: str = "sync"
                 p.join()
     server.stop(0)
     return (statistics.median(times), rss.growth_kib, statistics.median(server_cpu),
-            statistics.median(clients_cpu))
+            statistics.median(clients_cpu), statistics.median(loop_cpu))
 
 
 # ---- plain sockets ------------------------------------------------------------------------
@@ -576,7 +595,7 @@ def compare_rounds(models: list[str], edges: int, rounds: int, before: Path, rep
                     f = fedattn_round(model, edges, rounds, Path(tmp), local_epochs=0,
                                       server_args=server_args, code=code, profile=out)
                 figures[label].append((f["round_s"], f["server_cpu_s"], f["edges_cpu_s"]))
-            bare, _, bare_cpu, bare_edges = grpc_round(nbytes, edges)
+            bare, _, bare_cpu, bare_edges, _ = grpc_round(nbytes, edges)
             figures["bare"].append((bare, bare_cpu, bare_edges))
             (b, bc, be), (a, ac, ae) = figures["before"][-1], figures["after"][-1]
             print(f"  repeat {repeat}: before {b:.3f} s = {b / bare:.2f}x, CPU server {bc:.3f} s"
@@ -608,20 +627,21 @@ def compare_stacks(models: list[str], edges: int, repeats: int) -> None:
           "interleaved repeats")
     for model in models:
         nbytes = model_params(model) * 4
-        rows: dict[str, list[tuple[float, float, float]]] = {"sync": [], "aio": []}
+        rows: dict[str, list[tuple[float, float, float, float]]] = {"sync": [], "aio": []}
         for repeat in range(repeats):
             for stack in ("sync", "aio"):
-                seconds, _, server_cpu, clients_cpu = grpc_round(nbytes, edges, stack=stack)
-                rows[stack].append((seconds, server_cpu, clients_cpu))
-            (a, ac, ae), (b, bc, be) = rows["sync"][-1], rows["aio"][-1]
+                seconds, _, server_cpu, clients_cpu, loop = grpc_round(nbytes, edges, stack=stack)
+                rows[stack].append((seconds, server_cpu, clients_cpu, loop))
+            (a, ac, ae, _), (b, bc, be, bl) = rows["sync"][-1], rows["aio"][-1]
             print(f"  {model} repeat {repeat}: sync {a:.3f} s, CPU server {ac:.3f} s clients "
-                  f"{ae:.3f} s | aio {b:.3f} s, CPU server {bc:.3f} s clients {be:.3f} s",
-                  flush=True)
-        med = {k: [statistics.median(r[i] for r in v) for i in range(3)] for k, v in rows.items()}
+                  f"{ae:.3f} s | aio {b:.3f} s, CPU server {bc:.3f} s (its event loop "
+                  f"{bl:.3f} s) clients {be:.3f} s", flush=True)
+        med = {k: [statistics.median(r[i] for r in v) for i in range(4)] for k, v in rows.items()}
         print(f"  {model} ({nbytes / 1e6:.1f} MB) median: sync {med['sync'][0]:.3f} s, server "
               f"CPU {med['sync'][1]:.3f} s | aio {med['aio'][0]:.3f} s, server CPU "
-              f"{med['aio'][1]:.3f} s | aio / sync: round {med['aio'][0] / med['sync'][0]:.2f}x,"
-              f" server CPU {med['aio'][1] / med['sync'][1]:.2f}x")
+              f"{med['aio'][1]:.3f} s (its event loop {med['aio'][3]:.3f} s) | aio / sync: "
+              f"round {med['aio'][0] / med['sync'][0]:.2f}x, "
+              f"server CPU {med['aio'][1] / med['sync'][1]:.2f}x")
 
 
 def main() -> int:
@@ -640,7 +660,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3,
                         help="with --before: interleaved repeats of before, after, bare grpcio")
     parser.add_argument("--profile", type=Path, metavar="DIR",
-                        help="with --before: py-spy's samples of each run's server into DIR")
+                        help="with --before: py-spy's samples of each run's server into DIR, "
+                             "and its CPU per steady round by thread (NAME.threads.json)")
     parser.add_argument("--stacks", action="store_true",
                         help="only the bare round, its server on gRPC's sync stack against "
                              "its asyncio stack (fl-server's), --repeats times interleaved")
@@ -685,7 +706,7 @@ def main() -> int:
                 model, args.edges, args.rounds, Path(tmp), local_epochs=0,
                 server_args=("--max-concurrent-uploads", str(args.edges)))
         nbytes = model_bytes  # each edge pulls and pushes one model
-        bare, bare_rss_kib, bare_server_cpu, bare_clients_cpu = grpc_round(nbytes, args.edges)
+        bare, bare_rss_kib, bare_server_cpu, bare_clients_cpu, _ = grpc_round(nbytes, args.edges)
         plain = socket_round(nbytes, args.edges)
         print(f"\n{model}: {params / 1e6:.2f} M float tensors ({model_bytes / 1e6:.1f} MB)")
         print(f"  wire bytes / raw tensor bytes          {f['wire_over_raw']:.4f}")
