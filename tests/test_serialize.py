@@ -233,6 +233,27 @@ def test_frames_resume_from_any_byte_a_chunk_s_tail_first():
         list(data_frames_from(encoded, 23, len(body) + 1))
 
 
+@pytest.mark.parametrize("chunk_bytes", [1, 5, 7, 16, 23, 1000])
+def test_frames_from_an_offset_are_the_whole_walk_s_from_there(chunk_bytes):
+    """The chunks from any offset are found without walking the ones before it (by each
+    section's chunk arithmetic), and are exactly the whole walk's from there: the chunk
+    the offset falls in as its tail, then the same chunks, kinds and boundaries."""
+    from fedattn_shared.wire.transport import chunk_views_from
+
+    encoded = encode(_layout_payload())
+    whole, position = [], 0
+    for kind, chunk in payload_chunks(encoded, chunk_bytes):
+        whole.append((position, kind, chunk))
+        position += len(chunk)
+    for offset in range(position + 1):
+        expected = [(kind, chunk[max(0, offset - at):]) for at, kind, chunk in whole
+                    if at + len(chunk) > offset]
+        got = [(kind, b"".join(bytes(v) for v in views), size)
+               for kind, views, size in chunk_views_from(encoded, chunk_bytes, offset)]
+        assert [(k, c) for k, c, _ in got] == expected, offset
+        assert [size for _, _, size in got] == [len(c) for _, c in expected]
+
+
 def test_chunks_refuse_a_non_positive_size():
     encoded = encode(_layout_payload())
     for bad in (0, -1):

@@ -176,20 +176,16 @@ def data_frames_from(encoded: EncodedPayload, chunk_bytes: int, offset: int
 def chunk_views_from(encoded: EncodedPayload, chunk_bytes: int, offset: int
                      ) -> Iterator[tuple[Kind, list[memoryview], int]]:
     """``chunk_views`` from data byte ``offset`` on, with each chunk's length: the chunks
-    before it are skipped, and an offset inside a chunk (a download the server sent in
-    pieces, resumed from the piece the edge holds) starts with that chunk's tail as a
-    chunk of its own."""
-    position = 0
-    for kind, views in chunk_views(encoded, chunk_bytes):
+    before it are not built (a window's call costs its own chunks, not the payload's), and
+    an offset inside a chunk (a download the server sent in pieces, resumed from the piece
+    the edge holds) starts with that chunk's tail as a chunk of its own."""
+    if offset > encoded.manifest.total_bytes:
+        raise ValueError(f"offset {offset} is past the payload's "
+                         f"{encoded.manifest.total_bytes} bytes")
+    for kind, views, position in _chunks(encoded, chunk_bytes, offset):
         size = sum(len(v) for v in views)
-        if position + size <= offset:
-            position += size
-            continue
         skip = max(0, offset - position)  # inside the chunk ``offset`` falls in: its tail
         yield kind, (span(views, skip, size) if skip else views), size - skip
-        position += size
-    if position < offset:
-        raise ValueError(f"offset {offset} is past the payload's {position} bytes")
 
 
 def span(views: list[memoryview], start: int, stop: int) -> list[memoryview]:
@@ -243,23 +239,46 @@ def chunk_views(encoded: EncodedPayload, chunk_bytes: int = DEFAULT_CHUNK_BYTES
                 ) -> Iterator[tuple[Kind, list[memoryview]]]:
     """Each data chunk as the views of tensor memory it spans (at most ``chunk_bytes``,
     inside one section), so a sender copies the bytes once, into its frame."""
+    for kind, views, _ in _chunks(encoded, chunk_bytes, 0):
+        yield kind, views
+
+
+def _chunks(encoded: EncodedPayload, chunk_bytes: int, start: int
+            ) -> Iterator[tuple[Kind, list[memoryview], int]]:
+    """(kind, views, data byte the chunk starts at) for the chunks that end after data
+    byte ``start``: each section is cut every ``chunk_bytes`` from its own start, so the
+    chunk holding ``start`` is found by arithmetic, and the sections and tensors before it
+    are stepped over without building their chunks."""
     if chunk_bytes < 1:  # 0 would yield empty chunks forever
         raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+    position = 0  # the data byte the current section starts at
     for kind, views in zip(encoded.section_kinds, encoded.section_views, strict=True):
+        length = sum(len(view) for view in views)
+        if position + length <= start:
+            position += length
+            continue
+        begin = max(0, start - position)
+        begin -= begin % chunk_bytes  # the section's first chunk to build
+        at = position + begin
+        skip = begin
         pending: list[memoryview] = []
         size = 0
         for view in views:
-            offset = 0
+            if skip >= len(view):
+                skip -= len(view)
+                continue
+            offset, skip = skip, 0
             while offset < len(view):
                 take = min(chunk_bytes - size, len(view) - offset)
                 pending.append(view[offset : offset + take])
                 size += take
                 offset += take
                 if size == chunk_bytes:
-                    yield kind, pending
-                    pending, size = [], 0
+                    yield kind, pending, at
+                    pending, at, size = [], at + size, 0
         if size:
-            yield kind, pending
+            yield kind, pending, at
+        position += length
 
 
 def payload_chunks(encoded: EncodedPayload, chunk_bytes: int = DEFAULT_CHUNK_BYTES
