@@ -179,9 +179,8 @@ def chunk_views_from(encoded: EncodedPayload, chunk_bytes: int, offset: int
     before it are not built (a window's call costs its own chunks, not the payload's), and
     an offset inside a chunk (a download the server sent in pieces, resumed from the piece
     the edge holds) starts with that chunk's tail as a chunk of its own."""
-    if offset > encoded.manifest.total_bytes:
-        raise ValueError(f"offset {offset} is past the payload's "
-                         f"{encoded.manifest.total_bytes} bytes")
+    if offset > encoded.total_bytes:
+        raise ValueError(f"offset {offset} is past the payload's {encoded.total_bytes} bytes")
     for kind, views, position in _chunks(encoded, chunk_bytes, offset):
         size = sum(len(v) for v in views)
         skip = max(0, offset - position)  # inside the chunk ``offset`` falls in: its tail
@@ -257,10 +256,9 @@ def _chunks(encoded: EncodedPayload, chunk_bytes: int, start: int
         if position + length <= start:
             position += length
             continue
-        begin = max(0, start - position)
-        begin -= begin % chunk_bytes  # the section's first chunk to build
-        at = position + begin
-        skip = begin
+        skip = max(0, start - position)
+        skip -= skip % chunk_bytes  # the section's bytes before its first chunk to build
+        at = position + skip
         pending: list[memoryview] = []
         size = 0
         for view in views:
